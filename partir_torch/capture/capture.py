@@ -1,0 +1,195 @@
+"""Capture: module + loss + optimizer -> one named aten GraphModule of the whole step (see decompositions.py for
+the op set). Inputs may be real, `meta` or fake tensors: everything is traced on fake tensors, so a 10B-parameter
+model on `meta` captures without allocating it."""
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.func import functional_call, functionalize, grad_and_value
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..errors import TraceError
+from .decompositions import capture_decompositions
+from .optim import functional_optimizer
+from .tags import collect_tags, install_hooks
+
+FORWARD, LOSS_AND_GRADS, TRAIN = "forward", "loss_and_grads", "train"
+
+
+@dataclass
+class Captured:
+    """The traced step and what its placeholders and outputs mean."""
+
+    gm: fx.GraphModule
+    mode: str                        # FORWARD | LOSS_AND_GRADS | TRAIN
+    input_names: list                # per placeholder: "params.fc1.weight", "opt.exp_avg.fc1.weight", "lr", "inputs.0"
+    input_roles: list                # per placeholder: "param" | "buffer" | "opt_state" | "lr" | "step" | "input"
+    output_names: list               # per flat output: "loss", "params.fc1.weight", "grads.fc1.weight", "outputs.0"
+    names: dict                      # named value -> node (placeholders, module output tags)
+    ties: list                       # (placeholder node, output node): one value for propagation
+    out_spec: object = None          # forward mode: pytree spec of the model's outputs
+    fopt: object = None              # FunctionalOptimizer
+    param_fqns: list = field(default_factory=list)
+    trainable: list = field(default_factory=list)
+    buffer_fqns: list = field(default_factory=list)
+    device: torch.device = torch.device("cpu")
+
+
+class _Bound:
+    """What loss_fn sees as `model`: calls go through functional_call with the traced state."""
+
+    def __init__(self, model, state):
+        self._model, self._state = model, state
+
+    def __call__(self, *args, **kwargs):
+        return functional_call(self._model, self._state, args, kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def _trace_device(model, inputs) -> torch.device:
+    for t in list(model.parameters()) + [x for x in inputs if isinstance(x, torch.Tensor)]:
+        if t.device.type not in ("meta",):
+            return t.device if not isinstance(t, FakeTensor) else t.fake_device
+    return torch.device("cpu")
+
+
+def _fakify(mode: FakeTensorMode, t: torch.Tensor, device) -> torch.Tensor:
+    if isinstance(t, FakeTensor) or t.device.type == "meta":
+        with mode:
+            out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+        return out
+    return mode.from_tensor(t)
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost frame of user code (not torch, not partir_torch) in the traceback."""
+    torch_dir = os.path.dirname(torch.__file__)
+    our_dir = os.path.dirname(os.path.dirname(__file__))
+    found = ""
+    for fr in traceback.extract_tb(exc.__traceback__):
+        if not fr.filename.startswith(torch_dir) and not fr.filename.startswith(our_dir) and "<frozen" not in fr.filename:
+            found = f"{fr.filename}:{fr.lineno} in {fr.name}: {fr.line}"
+    return found
+
+
+def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None) -> Captured:
+    example_inputs = tuple(example_inputs)
+    mode = FORWARD if loss_fn is None else (LOSS_AND_GRADS if optimizer is None else TRAIN)
+    device = _trace_device(model, example_inputs)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    trainable = [k for k, p in params.items() if p.requires_grad] if mode != FORWARD else []
+    frozen = [k for k in params if k not in trainable]
+    fopt = None
+    state_keys: list = []
+    if mode == TRAIN:
+        fopt = functional_optimizer(optimizer, {id(p): k for k, p in params.items()})
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake = lambda t: _fakify(fake_mode, t, device)
+    fparams = {k: fake(p.detach()) for k, p in params.items()}
+    fbuffers = {k: fake(b) for k, b in buffers.items()}
+    opt_state: dict = {}
+    if fopt is not None:
+        with fake_mode:
+            opt_state = fopt.init_state({k: fparams[k] for k in trainable})
+        state_keys = [(s, k) for s in fopt.state_names for k in trainable if k in opt_state.get(s, {})]
+
+    names, roles, flat = [], [], []
+    for k in trainable + frozen:
+        names.append(f"params.{k}"), roles.append("param"), flat.append(fparams[k])
+    for k in buffers:
+        names.append(f"buffers.{k}"), roles.append("buffer"), flat.append(fbuffers[k])
+    for s, k in state_keys:
+        names.append(f"opt.{s}.{k}"), roles.append("opt_state"), flat.append(opt_state[s][k])
+    if mode == TRAIN:
+        with fake_mode:
+            flat += [torch.zeros((), dtype=torch.float64, device=device), torch.zeros((), dtype=torch.float64, device=device)]
+        names += ["lr", "step"]
+        roles += ["lr", "step"]
+    n_state = len(flat)
+    in_flat, in_spec = tree_flatten(example_inputs)
+    for i, x in enumerate(in_flat):
+        if not isinstance(x, torch.Tensor):
+            raise TraceError(f"partition: example_inputs leaf {i} is a {type(x).__name__}, not a tensor. Pass "
+                             f"tensors only (close over constants in loss_fn).")
+        names.append(f"inputs.{i}"), roles.append("input"), flat.append(fake(x))
+    nt, nf, nb = len(trainable), len(frozen), len(buffers)
+    out_names: list = []
+    spec_box: list = []
+
+    def step(*args):
+        p = dict(zip(trainable + frozen, args[:nt + nf]))
+        b = dict(zip(buffers, args[nt + nf:nt + nf + nb]))
+        batch = tree_unflatten(list(args[n_state:]), in_spec)
+        if mode == FORWARD:
+            out = functional_call(model, {**p, **b}, tuple(batch))
+            flat_out, spec = tree_flatten(out)
+            spec_box.append(spec)
+            out_names[:] = [f"outputs.{i}" for i in range(len(flat_out))]
+            return flat_out
+        fixed = {k: p[k] for k in frozen}
+
+        def loss_of(tp):
+            return loss_fn(_Bound(model, {**tp, **fixed, **b}), *batch)
+
+        grads, loss = grad_and_value(loss_of)({k: p[k] for k in trainable})
+        if mode == LOSS_AND_GRADS:
+            out_names[:] = ["loss"] + [f"grads.{k}" for k in trainable]
+            return [loss] + [grads[k] for k in trainable]
+        st = {}
+        off = nt + nf + nb
+        for (s, k), t in zip(state_keys, args[off:off + len(state_keys)]):
+            st.setdefault(s, {})[k] = t
+        lr, count = args[off + len(state_keys)], args[off + len(state_keys) + 1]
+        new_p, new_s = fopt.update({k: p[k] for k in trainable}, grads, st, lr, count)
+        out_names[:] = ["loss"] + [f"params.{k}" for k in trainable] + [f"opt.{s}.{k}" for s, k in state_keys]
+        return [loss] + [new_p[k] for k in trainable] + [new_s[s][k] for s, k in state_keys]
+
+    handles = install_hooks(model)
+    try:
+        gm = make_fx(functionalize(step, remove="mutations"), tracing_mode="fake",
+                     decomposition_table=capture_decompositions())(*flat)
+    except Exception as e:  # noqa: BLE001 - every trace failure becomes one clear error
+        where = _user_frame(e)
+        raise TraceError(
+            f"partition: the {mode.replace('_', ' ')} step of {type(model).__name__} could not be traced into one "
+            f"graph: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            + (f"\n  at {where}" if where else "")
+            + "\nThe step must not branch on tensor values (if x.sum() > 0, .item(), data-dependent shapes). "
+              "Rewrite it with torch.where / masks, or move the branch out of the model.") from e
+    finally:
+        for h in handles:
+            h.remove()
+    return _annotate(gm, mode, names, roles, out_names, spec_box[0] if spec_box else None, fopt,
+                     list(params), trainable, list(buffers), device)
+
+
+def _annotate(gm, mode, names, roles, out_names, out_spec, fopt, param_fqns, trainable, buffer_fqns, device):
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    named = {}
+    for node, name, role in zip(placeholders, names, roles):
+        node.meta["partir_name"], node.meta["partir_role"] = name, role
+        named[name] = node
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(out_node.args[0])
+    for node in outs:
+        if isinstance(node, fx.Node):
+            node.meta["partir_output"] = True
+    ties = [(named[name], node) for name, node in zip(out_names, outs)
+            if name in named and isinstance(node, fx.Node) and node is not named[name]]
+    for name, node in collect_tags(gm).items():
+        named.setdefault(name, node)
+    for name, node in zip(out_names, outs):
+        if name.startswith("grads.") or name == "loss" or name.startswith("outputs."):
+            named.setdefault(name, node)
+    return Captured(gm, mode, names, roles, out_names, named, ties, out_spec, fopt, param_fqns, trainable,
+                    buffer_fqns, device)

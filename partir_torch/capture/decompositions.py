@@ -1,0 +1,56 @@
+"""The op set: ATen as dispatched after autograd, functionalised (no in-place ops, no core-aten decompositions),
+plus these few decompositions, chosen so that tiling falls out of the rules instead of special cases:
+
+- mean -> sum / N: sum over a tiled dim is partial(sum); the constant N is the global count, so no correction.
+- mse_loss and its backward -> elementwise ops and a sum, with the global element count as a constant.
+- nll_loss_forward(reduction=mean) -> nll_loss_forward(sum) / total_weight: both partial under data parallelism,
+  reduced before the division, which stays exact with ignore_index and class weights.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+aten = torch.ops.aten
+
+
+def _mean_dim(x, dim=None, keepdim=False, dtype=None):
+    dims = range(x.dim()) if dim is None or len(dim) == 0 else [d % max(x.dim(), 1) for d in dim]
+    n = math.prod(x.shape[d] for d in dims)
+    s = aten.sum.dim_IntList(x, list(dims), keepdim, dtype=dtype)
+    return aten.div.Scalar(s, n)
+
+
+def _mean(x, dtype=None):
+    return aten.div.Scalar(aten.sum.default(x, dtype=dtype), x.numel())
+
+
+def _nll_loss_forward(self, target, weight, reduction, ignore_index):
+    if reduction != 1:
+        return NotImplemented
+    out, total = aten.nll_loss_forward.default(self, target, weight, 2, ignore_index)
+    return aten.div.Tensor(out, total), total
+
+
+def _mse_loss(x, target, reduction=1):
+    sq = aten.pow.Tensor_Scalar(aten.sub.Tensor(x, target), 2)
+    if reduction == 0:
+        return sq
+    s = aten.sum.default(sq)
+    return s if reduction == 2 else aten.div.Scalar(s, sq.numel())
+
+
+def _mse_loss_backward(grad, x, target, reduction):
+    scale = 2.0 / x.numel() if reduction == 1 else 2.0
+    return aten.mul.Tensor(aten.mul.Scalar(aten.sub.Tensor(x, target), scale), grad)
+
+
+def capture_decompositions() -> dict:
+    return {
+        aten.mean.dim: _mean_dim,
+        aten.mean.default: _mean,
+        aten.nll_loss_forward.default: _nll_loss_forward,
+        aten.mse_loss.default: _mse_loss,
+        aten.mse_loss_backward.default: _mse_loss_backward,
+    }

@@ -1,0 +1,246 @@
+"""Pure, trace-friendly versions of ``torch.optim.SGD``, ``Adam`` and ``AdamW``.
+
+``functional_optimizer(opt, names)`` reads hyperparameters from a real
+optimizer's param groups and returns a :class:`FunctionalOptimizer` whose
+``update`` is a pure function of dicts of tensors (no in-place ops, no
+``.item()``, no Python branching on tensor values), so it can be traced into
+one aten graph together with forward and backward::
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fopt = functional_optimizer(opt, {id(p): n for n, p in model.named_parameters()})
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    state, step = fopt.init_state(params), fopt.init_step()
+    lr = torch.tensor(fopt.lr, dtype=torch.float64)
+    params, state = fopt.update(params, grads, state, lr, torch.tensor(step + 1.0))
+
+The update follows torch.optim's single-tensor (``foreach=False``)
+implementation operation by operation. Scalars (bias corrections, step size,
+``1 - lr * wd``) are computed in float64 from the ``lr``/``step`` tensors and
+cast to the parameter dtype, like torch.optim's Python-float path. On CPU the
+results are bitwise equal to torch.optim for Adam/AdamW; SGD's final
+``param - lr * grad`` may differ by one ulp (torch's ``add_(alpha=)`` is a fused
+multiply-add). Pass ``lr`` as a float64 tensor for the closest match: a float32
+``lr`` is already rounded (about 1e-7 relative).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
+
+LR = Tensor | dict[str, Tensor] | float
+State = dict[str, dict[str, Tensor]]
+
+
+class FunctionalOptimizer:
+    """Functional SGD / Adam / AdamW built from a ``torch.optim`` optimizer.
+
+    Attributes: ``kind`` ("sgd" | "adam" | "adamw") and ``state_names`` (the
+    state tensors kept per parameter, in a fixed order). State layout is
+    ``state[state_name][fqn] -> Tensor``; the step count is one global scalar.
+    Parameters whose torch parameter has ``requires_grad=False``, or whose grad
+    is ``None``, are skipped: returned unchanged and given no state.
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer, names: dict[int, str]):
+        if isinstance(opt, torch.optim.SGD):
+            self.kind = "sgd"
+        elif isinstance(opt, torch.optim.Adam):  # AdamW subclasses Adam
+            decoupled = isinstance(opt, torch.optim.AdamW) or opt.param_groups[0].get(
+                "decoupled_weight_decay", False)
+            self.kind = "adamw" if decoupled else "adam"
+        else:
+            raise NotImplementedError(f"unsupported optimizer {type(opt).__name__}")
+        self._opt = opt
+        self._group: dict[str, int] = {}  # fqn -> param group index
+        self._param: dict[str, Tensor] = {}  # fqn -> torch parameter
+        for gi, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise KeyError("optimizer parameter missing from `names`")
+                if torch.is_complex(p):
+                    raise NotImplementedError(f"complex parameter {names[id(p)]}")
+                self._group[names[id(p)]], self._param[names[id(p)]] = gi, p
+        groups = opt.param_groups
+        if self.kind == "sgd":
+            self.state_names = ("momentum_buffer",) if any(g["momentum"] != 0 for g in groups) else ()
+        else:
+            amsgrad = ("max_exp_avg_sq",) if any(g["amsgrad"] for g in groups) else ()
+            self.state_names = ("exp_avg", "exp_avg_sq") + amsgrad
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def lr(self) -> float:
+        """Current learning rate of param group 0 (read live from the optimizer)."""
+        return float(self._opt.param_groups[0]["lr"])
+
+    def lrs(self) -> dict[str, float]:
+        """Current learning rate of every parameter: fqn -> float."""
+        return {f: float(self._opt.param_groups[g]["lr"]) for f, g in self._group.items()}
+
+    def _trainable(self) -> list[str]:
+        return [f for f in self._group if self._param[f].requires_grad]
+
+    def _names_for(self, fqn: str) -> tuple[str, ...]:
+        """State names kept for one parameter (depends on its group)."""
+        g = self._opt.param_groups[self._group[fqn]]
+        if self.kind == "sgd":
+            return ("momentum_buffer",) if g["momentum"] != 0 else ()
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if g["amsgrad"] else ())
+
+    # ------------------------------------------------------------------ state
+    def init_state(self, params: dict[str, Tensor]) -> State:
+        """Initial state, ``state_name -> fqn -> tensor``.
+
+        Zeros like each parameter (works for meta and FakeTensor params), or a
+        copy of ``opt.state`` when the optimizer already holds state for that
+        parameter (resume) and ``params[fqn]`` is a real tensor.
+        """
+        state: State = {n: {} for n in self.state_names}
+        for fqn in self._trainable():
+            p, old = params[fqn], self._opt.state.get(self._param[fqn], {})
+            symbolic = p.is_meta or isinstance(p, FakeTensor)
+            for name in self._names_for(fqn):
+                src = old.get(name)
+                if src is None or symbolic:
+                    state[name][fqn] = torch.zeros_like(p, requires_grad=False)
+                else:
+                    state[name][fqn] = src.detach().to(p.device, p.dtype, copy=True)
+        return state
+
+    def init_step(self) -> float:
+        """Number of steps already taken (0.0 for a fresh optimizer).
+
+        Adam/AdamW read ``opt.state[p]["step"]``; all trainable parameters must
+        agree. ``torch.optim.SGD`` keeps no step count: it returns 1.0 once the
+        momentum buffers exist (enough for the first-step rule), else 0.0.
+        """
+        steps = set()
+        for fqn in self._trainable():
+            st = self._opt.state.get(self._param[fqn], {})
+            if self.kind != "sgd":
+                steps.add(float(st["step"]) if "step" in st else 0.0)
+            elif self._names_for(fqn):
+                steps.add(1.0 if st.get("momentum_buffer") is not None else 0.0)
+        if len(steps) > 1:
+            raise ValueError(f"parameters have different step counts {sorted(steps)}; "
+                             "a functional optimizer keeps a single global step")
+        return steps.pop() if steps else 0.0
+
+    def sync_to_torch(self, params: dict[str, Tensor], state: State, step: float) -> None:
+        """Write functional params/state back into the optimizer so training can
+        resume with ``opt.step()``. Copies into the parameters in place."""
+        with torch.no_grad():
+            for fqn in self._trainable():
+                self._param[fqn].copy_(params[fqn])
+                st = self._opt.state[self._param[fqn]]
+                for name in self._names_for(fqn):
+                    st[name] = state[name][fqn].detach().clone()
+                if self.kind != "sgd":
+                    st["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+    # ----------------------------------------------------------------- update
+    def update(self, params: dict[str, Tensor], grads: dict[str, Tensor | None],
+               state: State, lr: LR, step: Tensor | float) -> tuple[dict[str, Tensor], State]:
+        """One pure optimizer step; returns ``(new_params, new_state)``.
+
+        ``lr``: either a 0-dim tensor holding param group 0's current lr (other
+        groups are scaled by their current ratio ``group_lr / group0_lr``, which
+        is what LR schedulers preserve), or a dict ``fqn -> 0-dim tensor``.
+        ``step``: 0-dim tensor with the number of THIS update (1 on the first).
+        Hyperparameters other than lr are baked in from each parameter's group.
+        """
+        step = torch.as_tensor(step).to(torch.float64)
+        new_params = dict(params)
+        new_state = {n: dict(d) for n, d in state.items()}
+        scalars, apply = (_sgd_scalars, _sgd) if self.kind == "sgd" else (_adam_scalars, _adam)
+        memo: dict = {}  # per-group 0-dim scalar math, traced once per group and dtype
+        for fqn in self._trainable():
+            grad = grads.get(fqn)
+            if grad is None:
+                continue
+            gi, dtype = self._group[fqn], params[fqn].dtype
+            group = self._opt.param_groups[gi]
+            key = (gi, dtype, fqn if isinstance(lr, dict) else None)
+            if key not in memo:
+                memo[key] = scalars(group, self._lr_for(fqn, lr), step, dtype)
+            st = {n: state[n][fqn] for n in self._names_for(fqn)}
+            new_params[fqn], st = apply(group, params[fqn], grad, st, memo[key])
+            for n, t in st.items():
+                new_state[n][fqn] = t
+        return new_params, new_state
+
+    def _lr_for(self, fqn: str, lr: LR) -> Tensor:
+        if isinstance(lr, dict):
+            return torch.as_tensor(lr[fqn]).to(torch.float64)
+        lr = torch.as_tensor(lr).to(torch.float64)
+        lr0 = float(self._opt.param_groups[0]["lr"])
+        lr_g = float(self._opt.param_groups[self._group[fqn]]["lr"])
+        if lr_g == lr0:
+            return lr
+        if lr0 == 0:
+            raise ValueError("group 0 has lr 0: pass lr as a dict fqn -> tensor")
+        return lr * (lr_g / lr0)
+
+
+def functional_optimizer(opt: torch.optim.Optimizer, names: dict[int, str]) -> FunctionalOptimizer:
+    """Build a :class:`FunctionalOptimizer` for ``opt``; ``names`` maps
+    ``id(param) -> fqn`` (e.g. ``{id(p): n for n, p in model.named_parameters()}``)."""
+    return FunctionalOptimizer(opt, names)
+
+
+def _sgd_scalars(group: dict, lr: Tensor, step: Tensor, dtype: torch.dtype) -> tuple:
+    return lr.to(dtype), step <= 1  # first step: momentum_buffer = grad
+
+
+def _sgd(group: dict, param: Tensor, grad: Tensor, st: dict[str, Tensor],
+         scalars: tuple) -> tuple[Tensor, dict[str, Tensor]]:
+    """Mirror of ``torch.optim.sgd._single_tensor_sgd`` for one parameter."""
+    (lr, first_step), momentum, wd = scalars, group["momentum"], group["weight_decay"]
+    if group["maximize"]:
+        grad = -grad
+    if wd != 0:
+        grad = grad.add(param, alpha=wd)
+    if momentum != 0:
+        running = st["momentum_buffer"].mul(momentum).add(grad, alpha=1 - group["dampening"])
+        buf = torch.where(first_step, grad, running)
+        st = {"momentum_buffer": buf}
+        grad = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
+    return param - lr * grad, st  # torch: param.add_(grad, alpha=-lr) (fused; may differ 1 ulp)
+
+
+def _adam_scalars(group: dict, lr: Tensor, step: Tensor, dtype: torch.dtype) -> tuple:
+    """Float64 scalar math of the non-capturable path (Python floats there), cast to dtype."""
+    beta1, beta2 = (float(b) for b in group["betas"])
+    bias_correction1 = 1 - torch.pow(beta1, step)
+    bias_correction2 = 1 - torch.pow(beta2, step)
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2 ** 0.5
+    decoupled = group.get("decoupled_weight_decay", False) and group["weight_decay"] != 0
+    decay = (1 - lr * group["weight_decay"]).to(dtype) if decoupled else None  # AdamW
+    return decay, bias_correction2_sqrt.to(dtype), (-step_size).to(dtype)
+
+
+def _adam(group: dict, param: Tensor, grad: Tensor, st: dict[str, Tensor],
+          scalars: tuple) -> tuple[Tensor, dict[str, Tensor]]:
+    """Mirror of ``torch.optim.adam._single_tensor_adam`` (non-capturable path)."""
+    decay, bias_correction2_sqrt, neg_step_size = scalars
+    beta1, beta2 = (float(b) for b in group["betas"])
+    wd, eps = group["weight_decay"], group["eps"]
+    if group["maximize"]:
+        grad = -grad
+    if wd != 0:
+        if decay is not None:
+            param = param * decay  # AdamW: param.mul_(1 - lr * wd)
+        else:
+            grad = grad.add(param, alpha=wd)
+    exp_avg = torch.lerp(st["exp_avg"], grad, 1 - beta1)
+    exp_avg_sq = st["exp_avg_sq"].mul(beta2).addcmul(grad, grad, value=1 - beta2)
+    new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if group["amsgrad"]:
+        new["max_exp_avg_sq"] = torch.maximum(st["max_exp_avg_sq"], exp_avg_sq)
+        denom = (new["max_exp_avg_sq"].sqrt() / bias_correction2_sqrt).add(eps)
+    else:
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add(eps)
+    # param.addcdiv_(exp_avg, denom, value=-step_size) == param + (v * exp_avg) / denom
+    return param + neg_step_size * exp_avg / denom, new

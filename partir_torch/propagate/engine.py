@@ -1,0 +1,232 @@
+"""Propagation: one worklist loop per tactic, on that tactic's axis, forward and backward to a fixed point.
+
+A node is decided once per axis: either one factor of its rule is tiled on the axis (every unknown neighbour that
+holds the factor becomes tiled; results without a REDUCE factor become partial), or a partial operand flows
+through it (the op is linear in it). Nodes decided by earlier tactics never change. Each value is set at most once
+per axis, so the loop is linear in the graph size.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from ..errors import ShardingConflictError
+from ..mesh import Mesh
+from ..rules.factors import PASS, REDUCE
+from .graph import PartGraph
+from .state import PARTIAL, PARTIAL_OP, REPLICATED, UNKNOWN, AxisState, Conflict, Provenance, state_str
+
+
+class Propagator:
+    """Holds per-axis states for one PartGraph and applies tactics' seeds one after another."""
+
+    def __init__(self, graph: PartGraph, mesh: Mesh):
+        self.g = graph
+        self.mesh = mesh
+        self.axes: dict = {}                     # axis -> AxisState
+        self.axis_order: list = []               # axes in the order tactics first used them
+        self._conflicts: dict = {}                # (op index, axis) -> Conflict (the latest)
+        # per op: factor id -> axes tiling it (in order); per canonical value: dim -> axes tiling it (in order)
+        self.op_axes: dict = {}
+        self.dim_axes: dict = {}
+
+    @property
+    def conflicts(self) -> list:
+        """Conflicts still standing (an op decided later on that axis is no longer in conflict)."""
+        return [c for (i, a), c in self._conflicts.items() if i not in self.axes[a].assign]
+
+    # -- queries -----------------------------------------------------------------------------------------------
+    def axis_state(self, axis: str) -> AxisState:
+        if axis not in self.axes:
+            self.axes[axis] = AxisState(axis, [UNKNOWN] * len(self.g.values))
+            self.axis_order.append(axis)
+        return self.axes[axis]
+
+    def state(self, axis: str, vid: int) -> int:
+        st = self.axes.get(axis)
+        return UNKNOWN if st is None else st.value[self.g.canon[vid]]
+
+    def local_dim(self, vid: int, dim: int) -> int:
+        size = self.g.shapes[vid][dim]
+        for a in self.dim_axes.get((self.g.canon[vid], dim), ()):
+            size //= self.mesh.shape[a]
+        return size
+
+    # -- seeding -------------------------------------------------------------------------------------------------
+    def seed(self, axis: str, vid: int, state: int, tactic: str) -> None:
+        st = self.axis_state(axis)
+        c = self.g.canon[vid]
+        cur = st.value[c]
+        name = self.g.name(vid)
+        if cur == state:
+            return
+        if cur != UNKNOWN:
+            by = st.prov[c].tactic
+            raise ShardingConflictError(
+                f"{tactic}: cannot make {name} {state_str(state)} on axis '{axis}' (size {self.mesh.shape[axis]}): "
+                f"tactic {by} already made it {state_str(cur)} on that axis. Decisions of earlier tactics are "
+                f"fixed; seed a different axis, or drop one of the two seeds.")
+        if state >= 0:
+            shape = self.g.shapes[vid]
+            if state >= len(shape):
+                raise ShardingConflictError(f"{tactic}: {name} has shape {tuple(shape)}; there is no dim {state} to "
+                                            f"tile on axis '{axis}'. Use a dim in 0..{len(shape) - 1}.")
+            size, k = self.local_dim(vid, state), self.mesh.shape[axis]
+            if size % k:
+                raise ShardingConflictError(
+                    f"{tactic}: dim {state} of {name} (size {size}{' after earlier tilings' if size != shape[state] else ''}) "
+                    f"cannot be tiled on axis '{axis}' (size {k}): {k} does not divide {size}. Use a size divisible "
+                    f"by {k}, or tile another dim.")
+        self._set(st, c, state, Provenance(tactic))
+
+    def _set(self, st: AxisState, c: int, state: int, prov: Provenance) -> None:
+        st.value[c] = state
+        st.prov[c] = prov
+        if state >= 0:
+            self.dim_axes.setdefault((c, state), []).append(st.axis)
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def run(self, axis: str, tactic: str, seeded: list) -> None:
+        """Propagate on `axis` from the values just seeded (vids) to a fixed point."""
+        st = self.axis_state(axis)
+        g = self.g
+        queue = deque()
+        queued = set()
+
+        def push_value(vid):
+            for v in g.tied[g.canon[vid]]:
+                for i in ((g.producer[v],) if g.producer[v] >= 0 else ()) + tuple(g.users[v]):
+                    if i not in queued and i not in st.assign:
+                        queued.add(i)
+                        queue.append(i)
+
+        for vid in sorted(seeded):
+            push_value(vid)
+        while queue:
+            i = queue.popleft()
+            queued.discard(i)
+            if i in st.assign:
+                continue
+            for vid in self._visit(st, i, tactic):
+                push_value(vid)
+
+    def _visit(self, st: AxisState, i: int, tactic: str) -> list:
+        """Decide op i on st.axis if its neighbours allow exactly one decision. Returns the values it set."""
+        g, op = self.g, self.g.ops[i]
+        rule = op.rule
+        if rule is None:
+            return []
+        slots = [(False, j, dims, vid) for j, (dims, vid) in enumerate(zip(rule.operands, op.operands))
+                 if dims is not None]
+        slots += [(True, j, dims, vid) for j, (dims, vid) in enumerate(zip(rule.results, op.results))
+                  if dims is not None and vid is not None]
+        cands: dict = {}
+        blockers = []
+        partial_ops = []
+        for is_res, j, dims, vid in slots:
+            s = st.value[g.canon[vid]]
+            if s >= 0:
+                fs = dims[s] if s < len(dims) else ()
+                f = fs[0] if fs else None
+                if f is None or rule.factors[f].kind not in (PASS, REDUCE):
+                    blockers.append(vid)
+                else:
+                    cands.setdefault(f, []).append(vid)
+            elif s in PARTIAL_OP and not is_res:
+                partial_ops.append((j, vid, s))
+        if len(cands) == 1 and not blockers:
+            f = next(iter(cands))
+            return self._tile(st, i, f, slots, tactic, cands[f][0])
+        if cands:
+            others = blockers + [v for vs in cands.values() for v in vs]
+            self._conflict(st, i, tactic, others, "neighbours are tiled on different factors" if len(cands) > 1
+                           else "a neighbour is tiled on a dim this op needs whole")
+            return []
+        if partial_ops and not blockers:
+            return self._pass_partial(st, i, partial_ops, tactic)
+        return []
+
+    def _tile(self, st, i, f, slots, tactic, source) -> list:
+        g, rule = self.g, self.g.ops[i].rule
+        k = self.mesh.shape[st.axis]
+        factor = rule.factors[f]
+        done = 1
+        for a in self.op_axes.get(i, {}).get(f, ()):
+            done *= self.mesh.shape[a]
+        if factor.size % (done * k):
+            self._conflict(st, i, tactic, [source], f"factor of size {factor.size} (already split {done} ways) is not "
+                                                   f"divisible by axis '{st.axis}' (size {k})")
+            return []
+        # every slot holding f must hold it as the major factor of one dim, and must not be set otherwise
+        targets = []
+        for is_res, j, dims, vid in slots:
+            where = [d for d, fs in enumerate(dims) if f in fs]
+            if not where:
+                continue
+            d = where[0]
+            c = g.canon[vid]
+            s = st.value[c]
+            if dims[d][0] != f:
+                self._conflict(st, i, tactic, [vid, source], f"dim {d} holds the factor only as a minor part")
+                return []
+            if s == UNKNOWN:
+                if self.local_dim(vid, d) % k:
+                    self._conflict(st, i, tactic, [vid, source], f"dim {d} (local size {self.local_dim(vid, d)}) is "
+                                                                 f"not divisible by axis '{st.axis}' (size {k})")
+                    return []
+                targets.append((c, d))
+            elif s != d:
+                self._conflict(st, i, tactic, [vid, source], "a neighbour demands another state")
+                return []
+        st.assign[i] = f
+        st.assign_tactic[i] = tactic
+        self.op_axes.setdefault(i, {}).setdefault(f, []).append(st.axis)
+        prov = Provenance(tactic, i, source)
+        changed = []
+        for c, d in targets:
+            if st.value[c] == UNKNOWN:
+                self._set(st, c, d, prov)
+                changed.append(c)
+        if factor.kind == REDUCE:
+            p = PARTIAL[factor.reduce_op]
+            for is_res, j, dims, vid in slots:
+                if is_res and not any(f in fs for fs in dims):
+                    c = g.canon[vid]
+                    if st.value[c] == UNKNOWN:
+                        self._set(st, c, p, prov)
+                        changed.append(c)
+        return changed
+
+    def _pass_partial(self, st, i, partial_ops, tactic) -> list:
+        """A partial operand flows through a linear op, if that op is its only consumer (otherwise it is reduced
+        once where it is produced, and every consumer reads the reduced value)."""
+        g, op = self.g, self.g.ops[i]
+        pslots = {j for j, _, _ in partial_ops}
+        kinds = {s for _, _, s in partial_ops}
+        if len(kinds) != 1:
+            return []
+        p = kinds.pop()
+        for j, vid, _ in partial_ops:
+            if len(g.users[vid]) != 1 or g.values[vid].meta.get("partir_output"):
+                return []
+        for slots, ops in op.rule.linear:
+            if slots == pslots and PARTIAL_OP[p] in ops:
+                st.assign[i] = p
+                st.assign_tactic[i] = tactic
+                prov = Provenance(tactic, i, partial_ops[0][1])
+                changed = []
+                for vid in op.results:
+                    if vid is not None and st.value[g.canon[vid]] == UNKNOWN:
+                        self._set(st, g.canon[vid], p, prov)
+                        changed.append(g.canon[vid])
+                return changed
+        return []
+
+    def _conflict(self, st, i, tactic, vids, reason) -> None:
+        g = self.g
+        states = []
+        for v in dict.fromkeys(vids):
+            c = g.canon[v]
+            prov = st.prov.get(c)
+            states.append((g.name(v), state_str(st.value[c]), prov.tactic if prov else "-"))
+        node = g.ops[i].node
+        self._conflicts[(i, st.axis)] = Conflict(node.name, str(node.target), st.axis, tactic, tuple(states), reason)

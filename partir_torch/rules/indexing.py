@@ -1,0 +1,72 @@
+"""Indexing: the indexed dim of the source stays whole; dims of the index tensor are PASS."""
+from __future__ import annotations
+
+import torch
+
+from .factors import NEED_REP, RuleBuilder
+from .reduction import along_dim
+
+aten = torch.ops.aten
+
+
+def index_select(ctx):
+    """index_select(x, dim, index (E,)) -> x with dim replaced by E."""
+    shape, dim = ctx.in_shapes[0], ctx.arg(1, "dim") % len(ctx.in_shapes[0])
+    b = RuleBuilder()
+    xs = [(b.new(s, NEED_REP if d == dim else "pass"),) if s > 1 else () for d, s in enumerate(shape)]
+    e = ctx.in_shapes[1][0] if ctx.in_shapes[1] else 1
+    ef = (b.new(e),) if e > 1 else ()
+    out = [ef if d == dim else f for d, f in enumerate(xs)]
+    return b.rule([xs, [ef] if ctx.in_shapes[1] else []], [out])
+
+
+def gather(ctx):
+    """gather(x, dim, index) -> shaped like index. Other dims are PASS where x and index agree in size."""
+    x, idx = ctx.in_shapes[0], ctx.in_shapes[1]
+    dim = ctx.arg(1, "dim") % len(x)
+    b = RuleBuilder()
+    xs, ids = [], []
+    for d, (sx, si) in enumerate(zip(x, idx)):
+        if d == dim or sx != si or sx == 1:
+            xs.append(())
+            ids.append((b.new(si),) if d == dim and si > 1 else ())
+        else:
+            f = (b.new(sx),)
+            xs.append(f)
+            ids.append(f)
+    return b.rule([xs, ids], [ids])
+
+
+def scatter_like(src_pos):
+    """scatter_add / index_add (x, dim, index, src): result shaped like x; the scattered dim stays whole and the
+    other dims of x are PASS, shared with src (and a full-rank index) where sizes agree."""
+    def rule(ctx):
+        x = ctx.in_shapes[0]
+        dim = ctx.arg(1, "dim") % len(x)
+        b = RuleBuilder()
+        xs = [(b.new(s),) if s > 1 and d != dim else () for d, s in enumerate(x)]
+
+        def dims(s):
+            if len(s) != len(x):
+                return [()] * len(s)
+            return [f if d != dim and s[d] == x[d] else () for d, f in enumerate(xs)]
+
+        return b.rule([xs] + [dims(s) for s in ctx.in_shapes[1:]], [xs])
+    return rule
+
+
+def one_hot(ctx):
+    b = RuleBuilder()
+    ins = b.dims(ctx.in_shapes[0])
+    return b.rule([ins], [ins + [()]])
+
+
+def rules() -> dict:
+    return {
+        aten.index_select.default: index_select,
+        aten.gather.default: gather,
+        aten.scatter_add.default: scatter_like(3), aten.index_add.default: scatter_like(3),
+        aten.scatter.src: scatter_like(3), aten.scatter.value: scatter_like(3),
+        aten.one_hot.default: one_hot,
+        aten.cumsum.default: along_dim(1),
+    }

@@ -1,0 +1,165 @@
+"""Neural-network ops: norms, softmax, losses, embedding, attention, dropout, factories."""
+from __future__ import annotations
+
+import torch
+
+from .factors import BLOCKED, NEED_REP, PASS, REDUCE, SUM, RuleBuilder, einsum
+from .reduction import along_dim
+
+aten = torch.ops.aten
+
+
+def norm_rule(lead_of, lead_kind=PASS):
+    """Layer/RMS-style norms: the normalised dims are NEED_REP; leading dims are `lead_kind` (PASS forward;
+    REDUCE in backward, where the weight and bias gradients sum over them). Slots are matched by shape:
+    full (lead + norm), statistics (lead + ones), or parameters (norm)."""
+    def rule(ctx):
+        shape = ctx.in_shapes[lead_of[0]]
+        n_lead = lead_of[1](ctx, shape)
+        b = RuleBuilder()
+        lead = [(b.new(s, lead_kind),) if s > 1 else () for s in shape[:n_lead]]
+        norm = [(b.new(s, NEED_REP),) if s > 1 else () for s in shape[n_lead:]]
+        full, stats = tuple(shape), tuple(shape[:n_lead]) + (1,) * (len(shape) - n_lead)
+
+        def dims(s):
+            if s is None:
+                return None
+            s = tuple(s)
+            if s == full:
+                return lead + norm
+            if s == stats:
+                return lead + [()] * (len(shape) - n_lead)
+            if s == tuple(shape[n_lead:]):
+                return norm
+            return [()] * len(s)
+
+        return b.rule([dims(s) for s in ctx.in_shapes], [dims(s) for s in ctx.out_shapes])
+    return rule
+
+
+def _ln_lead(arg_index):
+    return lambda ctx, shape: len(shape) - len(ctx.arg(arg_index, "normalized_shape"))
+
+
+def group_norm_rule(lead_kind):
+    """native_group_norm(x (N, C, *), w, b, N, C, HxW, group, eps) -> (out, mean (N, G), rstd (N, G)).
+    Only N can be tiled (the int arg N is localised by lowering)."""
+    def rule(ctx):
+        x = ctx.in_shapes[0] if lead_kind == PASS else ctx.in_shapes[1]
+        b = RuleBuilder()
+        n = [(b.new(x[0], lead_kind),)] if x[0] > 1 else [()]
+
+        def dims(s):
+            if s is None:
+                return None
+            if len(s) >= 1 and s[0] == x[0] and len(s) in (len(x), 2):
+                return n + [()] * (len(s) - 1)
+            return [()] * len(s)
+
+        return b.rule([dims(s) for s in ctx.in_shapes], [dims(s) for s in ctx.out_shapes])
+    return rule
+
+
+def nll_loss_forward(ctx):
+    """nll_loss_forward(self (N, C), target (N,), weight (C)?, reduction, ignore_index) -> (out, total_weight).
+    reduction=sum: N is REDUCE (both outputs partial(sum)); none: out is (N,) and total_weight partial. mean is
+    decomposed at capture into sum / total_weight; if it reaches here, N stays whole."""
+    if len(ctx.in_shapes[0]) != 2:
+        return None
+    reduction = ctx.arg(3, "reduction", 1)
+    w = ",c" if len(ctx.in_shapes) == 3 else ""
+    out = "n" if reduction == 0 else ""
+    return einsum(f"nc,n{w}->{out},", ctx.in_shapes, ctx.out_shapes, need_rep="nc" if reduction == 1 else "c")
+
+
+def nll_loss_backward(ctx):
+    """nll_loss_backward(grad_out, self (N, C), target (N,), weight?, reduction, ignore_index, total_weight)."""
+    if len(ctx.in_shapes[1]) != 2:
+        return None
+    g = "n" if len(ctx.in_shapes[0]) == 1 else ""
+    spec_w = ",c" if len(ctx.in_shapes) == 5 else ""
+    return einsum(f"{g},nc,n{spec_w},->nc", ctx.in_shapes, ctx.out_shapes, need_rep="c")
+
+
+def embedding(ctx):
+    """embedding(weight (V, D), indices (*)) -> (*, D). V stays whole (vocabulary tiling is a lowering of its own)."""
+    idx = "ijkl"[:len(ctx.in_shapes[1])]
+    return einsum(f"vd,{idx}->{idx}d", ctx.in_shapes, ctx.out_shapes, need_rep="v", linear=[({0}, SUM)])
+
+
+def embedding_dense_backward(ctx):
+    """grad_weight (V, D) = scatter-add of grad_output (*, D) by indices: token dims are REDUCE."""
+    idx = "ijkl"[:len(ctx.in_shapes[1])]
+    return einsum(f"{idx}d,{idx}->vd", ctx.in_shapes, ctx.out_shapes, blocked="v", linear=[({0}, SUM)])
+
+
+def sdpa_cpu(ctx):
+    """flash attention for CPU: (q (B,H,L,E), k (B,H,S,E), v (B,H,S,Ev), [mask (B,H,L,S)]) -> (out, logsumexp).
+    Batch and heads are PASS; L, S, E, Ev stay whole (causal masks and the softmax need the whole rows)."""
+    mask = ",bhls" if len(ctx.in_shapes) == 4 else ""
+    return einsum(f"bhle,bhse,bhsv{mask}->bhlv,bhl", ctx.in_shapes, ctx.out_shapes, need_rep="lsev")
+
+
+def sdpa_cpu_backward(ctx):
+    mask = ",bhls" if len(ctx.in_shapes) == 7 else ""
+    return einsum(f"bhlv,bhle,bhse,bhsv,bhlv,bhl{mask}->bhle,bhse,bhsv", ctx.in_shapes, ctx.out_shapes,
+                  need_rep="lsev")
+
+
+def factory(ctx):
+    """Tensor factories (full, zeros, ones, empty, rand): every result dim is PASS; lowering gives local sizes."""
+    b = RuleBuilder()
+    return b.rule([None] * len(ctx.in_shapes), [b.dims(s) if s is not None else None for s in ctx.out_shapes])
+
+
+def blocked_factory(ctx):
+    """arange: a tiled result would need the rank's offset; kept whole."""
+    b = RuleBuilder()
+    return b.rule([None] * len(ctx.in_shapes), [b.dims(s, BLOCKED) for s in ctx.out_shapes])
+
+
+def last_two_whole(ctx):
+    """tril / triu: the last two dims hold the positions the mask depends on."""
+    shape = ctx.in_shapes[0]
+    b = RuleBuilder()
+    dims = [(b.new(s),) if s > 1 and d < len(shape) - 2 else () for d, s in enumerate(shape)]
+    return b.rule([dims], [dims])
+
+
+def spatial(ctx):
+    """Pooling and upsampling (and their backwards): (N, C) PASS in every slot, spatial dims whole."""
+    b = RuleBuilder()
+    shape = ctx.in_shapes[0]
+    nc = [(b.new(s),) if s > 1 else () for s in shape[:2]]
+    dims = lambda s: None if s is None else nc + [()] * (len(s) - 2)
+    return b.rule([dims(s) for s in ctx.in_shapes], [dims(s) for s in ctx.out_shapes])
+
+
+def rules() -> dict:
+    from .pointwise import pointwise
+    return {
+        aten.native_layer_norm.default: norm_rule((0, _ln_lead(1))),
+        aten.native_layer_norm_backward.default: norm_rule((1, _ln_lead(2)), REDUCE),
+        aten.native_group_norm.default: group_norm_rule(PASS),
+        aten.native_group_norm_backward.default: group_norm_rule(REDUCE),
+        aten._softmax.default: along_dim(1), aten._log_softmax.default: along_dim(1),
+        aten._safe_softmax.default: along_dim(1),
+        aten._softmax_backward_data.default: along_dim(2), aten._log_softmax_backward_data.default: along_dim(2),
+        aten.sort.default: along_dim(1), aten.topk.default: along_dim(2),
+        aten.nll_loss_forward.default: nll_loss_forward, aten.nll_loss_backward.default: nll_loss_backward,
+        aten.embedding.default: embedding, aten.embedding_dense_backward.default: embedding_dense_backward,
+        aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_cpu,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default: sdpa_cpu_backward,
+        aten.native_dropout.default: pointwise, aten.native_dropout_backward.default: pointwise,
+        aten.full.default: factory, aten.zeros.default: factory, aten.ones.default: factory,
+        aten.empty.memory_format: factory, aten.scalar_tensor.default: factory, aten.rand.default: factory,
+        aten.randn.default: factory, aten.new_zeros.default: factory, aten.new_ones.default: factory,
+        aten.new_empty.default: factory, aten.new_full.default: factory, aten.empty_strided.default: factory,
+        aten.arange.default: blocked_factory, aten.arange.start: blocked_factory,
+        aten.arange.start_step: blocked_factory,
+        aten.tril.default: last_two_whole, aten.triu.default: last_two_whole,
+        aten.upsample_nearest2d.default: spatial, aten.upsample_nearest2d.vec: spatial,
+        aten.upsample_nearest2d_backward.default: spatial, aten.avg_pool2d.default: spatial,
+        aten.avg_pool2d_backward.default: spatial, aten.max_pool2d_with_indices.default: spatial,
+        aten.max_pool2d_with_indices_backward.default: spatial,
+    }

@@ -1,0 +1,130 @@
+"""The rule registry: aten op overload -> rule (an einsum spec string, or a builder function of the node)."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from .factors import OpRule, einsum
+
+aten = torch.ops.aten
+
+
+@dataclass
+class NodeCtx:
+    """What a rule builder sees of one node: its args (fx.Nodes kept) and tensor slot shapes."""
+
+    node: fx.Node
+    operands: list          # tensor operand fx.Nodes, in flattened-arg order (one slot each)
+    in_shapes: list         # their global shapes
+    out_shapes: list        # per result slot: shape, or None when that result is not a tensor
+    out_dtypes: list
+
+    @property
+    def args(self):
+        return self.node.args
+
+    @property
+    def kwargs(self):
+        return self.node.kwargs
+
+    def arg(self, i: int, name: str, default=None):
+        if len(self.node.args) > i:
+            return self.node.args[i]
+        return self.node.kwargs.get(name, default)
+
+
+def tensor_operands(node: fx.Node) -> list:
+    flat, _ = tree_flatten((node.args, node.kwargs))
+    return [a for a in flat if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def result_vals(node: fx.Node) -> list:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [v if isinstance(v, torch.Tensor) else None for v in val]
+    return []
+
+
+def make_ctx(node: fx.Node) -> NodeCtx:
+    ops = tensor_operands(node)
+    outs = result_vals(node)
+    return NodeCtx(node, ops, [tuple(o.meta["val"].shape) for o in ops],
+                   [None if v is None else tuple(v.shape) for v in outs],
+                   [None if v is None else v.dtype for v in outs])
+
+
+def _op_key(op):
+    """Rules are keyed by OpOverload; an OpOverloadPacket registers all its overloads."""
+    return op
+
+
+class RuleRegistry:
+    """Maps aten ops to rules. Build your own for tests (`RuleRegistry(table)`), or use `default_registry()`.
+
+    A rule is an einsum spec string (see factors.einsum) or a callable `(NodeCtx) -> OpRule | None` (None: no
+    rule applies to these arguments; the node is a barrier).
+    """
+
+    def __init__(self, table: dict | None = None):
+        self._rules: dict = {}
+        self._warned: set = set()
+        for op, rule in (table or {}).items():
+            self.register(op, rule)
+
+    def register(self, op, rule) -> None:
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            for name in op.overloads():
+                self._rules[getattr(op, name)] = rule
+            return
+        if not isinstance(rule, (str, Callable)):
+            raise TypeError(f"rule for {op} must be an einsum spec string or a callable, got {rule!r}")
+        self._rules[op] = rule
+
+    def __contains__(self, op) -> bool:
+        return op in self._rules
+
+    def ops(self):
+        return list(self._rules)
+
+    def copy(self) -> "RuleRegistry":
+        r = RuleRegistry()
+        r._rules = dict(self._rules)
+        return r
+
+    def build(self, node: fx.Node) -> OpRule | None:
+        """The rule instantiated for this node, or None (a barrier: values stay whole on every axis)."""
+        rule = self._rules.get(node.target)
+        if rule is None:
+            if node.target not in self._warned:
+                self._warned.add(node.target)
+                warnings.warn(f"partir_torch: no sharding rule for {node.target}; its operands and results stay "
+                              f"replicated (a barrier). Register one with partir_torch.register_rule.", stacklevel=2)
+            return None
+        ctx = make_ctx(node)
+        if isinstance(rule, str):
+            return einsum(rule, ctx.in_shapes, ctx.out_shapes)
+        return rule(ctx)
+
+
+_DEFAULT: RuleRegistry | None = None
+
+
+def default_registry() -> RuleRegistry:
+    global _DEFAULT
+    if _DEFAULT is None:
+        from . import tables
+
+        _DEFAULT = RuleRegistry(tables.all_rules())
+    return _DEFAULT
+
+
+def register_rule(op, rule) -> None:
+    """Register a rule for a (user) op in the default registry: `register_rule(torch.ops.mylib.op.default, "mk,kn->mn")`."""
+    default_registry().register(op, rule)

@@ -1,0 +1,118 @@
+"""Views and data movement: reshape uses compound factors; permutes map dims; slicing a dim keeps it whole."""
+from __future__ import annotations
+
+import torch
+
+from .factors import ALL_OPS, RuleBuilder, reshape_factors
+
+aten = torch.ops.aten
+MOVES = [({0}, ALL_OPS)]
+
+
+def view(ctx):
+    b = RuleBuilder()
+    ins, outs = reshape_factors(b, ctx.in_shapes[0], ctx.out_shapes[0])
+    return b.rule([ins] + [None] * (len(ctx.in_shapes) - 1), [outs], MOVES)
+
+
+def permute_by(perm_of):
+    def rule(ctx):
+        shape = ctx.in_shapes[0]
+        b = RuleBuilder()
+        ins = b.dims(shape)
+        perm = perm_of(ctx, len(shape))
+        return b.rule([ins], [[ins[p] for p in perm]], MOVES)
+    return rule
+
+
+def _permute(ctx, n):
+    return [d % n for d in ctx.arg(1, "dims")]
+
+
+def _transpose(ctx, n):
+    a, c = ctx.arg(1, "dim0") % max(n, 1), ctx.arg(2, "dim1") % max(n, 1)
+    perm = list(range(n))
+    perm[a], perm[c] = perm[c], perm[a]
+    return perm
+
+
+def _t(ctx, n):
+    return list(reversed(range(n)))
+
+
+def expand(ctx):
+    """expand(x, sizes): result dims are PASS; broadcast dims of x (size 1) have no factor."""
+    b = RuleBuilder()
+    out = ctx.out_shapes[0]
+    ids = b.dims(out)
+    shape = ctx.in_shapes[0]
+    off = len(out) - len(shape)
+    ins = [ids[off + d] if s != 1 else () for d, s in enumerate(shape)]
+    return b.rule([ins], [ids], MOVES)
+
+
+def squeeze_like(ctx):
+    """unsqueeze / squeeze: size-1 dims have no factor, so matching the non-1 dims in order is the whole rule."""
+    b = RuleBuilder()
+    shape = ctx.in_shapes[0]
+    ins = b.dims(shape)
+    nz = iter([d for d in ins if d])
+    outs = [next(nz) if s != 1 else () for s in ctx.out_shapes[0]]
+    return b.rule([ins], [outs], MOVES)
+
+
+def along(dim_arg):
+    """Ops that cut or join along one dim (slice, select, split, cat, unbind): that dim is kept whole (it has no
+    factor, so a tiling of it is gathered first); the other dims are PASS, matched in order (select drops its dim).
+    """
+    def rule(ctx):
+        shape = ctx.in_shapes[0]
+        dim = ctx.arg(dim_arg, "dim", 0) % max(len(shape), 1)
+        b = RuleBuilder()
+        ids = [(b.new(s),) if s > 1 and d != dim else () for d, s in enumerate(shape)]
+        kept = [i for d, i in enumerate(ids) if d != dim]
+
+        def dims(s):
+            if s is None:
+                return None
+            return ids if len(s) == len(ids) else kept if len(s) == len(kept) else None
+
+        return b.rule([dims(s) for s in ctx.in_shapes], [dims(s) for s in ctx.out_shapes],
+                      [(set(range(len(ctx.in_shapes))), ALL_OPS)])
+    return rule
+
+
+def slice_rule(ctx):
+    """slice over the whole dim (start 0, end >= size, step 1) is a plain copy; otherwise the dim is NEED_REP."""
+    shape = ctx.in_shapes[0]
+    dim = ctx.arg(1, "dim", 0) % max(len(shape), 1)
+    if tuple(ctx.out_shapes[0]) == tuple(shape):
+        b = RuleBuilder()
+        ids = b.dims(shape)
+        return b.rule([ids], [ids], MOVES)
+    return along(1)(ctx)
+
+
+def select_backward(ctx):
+    """select_backward(grad, input_sizes, dim, index): the result gains the selected dim (kept whole)."""
+    out = ctx.out_shapes[0]
+    dim = ctx.arg(2, "dim") % len(out)
+    b = RuleBuilder()
+    ids = [(b.new(s),) if s > 1 and d != dim else () for d, s in enumerate(out)]
+    return b.rule([[f for d, f in enumerate(ids) if d != dim]], [ids], MOVES)
+
+
+def rules() -> dict:
+    return {
+        aten.view.default: view, aten._unsafe_view.default: view, aten.reshape.default: view,
+        aten.view_copy.default: view,
+        aten.permute.default: permute_by(_permute), aten.transpose.int: permute_by(_transpose),
+        aten.t.default: permute_by(_t),
+        aten.expand.default: expand,
+        aten.unsqueeze.default: squeeze_like, aten.squeeze.dim: squeeze_like, aten.squeeze.dims: squeeze_like,
+        aten.squeeze.default: squeeze_like,
+        aten.slice.Tensor: slice_rule, aten.select.int: along(1),
+        aten.split.Tensor: along(2), aten.split_with_sizes.default: along(2),
+        aten.cat.default: along(1), aten.unbind.int: along(1),
+        aten.slice_backward.default: along(2), aten.select_backward.default: select_backward,
+    }

@@ -1,0 +1,127 @@
+"""How one value is laid out on the mesh: per dim, the axes that tile it (major to minor); pending reductions."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import PartitionError
+from .mesh import Mesh
+
+REDUCE_OPS = ("sum", "max", "min")
+
+
+class _Replicated:
+    """Seed value meaning 'explicitly replicated on this axis' (never tiled later)."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self):
+        return "REPLICATED"
+
+
+REPLICATED = _Replicated()
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Sharding of a value over a mesh.
+
+    dims[d] is the tuple of axes tiling dim d, major to minor (the order in which tactics tiled it);
+    partial is a tuple of (axis, reduce op) on which the value is a pending reduction; replicated are the axes
+    explicitly seeded replicated. Every other axis is (implicitly) replicated.
+
+    >>> s = Sharding(dims=(("batch",), (), ("model",)))
+    >>> str(s)
+    '[{batch}, {}, {model}]'
+    >>> s.placements(Mesh({"batch": 2, "model": 2}))
+    (Shard(dim=0), Shard(dim=2))
+    """
+
+    dims: tuple = ()
+    partial: tuple = ()
+    replicated: frozenset = frozenset()
+
+    def __post_init__(self):
+        object.__setattr__(self, "dims", tuple(tuple(a) for a in self.dims))
+        object.__setattr__(self, "partial", tuple(tuple(p) for p in self.partial))
+        object.__setattr__(self, "replicated", frozenset(self.replicated))
+        seen = {}
+        for d, axes in enumerate(self.dims):
+            for a in axes:
+                if a in seen:
+                    raise PartitionError(f"Sharding: mesh axis {a!r} tiles both dim {seen[a]} and dim {d}; an axis "
+                                         f"can tile at most one dim of a value. Remove one of the two tilings.")
+                seen[a] = d
+        for a, op in self.partial:
+            if op not in REDUCE_OPS:
+                raise PartitionError(f"Sharding: partial reduce op {op!r} on axis {a!r} must be one of {REDUCE_OPS}.")
+            if a in seen:
+                raise PartitionError(f"Sharding: axis {a!r} both tiles dim {seen[a]} and is partial; pick one.")
+
+    @staticmethod
+    def replicate(ndim: int) -> "Sharding":
+        return Sharding(dims=((),) * ndim)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    def tiled_axes(self) -> dict:
+        """axis -> dim it tiles."""
+        return {a: d for d, axes in enumerate(self.dims) for a in axes}
+
+    def partial_op(self, axis: str):
+        for a, op in self.partial:
+            if a == axis:
+                return op
+        return None
+
+    def local_shape(self, shape, mesh: Mesh) -> tuple:
+        out = []
+        for d, size in enumerate(shape):
+            k = 1
+            for a in self.dims[d]:
+                k *= mesh.shape[a]
+            out.append(size // k)
+        return tuple(out)
+
+    def is_replicated(self) -> bool:
+        return not self.partial and all(not axes for axes in self.dims)
+
+    def __str__(self):
+        body = "[" + ", ".join("{" + ", ".join(axes) + "}" for axes in self.dims) + "]"
+        by_op: dict = {}
+        for a, op in self.partial:
+            by_op.setdefault(op, []).append(a)
+        for op, axes in by_op.items():
+            body += f" partial({op})={{{', '.join(axes)}}}"
+        if self.replicated:
+            body += " replicated={" + ", ".join(sorted(self.replicated)) + "}"
+        return body
+
+    def __repr__(self):
+        args = [f"dims={self.dims!r}"]
+        if self.partial:
+            args.append(f"partial={self.partial!r}")
+        if self.replicated:
+            args.append(f"replicated=frozenset({sorted(self.replicated)!r})")
+        return f"Sharding({', '.join(args)})"
+
+    def placements(self, mesh: Mesh) -> tuple:
+        """One DTensor placement per mesh axis (Shard(d), Partial(op) or Replicate())."""
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        tiled = self.tiled_axes()
+        out = []
+        for a in mesh.axes:
+            if a in tiled:
+                out.append(Shard(tiled[a]))
+            elif self.partial_op(a):
+                out.append(Partial(self.partial_op(a)))
+            else:
+                out.append(Replicate())
+        return tuple(out)

@@ -1,0 +1,208 @@
+"""Hardware descriptions: chips, links and how they are wired.
+
+``hardware("h100", nodes=2)`` returns a frozen :class:`Hardware`; every field can be overridden by keyword. Numbers
+are from /work/shared/reference/hardware.md unless a comment says otherwise ("spec" = datasheet, "meas" = published
+measurement, "fit" = calibrated against the measurements there, "assumed" = no public number found).
+
+>>> hw = hardware("h100", nodes=2)
+>>> hw.num_devices, hw.nvlink_bw
+(16, 450000000000.0)
+>>> hardware("tpu-v5e", topology=(16, 16)).torus_wraparound
+(True, True)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from ..errors import PartitionError, closest
+
+GB = 1e9
+GiB = 2 ** 30
+TFLOPS = 1e12
+
+# Small-GEMM fall-off as a Hockney curve (Hockney 1991, "r_inf and n_1/2"): t = F / (eff_max * peak) + t_half.
+# Fit to MAMF (ml-engineering): a 1024^3 fp16 GEMM on A100 reaches 38% of 312 TFLOP/s, best shapes 86.9%.
+_T_PEAK_1024 = 2 * 1024 ** 3 / (312 * TFLOPS)
+GEMM_HALF_TIME_S = _T_PEAK_1024 * (1 / 0.38 - 1 / 0.869)          # ~10.2 us
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One machine: a chip type, how many, and the links between them.
+
+    GPU systems: ``nodes`` x ``gpus_per_node``, NVLink/NVSwitch inside a node, one NIC per GPU between nodes.
+    TPU systems: ``slices`` x prod(``topology``) chips, an ICI torus inside a slice, DCN between slices.
+    Bandwidths are bytes/s in one direction per device (GPU) or per link (TPU ICI); FLOP/s are dense.
+    """
+
+    name: str
+    kind: str                          # "gpu" | "tpu"
+    # --- chip ---------------------------------------------------------------------------------------------------
+    peak_bf16: float                   # tensor-core / MXU FLOP/s for bf16 and fp16
+    peak_fp32: float                   # non-tensor fp32 FLOP/s (used for fp32 matmuls unless tf32=True)
+    peak_tf32: float                   # tensor-core tf32 FLOP/s
+    peak_fp8: float
+    hbm_bytes: float
+    hbm_bw: float                      # bytes/s
+    tf32: bool = False                 # fp32 matmuls run on tensor cores (torch.backends.cuda.matmul.allow_tf32)
+    mm_efficiency: float = 0.85        # best-shape fraction of peak for matmul-like ops
+    mm_half_time_s: float = GEMM_HALF_TIME_S   # Hockney t_1/2 of a matmul kernel
+    hbm_efficiency: float = 0.90       # large-copy fraction of HBM bandwidth (meas 79-93%, Azure guide)
+    kernel_overhead_s: float = 2e-6    # per memory-bound kernel (launch + tail); assumed
+    # --- GPU system ---------------------------------------------------------------------------------------------
+    nodes: int = 1
+    gpus_per_node: int = 8
+    nvlink_bw: float = 0.0             # per GPU, one direction, through NVSwitch
+    nvlink_efficiency: float = 0.80    # NCCL ring/Simple bus bandwidth / nvlink_bw at large sizes (fit)
+    nvls: bool = False                 # NVLink SHARP (NVSwitch in-switch reduction), H100 and later
+    nvls_efficiency: float = 0.61      # NVLS all-reduce algbw / nvlink_bw (fit: 480 GB/s busbw on 8xH100/H200)
+    nvls_latency_s: float = 60e-6      # NVLS all-reduce fixed cost (fit to 8xH200 nccl-tests, 16 MiB-8 GiB)
+    nic_bw: float = 0.0                # per GPU (one NIC per GPU), one direction
+    nic_efficiency: float = 0.94       # NCCL reaches ~46-48 of 50 GB/s per NDR NIC (nccl-tests #290)
+    ib_sharp: bool = False             # in-network reduction on the IB fabric (SHARP), used by NVLS-tree
+    # --- TPU system ---------------------------------------------------------------------------------------------
+    topology: tuple = ()               # torus dims (x, y[, z]) of one slice
+    slices: int = 1                    # slices joined by DCN
+    wraparound: tuple | None = None    # per torus dim; None = the generation's rule (see torus_wraparound)
+    ici_link_bw: float = 0.0           # per link, one direction
+    ici_efficiency: float = 0.90       # assumed (no public calibration)
+    ici_hop_latency_s: float = 1e-6    # "about 1 us per hop" (How to Scale Your Model)
+    ici_base_latency_s: float = 2e-6   # assumed
+    dcn_bw: float = 0.0                # per chip, one direction
+    dcn_efficiency: float = 0.90       # assumed
+    dcn_latency_s: float = 10e-6       # per ring step over DCN; assumed
+    generation: str = ""               # "v4" | "v5e" | "v5p" | "v6e": selects the wraparound rule
+
+    def __post_init__(self):
+        if self.kind not in ("gpu", "tpu"):
+            raise PartitionError(f"hardware {self.name!r}: kind must be 'gpu' or 'tpu', got {self.kind!r}.")
+        for f in ("nodes", "gpus_per_node", "slices"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise PartitionError(f"hardware {self.name!r}: {f} must be a positive int, got {v!r}.")
+        if self.kind == "tpu":
+            object.__setattr__(self, "topology", tuple(self.topology))
+            want = 3 if self.generation in ("v4", "v5p") else 2
+            if len(self.topology) not in (want, 2 if want == 3 else want) or \
+                    not all(isinstance(d, int) and d >= 1 for d in self.topology):
+                raise PartitionError(f"hardware {self.name!r}: topology must be {want} positive ints "
+                                     f"(x, y{', z' if want == 3 else ''}), got {self.topology!r}.")
+            if self.generation in ("v5e", "v6e") and max(self.topology) > 16:
+                raise PartitionError(f"hardware {self.name!r}: {self.generation} slices are at most 16x16 "
+                                     f"(256 chips), got topology {self.topology!r}; use slices= for more.")
+            if self.wraparound is not None:
+                object.__setattr__(self, "wraparound", tuple(bool(w) for w in self.wraparound))
+                if len(self.wraparound) != len(self.topology):
+                    raise PartitionError(f"hardware {self.name!r}: wraparound {self.wraparound!r} needs one "
+                                         f"flag per torus dim of topology {self.topology!r}.")
+
+    @property
+    def num_devices(self) -> int:
+        if self.kind == "gpu":
+            return self.nodes * self.gpus_per_node
+        return math.prod(self.topology) * self.slices
+
+    @property
+    def torus_dims(self) -> tuple:
+        """Names of the torus dims: ('x', 'y') or ('x', 'y', 'z')."""
+        return ("x", "y", "z")[:len(self.topology)]
+
+    @property
+    def torus_wraparound(self) -> tuple:
+        """Which torus dims have wraparound links.
+
+        v4 / v5p: all dims, when the slice is made of full 4x4x4 cubes (every dim a multiple of 4).
+        v5e / v6e: only dims of size 16 (a full pod side). (Google Cloud TPU docs; How to Scale Your Model.)
+        """
+        if self.wraparound is not None:
+            return self.wraparound
+        if self.generation in ("v4", "v5p"):
+            cube = all(d % 4 == 0 for d in self.topology)
+            return tuple(cube and d > 1 for d in self.topology)
+        return tuple(d == 16 for d in self.topology)
+
+    def peak_flops(self, dtype) -> float:
+        """Dense matmul FLOP/s for a dtype (torch.dtype or its name)."""
+        name = str(dtype).replace("torch.", "")
+        if name in ("bfloat16", "float16", "half"):
+            return self.peak_bf16
+        if name.startswith("float8"):
+            return self.peak_fp8
+        if name in ("float32", "float"):
+            return self.peak_tf32 if self.tf32 else self.peak_fp32
+        if name in ("float64", "double"):
+            return self.peak_fp32 / 2          # FP64 is at most half of FP32 on these chips (spec sheets)
+        return self.peak_fp32
+
+    def describe(self) -> str:
+        if self.kind == "gpu":
+            return f"{self.name} ({self.nodes} node(s) x {self.gpus_per_node} GPUs = {self.num_devices})"
+        topo = "x".join(map(str, self.topology))
+        return f"{self.name} ({self.slices} slice(s) x {topo} = {self.num_devices} chips)"
+
+
+def _gpu(name, bf16, fp32, tf32, fp8, hbm_gb, hbm_gbs, nvlink_gbs, nic_gbs, mm_eff, nvlink_eff, nvls, hbm_gib=None):
+    return Hardware(name=name, kind="gpu", peak_bf16=bf16 * TFLOPS, peak_fp32=fp32 * TFLOPS,
+                    peak_tf32=tf32 * TFLOPS, peak_fp8=fp8 * TFLOPS, hbm_bytes=hbm_gb * GB,
+                    hbm_bw=hbm_gbs * GB, mm_efficiency=mm_eff, nvlink_bw=nvlink_gbs * GB,
+                    nvlink_efficiency=nvlink_eff, nvls=nvls, nic_bw=nic_gbs * GB)
+
+
+def _tpu(name, gen, bf16, hbm, hbm_gbs, ici_gbs, dcn_gbs, topology):
+    return Hardware(name=name, kind="tpu", generation=gen, peak_bf16=bf16 * TFLOPS,
+                    peak_fp32=bf16 * TFLOPS / 3,    # fp32 matmul as 3 bf16 passes (XLA precision HIGH); assumed
+                    peak_tf32=bf16 * TFLOPS / 3, peak_fp8=bf16 * TFLOPS, hbm_bytes=hbm, hbm_bw=hbm_gbs * GB,
+                    mm_efficiency=0.85,              # assumed; no MAMF-style TPU measurement in the references
+                    mm_half_time_s=2e-6, kernel_overhead_s=0.5e-6,   # XLA fuses elementwise ops; assumed
+                    ici_link_bw=ici_gbs * GB, dcn_bw=dcn_gbs * GB, topology=topology)
+
+
+# Chips: NVIDIA datasheets; GEMM efficiency: MAMF (ml-engineering); ring efficiency: nccl-tests busbw / NVLink
+# (8xA100 232/300, 8xH100 ring 370/450; B200 assumed like H100). NICs: HDR 200 Gb/s on A100, NDR 400 Gb/s after.
+PRESETS = {
+    "a100-40g": _gpu("a100-40g", 312, 19.5, 156, 312, 40, 1555, 300, 25, 0.869, 0.775, False),
+    "a100-80g": _gpu("a100-80g", 312, 19.5, 156, 312, 80, 2039, 300, 25, 0.869, 0.775, False),
+    "h100": _gpu("h100", 989, 66.9, 494.5, 1979, 80, 3350, 450, 50, 0.803, 0.822, True),
+    "h200": _gpu("h200", 989, 67, 494.5, 1979, 141, 4800, 450, 50, 0.803, 0.822, True),
+    "b200": _gpu("b200", 2250, 80, 1125, 4500, 180, 8000, 900, 50, 0.776, 0.822, True),
+    # TPUs: Google Cloud TPU docs. ICI per link one-way; DCN per chip (v4: 25 GB/s per 4-chip host).
+    "tpu-v4": _tpu("tpu-v4", "v4", 275, 32 * GiB, 1200, 45, 25 / 4, (2, 2, 1)),
+    "tpu-v5e": _tpu("tpu-v5e", "v5e", 197, 16 * GB, 819, 45, 3, (2, 4)),
+    "tpu-v5p": _tpu("tpu-v5p", "v5p", 459, 95 * GiB, 2765, 90, 6, (2, 2, 1)),
+    "tpu-v6e": _tpu("tpu-v6e", "v6e", 918, 32 * GB, 1640, 90, 12.5, (2, 4)),
+}
+_ALIASES = {"a100": "a100-80g", "h100-80g": "h100", "v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p",
+            "v6e": "tpu-v6e"}
+_FIELDS = tuple(f.name for f in dataclasses.fields(Hardware))
+
+
+def hardware(name: str, **overrides) -> Hardware:
+    """A preset machine with any field overridden.
+
+    GPU presets ("a100-40g", "a100-80g", "h100", "h200", "b200") take ``nodes=``, ``gpus_per_node=``,
+    ``nic_bw=`` ...; TPU presets ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e") take ``topology=(x, y[, z])`` and
+    ``slices=``.
+    """
+    key = _ALIASES.get(str(name).lower(), str(name).lower())
+    if key not in PRESETS:
+        hint = closest(key, PRESETS)
+        raise PartitionError(f"hardware: unknown preset {name!r}."
+                             + (f" Did you mean {hint[0]!r}?" if hint else "")
+                             + f" Presets: {', '.join(PRESETS)}.")
+    bad = [k for k in overrides if k not in _FIELDS]
+    if bad:
+        hints = {b: closest(b, _FIELDS, 1) for b in bad}
+        did = "; ".join(f"{b!r} -> did you mean {h[0]!r}?" for b, h in hints.items() if h)
+        raise PartitionError(f"hardware({name!r}): unknown field(s) {', '.join(map(repr, bad))}."
+                             + (f" {did}." if did else "")
+                             + f" Valid fields: {', '.join(_FIELDS)}.")
+    base = PRESETS[key]
+    if base.kind == "gpu" and any(k in overrides for k in ("topology", "slices")):
+        raise PartitionError(f"hardware({name!r}): topology/slices describe TPU pods; for GPUs use "
+                             f"nodes= and gpus_per_node=.")
+    if base.kind == "tpu" and any(k in overrides for k in ("nodes", "gpus_per_node")):
+        raise PartitionError(f"hardware({name!r}): nodes/gpus_per_node describe GPU clusters; for TPUs use "
+                             f"topology=(x, y[, z]) and slices=.")
+    return dataclasses.replace(base, **overrides)
