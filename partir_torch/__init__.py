@@ -1,0 +1,11 @@
+"""partir_torch: composable SPMD partitioning of PyTorch training steps (PartIR for PyTorch)."""
+from . import tactics
+from .api import partition
+from .errors import PartitionError
+from .mesh import Mesh
+from .rules.registry import register_rule
+from .sharding import REPLICATED, Sharding
+from .tactics.manual import ManualPartition
+
+__all__ = ["Mesh", "Sharding", "REPLICATED", "ManualPartition", "partition", "tactics", "register_rule",
+           "PartitionError"]

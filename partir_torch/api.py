@@ -1,0 +1,32 @@
+"""partition(): capture -> propagate once per tactic -> (lower -> run | simulate)."""
+from __future__ import annotations
+
+from .capture import capture
+from .mesh import Mesh
+from .program import Program, TacticContext
+from .propagate.engine import Propagator
+from .propagate.graph import PartGraph
+from .rules.registry import default_registry
+from .tactics.schedule import flatten_schedule
+from .errors import PartitionError
+
+
+def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimizer=None, registry=None) -> Program:
+    """Trace `model`'s step and partition it over `mesh` with the tactics of `schedule`, in order.
+
+    >>> prog = partition(model, Mesh({"batch": 2}), [ManualPartition({"inputs.*": 0}, axis="batch")],
+    ...                  example_inputs=(x, y), loss_fn=lambda m, x, y: F.mse_loss(m(x), y))
+    """
+    if not isinstance(mesh, Mesh):
+        raise PartitionError(f"partition: mesh must be a pt.Mesh, got {type(mesh).__name__}.")
+    if optimizer is not None and loss_fn is None:
+        raise PartitionError("partition: an optimizer needs a loss_fn (the step it updates from).")
+    tactics = flatten_schedule(schedule)
+    captured = capture(model, example_inputs, loss_fn, optimizer)
+    graph = PartGraph(captured.gm, registry or default_registry(), captured.names, captured.ties)
+    prog = Program(captured, graph, Propagator(graph, mesh), mesh, tactics, model, optimizer)
+    ctx = TacticContext(prog)
+    for t in tactics:
+        t.apply(ctx)
+        prog.stages.append(prog._snapshot(t))
+    return prog

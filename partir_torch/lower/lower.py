@@ -1,0 +1,207 @@
+"""Lowering: the partitioned global graph -> one per-device aten GraphModule with explicit collectives.
+
+Each op runs on local shards under the layout its per-axis decisions imply (lower/layouts below); wherever an
+operand's layout differs from what the op needs, reshard.py emits the collectives. Shape arguments are rewritten
+to local sizes by localize.py.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+from ..propagate.state import PARTIAL_OP
+from ..sharding import Sharding
+from .localize import localize_args
+from .records import META_NAME, META_ROLE
+from .reshard import Emitter, reshard
+
+
+@dataclass
+class Lowered:
+    """The per-device program and what it needs to run."""
+
+    gm: fx.GraphModule
+    records: list                    # CollectiveRecords, program order
+    input_layouts: list              # per captured placeholder: Sharding
+    output_layouts: list             # per output: Sharding
+    coord_axes: list                 # extra trailing placeholders: the rank's coordinate on each axis
+    local_shapes: list = field(default_factory=list)   # per captured placeholder
+
+
+def _local(shape, sh: Sharding, mesh):
+    return sh.local_shape(shape, mesh)
+
+
+def op_layouts(prog, i: int):
+    """(operand layouts, result layouts) op i computes under: built from its per-axis decisions, with each dim's
+    axes in the order they were assigned."""
+    g, prop = prog.graph, prog.prop
+    op = g.ops[i]
+    rule = op.rule
+    nops, nres = len(op.operands), len(op.results)
+    in_dims = [[[] for _ in g.shapes[v]] for v in op.operands]
+    in_part = [[] for _ in range(nops)]
+    out_dims = [None if v is None else [[] for _ in g.shapes[v]] for v in op.results]
+    out_part = [[] for _ in range(nres)]
+    ignored = [rule is not None and rule.operands[j] is None for j in range(nops)]
+    if rule is not None:
+        for f, axes in prop.op_axes.get(i, {}).items():
+            for axis in axes:
+                factor = rule.factors[f]
+                for j, dims in enumerate(rule.operands):
+                    for d, fs in enumerate(dims or ()):
+                        if fs and fs[0] == f:
+                            in_dims[j][d].append(axis)
+                for j, dims in enumerate(rule.results):
+                    if dims is None or out_dims[j] is None:
+                        continue
+                    where = [d for d, fs in enumerate(dims) if fs and fs[0] == f]
+                    if where:
+                        out_dims[j][where[0]].append(axis)
+                    elif factor.kind == "reduce":
+                        out_part[j].append((axis, factor.reduce_op))
+        for axis in prop.axis_order:
+            a = prop.axes[axis].assign.get(i)
+            if a is not None and a < 0:
+                opname = PARTIAL_OP[a]
+                for j, v in enumerate(op.operands):
+                    if prop.state(axis, v) == a:
+                        in_part[j].append((axis, opname))
+                for j in range(nres):
+                    out_part[j].append((axis, opname))
+    ins = [None if ignored[j] else Sharding(in_dims[j], in_part[j]) for j in range(nops)]
+    outs = [None if out_dims[j] is None else Sharding(out_dims[j], out_part[j]) for j in range(nres)]
+    return ins, outs
+
+
+def lower(prog, groups: dict) -> Lowered:
+    """Build the per-device program. groups: mesh axis -> process group name used by the collectives."""
+    g, mesh, cap = prog.graph, prog.mesh, prog.captured
+    new = fx.Graph()
+    env: dict = {}              # old node -> new node (in the value's recorded layout)
+    local_shape: dict = {}      # old node -> local shape under its recorded layout
+    layout = {v: prog.sharding_of_vid(v) for v in range(len(g.values))}
+    cache: dict = {}
+    placeholders = [n for n in g.gm.graph.nodes if n.op == "placeholder"]
+    coords = {}
+    # placeholders first (captured ones, then one coordinate per axis)
+    for n in placeholders:
+        p = new.placeholder(n.name)
+        p.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+        env[n] = p
+        v = g.vid.get(n)
+        if v is not None:
+            local_shape[n] = _local(g.shapes[v], layout[v], mesh)
+    for axis in mesh.axes:
+        c = new.placeholder(f"coord_{axis}")
+        c.meta[META_ROLE], c.meta[META_NAME] = "coord", f"coord.{axis}"
+        coords[axis] = c
+    em = Emitter(new, mesh, groups, coords)
+    out_layouts: list = []
+    op_index = {op.node: i for i, op in enumerate(g.ops)}
+
+    def tactic_of(vid):
+        def f(axis):
+            st = prog.prop.axes.get(axis)
+            prov = st.prov.get(g.canon[vid]) if st else None
+            return prov.tactic if prov else "-"
+        return f
+
+    produced_of: dict = {}     # multi-output node -> result layouts
+
+    def settle(node, produced, v):
+        """After an op: bring its result from the layout it was computed in to the value's recorded layout."""
+        want = _strip(layout[v])
+        if produced is None or produced == want:
+            return
+        x = reshard(em, env[node], local_shape[node], node.meta["val"].dtype, produced, want, g.name(v),
+                    tactic_of(v))
+        env[node], local_shape[node] = x, _local(g.shapes[v], want, mesh)
+
+    def fetch(node, want: Sharding | None):
+        """node's value in layout `want` (None: as recorded)."""
+        v = g.vid[node]
+        have = layout[v]
+        if want is None or want == _strip(have):
+            return env[node], local_shape[node]
+        key = (node, want)
+        if key not in cache:
+            x = reshard(em, env[node], local_shape[node], node.meta["val"].dtype, have, want, g.name(v), tactic_of(v))
+            cache[key] = (x, _local(g.shapes[v], want, mesh))
+        return cache[key]
+
+    for node in g.gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            outs = []
+            for name, o in zip(cap.output_names, node.args[0]):
+                v = g.vid[o]
+                keep = name.startswith("params.") or name.startswith("opt.")
+                want = _strip(layout[v]) if keep else Sharding.replicate(len(g.shapes[v]))
+                x, _ = fetch(o, want)
+                outs.append(x)
+                out_layouts.append(want)
+            new.output(tuple(outs))
+            continue
+        if node.target is operator.getitem:
+            src = env[node.args[0]]
+            x = new.call_function(operator.getitem, (src, node.args[1]))
+            env[node] = x
+            v = g.vid.get(node)
+            produced = produced_of[node.args[0]][node.args[1]]
+            if v is not None:
+                local_shape[node] = _local(g.shapes[v], produced, mesh)
+                settle(node, produced, v)
+            continue
+        i = op_index.get(node)
+        if i is None:
+            raise AssertionError(f"internal: node {node.format_node()} is not an op")
+        ins, outs = op_layouts(prog, i)
+        op = g.ops[i]
+        slot = iter(range(len(op.operands)))
+        in_local = []
+
+        def mapped(a):
+            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) and a in g.vid:
+                j = next(slot)
+                x, shp = fetch(a, ins[j])
+                in_local.append(shp)
+                return x
+            if isinstance(a, fx.Node):
+                return env[a]
+            return a
+
+        args = tree_map(mapped, node.args)
+        kwargs = tree_map(mapped, node.kwargs)
+        out_local = [None if o is None else _local(g.shapes[v], o, mesh) if v is not None else None
+                     for o, v in zip(outs, op.results)]
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            vals = node.meta["val"]
+            out_local = [None if not isinstance(t, torch.Tensor) else
+                         (out_local[k] if out_local[k] is not None else _local(tuple(t.shape), outs[k], mesh))
+                         if outs[k] is not None else tuple(t.shape) for k, t in enumerate(vals)]
+        args, kwargs = localize_args(node, args, kwargs, in_local, out_local)
+        x = new.call_function(node.target, args, kwargs)
+        x.meta["partir_src"] = node.name
+        env[node] = x
+        produced_of[node] = outs
+        if isinstance(node.meta.get("val"), torch.Tensor):
+            v = g.vid[node]
+            local_shape[node] = out_local[0]
+            settle(node, outs[0], v)
+
+    gm = fx.GraphModule(torch.nn.Module(), new)
+    in_layouts = [layout[g.vid[n]] if n in g.vid else None for n in placeholders]
+    return Lowered(gm, em.records, in_layouts, out_layouts, list(mesh.axes),
+                   [local_shape.get(n) for n in placeholders])
+
+
+def _strip(sh: Sharding) -> Sharding:
+    """The layout part of a sharding (explicitly-replicated markers do not change the data)."""
+    return Sharding(sh.dims, sh.partial) if sh.replicated else sh

@@ -1,0 +1,152 @@
+"""Resharding one value between two layouts, emitted into the per-device graph as functional collectives.
+
+| from -> to (one axis)     | emitted                                   |
+|---------------------------|-------------------------------------------|
+| tiled(d) -> replicated    | all_gather on d                           |
+| partial -> replicated     | all_reduce (sum / max / min)              |
+| partial -> tiled(d)       | reduce_scatter on d                       |
+| replicated -> tiled(d)    | local slice at the rank's coordinate      |
+| tiled(d1) -> tiled(d2)    | all_to_all                                |
+
+Order: un-tile (innermost axis of a dim first), then reduce pending partials, then tile (outermost first).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from ..sharding import Sharding
+from .records import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, CollectiveRecord
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+class Emitter:
+    """Appends nodes to the per-device graph and keeps the collective records."""
+
+    def __init__(self, graph: fx.Graph, mesh, groups: dict, coords: dict):
+        self.graph, self.mesh, self.groups, self.coords = graph, mesh, groups, coords
+        self.records: list = []
+
+    def call(self, target, *args, meta_shape=None, dtype=None):
+        node = self.graph.call_function(target, tuple(args))
+        node.meta["partir_local_shape"] = meta_shape
+        node.meta["partir_dtype"] = dtype
+        return node
+
+    def collective(self, target, args, kind, axis, shape, dtype, nbytes, value, tactic, reduce_op="", dim=-1):
+        c = self.call(target, *args, meta_shape=shape, dtype=dtype)
+        rec = CollectiveRecord(kind, axis, self.mesh.shape[axis], int(nbytes), str(dtype).replace("torch.", ""),
+                               tactic, value, c.name, reduce_op, dim)
+        c.meta["partir_collective"] = rec
+        self.records.append(rec)
+        return self.call(c10d.wait_tensor.default, c, meta_shape=shape, dtype=dtype)
+
+
+def _move_first(em, x, shape, d, dtype):
+    """Permute dim d to the front (contiguous) so that dim-0 collectives act on it."""
+    perm = [d] + [i for i in range(len(shape)) if i != d]
+    t = em.call(aten.permute.default, x, perm, meta_shape=tuple(shape[i] for i in perm), dtype=dtype)
+    return em.call(aten.clone.default, t, meta_shape=tuple(shape[i] for i in perm), dtype=dtype), perm
+
+
+def _move_back(em, x, shape_first, perm, dtype):
+    inv = [perm.index(i) for i in range(len(perm))]
+    out = tuple(shape_first[i] for i in inv)
+    return em.call(aten.permute.default, x, inv, meta_shape=out, dtype=dtype), out
+
+
+def all_gather(em, x, shape, d, axis, dtype, value, tactic):
+    k = em.mesh.shape[axis]
+    elt = torch.empty((), dtype=dtype).element_size()
+    full = list(shape)
+    full[d] *= k
+    nbytes = math.prod(full) * elt
+    if d == 0:
+        out = em.collective(c10d.all_gather_into_tensor.default, (x, k, em.groups[axis]), ALL_GATHER, axis,
+                            tuple(full), dtype, nbytes, value, tactic, dim=d)
+        return out, tuple(full)
+    y, perm = _move_first(em, x, shape, d, dtype)
+    first = [shape[i] for i in perm]
+    first[0] *= k
+    g = em.collective(c10d.all_gather_into_tensor.default, (y, k, em.groups[axis]), ALL_GATHER, axis, tuple(first),
+                      dtype, nbytes, value, tactic, dim=d)
+    out, out_shape = _move_back(em, g, first, perm, dtype)
+    return out, out_shape
+
+
+def all_reduce(em, x, shape, op, axis, dtype, value, tactic):
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    out = em.collective(c10d.all_reduce.default, (x, op, em.groups[axis]), ALL_REDUCE, axis, tuple(shape), dtype,
+                        nbytes, value, tactic, reduce_op=op)
+    return out, tuple(shape)
+
+
+def reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic):
+    k = em.mesh.shape[axis]
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    out_shape = list(shape)
+    out_shape[d] //= k
+    if d == 0:
+        out = em.collective(c10d.reduce_scatter_tensor.default, (x, op, k, em.groups[axis]), REDUCE_SCATTER, axis,
+                            tuple(out_shape), dtype, nbytes, value, tactic, reduce_op=op, dim=d)
+        return out, tuple(out_shape)
+    y, perm = _move_first(em, x, shape, d, dtype)
+    first = [shape[i] for i in perm]
+    first[0] //= k
+    r = em.collective(c10d.reduce_scatter_tensor.default, (y, op, k, em.groups[axis]), REDUCE_SCATTER, axis,
+                      tuple(first), dtype, nbytes, value, tactic, reduce_op=op, dim=d)
+    return _move_back(em, r, first, perm, dtype)
+
+
+def local_slice(em, x, shape, d, axis, dtype):
+    """This rank's chunk of dim d: index_select with arange(chunk) + coord * chunk (the coordinate is a graph
+    input, so the same program serves every rank)."""
+    k = em.mesh.shape[axis]
+    chunk = shape[d] // k
+    idx = em.call(aten.arange.default, chunk, meta_shape=(chunk,), dtype=torch.int64)
+    off = em.call(aten.mul.Scalar, em.coords[axis], chunk, meta_shape=(), dtype=torch.int64)
+    idx = em.call(aten.add.Tensor, idx, off, meta_shape=(chunk,), dtype=torch.int64)
+    out_shape = list(shape)
+    out_shape[d] = chunk
+    return em.call(aten.index_select.default, x, d, idx, meta_shape=tuple(out_shape), dtype=dtype), tuple(out_shape)
+
+
+def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tactic_of) -> fx.Node:
+    """Emit the collectives turning layout src into dst. shape: x's local shape under src. tactic_of(axis) names
+    the tactic to blame for a collective on that axis."""
+    shape = tuple(shape)
+    cur_dims = [list(a) for a in src.dims]
+    pending = dict(src.partial)
+    # 1. un-tile: drop axes not in dst's prefix, innermost first
+    for d in range(len(cur_dims)):
+        keep = 0
+        while keep < len(cur_dims[d]) and keep < len(dst.dims[d]) and cur_dims[d][keep] == dst.dims[d][keep]:
+            keep += 1
+        for axis in reversed(cur_dims[d][keep:]):
+            x, shape = all_gather(em, x, shape, d, axis, dtype, value, tactic_of(axis))
+        cur_dims[d] = cur_dims[d][:keep]
+    # 2. pending reductions: reduce_scatter straight into the target tiling where it is the next split of its dim
+    dst_tiled = dst.tiled_axes()
+    for axis, op in list(pending.items()):
+        if dst.partial_op(axis) == op:
+            continue
+        d = dst_tiled.get(axis)
+        if d is not None and dst.dims[d][len(cur_dims[d])] == axis and shape[d] % em.mesh.shape[axis] == 0:
+            x, shape = reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic_of(axis))
+            cur_dims[d].append(axis)
+        else:
+            x, shape = all_reduce(em, x, shape, op, axis, dtype, value, tactic_of(axis))
+        del pending[axis]
+    for axis, op in dst.partial:
+        if pending.get(axis) != op:
+            raise AssertionError(f"internal: cannot make {value} partial({op}) on '{axis}' from a whole value")
+    # 3. tile: slice locally, outermost first
+    for d in range(len(cur_dims)):
+        for axis in dst.dims[d][len(cur_dims[d]):]:
+            x, shape = local_slice(em, x, shape, d, axis, dtype)
+            cur_dims[d].append(axis)
+    return x

@@ -1,0 +1,203 @@
+"""The result of partition(): shardings after every tactic, explanations, conflicts, and the runnable program."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tabulate import tabulate
+
+from .errors import PartitionError, closest
+from .propagate.state import PARTIAL_OP, REPLICATED, UNKNOWN, state_str
+from .sharding import Sharding
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Snapshot after one tactic: the sharding of every named value, and the conflicts standing then."""
+
+    tactic: str
+    axis: str
+    shardings: dict
+    conflicts: tuple
+    decided: int          # (value, axis) decisions made by this tactic
+
+
+class TacticContext:
+    """What a tactic sees: the mesh, the named values, and a way to seed and propagate."""
+
+    def __init__(self, program: "Program"):
+        self.program = program
+        self.mesh = program.mesh
+        self.graph = program.graph
+        self.prop = program.prop
+        self.captured = program.captured
+
+    def value_names(self) -> list:
+        return list(self.graph.name_to_vid)
+
+    def value_meta(self, name: str) -> dict:
+        vid = self.graph.name_to_vid[name]
+        node = self.graph.values[vid]
+        val = node.meta["val"]
+        return {"shape": tuple(val.shape), "dtype": val.dtype, "role": node.meta.get("partir_role", "activation")}
+
+    def seed_and_propagate(self, axis: str, seeds: list, tactic: str) -> None:
+        vids = []
+        for name, state in seeds:
+            vid = self.graph.name_to_vid[name]
+            self.prop.seed(axis, vid, state, tactic)
+            vids.append(vid)
+        self.prop.run(axis, tactic, vids)
+
+
+class Program:
+    """A partitioned step. `print(prog)` shows the graph with shardings; see DESIGN §2 for the API."""
+
+    def __init__(self, captured, graph, prop, mesh, tactics, model=None, optimizer=None):
+        self.captured, self.graph, self.prop, self.mesh = captured, graph, prop, mesh
+        self.tactics = tactics
+        self.stages: list = []
+        self.model, self.optimizer = model, optimizer
+        self._exec = None
+
+    # -- running (see runtime/) ----------------------------------------------------------------------------------
+    @property
+    def executor(self):
+        if self._exec is None:
+            from .runtime import Executor
+
+            self._exec = Executor(self, self.model, self.optimizer)
+        return self._exec
+
+    @property
+    def lowered(self):
+        """The per-device program (lower.Lowered): GraphModule, collective records, layouts."""
+        return self.executor.ensure()
+
+    def collectives(self) -> list:
+        """CollectiveRecords of the per-device program: kind, axis, bytes, dtype, tactic, value, FX node."""
+        return list(self.lowered.records)
+
+    def train_step(self, *batch):
+        """One step (forward, backward, optimizer update) on the global batch; each rank keeps its slice."""
+        return self.executor.train_step(batch)
+
+    def train_step_local(self, *local_batch):
+        """One step where each rank passes its own shard of the batch (from a real data loader)."""
+        return self.executor.train_step(local_batch, local=True)
+
+    def loss_and_grads(self, *batch):
+        return self.executor.loss_and_grads(batch)
+
+    def __call__(self, *inputs):
+        return self.executor.forward(inputs)
+
+    def gather_parameters(self) -> dict:
+        """Full parameter tensors, keyed by FQN."""
+        return self.executor.gather_parameters()
+
+    def state_dict(self) -> dict:
+        """Parameters, buffers and optimizer state: DTensors on real ranks (placements = their shardings)."""
+        return self.executor.state_dict()
+
+    # -- shardings -----------------------------------------------------------------------------------------------
+    def _vid(self, name: str) -> int:
+        vid = self.graph.name_to_vid.get(name)
+        if vid is None:
+            near = closest(name, self.graph.name_to_vid, n=5)
+            raise PartitionError(f"no value named {name!r}." + (f" Closest: {', '.join(near)}." if near else ""))
+        return vid
+
+    def sharding_of_vid(self, vid: int) -> Sharding:
+        c = self.graph.canon[vid]
+        ndim = len(self.graph.shapes[vid])
+        dims = [list(self.prop.dim_axes.get((c, d), ())) for d in range(ndim)]
+        partial, rep = [], []
+        for axis, st in self.prop.axes.items():
+            s = st.value[c]
+            if s in PARTIAL_OP:
+                partial.append((axis, PARTIAL_OP[s]))
+            elif s == REPLICATED:
+                rep.append(axis)
+        return Sharding(dims=dims, partial=partial, replicated=rep)
+
+    def sharding(self, name: str) -> Sharding:
+        """The sharding of a named value after the last tactic (e.g. "params.layers.0.attn.wq.weight")."""
+        return self.sharding_of_vid(self._vid(name))
+
+    @property
+    def conflicts(self) -> list:
+        return self.prop.conflicts
+
+    def explain(self, name: str) -> str:
+        """Which tactic decided each axis of a value, and through which path."""
+        vid = self._vid(name)
+        g, c = self.graph, self.graph.canon[vid]
+        lines = [f"{name}: {self.sharding_of_vid(vid)}  shape {tuple(g.shapes[vid])}"]
+        for axis in self.mesh.axes:
+            st = self.prop.axes.get(axis)
+            s = UNKNOWN if st is None else st.value[c]
+            if s == UNKNOWN:
+                lines.append(f"  axis '{axis}': replicated (no tactic decided it)")
+                continue
+            lines.append(f"  axis '{axis}': {self._why(st, c, s)}")
+        return "\n".join(lines)
+
+    def _why(self, st, c: int, s: int) -> str:
+        g = self.graph
+        prov = st.prov[c]
+        what = state_str(s)
+        if prov.op is None:
+            return f"{what} by tactic {prov.tactic}: seeded"
+        path, cur, seen = [], prov, set()
+        while cur is not None and cur.op is not None and len(path) < 6:
+            node = g.ops[cur.op].node
+            path.append(f"{node.target} ({node.name}) from {g.name(cur.source)}")
+            src = g.canon[cur.source]
+            if src in seen:
+                break
+            seen.add(src)
+            cur = st.prov.get(src)
+        more = " ..." if cur is not None and cur.op is not None else ""
+        origin = f"; {g.name(cur.source) if cur and cur.source is not None else ''} seeded" if cur and cur.op is None else ""
+        return f"{what} by {prov.tactic} via " + " <- ".join(path) + more + origin
+
+    # -- printing ------------------------------------------------------------------------------------------------
+    def annotated(self, max_nodes: int | None = None) -> str:
+        """The captured graph, one line per value, with its sharding."""
+        g = self.graph
+        lines = [f"# mesh {self.mesh}; schedule: " + ", ".join(f"{t.name}[{getattr(t, 'axis', '?')}]" for t in self.tactics)]
+        for i, node in enumerate(g.gm.graph.nodes):
+            if max_nodes is not None and i >= max_nodes:
+                lines.append("...")
+                break
+            if node.op == "output":
+                lines.append(f"return {node.args[0]}")
+                continue
+            vid = g.vid.get(node)
+            val = node.meta.get("val")
+            shape = list(val.shape) if vid is not None else ""
+            lhs = f"%{node.name}: {shape}" if vid is not None else f"%{node.name}"
+            if node.op == "placeholder":
+                rhs = f"input {node.meta.get('partir_name', '')}"
+            else:
+                args = ", ".join(f"%{a.name}" if hasattr(a, "name") else repr(a) for a in node.args)
+                rhs = f"{node.target}({args})"
+            sh = f"  # {self.sharding_of_vid(vid)}" if vid is not None else ""
+            tag = f"  ({node.meta['partir_tag']})" if node.meta.get("partir_tag") else ""
+            lines.append(f"{lhs} = {rhs}{sh}{tag}")
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.annotated()
+
+    def summary(self) -> str:
+        rows = []
+        for s in self.stages:
+            rows.append([s.tactic, s.axis, s.decided, len(s.conflicts)])
+        return tabulate(rows, headers=["tactic", "axis", "decisions", "conflicts"], tablefmt="simple")
+
+    def _snapshot(self, tactic) -> Stage:
+        names = self.graph.name_to_vid
+        shardings = {n: self.sharding_of_vid(v) for n, v in names.items()}
+        decided = sum(1 for st in self.prop.axes.values() for p in st.prov.values() if p.tactic == tactic.name)
+        return Stage(tactic.name, getattr(tactic, "axis", ""), shardings, tuple(self.prop.conflicts), decided)

@@ -1,0 +1,81 @@
+"""Real ranks: torch.distributed is initialised (torchrun / mp.spawn); one sub-group per mesh axis."""
+from __future__ import annotations
+
+import hashlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import RuntimeMismatchError
+from ..mesh import Mesh
+from ..sharding import Sharding
+from .layout import shard_of
+
+
+def real_ranks_active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
+
+
+class DistributedRuntime:
+    """This process is one rank; tensors are plain local shards."""
+
+    kind = "distributed"
+
+    def __init__(self, mesh: Mesh, timeout_s: float = 300.0):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if dist.get_world_size() != mesh.size:
+            raise RuntimeMismatchError(f"partition: the mesh {mesh} has {mesh.size} devices but torch.distributed "
+                                       f"has world size {dist.get_world_size()}. Launch {mesh.size} processes "
+                                       f"(torchrun --nproc-per-node {mesh.size}) or change the mesh.")
+        self.mesh = mesh
+        self.rank = dist.get_rank()
+        self.coord = mesh.coordinate(self.rank)
+        self.timeout = timedelta(seconds=timeout_s)
+        dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        self.device = torch.device(dev, torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
+        self.device_mesh = init_device_mesh(dev, tuple(mesh.shape.values()), mesh_dim_names=mesh.axes)
+        self.groups = {a: self.device_mesh.get_group(a).group_name for a in mesh.axes}
+
+    def valid(self) -> bool:
+        return dist.is_initialized()
+
+    def check_plan(self, text: str) -> None:
+        """All ranks must run the same program: compare hashes; name the first rank that differs."""
+        h = hashlib.sha256(text.encode()).hexdigest()[:16]
+        hashes = [None] * dist.get_world_size()
+        try:
+            dist.all_gather_object(hashes, h)
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeMismatchError(f"partition: ranks could not agree on the plan within {self.timeout}: {e}. "
+                                       f"A rank may have died or not called partition().") from e
+        bad = [r for r, x in enumerate(hashes) if x != hashes[0]]
+        if bad:
+            raise RuntimeMismatchError(
+                f"partition: rank {bad[0]} built a different program than rank 0 (plan hash {hashes[bad[0]]} vs "
+                f"{hashes[0]}). Every rank must call partition with the same model, shapes, schedule and code.")
+
+    def shard(self, full: torch.Tensor, sh: Sharding):
+        return shard_of(full.detach().to(self.device), sh, self.mesh, self.coord)
+
+    def local(self, t: torch.Tensor):
+        return t.detach().to(self.device)
+
+    def coords(self) -> list:
+        return [torch.tensor(self.coord[a], dtype=torch.int64, device=self.device) for a in self.mesh.axes]
+
+    def run(self, gm, args):
+        return gm(*args)
+
+    def dtensor(self, t, sh: Sharding, shape):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(t, self.device_mesh, sh.placements(self.mesh), shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride(), run_check=False)
+
+    def full(self, t, sh: Sharding, shape) -> torch.Tensor:
+        return self.dtensor(t, sh, shape).full_tensor()
+
+    def rank0(self, t) -> torch.Tensor:
+        return t

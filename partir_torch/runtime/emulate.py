@@ -1,0 +1,69 @@
+"""Emulated ranks: every rank of the mesh in one process (LocalTensorMode over a `fake` process group).
+Same per-device program, same numerics as real ranks."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..mesh import Mesh
+from ..sharding import Sharding
+from .layout import assemble, shard_of
+
+
+def _ensure_world(n: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_backend() == "fake" and dist.get_world_size() == n:
+            return
+        if dist.get_backend() != "fake":
+            raise RuntimeError("a real process group is initialised; use the distributed runtime")
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
+
+
+class EmulatedRuntime:
+    """All ranks in one process. Tensors the program sees are LocalTensors (one value per rank)."""
+
+    kind = "emulated"
+
+    def __init__(self, mesh: Mesh):
+        from torch.distributed._local_tensor import LocalTensorMode
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = mesh
+        _ensure_world(mesh.size)
+        self.mode = LocalTensorMode(mesh.size)
+        with self.mode:
+            self.device_mesh = init_device_mesh("cpu", tuple(mesh.shape.values()), mesh_dim_names=mesh.axes)
+        self.groups = {a: self.device_mesh.get_group(a).group_name for a in mesh.axes}
+        self._world = id(dist.group.WORLD)
+
+    def valid(self) -> bool:
+        return dist.is_initialized() and id(dist.group.WORLD) == self._world
+
+    def per_rank(self, fn):
+        """A LocalTensor whose rank-r value is fn(r, coord)."""
+        with self.mode:
+            return self.mode.rank_map(lambda r: fn(r, self.mesh.coordinate(r)))
+
+    def shard(self, full: torch.Tensor, sh: Sharding):
+        full = full.detach()
+        return self.per_rank(lambda r, c: shard_of(full, sh, self.mesh, c))
+
+    def local(self, full: torch.Tensor):
+        """A rank's own slice is given by the caller (train_step_local): every rank receives the same tensor."""
+        return self.per_rank(lambda r, c: full.detach().clone())
+
+    def coords(self) -> list:
+        return [self.per_rank(lambda r, c, a=a: torch.tensor(c[a], dtype=torch.int64)) for a in self.mesh.axes]
+
+    def run(self, gm, args):
+        with self.mode:
+            return gm(*args)
+
+    def full(self, t, sh: Sharding, shape) -> torch.Tensor:
+        return assemble(dict(t._local_tensors), sh, self.mesh, shape)
+
+    def rank0(self, t) -> torch.Tensor:
+        return t._local_tensors[0].clone()

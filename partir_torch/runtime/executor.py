@@ -1,0 +1,158 @@
+"""Runs a lowered program step after step: state (parameters, buffers, optimizer state) stays as local shards."""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
+from ..errors import PartitionError
+from ..lower.lower import lower
+from .distributed import DistributedRuntime, real_ranks_active
+from .emulate import EmulatedRuntime
+
+STATE_ROLES = ("param", "buffer", "opt_state")
+
+
+class Executor:
+    def __init__(self, prog, model, optimizer):
+        self.prog, self.model, self.optimizer = prog, model, optimizer
+        self.rt = None
+        self.lowered = None
+        self.state: dict | None = None       # placeholder name -> local tensor
+        self.steps = 0
+
+    # -- set-up ----------------------------------------------------------------------------------------------------
+    def ensure(self):
+        if self.rt is None or not self.rt.valid():
+            mesh = self.prog.mesh
+            self.rt = DistributedRuntime(mesh) if real_ranks_active() else EmulatedRuntime(mesh)
+            self.lowered = lower(self.prog, self.rt.groups)
+            if isinstance(self.rt, DistributedRuntime):
+                self.rt.check_plan(self.lowered.gm.code)
+            if self.state is not None:   # runtime re-created (emulation): re-shard the state we hold
+                full = self.state_full()
+                self.state = None
+                self._init_state(full)
+        if self.state is None:
+            self._init_state(None)
+        return self.lowered
+
+    def _init_state(self, full: dict | None):
+        cap = self.prog.captured
+        if full is None:
+            full = {}
+            params = dict(self.model.named_parameters())
+            buffers = dict(self.model.named_buffers())
+            for t in list(params.values()) + list(buffers.values()):
+                if t.device.type == "meta":
+                    raise PartitionError("partition: the model lives on the meta device, so it cannot run. Build it "
+                                         "on a real device (or model.to_empty(device=...) and initialise) first; "
+                                         "meta models can be partitioned, printed and simulated.")
+            for k, p in params.items():
+                full[f"params.{k}"] = p.detach()
+            for k, b in buffers.items():
+                full[f"buffers.{k}"] = b.detach()
+            if cap.fopt is not None:
+                st = cap.fopt.init_state({k: params[k].detach() for k in cap.trainable})
+                for s, d in st.items():
+                    for k, t in d.items():
+                        full[f"opt.{s}.{k}"] = t
+                self.steps = int(cap.fopt.init_step())
+        self.state = {}
+        for name, role, sh in zip(cap.input_names, cap.input_roles, self.lowered.input_layouts):
+            if role in STATE_ROLES:
+                self.state[name] = self.rt.shard(full[name], sh)
+
+    # -- running ---------------------------------------------------------------------------------------------------
+    def _args(self, batch, local: bool):
+        cap = self.prog.captured
+        flat, _ = tree_flatten(tuple(batch))
+        n_in = sum(1 for r in cap.input_roles if r == "input")
+        if len(flat) != n_in:
+            raise PartitionError(f"the program was captured with {n_in} input tensors; got {len(flat)}.")
+        args, k = [], 0
+        for name, role, sh, shp in zip(cap.input_names, cap.input_roles, self.lowered.input_layouts,
+                                       self.lowered.local_shapes):
+            if role in STATE_ROLES:
+                args.append(self.state[name])
+            elif role == "lr":
+                lr = cap.fopt.lr
+                args.append(self.rt.local(torch.tensor(lr, dtype=torch.float64)))
+            elif role == "step":
+                args.append(self.rt.local(torch.tensor(float(self.steps + 1), dtype=torch.float64)))
+            else:
+                x = flat[k]
+                k += 1
+                want = self.prog.graph.shapes[self.prog.graph.vid[self._placeholder(name)]]
+                if local:
+                    if tuple(x.shape) != tuple(shp):
+                        raise PartitionError(f"train_step_local: {name} has shape {tuple(x.shape)}, but each rank's "
+                                             f"shard must have shape {tuple(shp)} (global {tuple(want)}, {sh}).")
+                    args.append(self.rt.local(x))
+                else:
+                    if tuple(x.shape) != tuple(want):
+                        raise PartitionError(f"{name} has shape {tuple(x.shape)}; the program was captured with "
+                                             f"{tuple(want)}. Re-partition for new shapes.")
+                    args.append(self.rt.shard(x, sh))
+        return args + self.rt.coords()
+
+    def _placeholder(self, name):
+        return self.prog.captured.names[name]
+
+    def run(self, batch, local=False):
+        low = self.ensure()
+        outs = self.rt.run(low.gm, self._args(batch, local))
+        return list(outs)
+
+    def train_step(self, batch, local=False):
+        cap = self.prog.captured
+        if cap.mode != TRAIN:
+            raise PartitionError("train_step needs partition(..., loss_fn=..., optimizer=...).")
+        outs = self.run(batch, local)
+        for name, t in zip(cap.output_names[1:], outs[1:]):
+            self.state[name] = t
+        self.steps += 1
+        return self.rt.rank0(outs[0])
+
+    def loss_and_grads(self, batch):
+        cap = self.prog.captured
+        if cap.mode != LOSS_AND_GRADS:
+            raise PartitionError("loss_and_grads needs partition(..., loss_fn=...) without an optimizer.")
+        outs = self.run(batch)
+        return self.rt.rank0(outs[0]), {n[len("grads."):]: self.rt.rank0(t)
+                                        for n, t in zip(cap.output_names[1:], outs[1:])}
+
+    def forward(self, inputs):
+        cap = self.prog.captured
+        if cap.mode != FORWARD:
+            raise PartitionError("calling the program runs the forward; this program was captured with a loss_fn "
+                                 "(use train_step or loss_and_grads).")
+        outs = self.run(inputs)
+        return tree_unflatten([self.rt.rank0(t) for t in outs], cap.out_spec)
+
+    # -- state -----------------------------------------------------------------------------------------------------
+    def _layout(self, name):
+        cap = self.prog.captured
+        return self.lowered.input_layouts[cap.input_names.index(name)]
+
+    def state_full(self) -> dict:
+        g = self.prog.graph
+        return {n: self.rt.full(t, self._layout(n), g.shapes[g.vid[self._placeholder(n)]])
+                for n, t in self.state.items()}
+
+    def gather_parameters(self) -> dict:
+        self.ensure()
+        g = self.prog.graph
+        return {n[len("params."):]: self.rt.full(t, self._layout(n), g.shapes[g.vid[self._placeholder(n)]])
+                for n, t in self.state.items() if n.startswith("params.")}
+
+    def state_dict(self) -> dict:
+        """DTensors (real ranks) with placements matching each value's sharding; emulation: full tensors."""
+        self.ensure()
+        g = self.prog.graph
+        out = {}
+        for n, t in self.state.items():
+            shape = g.shapes[g.vid[self._placeholder(n)]]
+            out[n] = self.rt.dtensor(t, self._layout(n), shape) if hasattr(self.rt, "dtensor") else \
+                self.rt.full(t, self._layout(n), shape)
+        return out
