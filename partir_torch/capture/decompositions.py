@@ -1,6 +1,8 @@
 """The op set: ATen as dispatched after autograd, functionalised (no in-place ops, no core-aten decompositions),
 plus these few decompositions, chosen so that tiling falls out of the rules instead of special cases:
 
+- addmm -> mm + add: with the contracted dim tiled, the product is partial(sum) and the bias is added once, after
+  the reduction (as Megatron's row-parallel linear does), instead of once per rank.
 - mean -> sum / N: sum over a tiled dim is partial(sum); the constant N is the global count, so no correction.
 - mse_loss and its backward -> elementwise ops and a sum, with the global element count as a constant.
 - nll_loss_forward(reduction=mean) -> nll_loss_forward(sum) / total_weight: both partial under data parallelism,
@@ -46,11 +48,21 @@ def _mse_loss_backward(grad, x, target, reduction):
     return aten.mul.Tensor(aten.mul.Scalar(aten.sub.Tensor(x, target), scale), grad)
 
 
+def _addmm(bias, m1, m2, beta=1, alpha=1):
+    out = aten.mm.default(m1, m2)
+    if alpha != 1:
+        out = aten.mul.Scalar(out, alpha)
+    if beta != 1:
+        bias = aten.mul.Scalar(bias, beta)
+    return aten.add.Tensor(out, bias)
+
+
 def capture_decompositions() -> dict:
     return {
         aten.mean.dim: _mean_dim,
         aten.mean.default: _mean,
         aten.nll_loss_forward.default: _nll_loss_forward,
+        aten.addmm.default: _addmm,
         aten.mse_loss.default: _mse_loss,
         aten.mse_loss_backward.default: _mse_loss_backward,
     }

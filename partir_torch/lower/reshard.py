@@ -50,13 +50,20 @@ def _move_first(em, x, shape, d, dtype):
     """Permute dim d to the front (contiguous) so that dim-0 collectives act on it."""
     perm = [d] + [i for i in range(len(shape)) if i != d]
     t = em.call(aten.permute.default, x, perm, meta_shape=tuple(shape[i] for i in perm), dtype=dtype)
-    return em.call(aten.clone.default, t, meta_shape=tuple(shape[i] for i in perm), dtype=dtype), perm
+    return _contiguous(em, t, tuple(shape[i] for i in perm), dtype), perm
+
+
+def _contiguous(em, x, shape, dtype):
+    node = em.graph.call_function(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+    node.meta["partir_local_shape"], node.meta["partir_dtype"] = shape, dtype
+    return node
 
 
 def _move_back(em, x, shape_first, perm, dtype):
     inv = [perm.index(i) for i in range(len(perm))]
     out = tuple(shape_first[i] for i in inv)
-    return em.call(aten.permute.default, x, inv, meta_shape=out, dtype=dtype), out
+    t = em.call(aten.permute.default, x, inv, meta_shape=out, dtype=dtype)
+    return _contiguous(em, t, out, dtype), out
 
 
 def all_gather(em, x, shape, d, axis, dtype, value, tactic):

@@ -17,14 +17,17 @@ def _spec(spec, linear):
 
 
 def addmm(ctx):
-    # addmm(bias, m1, m2) = bias + m1 @ m2; the bias broadcasts: (n,), (1, n) or (m, n)
+    # addmm(bias, m1, m2) = bias + m1 @ m2; the bias broadcasts: (n,), (1, n) or (m, n).
+    # k stays whole: tiled, every rank would add the whole bias, and the partial sum would count it k times.
     bias = "mn"[2 - len(ctx.in_shapes[0]):]
-    return einsum(f"{bias},mk,kn->mn", ctx.in_shapes, ctx.out_shapes, linear=[({0, 1}, SUM), ({0, 2}, SUM)])
+    return einsum(f"{bias},mk,kn->mn", ctx.in_shapes, ctx.out_shapes, need_rep="k",
+                  linear=[({0, 1}, SUM), ({0, 2}, SUM)])
 
 
 def baddbmm(ctx):
-    bias = "bmn"[3 - len(ctx.in_shapes[0]):]
-    return einsum(f"{bias},bmk,bkn->bmn", ctx.in_shapes, ctx.out_shapes, linear=[({0, 1}, SUM), ({0, 2}, SUM)])
+    bias = "bmn"[3 - len(ctx.in_shapes[0]):]   # k stays whole, as in addmm
+    return einsum(f"{bias},bmk,bkn->bmn", ctx.in_shapes, ctx.out_shapes, need_rep="k",
+                  linear=[({0, 1}, SUM), ({0, 2}, SUM)])
 
 
 def rules() -> dict:
