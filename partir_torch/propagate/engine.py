@@ -12,7 +12,7 @@ from collections import deque
 from ..errors import ShardingConflictError
 from ..mesh import Mesh
 from ..rules.factors import PASS, REDUCE
-from .graph import PartGraph
+from .graph import PartGraph, no_gc
 from .state import PARTIAL, PARTIAL_OP, REPLICATED, UNKNOWN, AxisState, Conflict, Provenance, state_str
 
 
@@ -87,6 +87,10 @@ class Propagator:
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self, axis: str, tactic: str, seeded: list) -> None:
         """Propagate on `axis` from the values just seeded (vids) to a fixed point."""
+        with no_gc():
+            self._run(axis, tactic, seeded)
+
+    def _run(self, axis: str, tactic: str, seeded: list) -> None:
         st = self.axis_state(axis)
         g = self.g
         queue = deque()
@@ -174,7 +178,8 @@ class Propagator:
                                                                  f"not divisible by axis '{st.axis}' (size {k})")
                     return []
                 targets.append((c, d))
-            elif s != d:
+            elif s != d and not (s in PARTIAL_OP and not is_res):
+                # a partial operand is no obstacle: lowering reduce-scatters it into the tiling
                 self._conflict(st, i, tactic, [vid, source], "a neighbour demands another state")
                 return []
         st.assign[i] = f
