@@ -40,13 +40,36 @@ class TacticContext:
         val = node.meta["val"]
         return {"shape": tuple(val.shape), "dtype": val.dtype, "role": node.meta.get("partir_role", "activation")}
 
-    def seed_and_propagate(self, axis: str, seeds: list, tactic: str) -> None:
+    def seed_and_propagate(self, axis: str, seeds: list, tactic: str, region: set | None = None) -> None:
         vids = []
         for name, state in seeds:
             vid = self.graph.name_to_vid[name]
             self.prop.seed(axis, vid, state, tactic)
             vids.append(vid)
-        self.prop.run(axis, tactic, vids)
+        self.prop.run(axis, tactic, vids, region)
+
+    def note(self, name: str, text: str) -> None:
+        """A remark shown by explain(name) (e.g. 'too small to tile on axis zero: replicated')."""
+        self.program.notes.setdefault(name, []).append(text)
+
+    def optimizer_region(self) -> set:
+        """Ops of the optimizer update: everything downstream of optimizer state, lr and step."""
+        g = self.graph
+        roots = [g.vid[n] for n in g.gm.graph.nodes if n.op == "placeholder"
+                 and n.meta.get("partir_role") in ("opt_state", "lr", "step")]
+        region, stack = set(), list(roots)
+        seen = set(roots)
+        while stack:
+            v = stack.pop()
+            for i in g.users[v]:
+                if i in region:
+                    continue
+                region.add(i)
+                for r in g.ops[i].results:
+                    if r is not None and r not in seen:
+                        seen.add(r)
+                        stack.append(r)
+        return region
 
 
 class Program:
@@ -57,6 +80,7 @@ class Program:
         self.tactics = tactics
         self.stages: list = []
         self.model, self.optimizer = model, optimizer
+        self.notes: dict = {}
         self._exec = None
 
     # -- running (see runtime/) ----------------------------------------------------------------------------------
@@ -140,6 +164,8 @@ class Program:
                 lines.append(f"  axis '{axis}': replicated (no tactic decided it)")
                 continue
             lines.append(f"  axis '{axis}': {self._why(st, c, s)}")
+        for text in self.notes.get(name, ()):
+            lines.append(f"  note: {text}")
         return "\n".join(lines)
 
     def _why(self, st, c: int, s: int) -> str:

@@ -173,7 +173,44 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
                      list(params), trainable, list(buffers), device)
 
 
+_VIEWS = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.permute.default,
+          torch.ops.aten.transpose.int, torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default,
+          torch.ops.aten._to_copy.default}
+
+
+def _split_param_views(gm) -> None:
+    """A view of a parameter used by the forward and the backward (t(W) feeding x @ W.T and, later, dx = dy @ W)
+    is duplicated for the backward, so that a tiled parameter is gathered for each phase and its gathered copy
+    does not live from forward to backward (ZeRO-3's memory saving)."""
+    nodes = list(gm.graph.nodes)
+    out = nodes[-1]
+    loss = out.args[0][0]
+    fwd, stack = set(), [loss]
+    while stack:
+        n = stack.pop()
+        if n not in fwd:
+            fwd.add(n)
+            stack.extend(n.all_input_nodes)
+    for n in nodes:
+        if n.op != "call_function" or n.target not in _VIEWS or n not in fwd:
+            continue
+        if not all(a.op == "placeholder" or a.target in _VIEWS for a in n.all_input_nodes):
+            continue
+        late = [u for u in n.users if u not in fwd and u.op != "output"]
+        if not late or len(late) == len(n.users):
+            continue
+        with gm.graph.inserting_before(min(late, key=nodes.index)):
+            dup = gm.graph.call_function(n.target, n.args, n.kwargs)
+            dup.meta.update({k: v for k, v in n.meta.items() if k not in ("partir_tag", "partir_tags")})
+        for u in late:
+            u.replace_input_with(n, dup)
+    gm.graph.lint()
+    gm.recompile()
+
+
 def _annotate(gm, mode, names, roles, out_names, out_spec, fopt, param_fqns, trainable, buffer_fqns, device):
+    if mode != FORWARD:
+        _split_param_views(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     named = {}
     for node, name, role in zip(placeholders, names, roles):

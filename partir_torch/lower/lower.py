@@ -104,6 +104,8 @@ def lower(prog, groups: dict) -> Lowered:
     em = Emitter(new, mesh, groups, coords)
     out_layouts: list = []
     op_index = {op.node: i for i, op in enumerate(g.ops)}
+    phase_of = _phases(g.gm, cap)
+    phase = ["forward"]
 
     def tactic_of(vid):
         def f(axis):
@@ -129,8 +131,11 @@ def lower(prog, groups: dict) -> Lowered:
         have = layout[v]
         if want is None or want == _strip(have):
             return env[node], local_shape[node]
-        key = (node, want)
+        # reshards are shared within a phase: a parameter gathered for the forward is gathered again for the
+        # backward instead of being kept alive in between (ZeRO-3's memory saving)
+        key = (node, want, phase[0] if node.op == "placeholder" else "")
         if key not in cache:
+            em.phase = phase[0]
             x = reshard(em, env[node], local_shape[node], node.meta["val"].dtype, have, want, g.name(v), tactic_of(v))
             cache[key] = (x, _local(g.shapes[v], want, mesh))
         return cache[key]
@@ -138,6 +143,7 @@ def lower(prog, groups: dict) -> Lowered:
     for node in g.gm.graph.nodes:
         if node.op == "placeholder":
             continue
+        phase[0] = phase_of.get(node, "optimizer")
         if node.op == "output":
             outs = []
             for name, o in zip(cap.output_names, node.args[0]):
@@ -200,6 +206,44 @@ def lower(prog, groups: dict) -> Lowered:
     in_layouts = [layout[g.vid[n]] if n in g.vid else None for n in placeholders]
     return Lowered(gm, em.records, in_layouts, out_layouts, list(mesh.axes),
                    [local_shape.get(n) for n in placeholders])
+
+
+def _phases(gm, cap) -> dict:
+    """node -> "forward" (an ancestor of the loss), "backward" (an ancestor of a gradient or updated state that is
+    not forward), or absent (the optimizer update)."""
+    nodes = list(gm.graph.nodes)
+    out = nodes[-1]
+    if cap.mode == "forward":
+        return {n: "forward" for n in nodes}
+    loss = out.args[0][0]
+    fwd = _ancestors([loss])
+    phases = {n: "forward" for n in fwd}
+    region = _descendants([n for n in nodes if n.op == "placeholder"
+                           and n.meta.get("partir_role") in ("opt_state", "lr", "step")])
+    for n in nodes:
+        if n not in fwd and n not in region and n.op != "output":
+            phases[n] = "backward"
+    return phases
+
+
+def _ancestors(roots) -> set:
+    seen, stack = set(), list(roots)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _descendants(roots) -> set:
+    seen, stack = set(), list(roots)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.users)
+    return seen
 
 
 def _strip(sh: Sharding) -> Sharding:

@@ -30,6 +30,7 @@ class Emitter:
     def __init__(self, graph: fx.Graph, mesh, groups: dict, coords: dict):
         self.graph, self.mesh, self.groups, self.coords = graph, mesh, groups, coords
         self.records: list = []
+        self.phase = ""
 
     def call(self, target, *args, meta_shape=None, dtype=None):
         node = self.graph.call_function(target, tuple(args))
@@ -40,7 +41,7 @@ class Emitter:
     def collective(self, target, args, kind, axis, shape, dtype, nbytes, value, tactic, reduce_op="", dim=-1):
         c = self.call(target, *args, meta_shape=shape, dtype=dtype)
         rec = CollectiveRecord(kind, axis, self.mesh.shape[axis], int(nbytes), str(dtype).replace("torch.", ""),
-                               tactic, value, c.name, reduce_op, dim)
+                               tactic, value, c.name, reduce_op, dim, self.phase)
         c.meta["partir_collective"] = rec
         self.records.append(rec)
         return self.call(c10d.wait_tensor.default, c, meta_shape=shape, dtype=dtype)

@@ -85,12 +85,13 @@ class Propagator:
             self.dim_axes.setdefault((c, state), []).append(st.axis)
 
     # -- the loop ------------------------------------------------------------------------------------------------
-    def run(self, axis: str, tactic: str, seeded: list) -> None:
-        """Propagate on `axis` from the values just seeded (vids) to a fixed point."""
+    def run(self, axis: str, tactic: str, seeded: list, region: set | None = None) -> None:
+        """Propagate on `axis` from the values just seeded (vids) to a fixed point. `region` (op indices), when
+        given, confines the tactic to those ops (ZeRO decides the optimizer update only)."""
         with no_gc():
-            self._run(axis, tactic, seeded)
+            self._run(axis, tactic, seeded, region)
 
-    def _run(self, axis: str, tactic: str, seeded: list) -> None:
+    def _run(self, axis: str, tactic: str, seeded: list, region: set | None = None) -> None:
         st = self.axis_state(axis)
         g = self.g
         queue = deque()
@@ -99,7 +100,7 @@ class Propagator:
         def push_value(vid):
             for v in g.tied[g.canon[vid]]:
                 for i in ((g.producer[v],) if g.producer[v] >= 0 else ()) + tuple(g.users[v]):
-                    if i not in queued and i not in st.assign:
+                    if i not in queued and i not in st.assign and (region is None or i in region):
                         queued.add(i)
                         queue.append(i)
 
@@ -178,8 +179,9 @@ class Propagator:
                                                                  f"not divisible by axis '{st.axis}' (size {k})")
                     return []
                 targets.append((c, d))
-            elif s != d and not (s in PARTIAL_OP and not is_res):
-                # a partial operand is no obstacle: lowering reduce-scatters it into the tiling
+            elif s != d and not (s in PARTIAL_OP and not is_res) and s != REPLICATED:
+                # a partial operand is no obstacle (lowering reduce-scatters it into the tiling), nor is an
+                # explicitly replicated one (sliced locally as an operand, gathered once as a result)
                 self._conflict(st, i, tactic, [vid, source], "a neighbour demands another state")
                 return []
         st.assign[i] = f

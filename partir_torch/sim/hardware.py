@@ -84,11 +84,10 @@ class Hardware:
                 raise PartitionError(f"hardware {self.name!r}: {f} must be a positive int, got {v!r}.")
         if self.kind == "tpu":
             object.__setattr__(self, "topology", tuple(self.topology))
-            want = 3 if self.generation in ("v4", "v5p") else 2
-            if len(self.topology) not in (want, 2 if want == 3 else want) or \
-                    not all(isinstance(d, int) and d >= 1 for d in self.topology):
-                raise PartitionError(f"hardware {self.name!r}: topology must be {want} positive ints "
-                                     f"(x, y{', z' if want == 3 else ''}), got {self.topology!r}.")
+            ranks = (2, 3) if self.generation in ("v4", "v5p") else (2,)     # 3D tori may be given as (x, y)
+            if len(self.topology) not in ranks or not all(isinstance(d, int) and d >= 1 for d in self.topology):
+                raise PartitionError(f"hardware {self.name!r}: topology must be {max(ranks)} positive ints "
+                                     f"(x, y{', z' if max(ranks) == 3 else ''}), got {self.topology!r}.")
             if self.generation in ("v5e", "v6e") and max(self.topology) > 16:
                 raise PartitionError(f"hardware {self.name!r}: {self.generation} slices are at most 16x16 "
                                      f"(256 chips), got topology {self.topology!r}; use slices= for more.")

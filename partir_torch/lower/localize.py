@@ -1,0 +1,153 @@
+"""Localize shape arguments, so that an aten call runs on local shards.
+
+Lowering replaces a node's tensor operands by their local shards. Arguments that carry *global* sizes (view's
+size, expand's size, zeros' size, slice_backward's input_sizes, group_norm's N, C and HxW) must then become local
+sizes, or the op fails, or silently computes something else:
+
+    view(x, [8, -1, 64])      # result global (8, 16, 64); tiled 2-way on dim 0 it is (4, 16, 64) locally
+    -> view(x, [4, 16, 64])
+
+One generic rule covers most ops: an int-list argument equal to the global shape of a result (a -1 entry matches
+any size) becomes that result's local shape. A small table (ROWS) handles what is not a list of result sizes.
+Ops where a tiled dim would need the rank's offset (arange) are BLOCKED by their rules and never get here tiled.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..rules.registry import result_vals
+
+aten = torch.ops.aten
+
+# Int-list arguments that are never result sizes, whatever their values: dims, split sizes along a dim that is kept
+# whole, convolution geometry, spatial output sizes, normalised dims (never tiled). Strides have their own row.
+NOT_SHAPES = frozenset({"dim", "dims", "split_sizes", "stride", "padding", "dilation", "kernel_size",
+                        "output_padding", "output_size", "normalized_shape", "scale_factors", "pad", "shifts"})
+
+
+@dataclass
+class _Call:
+    """A node's arguments being localised, read and written by schema name."""
+
+    node: fx.Node
+    args: list
+    kwargs: dict
+    in_local: list      # per tensor operand slot: local shape
+    out_local: list     # per result slot: local shape, or None
+
+    def names(self) -> list:
+        schema = getattr(self.node.target, "_schema", None)
+        return [a.name for a in schema.arguments] if schema is not None else []
+
+    def get(self, name: str):
+        names = self.names()
+        i = names.index(name) if name in names else -1
+        return self.args[i] if 0 <= i < len(self.args) else self.kwargs.get(name)
+
+    def set(self, name: str, value) -> None:
+        names = self.names()
+        i = names.index(name) if name in names else -1
+        if 0 <= i < len(self.args):
+            self.args[i] = value
+        elif name in self.kwargs:
+            self.kwargs[name] = value
+
+
+def localize_args(node: fx.Node, args: tuple, kwargs: dict, in_local: list, out_local: list):
+    """Rewrite the shape-carrying arguments of `node` for local operand shapes `in_local` and local result shapes
+    `out_local` (orders of registry.tensor_operands / result_vals). Tensor operands in `args`/`kwargs` are left as
+    they are. Returns (args, kwargs).
+
+    >>> localize_args(view_node, (x_local, [8, -1, 64]), {}, [(4, 16, 64)], [(4, 16, 64)])
+    ((x_local, [4, 16, 64]), {})
+    """
+    call = _Call(node, list(args), dict(kwargs), list(in_local), list(out_local))
+    _generic(call)
+    row = ROWS.get(node.target)
+    if row is not None:
+        row(call)
+    return tuple(call.args), call.kwargs
+
+
+def _is_int_list(x) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in x)
+
+
+def _matches(sizes, shape) -> bool:
+    """sizes equals shape, where a -1 in sizes (view / expand) matches any size."""
+    return len(sizes) == len(shape) and all(s == -1 or s == n for s, n in zip(sizes, shape))
+
+
+def _local_for(call: _Call, sizes):
+    """The local shape of the first result whose global shape `sizes` is, else None."""
+    for val, local in zip(result_vals(call.node), call.out_local):
+        if val is not None and local is not None and _matches(sizes, tuple(val.shape)):
+            return [int(s) for s in local]
+    return None
+
+
+def _generic(call: _Call) -> None:
+    """Every int-list argument (not in NOT_SHAPES) equal to a result's global shape becomes its local shape."""
+    names = call.names()
+    for i, a in enumerate(call.args):
+        name = names[i] if i < len(names) else ""
+        if name not in NOT_SHAPES and _is_int_list(a):
+            local = _local_for(call, a)
+            if local is not None:
+                call.args[i] = local
+    for name, a in call.kwargs.items():
+        if name not in NOT_SHAPES and _is_int_list(a):
+            local = _local_for(call, a)
+            if local is not None:
+                call.kwargs[name] = local
+
+
+# ---- per-op rows: what the generic rule cannot see ------------------------------------------------------------
+
+
+def _strides_like(shape, global_stride) -> list:
+    """Dense strides for `shape` with the dim order (major to minor) of `global_stride`."""
+    order = sorted(range(len(shape)), key=lambda d: (-global_stride[d], d))
+    strides, acc = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d] = acc
+        acc *= max(int(shape[d]), 1)
+    return strides
+
+
+def _empty_strided(call: _Call) -> None:
+    """empty_strided(size, stride): size is localised generically; the strides follow the local size."""
+    stride = call.get("stride")
+    if call.out_local and call.out_local[0] is not None and stride is not None:
+        call.set("stride", _strides_like(call.out_local[0], stride))
+
+
+def _group_norm(input_slot: int):
+    """native_group_norm(x, w, b, N, C, HxW, group, eps) and its backward carry x's sizes as ints."""
+    def row(call: _Call) -> None:
+        shape = call.in_local[input_slot]   # (N, C, *spatial)
+        call.set("N", int(shape[0]))
+        call.set("C", int(shape[1]))
+        call.set("HxW", int(math.prod(shape[2:])))
+    return row
+
+
+def _embedding_dense_backward(call: _Call) -> None:
+    """num_weights is the gradient's dim 0 (V). V is BLOCKED by the rule, so this only keeps it consistent."""
+    if call.out_local and call.out_local[0] is not None:
+        call.set("num_weights", int(call.out_local[0][0]))
+
+
+# split.Tensor / split_with_sizes need no row: their sizes run along the split dim, which the rule keeps whole.
+ROWS = {
+    aten.empty_strided.default: _empty_strided,
+    aten.new_empty_strided.default: _empty_strided,
+    aten.native_group_norm.default: _group_norm(0),
+    aten.native_group_norm_backward.default: _group_norm(1),
+    aten.embedding_dense_backward.default: _embedding_dense_backward,
+}

@@ -1,0 +1,187 @@
+"""Per-op compute cost: FLOPs and bytes from FX meta, roofline time with Hockney-style efficiency curves.
+
+time = max(F / (mm_efficiency * peak(dtype)) + mm_half_time,  bytes / (hbm_efficiency * hbm_bw) + kernel_overhead)
+
+The first leg is Hockney's r_inf / n_1/2 model (Hockney 1991): efficiency F / (F + F_1/2) rises with the work and
+saturates at the best-shape fraction; F_1/2 is fit so a 1024^3 fp16 GEMM on A100 gets 38% of peak (MAMF). Ops
+without a FLOP formula are memory bound. FLOPs come from ``torch.utils.flop_counter``'s registered formulas (mm,
+addmm, bmm, baddbmm, convolution(+backward), the SDPA kernels), plus the CPU flash-attention kernels below.
+Views, getitem and metadata ops cost nothing.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import Node
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from .hardware import Hardware
+
+aten = torch.ops.aten
+
+# Op classes.
+FREE, COMPUTE, COLLECTIVE, WAIT = 0, 1, 2, 3
+
+COLLECTIVE_NAMES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+                    "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced")
+COLLECTIVE_KIND = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+                   "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+# Ops whose schema does not say "alias" but that never copy (functionalization's reshape result, ...).
+_ALIAS_OPS = {"aten::_unsafe_view", "aten::alias", "aten::lift_fresh", "aten::_reshape_alias"}
+# Ops that allocate without running a kernel: free in time, but they hold memory.
+_ALLOC_OPS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::new_empty_strided"}
+
+
+def _cpu_flash_fwd(q, k, v, *args, out_val=None, **kwargs):
+    return sdpa_flop_count(q.shape, k.shape, v.shape)          # same math as the CUDA flash kernel
+
+
+def _cpu_flash_bwd(grad_out, q, k, v, *args, out_val=None, **kwargs):
+    return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
+
+
+EXTRA_FLOPS = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu": _cpu_flash_fwd,
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": _cpu_flash_bwd,
+}
+
+_CLASS_CACHE: dict = {}
+
+
+def op_class(target) -> tuple:
+    """(class, info) for a call_function target. FREE ops: info is "view" (aliases its first argument),
+    "getitem", "alloc" (allocates, no kernel) or "meta"/None (no tensor result); COLLECTIVE: the kind;
+    COMPUTE: the FLOP formula or None (memory bound)."""
+    hit = _CLASS_CACHE.get(id(target))            # by id: OpOverload.__hash__ is slow Python
+    if hit is None:
+        hit = _CLASS_CACHE[id(target)] = (*_classify(target), target)   # keep target alive: ids stay unique
+    return hit[0], hit[1]
+
+
+def _classify(target) -> tuple:
+    if target is operator.getitem:
+        return FREE, "getitem"
+    if not isinstance(target, torch._ops.OpOverload):
+        return FREE, None                                       # Python / SymInt arithmetic
+    ns, name = target.namespace, target._schema.name
+    base = name.split("::")[-1]
+    if ns == "_c10d_functional":
+        if base == "wait_tensor":
+            return WAIT, None
+        if base in COLLECTIVE_NAMES:
+            return COLLECTIVE, COLLECTIVE_KIND.get(base.replace("_coalesced", ""), base)
+    schema = target._schema
+    rets = schema.returns
+    if name in _ALLOC_OPS:
+        return FREE, "alloc"
+    if name in _ALIAS_OPS or (rets and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)):
+        return FREE, "view"
+    if rets and all(str(r.type) in ("SymInt", "int", "float", "bool", "Scalar") for r in rets):
+        return FREE, "meta"                                     # sym_size, _local_scalar_dense, ...
+    if not rets:
+        return FREE, "meta"                                     # _assert_*, record_stream
+    formula = EXTRA_FLOPS.get(name) or flop_registry.get(target.overloadpacket)
+    return COMPUTE, formula
+
+
+def val_bytes(v) -> int:
+    """Bytes of a meta val (tensor, or list/tuple of them); 0 for anything else."""
+    return sum(elem_bytes(v))
+
+
+def elem_bytes(v) -> list:
+    """Bytes of each tensor a meta val holds: [b] for a tensor, one entry per element for a tuple/list."""
+    if isinstance(v, torch.Tensor):
+        return [v.numel() * v.element_size()]
+    if isinstance(v, (tuple, list)):
+        return [val_bytes(x) for x in v]
+    return []
+
+
+def val_facts(v) -> tuple:
+    """(signature, per-tensor bytes) of a meta val, in one pass."""
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), v.dtype), [v.numel() * v.element_size()]
+    return val_sig(v), elem_bytes(v)
+
+
+def val_sig(v):
+    """Hashable (shape, dtype) signature of a meta val."""
+    if isinstance(v, torch.Tensor):
+        return tuple(v.shape), v.dtype
+    if isinstance(v, (tuple, list)):
+        return tuple(val_sig(x) for x in v)
+    try:
+        hash(v)
+        return v
+    except TypeError:
+        return repr(v)
+
+
+def _meta(a):
+    return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+
+class CostModel:
+    """Per-op costs for one hardware, cached by (target, input signatures, non-tensor args).
+
+    ``cost(node, target, formula, sigs, nbytes)`` -> (flops, seconds, dtype name); ``formula`` is what
+    :func:`op_class` returned for the target, ``sigs`` / ``nbytes`` the per-node val caches of the simulator.
+    """
+
+    def __init__(self, hw: Hardware):
+        self.hw = hw
+        self._cache: dict = {}
+
+    def cost(self, node, target, formula, sigs: dict, nbytes: dict) -> tuple:
+        """(flops, seconds, dtype name) of one compute node. ``sigs``/``nbytes``: per-node val caches."""
+        try:                                  # fast path: Node and scalar args
+            key = (id(target), sigs[node], *[sigs[a] if a.__class__ is Node else a for a in node.args],
+                   *node.kwargs.items())
+            hit = self._cache.get(key)
+        except TypeError:                     # a list argument (dims, sizes): freeze it
+            key = (id(target), sigs[node], _freeze(node.args, sigs), _freeze(tuple(node.kwargs.items()), sigs))
+            hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self._compute(node, formula, nbytes)
+        return hit
+
+    def _compute(self, node, formula, nbytes) -> tuple:
+        hw = self.hw
+        in_bytes = 0
+        dtype = None
+        for a in node.all_input_nodes:
+            in_bytes += nbytes.get(a, 0)
+            if dtype is None:
+                v = a.meta.get("val")
+                if isinstance(v, torch.Tensor) and v.is_floating_point():
+                    dtype = v.dtype
+        out = node.meta.get("val")
+        total = in_bytes + nbytes.get(node, 0)
+        t_mem = total / (hw.hbm_efficiency * hw.hbm_bw) + hw.kernel_overhead_s
+        flops = 0
+        if formula is not None:
+            try:
+                args = torch.fx.node.map_aggregate(node.args, _meta)
+                kwargs = torch.fx.node.map_aggregate(node.kwargs, _meta)
+                flops = int(formula(*args, out_val=out, **kwargs))
+            except Exception:                                    # a formula that cannot read these args
+                flops = 0
+        if flops <= 0:
+            return 0, t_mem, None
+        dtype = dtype or torch.float32
+        t_flop = flops / (hw.mm_efficiency * hw.peak_flops(dtype)) + hw.mm_half_time_s
+        return flops, max(t_flop, t_mem), str(dtype).replace("torch.", "")
+
+
+def _freeze(a, sigs):
+    if isinstance(a, (list, tuple)):
+        return tuple(_freeze(x, sigs) for x in a)
+    if isinstance(a, Node):
+        return sigs[a]
+    try:
+        hash(a)
+        return a
+    except TypeError:
+        return repr(a)

@@ -1,0 +1,198 @@
+"""Peak memory per device from buffer liveness over the program order.
+
+A storage is allocated by the node that produces it and freed after its last use. Views (and getitem of view
+lists, and wait_tensor) alias their base, so a storage is counted once. Placeholders (params, buffers, optimizer
+state, inputs) live for the whole step; whatever the output node returns lives to the end. A collective's inputs
+stay alive until its wait_tensor (the communication reads them asynchronously).
+
+Breakdown at the peak:
+- parameters / optimizer_state / buffers / inputs: placeholders by ``partir_role`` (and the updated values the
+  output returns under ``params.*`` / ``opt.*`` / ``buffers.*`` names);
+- gradients: nodes tagged ``meta["partir_kind"] == "grad"``; without tags, values produced in backward that are
+  still alive when the optimizer update starts (its first node that reads optimizer state or the learning rate);
+- activations: values produced in forward (up to the loss) and used in backward;
+- temporaries: everything else.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+import torch
+
+from ..lower.records import META_NAME, META_ROLE
+from .compute import FREE, WAIT, elem_bytes, op_class
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "buffers", "inputs")
+_ROLE_CATEGORY = {"param": "parameters", "opt_state": "optimizer_state", "buffer": "buffers", "input": "inputs",
+                  "lr": "inputs", "coord": "inputs"}
+_NAME_CATEGORY = (("params.", "parameters"), ("opt.", "optimizer_state"), ("buffers.", "buffers"))
+
+
+@dataclass
+class MemoryResult:
+    peak_bytes: int
+    peak_node: str                      # node at which the peak occurs
+    breakdown: dict                     # category -> bytes live at the peak
+    categories: dict = field(default_factory=dict, repr=False)   # producing node name -> category
+    curve: list = field(default_factory=list, repr=False)   # live bytes at each node, program order
+
+
+_WRITES: dict = {}
+
+
+def _writes_self(target) -> bool:
+    """In-place / out= ops return their (mutated) first argument."""
+    hit = _WRITES.get(id(target))
+    if hit is None:
+        rets = getattr(getattr(target, "_schema", None), "returns", ())
+        writes = bool(rets) and rets[0].alias_info is not None and rets[0].alias_info.is_write
+        hit = _WRITES[id(target)] = (writes, target)              # keep target alive so its id stays unique
+    return hit[0]
+
+
+def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None = None,
+                   classes: dict | None = None) -> MemoryResult:
+    """Liveness sweep over ``nodes`` (program order). ``elems``: node -> per-tensor bytes of its val; ``inputs``:
+    node -> its input nodes; ``classes``: call_function node -> op_class(). Computed here when not given; the
+    simulator passes its own to share one pass over the graph."""
+    end = len(nodes)
+    if elems is None:
+        elems = {n: elem_bytes(n.meta.get("val")) for n in nodes}
+    if inputs is None:
+        inputs = {n: n.all_input_nodes for n in nodes}
+    if classes is None:
+        classes = {n: op_class(n.target) for n in nodes if n.op == "call_function"}
+    sid_of: dict = {}
+    size, born, last, owner = [], [], [], []
+
+    def new(node, nbytes, i):
+        size.append(nbytes)
+        born.append(i)
+        last.append(i)
+        owner.append(node)
+        return len(size) - 1
+
+    for i, node in enumerate(nodes):
+        op = node.op
+        if op == "placeholder":                                    # pinned to the end after the loop
+            sid_of[node] = [new(node, b, 0) for b in elems[node]]
+            continue
+        if op == "output":
+            for a in inputs[node]:
+                for s in sid_of.get(a, ()):
+                    last[s] = end
+            continue
+        if op != "call_function":
+            sid_of[node] = [new(node, b, i) for b in elems[node]]
+            continue
+        target = node.target
+        cls, info = classes[node]
+        val = node.meta.get("val")
+        if target is operator.getitem:
+            src, idx = node.args[0], node.args[1]
+            srcs = sid_of.get(src, ())
+            sid_of[node] = [srcs[idx]] if isinstance(idx, int) and idx < len(srcs) else []
+        elif info == "view" or cls == WAIT or (cls != FREE and _writes_self(target)):
+            base = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+            bs = sid_of.get(base, ()) if base is not None else ()
+            n = len(val) if isinstance(val, (tuple, list)) else 1
+            sid_of[node] = [bs[0]] * n if bs else [new(node, b, i) for b in elems[node]]
+        elif cls == FREE and info != "alloc":
+            sid_of[node] = []
+        else:
+            sid_of[node] = [new(node, b, i) for b in elems[node]]
+        for a in inputs[node]:
+            for s in sid_of[a]:
+                last[s] = i
+        if cls == WAIT and node.args and isinstance(node.args[0], torch.fx.Node):
+            for a in inputs[node.args[0]]:                 # collective inputs live until the wait
+                for s in sid_of.get(a, ()):
+                    last[s] = i
+
+    for s, node in enumerate(owner):
+        if node.op == "placeholder":
+            last[s] = end
+
+    # Peak by a sweep over allocation/free events.
+    delta = [0] * (end + 2)
+    for s in range(len(size)):
+        delta[born[s]] += size[s]
+        delta[last[s] + 1] -= size[s]
+    curve = list(accumulate(delta[:end]))
+    peak = max(curve, default=0)
+    at = curve.index(peak) if curve else 0
+    category = _categorize(nodes, inputs, sid_of, born, last, owner)
+    breakdown = dict.fromkeys(CATEGORIES, 0)
+    for s in range(len(size)):
+        if born[s] <= at <= last[s]:
+            breakdown[category[s]] += size[s]
+    names = {owner[s].name: category[s] for s in range(len(size))}
+    return MemoryResult(peak, nodes[at].name if nodes else "", breakdown, names, curve)
+
+
+def _categorize(nodes, inputs, sid_of, born, last, owner) -> list:
+    out_node = next((n for n in reversed(nodes) if n.op == "output"), None)
+    flat_out = _flatten(out_node.args[0]) if out_node is not None and out_node.args else []
+    names = out_node.meta.get(META_NAME) if out_node is not None else None
+    named: dict = {}
+    if isinstance(names, (list, tuple)) and len(names) == len(flat_out):
+        for a, nm in zip(flat_out, names):
+            if isinstance(a, torch.fx.Node):
+                cat = next((c for p, c in _NAME_CATEGORY if str(nm).startswith(p)), None)
+                for s in sid_of.get(a, ()):
+                    if cat:
+                        named[s] = cat
+    fwd_end = _loss_index(flat_out, names, len(nodes), sid_of, born)
+    opt_start = _optimizer_start(nodes, inputs)
+    tagged = any(n.meta.get("partir_kind") for n in nodes)
+    cats = []
+    for s, node in enumerate(owner):
+        if node.op == "placeholder":
+            cats.append(_ROLE_CATEGORY.get(node.meta.get(META_ROLE), "inputs"))
+        elif s in named:
+            cats.append(named[s])
+        elif node.meta.get("partir_kind") == "grad":
+            cats.append("gradients")
+        elif born[s] <= fwd_end < last[s]:
+            cats.append("activations")
+        elif not tagged and fwd_end < born[s] < opt_start <= last[s]:
+            cats.append("gradients")
+        else:
+            cats.append("temporaries")
+    return cats
+
+
+def _flatten(x) -> list:
+    if isinstance(x, (list, tuple)):
+        return [y for e in x for y in _flatten(e)]
+    if isinstance(x, dict):
+        return [y for e in x.values() for y in _flatten(e)]
+    return [x]
+
+
+def _loss_index(flat_out, names, end, sid_of, born) -> int:
+    """Program index where forward ends: the loss's producer. Found by output name ("loss"), else the last 0-dim
+    floating output. Without one the whole program is forward (no activations)."""
+    cand = None
+    if isinstance(names, (list, tuple)) and len(names) == len(flat_out):
+        cand = next((a for a, nm in zip(flat_out, names) if str(nm).split(".")[-1] == "loss"), None)
+    if cand is None:
+        for a in reversed(flat_out):
+            v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+            if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point() and a.op != "placeholder":
+                cand = a
+                break
+    if cand is None or not sid_of.get(cand):
+        return end + 1
+    return born[sid_of[cand][0]]
+
+
+def _optimizer_start(nodes, inputs) -> int:
+    """First non-placeholder node that depends on optimizer state or the learning rate (len(nodes) if none)."""
+    state = {n for n in nodes if n.op == "placeholder" and n.meta.get(META_ROLE) in ("opt_state", "lr")}
+    for i, n in enumerate(nodes):
+        if n.op == "call_function" and any(a in state for a in inputs[n]):
+            return i
+    return len(nodes)

@@ -1,0 +1,111 @@
+"""What the simulator returns: :class:`SimReport`, its table and its Chrome/Perfetto trace."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from tabulate import tabulate
+
+ABBREV = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
+
+
+@dataclass
+class CollectiveTiming:
+    """One collective as simulated: the lowering record's facts plus the predicted time and schedule."""
+
+    kind: str
+    axis: str
+    group_size: int
+    nbytes: int
+    dtype: str
+    tactic: str          # the partitioning tactic that made it necessary (from the lowering record)
+    value: str
+    node: str
+    time_s: float
+    algorithm: str       # e.g. "ring/Simple", "nvls/Simple", "torus"
+    start_s: float
+    end_s: float
+    exposed_s: float     # how long compute waited for it
+
+
+@dataclass
+class SimReport:
+    """Predicted cost of one step of a per-device program on one hardware.
+
+    Times are seconds, memory bytes per device, FLOPs per device per step. ``stages`` holds one report per tactic
+    stage when the caller simulates each stage; ``table()`` then shows one row per stage.
+    """
+
+    step_time_s: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    peak_memory_bytes: int = 0
+    memory_breakdown: dict = field(default_factory=dict)
+    model_flops: float = 0.0
+    mfu: float = 0.0
+    collectives: list = field(default_factory=list)
+    stages: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    stage_name: str = ""
+    hardware: str = ""
+    peak_flops: float = 0.0              # FLOP/s the MFU is measured against
+    trace: list = field(default_factory=list, repr=False)   # (track, name, start_s, dur_s)
+
+    def collectives_by_kind(self) -> dict:
+        """kind -> (count, bytes, seconds)."""
+        out: dict = {}
+        for c in self.collectives:
+            n, b, t = out.get(c.kind, (0, 0, 0.0))
+            out[c.kind] = (n + 1, b + c.nbytes, t + c.time_s)
+        return out
+
+    def collectives_by_axis(self) -> dict:
+        """(kind, axis) -> (count, bytes, seconds)."""
+        out: dict = {}
+        for c in self.collectives:
+            n, b, t = out.get((c.kind, c.axis), (0, 0, 0.0))
+            out[(c.kind, c.axis)] = (n + 1, b + c.nbytes, t + c.time_s)
+        return out
+
+    def _row(self) -> list:
+        colls = ", ".join(f"{ABBREV.get(k, k)}x{n} {_bytes(b)}" for k, (n, b, _) in self.collectives_by_kind().items())
+        return [self.stage_name or "program", _ms(self.step_time_s), _ms(self.compute_s), _ms(self.comm_s),
+                _ms(self.exposed_comm_s), _bytes(self.peak_memory_bytes), f"{100 * self.mfu:.1f}%", colls or "-"]
+
+    def table(self) -> str:
+        """One row per stage (or one row for this program), then the memory breakdown of the last row."""
+        headers = ["stage", "step", "compute", "comm", "exposed comm", "peak mem/device", "MFU", "collectives"]
+        rows = [s._row() for s in self.stages] if self.stages else [self._row()]
+        text = tabulate(rows, headers=headers, tablefmt="simple")
+        last = self.stages[-1] if self.stages else self
+        mem = ", ".join(f"{k} {_bytes(v)}" for k, v in last.memory_breakdown.items() if v)
+        if mem:
+            text += f"\npeak memory ({last.stage_name or 'program'}): {mem}"
+        return text
+
+    def __str__(self) -> str:
+        notes = "".join(f"\nnote: {n}" for n in self.notes)
+        return self.table() + notes
+
+    def to_chrome_trace(self, path: str) -> str:
+        """Write Chrome trace-event JSON (open in Perfetto / chrome://tracing): track 0 compute, track 1 comm."""
+        events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}}
+                  for tid, name in ((0, "compute"), (1, "comm"))]
+        events.append({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": self.hardware or "device"}})
+        for track, name, start, dur in self.trace:
+            events.append({"name": name, "ph": "X", "pid": 0, "tid": track, "ts": start * 1e6, "dur": dur * 1e6})
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        return path
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f} ms"
+
+
+def _bytes(b: float) -> str:
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{int(b)} B"

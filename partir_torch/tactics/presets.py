@@ -1,0 +1,238 @@
+"""Preset tactics: each returns a tactic (an object with .name, .axis and .apply(ctx)).
+
+- data_parallel (BP): the batch dim of every input.
+- megatron (MP): column-parallel then row-parallel linears, found by structure (see find_linear_pairs) or given
+  by a plan; heads and hidden activations follow by propagation.
+- zero (Z1/Z2/Z3): optimizer state (Z1, Z2) and parameters (Z3) tiled, decided inside the optimizer update only,
+  so parameters are gathered where the forward and backward use them.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import PartitionError
+from ..propagate.state import REPLICATED as REP, UNKNOWN
+from .manual import ManualPartition
+
+aten = torch.ops.aten
+
+
+def data_parallel(axis: str = "batch", dims: dict | None = None, name: str = "BP") -> ManualPartition:
+    """Tile the batch dim of every input on `axis`. dims: {input index: dim} for inputs whose batch dim is not 0
+    (or None to leave that input whole, e.g. a graph's edge list)."""
+    dims = dims or {}
+
+    def pick(n, shape):
+        i = int(n.split(".")[1])
+        return dims.get(i, 0) if shape else None
+
+    return ManualPartition({"inputs.*": pick}, axis=axis, name=name)
+
+
+# -- Megatron ------------------------------------------------------------------------------------------------------
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+          aten.transpose.int, aten.t.default, aten.expand.default, aten.clone.default, aten.unsqueeze.default,
+          aten.squeeze.dim, aten.squeeze.dims, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor,
+          aten.cat.default, aten.contiguous.default, aten._to_copy.default, aten.alias.default}
+_MIXERS = {aten._scaled_dot_product_flash_attention_for_cpu.default, aten.bmm.default, aten._softmax.default,
+           aten._safe_softmax.default, aten.where.self, aten.masked_fill.Scalar, aten.tril.default}
+_STOP = {aten.native_layer_norm.default, aten.sum.dim_IntList, aten.amax.default, aten.mean.dim, aten.sum.default,
+         aten.native_group_norm.default, aten.embedding.default}
+
+
+def _linear_weight(node, graph):
+    """If `node` is mm(x, t(W)) with W a 2-D parameter placeholder, the name of W."""
+    if node.target is not aten.mm.default:
+        return None
+    w = node.args[1]
+    if getattr(w, "target", None) is aten.t.default:
+        p = w.args[0]
+        if p.op == "placeholder" and p.meta.get("partir_role") == "param":
+            return p.meta["partir_name"]
+    return None
+
+
+def find_linear_pairs(captured) -> tuple:
+    """(column-parallel weights, row-parallel weights), found by structure: a linear whose output reaches another
+    linear's input through head reshapes, activations, gating products and attention (but no residual add, norm
+    or reduction) is column-parallel; the one it reaches is row-parallel."""
+    gm = captured.gm
+    nodes = list(gm.graph.nodes)
+    out = next(n for n in nodes if n.op == "output")
+    fwd = _ancestors(out.args[0][0]) if captured.mode != "forward" else set(nodes)
+    col, row = [], []
+    region_of: dict = {}
+    for n in nodes:
+        if n not in fwd:
+            continue
+        w = _linear_weight(n, gm.graph)
+        if w is None:
+            continue
+        if n.args[0] in region_of and region_of[n.args[0]] is not None:
+            sources = region_of[n.args[0]]
+            row.append(w)
+            col.extend(s for s in sources if s not in col)
+            continue
+        # grow the region of this linear's output
+        stack, mark = [n], {w}
+        region_of[n] = mark
+        while stack:
+            x = stack.pop()
+            for u in x.users:
+                if u not in fwd or u.target in _STOP or u in region_of:
+                    continue
+                if _linear_weight(u, gm.graph) is not None:
+                    continue
+                if u.target in _VIEWS or u.target in _MIXERS or _is_pointwise_within(u, region_of, fwd):
+                    region_of[u] = mark
+                    stack.append(u)
+    # a region fed by several linears (q, k, v; gate and up): all of them are column-parallel
+    return col, row
+
+
+def _is_pointwise_within(u, region_of, fwd) -> bool:
+    import operator
+
+    if u.target is operator.getitem:
+        return True
+    from ..rules.pointwise import NONLINEAR
+
+    if u.target not in NONLINEAR and u.target not in (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor,
+                                                       aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar,
+                                                       aten.neg.default, aten.add.Scalar):
+        return False
+    for a in u.args:
+        if isinstance(a, torch.fx.Node) and a not in region_of:
+            if a.op == "placeholder" and a.meta.get("partir_role") in ("param", "buffer"):
+                continue
+            val = a.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.numel() <= 1:
+                continue
+            if a.op == "placeholder" or a in fwd:
+                # a residual stream or another branch: the region ends here (unless it is itself a region value
+                # of a different linear, e.g. gate * up in SwiGLU)
+                if region_of.get(a) is None:
+                    return False
+    # merge marks of co-operands (q/k/v or gate/up feed one region)
+    marks = [region_of[a] for a in u.args if isinstance(a, torch.fx.Node) and region_of.get(a) is not None]
+    for m in marks[1:]:
+        marks[0] |= m
+        for k, v in list(region_of.items()):
+            if v is m:
+                region_of[k] = marks[0]
+    return True
+
+
+def _ancestors(node) -> set:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(a for a in n.all_input_nodes)
+    return seen
+
+
+@dataclass(frozen=True)
+class Megatron:
+    """Megatron tensor parallelism on `axis`. plan: {FQN glob: "colwise" | "rowwise"} overrides detection."""
+
+    axis: str = "model"
+    plan: dict | None = None
+    name: str = "MP"
+
+    def seeds(self, ctx) -> list:
+        names = set(ctx.value_names())
+        if self.plan:
+            col, row = [], []
+            for glob, kind in self.plan.items():
+                hits = [n[len("params."):] for n in names if n.startswith("params.")
+                        and fnmatch.fnmatchcase(n[len("params."):], glob) and n.endswith("weight")]
+                if kind not in ("colwise", "rowwise"):
+                    raise PartitionError(f"{self.name}: plan value {kind!r} for {glob!r} must be 'colwise' or "
+                                         f"'rowwise'.")
+                if not hits:
+                    raise PartitionError(f"{self.name}: plan entry {glob!r} matches no parameter weight.")
+                (col if kind == "colwise" else row).extend(f"params.{h}" for h in hits)
+        else:
+            col, row = find_linear_pairs(ctx.captured)
+        if not col:
+            raise PartitionError(f"{self.name}: found no column-parallel/row-parallel linear pair in this model "
+                                 f"(a linear feeding another through activations or attention). Pass "
+                                 f"plan={{'<fqn glob>': 'colwise' | 'rowwise'}}.")
+        seeds = [(w, 0) for w in col] + [(w, 1) for w in row]
+        seeds += [(w[:-len("weight")] + "bias", 0) for w in col if w[:-len("weight")] + "bias" in names]
+        return seeds
+
+    def apply(self, ctx) -> None:
+        ctx.mesh.check_axis(self.axis, self.name)
+        ctx.seed_and_propagate(self.axis, self.seeds(ctx), self.name)
+
+
+def megatron(axis: str = "model", plan: dict | None = None, name: str = "MP") -> Megatron:
+    return Megatron(axis, plan, name)
+
+
+# -- ZeRO ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Zero:
+    """ZeRO stage 1/2/3 on `axis`. Each parameter's tiled dim: 0 if its (local) size divides by the axis size,
+    else its largest divisible dim; tensors with no divisible dim stay replicated (explain() says so).
+    Z1 and Z2 lower to the same program here: the gradient reduction feeding a tiled update is one reduce_scatter
+    either way (the all_reduce + slice peephole), and parameters are gathered once after the update."""
+
+    stage: int
+    axis: str = "batch"
+    name: str = ""
+
+    def __post_init__(self):
+        if self.stage not in (1, 2, 3):
+            raise PartitionError(f"zero: stage must be 1, 2 or 3, got {self.stage!r}.")
+        if not self.name:
+            object.__setattr__(self, "name", f"Z{self.stage}")
+
+    def _dim(self, ctx, name) -> int | None:
+        g, prop = ctx.graph, ctx.prop
+        vid = g.name_to_vid[name]
+        shape = g.shapes[vid]
+        k = ctx.mesh.shape[self.axis]
+        sizes = [(prop.local_dim(vid, d), d) for d in range(len(shape))]
+        if sizes and sizes[0][0] % k == 0:
+            return 0
+        ok = [d for s, d in sorted(sizes, reverse=True) if s % k == 0]
+        return ok[0] if ok else None
+
+    def apply(self, ctx) -> None:
+        ctx.mesh.check_axis(self.axis, self.name)
+        cap = ctx.captured
+        if cap.fopt is None and self.stage < 3:
+            raise PartitionError(f"{self.name}: ZeRO-{self.stage} shards optimizer state; pass optimizer= to "
+                                 f"partition (or use zero(3) to shard parameters only).")
+        seeds = []
+        k = ctx.mesh.shape[self.axis]
+        for fqn in cap.trainable:
+            p = f"params.{fqn}"
+            if ctx.prop.state(self.axis, ctx.graph.name_to_vid[p]) != UNKNOWN:
+                ctx.note(p, f"{self.name}: already decided on axis '{self.axis}' by an earlier tactic; left as is")
+                continue
+            d = self._dim(ctx, p)
+            states = [n for n in (f"opt.{s}.{fqn}" for s in (cap.fopt.state_names if cap.fopt else ()))
+                      if n in ctx.graph.name_to_vid]
+            if d is None:
+                ctx.note(p, f"{self.name}: no dim of {tuple(ctx.graph.shapes[ctx.graph.name_to_vid[p]])} is "
+                            f"divisible by axis '{self.axis}' (size {k}); replicated")
+                continue
+            seeds += [(s, d) for s in states]
+            seeds.append((p, d) if self.stage == 3 else (p, REP))
+        region = ctx.optimizer_region() if cap.fopt is not None else set()
+        if cap.fopt is None:   # zero(3) without an optimizer: parameters stored tiled, gathered at every use
+            region = set()
+        ctx.seed_and_propagate(self.axis, seeds, self.name, region)
+
+
+def zero(stage: int, axis: str = "batch", name: str = "") -> Zero:
+    return Zero(stage, axis, name)

@@ -1,0 +1,77 @@
+"""Per-op compute costs: FLOP formulas, roofline, efficiency curve, free ops."""
+import pytest
+import torch
+
+from partir_torch.sim import hardware
+from partir_torch.sim.compute import COMPUTE, FREE, CostModel, elem_bytes, op_class, val_sig
+from partir_torch.sim.synthetic import GraphBuilder
+
+aten = torch.ops.aten
+
+
+def _cost(hw, build):
+    b = GraphBuilder()
+    node = build(b)
+    nodes = list(b.graph.nodes)
+    sigs = {n: val_sig(n.meta.get("val")) for n in nodes}
+    nbytes = {n: sum(elem_bytes(n.meta.get("val"))) for n in nodes}
+    cls, formula = op_class(node.target)
+    assert cls == COMPUTE
+    return CostModel(hw).cost(node, node.target, formula, sigs, nbytes)
+
+
+def _gemm(n, dtype):
+    return lambda b: b.call(aten.mm.default, b.input("a", (n, n), dtype=dtype), b.input("w", (n, n), dtype=dtype))
+
+
+def test_gemm_efficiency_curve_matches_reference_points():
+    hw = hardware("a100-80g")
+    flops, t, dtype = _cost(hw, _gemm(1024, torch.float16))
+    assert flops == 2 * 1024 ** 3 and dtype == "float16"
+    assert flops / t / hw.peak_bf16 == pytest.approx(0.38, abs=0.005)      # MAMF: 1024^3 fp16 on A100
+    flops, t, _ = _cost(hw, _gemm(16384, torch.bfloat16))
+    assert 0.85 < flops / t / hw.peak_bf16 <= 0.869                        # best shapes: 86.9%
+
+
+def test_fp32_uses_non_tensor_peak_unless_tf32():
+    t32 = _cost(hardware("a100-80g"), _gemm(4096, torch.float32))[1]
+    ttf = _cost(hardware("a100-80g", tf32=True), _gemm(4096, torch.float32))[1]
+    assert t32 / ttf == pytest.approx(156 / 19.5, rel=0.05)
+
+
+def test_memory_bound_op_is_bytes_over_hbm():
+    hw = hardware("h100")
+    flops, t, _ = _cost(hw, lambda b: b.call(aten.add.Tensor, b.input("x", (1 << 26,)), b.input("y", (1 << 26,))))
+    nbytes = 3 * 4 * (1 << 26)
+    assert flops == 0
+    assert t == pytest.approx(nbytes / (hw.hbm_efficiency * hw.hbm_bw) + hw.kernel_overhead_s)
+    assert 0.79 <= nbytes / t / hw.hbm_bw <= 0.93                         # Azure guide: 79-93% of HBM
+
+
+def test_attention_flops_cpu_flash_kernels():
+    q = (2, 4, 128, 64)
+    hw = hardware("h100")
+
+    def fwd(b):
+        qq, kk, vv = (b.input(n, q, dtype=torch.bfloat16) for n in "qkv")
+        out = b.call(aten._scaled_dot_product_flash_attention_for_cpu.default, qq, kk, vv, 0.0, True)
+        return out
+    flops, _, _ = _cost(hw, fwd)
+    assert flops == 4 * 2 * 4 * 128 * 128 * 64                               # QK^T and PV: 2 x 2bhs^2d
+
+    def bwd(b):
+        qq, kk, vv, go, o = (b.input(n, q, dtype=torch.bfloat16) for n in ("q", "k", "v", "go", "o"))
+        lse = b.input("lse", (2, 4, 128), dtype=torch.float32)
+        return b.call(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                      go, qq, kk, vv, o, lse, 0.0, True)
+    assert _cost(hw, bwd)[0] == 2.5 * flops                                  # flop_counter's backward formula
+
+
+def test_views_and_metadata_are_free():
+    for op in (aten.view.default, aten.t.default, aten.expand.default, aten.permute.default, aten.split.Tensor,
+               aten._unsafe_view.default, aten.sym_size.int, aten.detach.default):
+        assert op_class(op)[0] == FREE, op
+    for op in (aten.clone.default, aten.mm.default, aten.add_.Tensor, aten._to_copy.default):
+        assert op_class(op)[0] == COMPUTE, op
+    assert op_class(torch.ops._c10d_functional.all_reduce.default) == (2, "all_reduce")
+    assert op_class(aten.empty.memory_format) == (FREE, "alloc")            # no kernel, but holds memory

@@ -1,0 +1,81 @@
+"""Hardware presets, overrides and their errors."""
+import pytest
+
+from partir_torch.errors import PartitionError
+from partir_torch.mesh import Mesh
+from partir_torch.sim import Hardware, collective_time, hardware
+from partir_torch.sim.hardware import PRESETS
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_are_complete(name):
+    hw = hardware(name)
+    assert isinstance(hw, Hardware)
+    assert hw.peak_bf16 > hw.peak_fp32 > 0 and hw.hbm_bw > 0 and hw.hbm_bytes > 0
+    assert hw.num_devices >= 1
+    if hw.kind == "gpu":
+        assert hw.nvlink_bw > hw.nic_bw > 0 and hw.num_devices == 8
+    else:
+        assert hw.ici_link_bw > 0 and hw.dcn_bw > 0
+
+
+def test_spec_numbers():
+    assert hardware("a100-80g").peak_bf16 == 312e12 and hardware("a100-80g").hbm_bw == 2039e9
+    assert hardware("h100").nvlink_bw == 450e9 and hardware("h100").nvls
+    assert not hardware("a100-40g").nvls
+    assert hardware("tpu-v5p").ici_link_bw == 90e9
+
+
+def test_overrides_and_device_counts():
+    hw = hardware("h100", nodes=4, nic_bw=25e9)
+    assert hw.num_devices == 32 and hw.nic_bw == 25e9 and hw.name == "h100"
+    assert hardware("tpu-v4", topology=(4, 4, 8), slices=2).num_devices == 256
+    assert hardware("tpu-v5e", topology=(16, 16)).num_devices == 256
+    with pytest.raises(Exception):
+        hw.nodes = 2                                             # frozen
+
+
+def test_dtype_peaks_and_tf32():
+    hw = hardware("a100-80g")
+    assert hw.peak_flops("bfloat16") == hw.peak_flops("float16") == 312e12
+    assert hw.peak_flops("float32") == 19.5e12
+    assert hardware("a100-80g", tf32=True).peak_flops("float32") == 156e12
+
+
+def test_unknown_field_lists_valid_fields():
+    with pytest.raises(PartitionError) as e:
+        hardware("h100", node=2)
+    msg = str(e.value)
+    assert "'node'" in msg and "nodes" in msg and "gpus_per_node" in msg and "nic_bw" in msg
+
+
+def test_unknown_preset_suggests():
+    with pytest.raises(PartitionError, match="h100"):
+        hardware("h10")
+
+
+def test_gpu_tpu_fields_do_not_mix():
+    with pytest.raises(PartitionError, match="nodes"):
+        hardware("h100", topology=(2, 2))
+    with pytest.raises(PartitionError, match="topology"):
+        hardware("tpu-v4", nodes=2)
+    with pytest.raises(PartitionError, match="16x16"):
+        hardware("tpu-v5e", topology=(32, 8))
+    with pytest.raises(PartitionError, match="positive int"):
+        hardware("h100", nodes=0)
+
+
+def test_wraparound_rules():
+    assert hardware("tpu-v4", topology=(4, 4, 4)).torus_wraparound == (True, True, True)
+    assert hardware("tpu-v4", topology=(2, 2, 1)).torus_wraparound == (False, False, False)
+    assert hardware("tpu-v5p", topology=(4, 4, 8)).torus_wraparound == (True, True, True)
+    assert hardware("tpu-v5e", topology=(16, 16)).torus_wraparound == (True, True)
+    assert hardware("tpu-v5e", topology=(4, 16)).torus_wraparound == (False, True)
+    assert hardware("tpu-v6e", topology=(8, 8)).torus_wraparound == (False, False)
+    assert hardware("tpu-v5e", topology=(16, 16), wraparound=(False, True)).torus_wraparound == (False, True)
+
+
+def test_mesh_size_mismatch_names_both_numbers():
+    with pytest.raises(PartitionError) as e:
+        collective_time(hardware("h100", nodes=2), "all_reduce", 1 << 20, Mesh({"dp": 8}), "dp")
+    assert "8" in str(e.value) and "16" in str(e.value)
