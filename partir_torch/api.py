@@ -11,11 +11,14 @@ from .tactics.schedule import flatten_schedule
 from .errors import PartitionError
 
 
-def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimizer=None, registry=None) -> Program:
+def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimizer=None, registry=None,
+              simulate=None) -> Program:
     """Trace `model`'s step and partition it over `mesh` with the tactics of `schedule`, in order.
 
     >>> prog = partition(model, Mesh({"batch": 2}), [ManualPartition({"inputs.*": 0}, axis="batch")],
     ...                  example_inputs=(x, y), loss_fn=lambda m, x, y: F.mse_loss(m(x), y))
+
+    simulate: a pt.sim.hardware(...) to print, after the schedule, one simulated row per tactic stage.
     """
     if not isinstance(mesh, Mesh):
         raise PartitionError(f"partition: mesh must be a pt.Mesh, got {type(mesh).__name__}.")
@@ -29,4 +32,6 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     for t in tactics:
         t.apply(ctx)
         prog.stages.append(prog._snapshot(t))
+    if simulate is not None:
+        print(prog.simulate(simulate).table())
     return prog

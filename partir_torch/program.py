@@ -1,6 +1,7 @@
 """The result of partition(): shardings after every tactic, explanations, conflicts, and the runnable program."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tabulate import tabulate
@@ -19,6 +20,7 @@ class Stage:
     shardings: dict
     conflicts: tuple
     decided: int          # (value, axis) decisions made by this tactic
+    prop: object = None   # the propagator's decisions at this point (for lowering / simulating the stage)
 
 
 class TacticContext:
@@ -216,14 +218,83 @@ class Program:
     def __str__(self):
         return self.annotated()
 
+    # -- stages: lowering and simulating the program as it stood after each tactic ---------------------------------
+    def _view(self, prop) -> "Program":
+        import copy
+
+        v = copy.copy(self)
+        v.prop, v._exec = prop, None
+        return v
+
+    def stage_lowered(self, k: int):
+        """The per-device program after tactic k (k = -1: before any tactic, everything replicated)."""
+        cache = self.__dict__.setdefault("_stage_lowered", {})
+        if k not in cache:
+            from .lower.fakeprop import annotate_local_vals
+            from .lower.lower import lower
+            from .propagate.engine import Propagator
+
+            prop = Propagator(self.graph, self.mesh) if k < 0 else self.stages[k].prop
+            low = lower(self._view(prop), {a: f"partir_{a}" for a in self.mesh.axes})
+            annotate_local_vals(low, self.captured)
+            cache[k] = low
+        return cache[k]
+
+    def simulate(self, hw, axis_map=None, issue: str = "ready"):
+        """SimReport for the final program on hardware `hw` (pt.sim.hardware(...)); `.stages` holds one report per
+        tactic stage (the first: nothing partitioned), so the table shows what each tactic changed."""
+        from .sim import simulate_graph
+
+        reports = []
+        for k, name in [(-1, "replicated")] + [(k, s.tactic) for k, s in enumerate(self.stages)]:
+            low = self.stage_lowered(k)
+            reports.append(simulate_graph(low.gm, self.mesh, hw, axis_map=axis_map, stage_name=name, issue=issue))
+        final = reports[-1]
+        final.stages = reports
+        return final
+
     def summary(self) -> str:
+        """One row per tactic stage: decisions, conflicts, collectives added (by kind and axis), bytes per step,
+        parameter and optimizer-state memory per device."""
         rows = []
-        for s in self.stages:
-            rows.append([s.tactic, s.axis, s.decided, len(s.conflicts)])
-        return tabulate(rows, headers=["tactic", "axis", "decisions", "conflicts"], tablefmt="simple")
+        prev = self._stage_stats(-1)
+        for k, s in enumerate(self.stages):
+            cur = self._stage_stats(k)
+            added = {key: n - prev["by"].get(key, 0) for key, n in cur["by"].items() if n != prev["by"].get(key, 0)}
+            added_s = ", ".join(f"{kind}[{axis}] {'+' if n > 0 else ''}{n}" for (kind, axis), n in sorted(added.items()))
+            rows.append([s.tactic, s.axis, s.decided, len(s.conflicts), added_s or "-", _fmt_bytes(cur["bytes"]),
+                         _fmt_bytes(cur["param"]), _fmt_bytes(cur["opt"])])
+            prev = cur
+        return tabulate(rows, headers=["tactic", "axis", "decisions", "conflicts", "collectives added",
+                                       "comm bytes/step", "params/device", "opt state/device"], tablefmt="simple")
+
+    def _stage_stats(self, k: int) -> dict:
+        low = self.stage_lowered(k)
+        by: dict = {}
+        for r in low.records:
+            by[(r.kind, r.axis)] = by.get((r.kind, r.axis), 0) + 1
+        sent = sum(r.nbytes for r in low.records)
+        param = opt = 0
+        for role, shape, n in zip(self.captured.input_roles, low.local_shapes,
+                                  [n for n in self.captured.gm.graph.nodes if n.op == "placeholder"]):
+            if role in ("param", "opt_state") and shape is not None:
+                b = math.prod(shape) * n.meta["val"].element_size()
+                if role == "param":
+                    param += b
+                else:
+                    opt += b
+        return {"by": by, "bytes": sent, "param": param, "opt": opt}
 
     def _snapshot(self, tactic) -> Stage:
         names = self.graph.name_to_vid
         shardings = {n: self.sharding_of_vid(v) for n, v in names.items()}
         decided = sum(1 for st in self.prop.axes.values() for p in st.prov.values() if p.tactic == tactic.name)
-        return Stage(tactic.name, getattr(tactic, "axis", ""), shardings, tuple(self.prop.conflicts), decided)
+        return Stage(tactic.name, getattr(tactic, "axis", ""), shardings, tuple(self.prop.conflicts), decided,
+                     self.prop.snapshot())
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if b < 1024 or unit == "TiB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.2f} {unit}"
+        b /= 1024

@@ -29,6 +29,18 @@ class Propagator:
         self.op_axes: dict = {}
         self.dim_axes: dict = {}
 
+    def snapshot(self) -> "Propagator":
+        """A copy of every decision so far (the state after one tactic stage), sharing the graph."""
+        p = Propagator.__new__(Propagator)
+        p.g, p.mesh = self.g, self.mesh
+        p.axes = {a: AxisState(st.axis, list(st.value), dict(st.prov), dict(st.assign), dict(st.assign_tactic))
+                  for a, st in self.axes.items()}
+        p.axis_order = list(self.axis_order)
+        p._conflicts = dict(self._conflicts)
+        p.op_axes = {i: {f: list(axes) for f, axes in d.items()} for i, d in self.op_axes.items()}
+        p.dim_axes = {k: list(v) for k, v in self.dim_axes.items()}
+        return p
+
     @property
     def conflicts(self) -> list:
         """Conflicts still standing (an op decided later on that axis is no longer in conflict)."""

@@ -1,6 +1,8 @@
 """The captured graph as propagation sees it: values (tensor-valued nodes), ops (nodes with rules), names, ties."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import operator
 from dataclasses import dataclass, field
 
@@ -8,7 +10,42 @@ import torch
 import torch.fx as fx
 
 from ..rules.factors import OpRule
-from ..rules.registry import RuleRegistry, result_vals, tensor_operands
+from ..rules.registry import RuleRegistry, result_vals
+
+
+@contextlib.contextmanager
+def no_gc():
+    """Suspend the cyclic garbage collector during a bulk pass over the graph. The passes allocate many small
+    objects while the heap holds the whole traced graph (and its fake tensors); generation-2 collections then
+    cost time proportional to the heap, on every pass, which made partition time superlinear in graph size."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _tensor_operands(node: fx.Node) -> list:
+    """Tensor-valued fx.Node operands in flattened (args, kwargs) order: rules.registry.tensor_operands without
+    the generic pytree walk (the hot spot of building the graph)."""
+    out: list = []
+
+    def walk(a):
+        if isinstance(a, fx.Node):
+            if isinstance(a.meta.get("val"), torch.Tensor):
+                out.append(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                walk(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                walk(x)
+
+    walk(node.args)
+    walk(node.kwargs)
+    return out
 
 
 @dataclass
@@ -27,6 +64,10 @@ class PartGraph:
     """
 
     def __init__(self, gm: fx.GraphModule, registry: RuleRegistry, names: dict, ties: list):
+        with no_gc():
+            self._build(gm, registry, names, ties)
+
+    def _build(self, gm, registry, names, ties) -> None:
         self.gm = gm
         self.values: list = []
         self.vid: dict = {}
@@ -47,7 +88,7 @@ class PartGraph:
             if not outs:
                 continue
             rule = registry.build(node)
-            operands = [self.vid[a] for a in tensor_operands(node)]
+            operands = [self.vid[a] for a in _tensor_operands(node)]
             if isinstance(node.meta.get("val"), torch.Tensor):
                 results = [self.vid[node]]
             else:

@@ -1,9 +1,9 @@
-"""Convolution: batch and output channels PASS, input channels REDUCE (groups=1), spatial dims whole."""
+"""Convolution: batch and output channels PASS, input channels REDUCE (groups=1, no bias), spatial dims whole."""
 from __future__ import annotations
 
 import torch
 
-from .factors import PASS, REDUCE, RuleBuilder
+from .factors import NEED_REP, PASS, REDUCE, RuleBuilder
 
 aten = torch.ops.aten
 
@@ -15,8 +15,10 @@ def convolution(ctx):
     x, w = ctx.in_shapes[0], ctx.in_shapes[1]
     groups = ctx.arg(8, "groups", 1)
     b = RuleBuilder()
-    n, co = b.new(x[0]), b.new(w[0])
-    ci = b.new(x[1], REDUCE) if groups == 1 else None
+    # grouped: a rank's slice of Cout would be matched to the wrong input groups, so Cout stays whole
+    n, co = b.new(x[0]), b.new(w[0], PASS if groups == 1 else NEED_REP)
+    # Cin is a reduction (groups=1); with a bias it stays whole: every rank would add the bias, counting it k times
+    ci = b.new(x[1], REDUCE if len(ctx.in_shapes) == 2 else NEED_REP) if groups == 1 else None
     sp = [()] * (len(x) - 2)
     cif = (ci,) if ci is not None and x[1] > 1 else ()
     nf, cof = ((n,) if x[0] > 1 else ()), ((co,) if w[0] > 1 else ())

@@ -102,7 +102,7 @@ def einsum(spec: str, in_shapes, out_shapes, need_rep: str = "", blocked: str = 
     `blocked` are never tiled. A dim of size 1 where its letter is larger (broadcast) gets no factor.
     """
     lhs, rhs = spec.split("->")
-    ins, outs = lhs.split(","), rhs.split(",") if rhs else []
+    ins, outs = lhs.split(","), rhs.split(",")    # 'k,k->': one scalar result
     reduce = reduce or {}
     sizes: dict = {}
     for part, shapes in ((ins, in_shapes), (outs, out_shapes)):

@@ -64,6 +64,17 @@ NONLINEAR = [
     aten.elu_backward.default, aten.bitwise_xor.Tensor, aten.floor_divide.default, aten.fmod.Scalar,
     aten.fmod.Tensor, aten.copysign.Tensor, aten.nan_to_num.default,
 ]
+def cast(src_slot):
+    """_to_copy / copy (which casts to the destination's dtype): a float (or same-kind) result is linear for every
+    reduction; a float -> int cast truncates, which is monotone (max, min) but not additive; -> bool is neither."""
+    def rule(ctx):
+        src, dst = ctx.operands[src_slot].meta["val"].dtype, ctx.out_dtypes[0]
+        ops = () if dst == torch.bool else ALL_OPS if dst.is_floating_point or not src.is_floating_point else (
+            "max", "min")
+        return pointwise(ctx, [({src_slot}, ops)] if ops else [])
+    return rule
+
+
 # Tensor factories shaped like their operand: the operand's values are not read, but its layout is the result's.
 LIKE = [aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
         aten.rand_like.default, aten.randn_like.default]
@@ -79,7 +90,7 @@ def rules() -> dict:
         aten.neg.default: LINEAR_FIRST,
         aten.where.self: WHERE,
         aten.clone.default: MOVES, aten.alias.default: MOVES, aten.detach.default: MOVES,
-        aten._to_copy.default: MOVES, aten.lift_fresh_copy.default: MOVES, aten.contiguous.default: MOVES,
-        aten.copy.default: _lin([({1}, ALL_OPS)]),
+        aten._to_copy.default: cast(0), aten.lift_fresh_copy.default: MOVES, aten.contiguous.default: MOVES,
+        aten.copy.default: cast(1),
     })
     return table

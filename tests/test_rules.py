@@ -1,0 +1,181 @@
+"""Rules are verified numerically (rules/verify.py) on every zoo model's train step; the verifier is shown to catch
+wrong rules; localize_args rewrites shape arguments for local shards."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import functools  # noqa: E402
+import warnings  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+from examples.models import VARIANTS, ZOO, get  # noqa: E402
+from partir_torch.capture import capture  # noqa: E402
+from partir_torch.lower.localize import localize_args  # noqa: E402
+from partir_torch.rules import PASS, REDUCE, OpRule, RuleBuilder, default_registry  # noqa: E402
+from partir_torch.rules.pointwise import pointwise  # noqa: E402
+from partir_torch.rules.verify import MISSING, WRONG, verify_graph, verify_node  # noqa: E402
+
+aten = torch.ops.aten
+MODELS = sorted(set(ZOO) | set(VARIANTS))
+
+
+@functools.lru_cache(maxsize=None)
+def _train_graph(name):
+    spec = get(name)
+    model = spec.build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return capture(model, spec.batch(4), spec.loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-3)).gm
+
+
+def _trace(fn, *args):
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def _node(gm, target):
+    return next(n for n in gm.graph.nodes if n.target == target)
+
+
+# ---- (1) every rule the zoo uses is right ----------------------------------------------------------------------
+@pytest.mark.parametrize("name", MODELS)
+def test_zoo_rules_verify(name):
+    report = verify_graph(_train_graph(name))
+    assert report.nodes > 30 and report.factor_checks > 40 and report.linear_checks > 40, str(report)
+    assert not report.wrong, str(report)
+    assert not report.missing, str(report)
+    assert not report.errors, str(report)
+
+
+def test_rules_beyond_the_zoo():
+    """Ops the zoo does not reach: group norm backward, grouped / bias-free convolution, factories, pooling, casts."""
+    def f(x, w, b, wg, wc, img, idx, mask):
+        o, mean, rstd = aten.native_group_norm(img, w, b, 4, 8, 36, 4, 1e-5)
+        gn = aten.native_group_norm_backward(o, img, mean, rstd, w, 4, 8, 36, 4, [True, True, True])
+        conv = F.conv2d(img, wc)
+        return (*gn, F.conv2d(img, wg, groups=2), conv, torch.dot(x[0], x[1]), F.one_hot(idx, 6),
+                *aten.convolution_backward(conv, img, wc, None, [1, 1], [0, 0], [1, 1], False,
+                                           [0, 0], 1, [True, True, False]),
+                x.new_full((6, 4), 2.0) + torch.full((6, 4), 3.0), aten.empty_strided([6, 4], [4, 1]),
+                F.max_pool2d(img, 2), aten.scatter.value(x, 1, idx.view(6, 1).remainder(4), 1.5),
+                x.amax(1), x.amin(0), torch.where(mask, x, 2 * x), x[:, 1:3], torch.cat([x, x], 1),
+                x.to(torch.int64), x.to(torch.bfloat16), mask.to(torch.float32))
+
+    gm = _trace(f, torch.randn(6, 4), torch.randn(8), torch.randn(8), torch.randn(8, 4, 1, 1),
+                torch.randn(8, 8, 1, 1), torch.randn(4, 8, 6, 6), torch.randint(0, 6, (6,)), torch.rand(6, 4) < 0.5)
+    report = verify_graph(gm)
+    assert report.nodes >= 15 and not report.wrong and not report.missing and not report.errors, str(report)
+
+
+# ---- (2) the verifier fails on wrong rules ---------------------------------------------------------------------
+def _mm_with_k_pass(ctx):
+    """mm with its contracted k marked PASS (wrong: each rank holds a partial sum, not the whole result)."""
+    (m, k), (_, n) = ctx.in_shapes
+    b = RuleBuilder()
+    fm, fk, fn = b.new(m), b.new(k, PASS), b.new(n)
+    return b.rule([[(fm,), (fk,)], [(fk,), (fn,)]], [[(fm,), (fn,)]])
+
+
+def _amax_as_sum(ctx):
+    """amax over dim 1 with the reduced dim REDUCE(sum) (wrong: the partials combine by max)."""
+    (r, c) = ctx.in_shapes[0]
+    b = RuleBuilder()
+    fr, fc = b.new(r), b.new(c, REDUCE, "sum")
+    return b.rule([[(fr,), (fc,)]], [[(fr,)]])
+
+
+WRONG_RULES = {
+    "softmax dim PASS": (aten._softmax.default, pointwise, lambda x, y: torch.softmax(x, -1)),
+    "mm k PASS": (aten.mm.default, _mm_with_k_pass, lambda x, y: x @ y),
+    "amax partial(sum)": (aten.amax.default, _amax_as_sum, lambda x, y: x.amax(1)),
+    "gelu linear": (aten.gelu.default, lambda ctx: pointwise(ctx, [({0}, ("sum",))]), lambda x, y: F.gelu(x)),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_RULES))
+def test_wrong_rule_is_reported(case):
+    op, rule, fn = WRONG_RULES[case]
+    gm = _trace(fn, torch.randn(6, 12), torch.randn(12, 6))
+    assert not verify_graph(gm).findings      # the built-in rule passes
+    registry = default_registry().copy()
+    registry.register(op, rule)
+    report = verify_graph(gm, registry)
+    assert report.wrong and all(f.kind == WRONG and f.op == str(op) for f in report.findings), str(report)
+    assert all(f.error > 1e-3 for f in report.wrong)
+    assert "WRONG" in str(report) and str(op) in str(report)
+
+
+def test_missing_rule_is_reported():
+    registry = default_registry().copy()
+    registry._rules.pop(aten._softmax.default)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = verify_graph(_trace(lambda x: torch.softmax(x, -1), torch.randn(4, 6)), registry)
+    assert [f.kind for f in report.findings] == [MISSING] and "no rule" in str(report)
+
+
+def test_verify_node_checks_linear_modes():
+    gm = _trace(lambda x, y: x + y, torch.randn(4, 6), torch.randn(6))
+    node = _node(gm, aten.add.Tensor)
+    rule = default_registry().build(node)
+    assert rule.linear and not verify_node(node, rule)
+    wrong = OpRule(rule.factors, rule.operands, rule.results, ((frozenset({0}), ("sum",)),))  # x partial, y whole
+    assert [f.check.split()[0] for f in verify_node(node, wrong)] == ["linear", "linear"]    # k = 2 and 3
+
+
+# ---- (3) localize_args -----------------------------------------------------------------------------------------
+def test_localize_view_with_minus_one():
+    gm = _trace(lambda x: x.view(-1, 3), torch.randn(8, 6))
+    node = _node(gm, aten.view.default)
+    assert node.args[1] == [-1, 3]
+    args, kwargs = localize_args(node, ("x", [-1, 3]), {}, [(4, 6)], [(8, 3)])
+    assert args == ("x", [8, 3]) and kwargs == {}
+
+
+def test_localize_expand():
+    gm = _trace(lambda x: x.expand(-1, 5, 6), torch.randn(4, 1, 6))
+    node = _node(gm, aten.expand.default)
+    args, _ = localize_args(node, ("x", [-1, 5, 6]), {}, [(4, 1, 3)], [(4, 5, 3)])
+    assert args == ("x", [4, 5, 3])
+
+
+def test_localize_new_zeros_and_empty_strided():
+    gm = _trace(lambda x: (x.new_zeros(6, 4), aten.empty_strided([6, 4], [1, 6])), torch.randn(6, 4))
+    args, _ = localize_args(_node(gm, aten.new_zeros.default), ("x", [6, 4]), {}, [(3, 4)], [(3, 4)])
+    assert args == ("x", [3, 4])
+    args, _ = localize_args(_node(gm, aten.empty_strided.default), ([6, 4], [1, 6]), {}, [], [(6, 2)])
+    assert args == ([6, 2], [1, 6])      # column-major kept: strides of the local (6, 2)
+
+
+def test_localize_group_norm_ints():
+    gm = _trace(lambda x, w, b: aten.native_group_norm(x, w, b, 4, 8, 36, 4, 1e-5),
+                torch.randn(4, 8, 6, 6), torch.randn(8), torch.randn(8))
+    node = _node(gm, aten.native_group_norm.default)
+    args, _ = localize_args(node, ("x", "w", "b", 4, 8, 36, 4, 1e-5), {}, [(2, 8, 6, 6), (8,), (8,)],
+                            [(2, 8, 6, 6), (2, 4), (2, 4)])
+    assert args == ("x", "w", "b", 2, 8, 36, 4, 1e-5)
+
+
+def test_localize_leaves_split_sizes_and_dims():
+    """split sizes that happen to equal a result shape are sizes along the (whole) split dim, not a shape."""
+    gm = _trace(lambda x: (torch.split(x, [4, 4], 1), x.permute(1, 0)), torch.randn(4, 8))
+    node = _node(gm, aten.split_with_sizes.default)
+    args, _ = localize_args(node, ("x", [4, 4], 1), {}, [(2, 8)], [(2, 4), (2, 4)])
+    assert args == ("x", [4, 4], 1)
+    args, _ = localize_args(_node(gm, aten.permute.default), ("x", [1, 0]), {}, [(2, 8)], [(8, 2)])
+    assert args == ("x", [1, 0])
+
+
+def test_verifier_catches_a_missing_localisation(monkeypatch):
+    """Without localize_args, view's global sizes do not fit the local shard: the factor check fails."""
+    import partir_torch.rules.verify as verify
+
+    gm = _trace(lambda x: x.view(4, 2, 6), torch.randn(8, 6))
+    assert not verify_graph(gm).findings
+    monkeypatch.setattr(verify, "localize_args", lambda node, args, kwargs, i, o: (args, kwargs))
+    report = verify_graph(gm)
+    assert report.wrong and all("raised" in f.detail for f in report.wrong), str(report)
