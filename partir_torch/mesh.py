@@ -26,10 +26,14 @@ class Mesh:
         for name, size in self.shape.items():
             if not isinstance(name, str) or not name.isidentifier():
                 raise MeshError(f"Mesh axis name {name!r} must be an identifier string, e.g. 'batch'.")
-            if not isinstance(size, int) or size < 1:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise MeshError(f"Mesh axis {name!r} has size {size!r}; sizes must be positive ints.")
         object.__setattr__(self, "shape", dict(self.shape))
         object.__setattr__(self, "_axes", tuple(self.shape))
+
+    def __eq__(self, other):
+        # axis order is part of the mesh (it fixes the row-major rank layout): compare items in order
+        return isinstance(other, Mesh) and tuple(self.shape.items()) == tuple(other.shape.items())
 
     def __hash__(self):
         return hash(tuple(self.shape.items()))

@@ -137,14 +137,16 @@ class Program:
         c = self.graph.canon[vid]
         ndim = len(self.graph.shapes[vid])
         dims = [list(self.prop.dim_axes.get((c, d), ())) for d in range(ndim)]
-        partial, rep = [], []
+        partial, rep, strides = [], [], []
         for axis, st in self.prop.axes.items():
             s = st.value[c]
             if s in PARTIAL_OP:
                 partial.append((axis, PARTIAL_OP[s]))
             elif s == REPLICATED:
                 rep.append(axis)
-        return Sharding(dims=dims, partial=partial, replicated=rep)
+            elif s >= 0 and (c, axis) in self.prop.strides:
+                strides.append((axis, self.prop.strides[(c, axis)]))
+        return Sharding(dims=dims, partial=partial, replicated=rep, strides=strides)
 
     def sharding(self, name: str) -> Sharding:
         """The sharding of a named value after the last tactic (e.g. "params.layers.0.attn.wq.weight")."""
@@ -186,7 +188,7 @@ class Program:
             seen.add(src)
             cur = st.prov.get(src)
         more = " ..." if cur is not None and cur.op is not None else ""
-        origin = f"; {g.name(cur.source) if cur and cur.source is not None else ''} seeded" if cur and cur.op is None else ""
+        origin = f" (seeded by {cur.tactic})" if cur is not None and cur.op is None else ""   # the last `from` value
         return f"{what} by {prov.tactic} via " + " <- ".join(path) + more + origin
 
     # -- printing ------------------------------------------------------------------------------------------------

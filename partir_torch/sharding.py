@@ -44,23 +44,31 @@ class Sharding:
     dims: tuple = ()
     partial: tuple = ()
     replicated: frozenset = frozenset()
+    strides: tuple = ()     # (axis, split factor s > 1): the axis tiles a minor part of its dim, seen as (s, n/s)
 
     def __post_init__(self):
         object.__setattr__(self, "dims", tuple(tuple(a) for a in self.dims))
         object.__setattr__(self, "partial", tuple(tuple(p) for p in self.partial))
         object.__setattr__(self, "replicated", frozenset(self.replicated))
+        object.__setattr__(self, "strides", tuple(sorted((a, int(s)) for a, s in dict(self.strides).items()
+                                                         if int(s) > 1)))
         seen = {}
         for d, axes in enumerate(self.dims):
             for a in axes:
                 if a in seen:
-                    raise PartitionError(f"Sharding: mesh axis {a!r} tiles both dim {seen[a]} and dim {d}; an axis "
-                                         f"can tile at most one dim of a value. Remove one of the two tilings.")
+                    where = f"appears twice in dim {d}" if seen[a] == d else f"tiles both dim {seen[a]} and dim {d}"
+                    raise PartitionError(f"Sharding: mesh axis {a!r} {where}; an axis can tile at most one dim of a "
+                                         f"value, once. Remove one of the two tilings.")
                 seen[a] = d
         for a, op in self.partial:
             if op not in REDUCE_OPS:
                 raise PartitionError(f"Sharding: partial reduce op {op!r} on axis {a!r} must be one of {REDUCE_OPS}.")
             if a in seen:
                 raise PartitionError(f"Sharding: axis {a!r} both tiles dim {seen[a]} and is partial; pick one.")
+        for a in self.replicated:
+            if a in seen or any(a == p for p, _ in self.partial):
+                raise PartitionError(f"Sharding: axis {a!r} is explicitly replicated, so it cannot also "
+                                     f"{'tile dim %d' % seen[a] if a in seen else 'be partial'}; pick one.")
 
     @staticmethod
     def replicate(ndim: int) -> "Sharding":
@@ -73,6 +81,25 @@ class Sharding:
     def tiled_axes(self) -> dict:
         """axis -> dim it tiles."""
         return {a: d for d, axes in enumerate(self.dims) for a in axes}
+
+    def stride(self, axis: str) -> int:
+        """The split factor of a tiling (1: contiguous chunks)."""
+        for a, s in self.strides:
+            if a == axis:
+                return s
+        return 1
+
+    def local_stride(self, axis: str, mesh: Mesh) -> int:
+        """The split factor as seen by this axis: s divided by the axes tiling its dim before it."""
+        s = self.stride(axis)
+        if s == 1:
+            return 1
+        d = self.tiled_axes()[axis]
+        for a in self.dims[d]:
+            if a == axis:
+                break
+            s //= mesh.shape[a]
+        return s
 
     def partial_op(self, axis: str):
         for a, op in self.partial:
@@ -93,7 +120,9 @@ class Sharding:
         return not self.partial and all(not axes for axes in self.dims)
 
     def __str__(self):
-        body = "[" + ", ".join("{" + ", ".join(axes) + "}" for axes in self.dims) + "]"
+        sf = dict(self.strides)
+        body = "[" + ", ".join("{" + ", ".join(f"{a}:s{sf[a]}" if a in sf else a for a in axes) + "}"
+                               for axes in self.dims) + "]"
         by_op: dict = {}
         for a, op in self.partial:
             by_op.setdefault(op, []).append(a)
@@ -109,6 +138,8 @@ class Sharding:
             args.append(f"partial={self.partial!r}")
         if self.replicated:
             args.append(f"replicated=frozenset({sorted(self.replicated)!r})")
+        if self.strides:
+            args.append(f"strides={self.strides!r}")
         return f"Sharding({', '.join(args)})"
 
     def placements(self, mesh: Mesh) -> tuple:
@@ -116,9 +147,16 @@ class Sharding:
         from torch.distributed.tensor import Partial, Replicate, Shard
 
         tiled = self.tiled_axes()
+        for a in list(tiled) + [a for a, _ in self.partial] + sorted(self.replicated):
+            mesh.check_axis(a, f"Sharding {self}")
+        sf = dict(self.strides)
         out = []
         for a in mesh.axes:
-            if a in tiled:
+            if a in sf:
+                from torch.distributed.tensor.placement_types import _StridedShard
+
+                out.append(_StridedShard(tiled[a], split_factor=self.local_stride(a, mesh)))
+            elif a in tiled:
                 out.append(Shard(tiled[a]))
             elif self.partial_op(a):
                 out.append(Partial(self.partial_op(a)))

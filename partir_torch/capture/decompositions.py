@@ -3,6 +3,7 @@ plus these few decompositions, chosen so that tiling falls out of the rules inst
 
 - addmm -> mm + add: with the contracted dim tiled, the product is partial(sum) and the bias is added once, after
   the reduction (as Megatron's row-parallel linear does), instead of once per rank.
+- convolution with a bias -> convolution + add, for the same reason (input channels tiled -> partial(sum)).
 - mean -> sum / N: sum over a tiled dim is partial(sum); the constant N is the global count, so no correction.
 - mse_loss and its backward -> elementwise ops and a sum, with the global element count as a constant.
 - nll_loss_forward(reduction=mean) -> nll_loss_forward(sum) / total_weight: both partial under data parallelism,
@@ -57,12 +58,20 @@ def _addmm(bias, m1, m2, beta=1, alpha=1):
     return aten.add.Tensor(out, bias)
 
 
+def _convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    if bias is None:
+        return NotImplemented
+    out = aten.convolution.default(x, w, None, stride, padding, dilation, transposed, output_padding, groups)
+    return aten.add.Tensor(out, aten.view.default(bias, [1, -1] + [1] * (out.dim() - 2)))
+
+
 def capture_decompositions() -> dict:
     return {
         aten.mean.dim: _mean_dim,
         aten.mean.default: _mean,
         aten.nll_loss_forward.default: _nll_loss_forward,
         aten.addmm.default: _addmm,
+        aten.convolution.default: _convolution,
         aten.mse_loss.default: _mse_loss,
         aten.mse_loss_backward.default: _mse_loss_backward,
     }

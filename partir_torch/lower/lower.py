@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
+from ..propagate.engine import _stride_of
 from ..propagate.state import PARTIAL_OP
 from ..sharding import Sharding
 from .localize import localize_args
@@ -46,6 +47,8 @@ def op_layouts(prog, i: int):
     nops, nres = len(op.operands), len(op.results)
     in_dims = [[[] for _ in g.shapes[v]] for v in op.operands]
     in_part = [[] for _ in range(nops)]
+    in_strides = [[] for _ in range(nops)]
+    out_strides = [[] for _ in range(nres)]
     out_dims = [None if v is None else [[] for _ in g.shapes[v]] for v in op.results]
     out_part = [[] for _ in range(nres)]
     ignored = [rule is not None and rule.operands[j] is None for j in range(nops)]
@@ -53,16 +56,19 @@ def op_layouts(prog, i: int):
         for f, axes in prop.op_axes.get(i, {}).items():
             for axis in axes:
                 factor = rule.factors[f]
+                inner = prop.op_inner.get((i, axis), 1)
                 for j, dims in enumerate(rule.operands):
                     for d, fs in enumerate(dims or ()):
-                        if fs and fs[0] == f:
+                        if f in fs:
                             in_dims[j][d].append(axis)
+                            in_strides[j].append((axis, _stride_of(rule, fs, f) * inner))
                 for j, dims in enumerate(rule.results):
                     if dims is None or out_dims[j] is None:
                         continue
-                    where = [d for d, fs in enumerate(dims) if fs and fs[0] == f]
+                    where = [d for d, fs in enumerate(dims) if f in fs]
                     if where:
                         out_dims[j][where[0]].append(axis)
+                        out_strides[j].append((axis, _stride_of(rule, dims[where[0]], f) * inner))
                     elif factor.kind == "reduce":
                         out_part[j].append((axis, factor.reduce_op))
         for axis in prop.axis_order:
@@ -74,8 +80,9 @@ def op_layouts(prog, i: int):
                         in_part[j].append((axis, opname))
                 for j in range(nres):
                     out_part[j].append((axis, opname))
-    ins = [None if ignored[j] else Sharding(in_dims[j], in_part[j]) for j in range(nops)]
-    outs = [None if out_dims[j] is None else Sharding(out_dims[j], out_part[j]) for j in range(nres)]
+    ins = [None if ignored[j] else Sharding(in_dims[j], in_part[j], strides=in_strides[j]) for j in range(nops)]
+    outs = [None if out_dims[j] is None else Sharding(out_dims[j], out_part[j], strides=out_strides[j])
+            for j in range(nres)]
     return ins, outs
 
 
@@ -248,4 +255,4 @@ def _descendants(roots) -> set:
 
 def _strip(sh: Sharding) -> Sharding:
     """The layout part of a sharding (explicitly-replicated markers do not change the data)."""
-    return Sharding(sh.dims, sh.partial) if sh.replicated else sh
+    return Sharding(sh.dims, sh.partial, strides=sh.strides) if sh.replicated else sh

@@ -67,23 +67,42 @@ def _move_back(em, x, shape_first, perm, dtype):
     return _contiguous(em, t, out, dtype), out
 
 
-def all_gather(em, x, shape, d, axis, dtype, value, tactic):
+def _interleave(em, y, shape0, a, b, dtype):
+    """Dim 0 of y holds a*b*m blocks ordered (a, b, m): reorder them to (b, a, m). Strided layouts use this."""
+    m = shape0[0] // (a * b)
+    rest = list(shape0[1:])
+    v = em.call(aten.reshape.default, y, [a, b, m] + rest, meta_shape=(a, b, m, *rest), dtype=dtype)
+    p = em.call(aten.permute.default, v, [1, 0] + list(range(2, 3 + len(rest))), meta_shape=(b, a, m, *rest),
+                dtype=dtype)
+    c = _contiguous(em, p, (b, a, m, *rest), dtype)
+    return em.call(aten.reshape.default, c, list(shape0), meta_shape=tuple(shape0), dtype=dtype)
+
+
+def _to_front(em, x, shape, d, dtype):
+    if d == 0:
+        return x, list(shape), None
+    y, perm = _move_first(em, x, shape, d, dtype)
+    return y, [shape[i] for i in perm], perm
+
+
+def _from_front(em, y, first, perm, dtype):
+    if perm is None:
+        return y, tuple(first)
+    return _move_back(em, y, first, perm, dtype)
+
+
+def all_gather(em, x, shape, d, axis, dtype, value, tactic, stride=1):
+    """Gather dim d over `axis`. stride s > 1: the axis tiles the minor part of the dim seen as (s, n / s)."""
     k = em.mesh.shape[axis]
     elt = torch.empty((), dtype=dtype).element_size()
-    full = list(shape)
-    full[d] *= k
-    nbytes = math.prod(full) * elt
-    if d == 0:
-        out = em.collective(c10d.all_gather_into_tensor.default, (x, k, em.groups[axis]), ALL_GATHER, axis,
-                            tuple(full), dtype, nbytes, value, tactic, dim=d)
-        return out, tuple(full)
-    y, perm = _move_first(em, x, shape, d, dtype)
-    first = [shape[i] for i in perm]
+    nbytes = math.prod(shape) * k * elt
+    y, first, perm = _to_front(em, x, shape, d, dtype)
     first[0] *= k
-    g = em.collective(c10d.all_gather_into_tensor.default, (y, k, em.groups[axis]), ALL_GATHER, axis, tuple(first),
-                      dtype, nbytes, value, tactic, dim=d)
-    out, out_shape = _move_back(em, g, first, perm, dtype)
-    return out, out_shape
+    g = em.collective(c10d.all_gather_into_tensor.default, (y, k, em.groups[axis]), ALL_GATHER, axis,
+                      tuple(first), dtype, nbytes, value, tactic, dim=d)
+    if stride > 1:   # rank-major (k, s, m) -> (s, k, m)
+        g = _interleave(em, g, first, k, stride, dtype)
+    return _from_front(em, g, first, perm, dtype)
 
 
 def all_reduce(em, x, shape, op, axis, dtype, value, tactic):
@@ -93,34 +112,49 @@ def all_reduce(em, x, shape, op, axis, dtype, value, tactic):
     return out, tuple(shape)
 
 
-def reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic):
+def reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic, stride=1):
     k = em.mesh.shape[axis]
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    out_shape = list(shape)
-    out_shape[d] //= k
-    if d == 0:
-        out = em.collective(c10d.reduce_scatter_tensor.default, (x, op, k, em.groups[axis]), REDUCE_SCATTER, axis,
-                            tuple(out_shape), dtype, nbytes, value, tactic, reduce_op=op, dim=d)
-        return out, tuple(out_shape)
-    y, perm = _move_first(em, x, shape, d, dtype)
-    first = [shape[i] for i in perm]
+    y, first, perm = _to_front(em, x, shape, d, dtype)
+    if stride > 1:   # (s, k, m) -> (k, s, m): each rank's strided chunk becomes contiguous
+        y = _interleave(em, y, first, stride, k, dtype)
     first[0] //= k
     r = em.collective(c10d.reduce_scatter_tensor.default, (y, op, k, em.groups[axis]), REDUCE_SCATTER, axis,
                       tuple(first), dtype, nbytes, value, tactic, reduce_op=op, dim=d)
-    return _move_back(em, r, first, perm, dtype)
+    return _from_front(em, r, first, perm, dtype)
 
 
-def local_slice(em, x, shape, d, axis, dtype):
+def local_slice(em, x, shape, d, axis, dtype, stride=1):
     """This rank's chunk of dim d: index_select with arange(chunk) + coord * chunk (the coordinate is a graph
-    input, so the same program serves every rank)."""
+    input, so the same program serves every rank). stride s > 1: chunk the minor part of (s, n / s)."""
     k = em.mesh.shape[axis]
-    chunk = shape[d] // k
+    inner = shape[d] // stride
+    chunk = inner // k
     idx = em.call(aten.arange.default, chunk, meta_shape=(chunk,), dtype=torch.int64)
     off = em.call(aten.mul.Scalar, em.coords[axis], chunk, meta_shape=(), dtype=torch.int64)
     idx = em.call(aten.add.Tensor, idx, off, meta_shape=(chunk,), dtype=torch.int64)
     out_shape = list(shape)
-    out_shape[d] = chunk
-    return em.call(aten.index_select.default, x, d, idx, meta_shape=tuple(out_shape), dtype=dtype), tuple(out_shape)
+    out_shape[d] //= k
+    if stride == 1:
+        return em.call(aten.index_select.default, x, d, idx, meta_shape=tuple(out_shape), dtype=dtype), \
+            tuple(out_shape)
+    split = list(shape[:d]) + [stride, inner] + list(shape[d + 1:])
+    v = em.call(aten.reshape.default, x, split, meta_shape=tuple(split), dtype=dtype)
+    split[d + 1] = chunk
+    t = em.call(aten.index_select.default, v, d + 1, idx, meta_shape=tuple(split), dtype=dtype)
+    return em.call(aten.reshape.default, t, out_shape, meta_shape=tuple(out_shape), dtype=dtype), tuple(out_shape)
+
+
+def _stride_before(sh_dims, strides: dict, axis, mesh) -> int:
+    """Local split factor of `axis` given the axes that tile its dim before it."""
+    s = strides.get(axis, 1)
+    if s == 1:
+        return 1
+    for a in sh_dims:
+        if a == axis:
+            break
+        s //= mesh.shape[a]
+    return max(s, 1)
 
 
 def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tactic_of) -> fx.Node:
@@ -128,15 +162,18 @@ def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tacti
     the tactic to blame for a collective on that axis."""
     shape = tuple(shape)
     cur_dims = [list(a) for a in src.dims]
+    src_sf, dst_sf = dict(src.strides), dict(dst.strides)
     pending = dict(src.partial)
-    # 1. un-tile: drop axes not in dst's prefix, innermost first
+    # 1. un-tile: drop axes not in dst's prefix (same axis, same split factor), innermost first
     for d in range(len(cur_dims)):
         keep = 0
-        while keep < len(cur_dims[d]) and keep < len(dst.dims[d]) and cur_dims[d][keep] == dst.dims[d][keep]:
+        while (keep < len(cur_dims[d]) and keep < len(dst.dims[d]) and cur_dims[d][keep] == dst.dims[d][keep]
+               and src_sf.get(cur_dims[d][keep], 1) == dst_sf.get(cur_dims[d][keep], 1)):
             keep += 1
         for axis in reversed(cur_dims[d][keep:]):
-            x, shape = all_gather(em, x, shape, d, axis, dtype, value, tactic_of(axis))
-        cur_dims[d] = cur_dims[d][:keep]
+            stride = _stride_before(cur_dims[d], src_sf, axis, em.mesh)
+            x, shape = all_gather(em, x, shape, d, axis, dtype, value, tactic_of(axis), stride)
+            cur_dims[d].remove(axis)
     # 2. pending reductions: reduce_scatter straight into the target tiling where it is the next split of its dim
     dst_tiled = dst.tiled_axes()
     for axis, op in list(pending.items()):
@@ -144,7 +181,8 @@ def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tacti
             continue
         d = dst_tiled.get(axis)
         if d is not None and dst.dims[d][len(cur_dims[d])] == axis and shape[d] % em.mesh.shape[axis] == 0:
-            x, shape = reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic_of(axis))
+            stride = _stride_before(dst.dims[d], dst_sf, axis, em.mesh)
+            x, shape = reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic_of(axis), stride)
             cur_dims[d].append(axis)
         else:
             x, shape = all_reduce(em, x, shape, op, axis, dtype, value, tactic_of(axis))
@@ -155,6 +193,7 @@ def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tacti
     # 3. tile: slice locally, outermost first
     for d in range(len(cur_dims)):
         for axis in dst.dims[d][len(cur_dims[d]):]:
-            x, shape = local_slice(em, x, shape, d, axis, dtype)
+            stride = _stride_before(dst.dims[d], dst_sf, axis, em.mesh)
+            x, shape = local_slice(em, x, shape, d, axis, dtype, stride)
             cur_dims[d].append(axis)
     return x

@@ -28,6 +28,13 @@ class Propagator:
         # per op: factor id -> axes tiling it (in order); per canonical value: dim -> axes tiling it (in order)
         self.op_axes: dict = {}
         self.dim_axes: dict = {}
+        # (canonical vid, axis) -> split factor s > 1 when the axis tiles a minor factor of its dim: the dim is seen
+        # as (s, n / s) and the axis tiles the second part (DTensor's _StridedShard). E.g. (B*T, C) after a
+        # reshape, with T tiled on "seq".
+        self.strides: dict = {}
+        # (op index, axis) -> inner split factor when the op tiles a factor strided (the factor seen as
+        # (inner, size / inner), the axis on the second part): a (B*H) batch dim of bmm tiled on H
+        self.op_inner: dict = {}
 
     def snapshot(self) -> "Propagator":
         """A copy of every decision so far (the state after one tactic stage), sharing the graph."""
@@ -39,6 +46,8 @@ class Propagator:
         p._conflicts = dict(self._conflicts)
         p.op_axes = {i: {f: list(axes) for f, axes in d.items()} for i, d in self.op_axes.items()}
         p.dim_axes = {k: list(v) for k, v in self.dim_axes.items()}
+        p.strides = dict(self.strides)
+        p.op_inner = dict(self.op_inner)
         return p
 
     @property
@@ -143,16 +152,16 @@ class Propagator:
             s = st.value[g.canon[vid]]
             if s >= 0:
                 fs = dims[s] if s < len(dims) else ()
-                f = fs[0] if fs else None
+                f, inner = _factor_at(rule, fs, self.strides.get((g.canon[vid], st.axis), 1))
                 if f is None or rule.factors[f].kind not in (PASS, REDUCE):
                     blockers.append(vid)
                 else:
-                    cands.setdefault(f, []).append(vid)
+                    cands.setdefault((f, inner), []).append(vid)
             elif s in PARTIAL_OP and not is_res:
                 partial_ops.append((j, vid, s))
         if len(cands) == 1 and not blockers:
-            f = next(iter(cands))
-            return self._tile(st, i, f, slots, tactic, cands[f][0])
+            (f, inner), = cands
+            return self._tile(st, i, f, slots, tactic, cands[(f, inner)][0], inner)
         if cands:
             others = blockers + [v for vs in cands.values() for v in vs]
             self._conflict(st, i, tactic, others, "neighbours are tiled on different factors" if len(cands) > 1
@@ -160,20 +169,23 @@ class Propagator:
             return []
         if partial_ops and not blockers:
             return self._pass_partial(st, i, partial_ops, tactic)
+        if blockers:
+            self._conflict(st, i, tactic, blockers, "a neighbour is tiled on a dim this op needs whole")
         return []
 
-    def _tile(self, st, i, f, slots, tactic, source) -> list:
+    def _tile(self, st, i, f, slots, tactic, source, inner: int = 1) -> list:
         g, rule = self.g, self.g.ops[i].rule
         k = self.mesh.shape[st.axis]
         factor = rule.factors[f]
         done = 1
         for a in self.op_axes.get(i, {}).get(f, ()):
             done *= self.mesh.shape[a]
-        if factor.size % (done * k):
+        if factor.size % (done * k * inner):
             self._conflict(st, i, tactic, [source], f"factor of size {factor.size} (already split {done} ways) is not "
                                                    f"divisible by axis '{st.axis}' (size {k})")
             return []
-        # every slot holding f must hold it as the major factor of one dim, and must not be set otherwise
+        # every slot holding f gets it tiled (strided when f is a minor factor of its dim); a slot already set
+        # otherwise is a conflict
         targets = []
         for is_res, j, dims, vid in slots:
             where = [d for d, fs in enumerate(dims) if f in fs]
@@ -182,15 +194,21 @@ class Propagator:
             d = where[0]
             c = g.canon[vid]
             s = st.value[c]
-            if dims[d][0] != f:
-                self._conflict(st, i, tactic, [vid, source], f"dim {d} holds the factor only as a minor part")
+            stride = _stride_of(rule, dims[d], f) * inner
+            if s == d and self.strides.get((c, st.axis), 1) != stride:
+                self._conflict(st, i, tactic, [vid, source], f"dim {d} is tiled with another split factor")
+                return []
+            if s == UNKNOWN and self.dim_axes.get((c, d)) and any(
+                    _minor_clash(self.strides.get((c, a), 1), stride) for a in self.dim_axes[(c, d)]):
+                # layouts compose major to minor: a later axis may only tile a more minor factor of the dim
+                self._conflict(st, i, tactic, [vid, source], f"dim {d} is already tiled on a more minor factor")
                 return []
             if s == UNKNOWN:
                 if self.local_dim(vid, d) % k:
                     self._conflict(st, i, tactic, [vid, source], f"dim {d} (local size {self.local_dim(vid, d)}) is "
                                                                  f"not divisible by axis '{st.axis}' (size {k})")
                     return []
-                targets.append((c, d))
+                targets.append((c, d, stride))
             elif s != d and not (s in PARTIAL_OP and not is_res) and s != REPLICATED:
                 # a partial operand is no obstacle (lowering reduce-scatters it into the tiling), nor is an
                 # explicitly replicated one (sliced locally as an operand, gathered once as a result)
@@ -198,12 +216,16 @@ class Propagator:
                 return []
         st.assign[i] = f
         st.assign_tactic[i] = tactic
+        if inner > 1:
+            self.op_inner[(i, st.axis)] = inner
         self.op_axes.setdefault(i, {}).setdefault(f, []).append(st.axis)
         prov = Provenance(tactic, i, source)
         changed = []
-        for c, d in targets:
+        for c, d, stride in targets:
             if st.value[c] == UNKNOWN:
                 self._set(st, c, d, prov)
+                if stride > 1:
+                    self.strides[(c, st.axis)] = stride
                 changed.append(c)
         if factor.kind == REDUCE:
             p = PARTIAL[factor.reduce_op]
@@ -249,3 +271,29 @@ class Propagator:
             states.append((g.name(v), state_str(st.value[c]), prov.tactic if prov else "-"))
         node = g.ops[i].node
         self._conflicts[(i, st.axis)] = Conflict(node.name, str(node.target), st.axis, tactic, tuple(states), reason)
+
+
+def _stride_of(rule, fs, f) -> int:
+    """Product of the sizes of the factors before f in a dim's factor list (1 when f is the major factor)."""
+    s = 1
+    for x in fs:
+        if x == f:
+            return s
+        s *= rule.factors[x].size
+    return s
+
+
+def _factor_at(rule, fs, stride: int) -> tuple:
+    """(factor, inner split factor) that a tiling of a dim with this split factor lands on; (None, 0) if none.
+    A split factor inside a factor (a (B*H) dim of bmm whose H part is tiled) gives inner > 1."""
+    s = 1
+    for x in fs:
+        size = rule.factors[x].size
+        if stride % s == 0 and stride // s < size and size % (stride // s) == 0:
+            return x, stride // s
+        s *= size
+    return None, 0
+
+
+def _minor_clash(existing: int, new: int) -> bool:
+    return existing > 1 and existing >= new

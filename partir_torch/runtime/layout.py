@@ -8,50 +8,46 @@ from ..sharding import Sharding
 
 
 def shard_of(full: torch.Tensor, sh: Sharding, mesh: Mesh, coord: dict) -> torch.Tensor:
-    """The chunk of `full` held by the rank at `coord`: each dim split over its axes, major to minor."""
+    """The chunk of `full` held by the rank at `coord`: each dim split over its axes, major to minor; a strided
+    axis (split factor s) chunks the minor part of the dim seen as (s, n / s)."""
     out = full
     for d, axes in enumerate(sh.dims):
-        if not axes:
-            continue
-        idx, k = 0, 1
         for a in axes:
-            idx = idx * mesh.shape[a] + coord[a]
-            k *= mesh.shape[a]
-        size = full.shape[d] // k
-        out = out.narrow(d, idx * size, size)
+            k = mesh.shape[a]
+            s = sh.local_stride(a, mesh)
+            n = out.shape[d]
+            split = out.reshape(out.shape[:d] + (s, n // s) + out.shape[d + 1:])
+            chunk = (n // s) // k
+            part = split.narrow(d + 1, coord[a] * chunk, chunk)
+            out = part.reshape(out.shape[:d] + (n // k,) + out.shape[d + 1:])
     return out.contiguous().clone()
 
 
 def assemble(locals_by_rank: dict, sh: Sharding, mesh: Mesh, shape) -> torch.Tensor:
-    """The full tensor from every rank's chunk (partial axes summed / maxed / mined)."""
-    tiled = sh.tiled_axes()
-    partial = dict(sh.partial)
+    """The full tensor from every rank's chunk (partial axes combined with their reduce op)."""
     first = next(iter(locals_by_rank.values()))
-    full = torch.empty(tuple(shape), dtype=first.dtype, device=first.device)
-    acc: dict = {}
+    numel = 1
+    for n in shape:
+        numel *= n
+    index = torch.arange(numel).reshape(tuple(shape))
+    partial = dict(sh.partial)
+    tiled = sh.tiled_axes()
+    flat = None
     for r, t in locals_by_rank.items():
         coord = mesh.coordinate(r)
         if any(coord[a] != 0 for a in mesh.axes if a not in tiled and a not in partial):
             continue
-        key = tuple(coord[a] for a in mesh.axes if a in tiled)
-        acc.setdefault(key, []).append(t)
-    for key, parts in acc.items():
-        t = parts[0]
-        ops = set(partial.values())
-        if len(parts) > 1:
-            op = ops.pop() if ops else "sum"
-            stack = torch.stack(parts)
-            t = stack.sum(0) if op == "sum" else stack.amax(0) if op == "max" else stack.amin(0)
-        coord = dict(zip([a for a in mesh.axes if a in tiled], key))
-        view = full
-        for d, axes in enumerate(sh.dims):
-            if not axes:
-                continue
-            idx, k = 0, 1
-            for a in axes:
-                idx = idx * mesh.shape[a] + coord[a]
-                k *= mesh.shape[a]
-            size = shape[d] // k
-            view = view.narrow(d, idx * size, size)
-        view.copy_(t)
-    return full
+        where = shard_of(index, sh, mesh, coord).reshape(-1)
+        vals = t.reshape(-1).to(first.dtype)
+        if flat is None:
+            flat = torch.zeros(numel, dtype=first.dtype, device=first.device)
+            seen = torch.zeros(numel, dtype=torch.bool)
+        op = next(iter(set(partial.values())), "sum")
+        if partial and seen[where].any():
+            cur = flat[where]
+            flat[where] = cur + vals if op == "sum" else torch.maximum(cur, vals) if op == "max" else \
+                torch.minimum(cur, vals)
+        else:
+            flat[where] = vals
+        seen[where] = True
+    return flat.reshape(tuple(shape))

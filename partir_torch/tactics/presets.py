@@ -65,6 +65,7 @@ def find_linear_pairs(captured) -> tuple:
     fwd = _ancestors(out.args[0][0]) if captured.mode != "forward" else set(nodes)
     col, row = [], []
     region_of: dict = {}
+    static = _static_nodes(nodes)
     for n in nodes:
         if n not in fwd:
             continue
@@ -82,18 +83,36 @@ def find_linear_pairs(captured) -> tuple:
         while stack:
             x = stack.pop()
             for u in x.users:
-                if u not in fwd or u.target in _STOP or u in region_of:
+                if u in region_of:
+                    if region_of[u] is not None and region_of[u] is not region_of[x]:
+                        _merge([region_of[u], region_of[x]], region_of)
+                    continue
+                if u not in fwd or u.target in _STOP:
                     continue
                 if _linear_weight(u, gm.graph) is not None:
                     continue
-                if u.target in _VIEWS or u.target in _MIXERS or _is_pointwise_within(u, region_of, fwd):
-                    region_of[u] = mark
+                if u.target in _VIEWS or u.target in _MIXERS or _is_pointwise_within(u, region_of, fwd, static):
+                    region_of[u] = _merge([region_of[a] for a in u.all_input_nodes if region_of.get(a)],
+                                          region_of)
                     stack.append(u)
     # a region fed by several linears (q, k, v; gate and up): all of them are column-parallel
-    return col, row
+    order = {n: i for i, n in enumerate(captured.input_names)}
+    return sorted(set(col), key=order.get), sorted(set(row), key=order.get)
 
 
-def _is_pointwise_within(u, region_of, fwd) -> bool:
+def _static_nodes(nodes) -> set:
+    """Nodes computed from parameters, buffers and constants only (rotary tables, masks): not a residual stream."""
+    static = set()
+    for n in nodes:
+        if n.op == "placeholder":
+            if n.meta.get("partir_role") in ("param", "buffer"):
+                static.add(n)
+        elif n.op == "call_function" and all(a in static for a in n.all_input_nodes):
+            static.add(n)
+    return static
+
+
+def _is_pointwise_within(u, region_of, fwd, static) -> bool:
     import operator
 
     if u.target is operator.getitem:
@@ -106,7 +125,7 @@ def _is_pointwise_within(u, region_of, fwd) -> bool:
         return False
     for a in u.args:
         if isinstance(a, torch.fx.Node) and a not in region_of:
-            if a.op == "placeholder" and a.meta.get("partir_role") in ("param", "buffer"):
+            if a in static:
                 continue
             val = a.meta.get("val")
             if isinstance(val, torch.Tensor) and val.numel() <= 1:
@@ -116,14 +135,20 @@ def _is_pointwise_within(u, region_of, fwd) -> bool:
                 # of a different linear, e.g. gate * up in SwiGLU)
                 if region_of.get(a) is None:
                     return False
-    # merge marks of co-operands (q/k/v or gate/up feed one region)
-    marks = [region_of[a] for a in u.args if isinstance(a, torch.fx.Node) and region_of.get(a) is not None]
-    for m in marks[1:]:
-        marks[0] |= m
-        for k, v in list(region_of.items()):
-            if v is m:
-                region_of[k] = marks[0]
     return True
+
+
+def _merge(marks: list, region_of: dict) -> set:
+    """Union the linear sets of co-operands (q, k, v meeting in attention; gate and up in SwiGLU)."""
+    first = marks[0]
+    for m in marks[1:]:
+        if m is first:
+            continue
+        first |= m
+        for k, v in region_of.items():
+            if v is m:
+                region_of[k] = first
+    return first
 
 
 def _ancestors(node) -> set:
