@@ -50,6 +50,15 @@ class TacticContext:
             vids.append(vid)
         self.prop.run(axis, tactic, vids, region)
 
+    def seed_nodes_and_propagate(self, axis: str, seeds: list, tactic: str, region: set | None = None) -> None:
+        """Like seed_and_propagate, for graph nodes that have no name (a linear's input activation)."""
+        vids = []
+        for node, state in seeds:
+            vid = self.graph.vid[node]
+            self.prop.seed(axis, vid, state, tactic)
+            vids.append(vid)
+        self.prop.run(axis, tactic, vids, region)
+
     def note(self, name: str, text: str) -> None:
         """A remark shown by explain(name) (e.g. 'too small to tile on axis zero: replicated')."""
         self.program.notes.setdefault(name, []).append(text)

@@ -1,7 +1,8 @@
 """Tactics: ManualPartition and presets (each returns a tactic or a list of tactics)."""
 from .manual import ManualPartition
-from .presets import Megatron, Zero, data_parallel, find_linear_pairs, megatron, zero
+from .presets import (Megatron, SequenceParallel, Zero, data_parallel, find_linear_pairs, megatron,
+                      sequence_parallel, zero)
 from .schedule import flatten_schedule
 
-__all__ = ["ManualPartition", "Megatron", "Zero", "data_parallel", "megatron", "zero", "find_linear_pairs",
+__all__ = ["ManualPartition", "Megatron", "Zero", "data_parallel", "megatron", "zero", "find_linear_pairs", "SequenceParallel", "sequence_parallel",
            "flatten_schedule"]

@@ -202,6 +202,45 @@ def megatron(axis: str = "model", plan: dict | None = None, name: str = "MP") ->
     return Megatron(axis, plan, name)
 
 
+# -- sequence parallelism ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SequenceParallel:
+    """Sequence parallelism (Korthikanti et al. 2022) on the tensor-parallel axis: the activations entering each
+    column-parallel region are tiled on their sequence dim. Propagation carries the tiling through the norms,
+    dropout and residual adds; the row-parallel all_reduce becomes a reduce_scatter (partial -> seq-tiled) and
+    the column-parallel input an all_gather, with no rule that knows about either."""
+
+    axis: str = "model"
+    seq_dim: int = 1
+    name: str = "SP"
+
+    def apply(self, ctx) -> None:
+        ctx.mesh.check_axis(self.axis, self.name)
+        col, _ = find_linear_pairs(ctx.captured)
+        if not col:
+            raise PartitionError(f"{self.name}: sequence parallelism needs Megatron-style linear pairs; found none.")
+        col_names = set(col)
+        seeds, seen = [], set()
+        for n in ctx.captured.gm.graph.nodes:
+            w = _linear_weight(n, None)
+            if w not in col_names:
+                continue
+            x = n.args[0]
+            if x.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+                x = x.args[0]
+            shape = x.meta["val"].shape
+            if x in seen or len(shape) <= self.seq_dim:
+                continue
+            seen.add(x)
+            if ctx.prop.state(self.axis, ctx.graph.vid[x]) == UNKNOWN:
+                seeds.append((x, self.seq_dim))
+        ctx.seed_nodes_and_propagate(self.axis, seeds, self.name)
+
+
+def sequence_parallel(axis: str = "model", seq_dim: int = 1, name: str = "SP") -> SequenceParallel:
+    return SequenceParallel(axis, seq_dim, name)
+
+
 # -- ZeRO ----------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Zero:
