@@ -145,6 +145,29 @@ def local_slice(em, x, shape, d, axis, dtype, stride=1):
     return em.call(aten.reshape.default, t, out_shape, meta_shape=tuple(out_shape), dtype=dtype), tuple(out_shape)
 
 
+def all_to_all(em, x, shape, d1, d2, axis, dtype, value, tactic):
+    """Move `axis` from tiling dim d1 to tiling dim d2 with one all_to_all (d1 becomes whole, d2 tiled)."""
+    k = em.mesh.shape[axis]
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    y, first, perm = _to_front(em, x, shape, d2, dtype)          # (n2, *rest), d1 somewhere in rest
+    pos = perm.index(d1) if perm is not None else d1             # position of d1 in the moved frame
+    n = first[0] // k
+    sizes = [n] * k
+    z = em.collective(c10d.all_to_all_single.default, (y, sizes, sizes, em.groups[axis]), ALL_TO_ALL, axis,
+                      tuple(first), dtype, nbytes, value, tactic, dim=d2)
+    # z = (k, n, *rest): block r came from rank r and holds its chunk of d1; fold k into d1
+    rest = first[1:]
+    v = em.call(aten.reshape.default, z, [k, n] + rest, meta_shape=(k, n, *rest), dtype=dtype)
+    order = list(range(1, pos + 1)) + [0] + list(range(pos + 1, len(rest) + 2))
+    moved = tuple(([k, n] + rest)[i] for i in order)
+    p = em.call(aten.permute.default, v, order, meta_shape=moved, dtype=dtype)
+    c = _contiguous(em, p, moved, dtype)
+    out_first = [n] + rest
+    out_first[pos] = rest[pos - 1] * k
+    r = em.call(aten.reshape.default, c, out_first, meta_shape=tuple(out_first), dtype=dtype)
+    return _from_front(em, r, out_first, perm, dtype)
+
+
 def _stride_before(sh_dims, strides: dict, axis, mesh) -> int:
     """Local split factor of `axis` given the axes that tile its dim before it."""
     s = strides.get(axis, 1)
@@ -164,6 +187,21 @@ def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tacti
     cur_dims = [list(a) for a in src.dims]
     src_sf, dst_sf = dict(src.strides), dict(dst.strides)
     pending = dict(src.partial)
+    # 0. an axis that moves from one dim to another (innermost in both, contiguous chunks): one all_to_all
+    for d1 in range(len(cur_dims)):
+        if not cur_dims[d1]:
+            continue
+        axis = cur_dims[d1][-1]
+        d2 = dst.tiled_axes().get(axis)
+        if (d2 is None or d2 == d1 or src_sf.get(axis, 1) > 1 or dst_sf.get(axis, 1) > 1 or axis in pending
+                or dst.dims[d2][:len(cur_dims[d2])] != tuple(cur_dims[d2])
+                or dst.dims[d2][len(cur_dims[d2])] != axis or shape[d2] % em.mesh.shape[axis]):
+            continue
+        if list(dst.dims[d1][:len(cur_dims[d1]) - 1]) != cur_dims[d1][:-1]:
+            continue
+        x, shape = all_to_all(em, x, shape, d1, d2, axis, dtype, value, tactic_of(axis))
+        cur_dims[d1].pop()
+        cur_dims[d2].append(axis)
     # 1. un-tile: drop axes not in dst's prefix (same axis, same split factor), innermost first
     for d in range(len(cur_dims)):
         keep = 0
