@@ -1,5 +1,5 @@
 """partir_torch: composable SPMD partitioning of PyTorch training steps (PartIR for PyTorch)."""
-from . import tactics
+from . import sim, tactics
 from .api import partition
 from .errors import PartitionError
 from .mesh import Mesh
@@ -8,4 +8,4 @@ from .sharding import REPLICATED, Sharding
 from .tactics.manual import ManualPartition
 
 __all__ = ["Mesh", "Sharding", "REPLICATED", "ManualPartition", "partition", "tactics", "register_rule",
-           "PartitionError"]
+           "PartitionError", "sim"]
