@@ -171,8 +171,13 @@ class CostModel:
         if flops <= 0:
             return 0, t_mem, None
         dtype = dtype or torch.float32
-        t_flop = flops / (hw.mm_efficiency * hw.peak_flops(dtype)) + hw.mm_half_time_s
+        eff = hw.attn_efficiency if _is_attention(node.target) else hw.mm_efficiency
+        t_flop = flops / (eff * hw.peak_flops(dtype)) + hw.mm_half_time_s
         return flops, max(t_flop, t_mem), str(dtype).replace("torch.", "")
+
+
+def _is_attention(target) -> bool:
+    return "scaled_dot_product" in str(target)
 
 
 def _freeze(a, sigs):
