@@ -5,7 +5,7 @@ from .capture import capture
 from .mesh import Mesh
 from .program import Program, TacticContext
 from .propagate.engine import Propagator
-from .propagate.graph import PartGraph
+from .propagate.graph import PartGraph, no_gc
 from .rules.registry import default_registry
 from .tactics.schedule import flatten_schedule
 from .errors import PartitionError
@@ -25,13 +25,18 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     if optimizer is not None and loss_fn is None:
         raise PartitionError("partition: an optimizer needs a loss_fn (the step it updates from).")
     tactics = flatten_schedule(schedule)
-    captured = capture(model, example_inputs, loss_fn, optimizer)
-    graph = PartGraph(captured.gm, registry or default_registry(), captured.names, captured.ties)
-    prog = Program(captured, graph, Propagator(graph, mesh), mesh, tactics, model, optimizer)
-    ctx = TacticContext(prog)
-    for t in tactics:
-        t.apply(ctx)
-        prog.stages.append(prog._snapshot(t))
+    options = [t for t in tactics if getattr(t, "at_capture", False)]
+    if options and loss_fn is None:
+        raise PartitionError(f"partition: {', '.join(t.name for t in options)} change the training step; "
+                             f"pass loss_fn= (they have nothing to act on in a forward-only program).")
+    captured = capture(model, example_inputs, loss_fn, optimizer, options)
+    with no_gc():   # linear time: no full collections over the traced graph's heap while partitioning
+        graph = PartGraph(captured.gm, registry or default_registry(), captured.names, captured.ties)
+        prog = Program(captured, graph, Propagator(graph, mesh), mesh, tactics, model, optimizer)
+        ctx = TacticContext(prog)
+        for t in tactics:
+            t.apply(ctx)
+            prog.stages.append(prog._snapshot(t))
     if simulate is not None:
         print(prog.simulate(simulate).table())
     return prog

@@ -259,7 +259,9 @@ class Program:
         reports = []
         for k, name in [(-1, "replicated")] + [(k, s.tactic) for k, s in enumerate(self.stages)]:
             low = self.stage_lowered(k)
-            reports.append(simulate_graph(low.gm, self.mesh, hw, axis_map=axis_map, stage_name=name, issue=issue))
+            recompute = {n.name for n in low.gm.graph.nodes if n.meta.get("partir_recompute")}
+            reports.append(simulate_graph(low.gm, self.mesh, hw, axis_map=axis_map, stage_name=name, issue=issue,
+                                          exclude_flops=recompute))
         final = reports[-1]
         final.stages = reports
         return final

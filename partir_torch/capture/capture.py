@@ -80,7 +80,8 @@ def _user_frame(exc: BaseException) -> str:
     return found
 
 
-def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None) -> Captured:
+def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None, options=()) -> Captured:
+    """options: capture-time tactics (MixedPrecision, Remat) that shape the traced step."""
     example_inputs = tuple(example_inputs)
     mode = FORWARD if loss_fn is None else (LOSS_AND_GRADS if optimizer is None else TRAIN)
     device = _trace_device(model, example_inputs)
@@ -139,7 +140,11 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         fixed = {k: p[k] for k in frozen}
 
         def loss_of(tp):
-            return loss_fn(_Bound(model, {**tp, **fixed, **b}), *batch)
+            state, args = {**tp, **fixed, **b}, batch
+            for opt in options:
+                state, args = opt.transform_step(state, args)
+            loss = loss_fn(_Bound(model, state), *args)
+            return loss.float() if loss.is_floating_point() else loss
 
         grads, loss = grad_and_value(loss_of)({k: p[k] for k in trainable})
         if mode == LOSS_AND_GRADS:
@@ -155,6 +160,8 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         return [loss] + [new_p[k] for k in trainable] + [new_s[s][k] for s, k in state_keys]
 
     handles = install_hooks(model)
+    for opt in options:
+        handles += opt.install(model)
     try:
         gm = make_fx(functionalize(step, remove="mutations"), tracing_mode="fake",
                      decomposition_table=capture_decompositions())(*flat)
@@ -169,8 +176,11 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     finally:
         for h in handles:
             h.remove()
-    return _annotate(gm, mode, names, roles, out_names, spec_box[0] if spec_box else None, fopt,
-                     list(params), trainable, list(buffers), device)
+    cap = _annotate(gm, mode, names, roles, out_names, spec_box[0] if spec_box else None, fopt,
+                    list(params), trainable, list(buffers), device)
+    for opt in options:
+        opt.rewrite(cap)
+    return cap
 
 
 _VIEWS = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.permute.default,

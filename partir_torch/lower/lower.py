@@ -202,6 +202,8 @@ def lower(prog, groups: dict) -> Lowered:
         args, kwargs = localize_args(node, args, kwargs, in_local, out_local)
         x = new.call_function(node.target, args, kwargs)
         x.meta["partir_src"] = node.name
+        if node.meta.get("partir_recompute"):
+            x.meta["partir_recompute"] = node.meta["partir_recompute"]
         env[node] = x
         produced_of[node] = outs
         if isinstance(node.meta.get("val"), torch.Tensor):

@@ -246,6 +246,8 @@ class Propagator:
         if len(kinds) != 1:
             return []
         p = kinds.pop()
+        if op.node.meta.get("partir_no_partial_pass"):
+            return []
         for j, vid, _ in partial_ops:
             if len(g.users[vid]) != 1 or g.values[vid].meta.get("partir_output"):
                 return []

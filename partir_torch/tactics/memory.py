@@ -1,0 +1,166 @@
+"""Memory tactics, applied as rewrites of the captured step (they act at capture, wherever they sit in the
+schedule; partition() hands them to capture):
+
+- mixed_precision: bf16 (or fp16) compute with fp32 master weights and optimizer state; gradients reach their
+  collective in `reduce_dtype`.
+- remat: activation checkpointing of matching modules: the backward recomputes their forward instead of keeping
+  its intermediates alive.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..errors import PartitionError
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Parameters (and floating-point inputs) are cast to `param_dtype` for the forward and backward; the fp32
+    parameters, gradients and optimizer state stay fp32. A gradient is reduced in `reduce_dtype`: fp32 (the
+    partial gradient flows through its up-cast and is reduced in fp32) or param_dtype (reduced before the
+    up-cast, half the bytes)."""
+
+    param_dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: torch.dtype = torch.float32
+    name: str = "MixedPrecision"
+    at_capture = True
+    axis = ""
+
+    def __post_init__(self):
+        for d in (self.param_dtype, self.reduce_dtype):
+            if not isinstance(d, torch.dtype) or not d.is_floating_point:
+                raise PartitionError(f"mixed_precision: {d!r} is not a floating-point torch dtype.")
+        if self.reduce_dtype not in (torch.float32, self.param_dtype):
+            raise PartitionError(f"mixed_precision: reduce_dtype must be torch.float32 or param_dtype "
+                                 f"({self.param_dtype}), got {self.reduce_dtype}.")
+
+    def install(self, model) -> list:
+        return []
+
+    def transform_step(self, state: dict, args: tuple):
+        cast = lambda t: t.to(self.param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        return {k: cast(v) for k, v in state.items()}, tuple(cast(a) for a in args)
+
+    def rewrite(self, cap) -> None:
+        """reduce_dtype == param_dtype: stop partial gradients at their up-cast, so they are reduced in the
+        compute dtype (the engine never passes a partial through a node marked this way)."""
+        if self.reduce_dtype == torch.float32:
+            return
+        for n in cap.gm.graph.nodes:
+            if n.target is aten._to_copy.default and n.kwargs.get("dtype") == torch.float32:
+                src = n.args[0].meta.get("val")
+                if isinstance(src, torch.Tensor) and src.dtype == self.param_dtype:
+                    n.meta["partir_no_partial_pass"] = True
+
+    def apply(self, ctx) -> None:
+        pass
+
+
+def mixed_precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) -> MixedPrecision:
+    return MixedPrecision(param_dtype, reduce_dtype)
+
+
+_RANDOM = {aten.native_dropout.default, aten.rand.default, aten.randn.default, aten.rand_like.default,
+           aten.randn_like.default, aten.bernoulli.default, aten.bernoulli.p}
+
+
+@dataclass(frozen=True)
+class Remat:
+    """Activation checkpointing of the modules whose FQN matches `selector` (a glob, e.g. "layers.*"): each one's
+    forward intermediates are recomputed in the backward, just before their first use, instead of being kept
+    alive from forward to backward. The module's inputs and output are kept; random ops (dropout) are kept too,
+    so the recomputation sees the same masks."""
+
+    selector: str
+    name: str = "Remat"
+    at_capture = True
+    axis = ""
+
+    def install(self, model) -> list:
+        from .. capture.tags import _tracing_graph
+
+        matched = [(fqn, m) for fqn, m in model.named_modules() if fqn and fnmatch.fnmatchcase(fqn, self.selector)]
+        if not matched:
+            names = [fqn for fqn, _ in model.named_modules() if fqn][:8]
+            raise PartitionError(f"remat: selector {self.selector!r} matches no module. Modules look like: "
+                                 f"{', '.join(names)}.")
+        handles = []
+        for fqn, mod in matched:
+            start: list = []
+
+            def pre(mod, args, start=start):
+                g = _tracing_graph()
+                start.append(None if g is None else len(g.nodes))
+
+            def post(mod, args, out, fqn=fqn, start=start):
+                g = _tracing_graph()
+                first = start.pop() if start else None
+                if g is None or first is None:
+                    return
+                for n in list(g.nodes)[first:]:
+                    if n.op == "call_function":
+                        n.meta.setdefault("partir_remat", fqn)
+
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+        return handles
+
+    def transform_step(self, state, args):
+        return state, args
+
+    def rewrite(self, cap) -> None:
+        gm = cap.gm
+        nodes = list(gm.graph.nodes)
+        loss = nodes[-1].args[0][0]
+        # make_fx traces the forward first: everything up to the loss is forward (including results only the
+        # backward reads, such as a norm's saved mean and rstd)
+        fwd = set(nodes[:nodes.index(loss) + 1])
+        groups: dict = {}
+        for n in nodes:
+            fqn = n.meta.get("partir_remat")
+            if fqn and n in fwd:
+                groups.setdefault(fqn, []).append(n)
+        order = {n: i for i, n in enumerate(nodes)}
+        for fqn, members in groups.items():
+            inside = set(members)
+            kept = {n for n in members if f"{fqn}:out" in n.meta.get("partir_tags", ()) or n.target in _RANDOM
+                    or any(u not in inside and u in fwd for u in n.users)}
+            kept |= {u for n in members if n.target in _RANDOM for u in n.users if u in inside
+                     and u.target is __import__("operator").getitem}
+            late = {n: [u for u in n.users if u not in fwd and u.op != "output"] for n in members if n not in kept}
+            late = {n: us for n, us in late.items() if us}
+            if not late:
+                continue
+            first_use = min((u for us in late.values() for u in us), key=order.get)
+            need, stack = set(), list(late)
+            while stack:
+                n = stack.pop()
+                if n in need or n in kept or n not in inside:
+                    continue
+                need.add(n)
+                stack.extend(n.all_input_nodes)
+            clones: dict = {}
+            with gm.graph.inserting_before(first_use):
+                for n in sorted(need, key=order.get):
+                    c = gm.graph.node_copy(n, lambda a: clones.get(a, a))
+                    c.meta.pop("partir_tags", None)
+                    c.meta.pop("partir_tag", None)
+                    c.meta["partir_recompute"] = fqn
+                    clones[n] = c
+            for n, us in late.items():
+                for u in us:
+                    u.replace_input_with(n, clones[n])
+        gm.graph.lint()
+        gm.recompile()
+
+    def apply(self, ctx) -> None:
+        pass
+
+
+def remat(selector: str) -> Remat:
+    return Remat(selector)
