@@ -29,7 +29,10 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     if options and loss_fn is None:
         raise PartitionError(f"partition: {', '.join(t.name for t in options)} change the training step; "
                              f"pass loss_fn= (they have nothing to act on in a forward-only program).")
-    captured = capture(model, example_inputs, loss_fn, optimizer, options)
+    decomps = {}
+    for t in tactics:
+        decomps.update(getattr(t, "decompositions", dict)())
+    captured = capture(model, example_inputs, loss_fn, optimizer, options, decomps)
     with no_gc():   # linear time: no full collections over the traced graph's heap while partitioning
         graph = PartGraph(captured.gm, registry or default_registry(), captured.names, captured.ties)
         prog = Program(captured, graph, Propagator(graph, mesh), mesh, tactics, model, optimizer)

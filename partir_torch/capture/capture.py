@@ -80,8 +80,10 @@ def _user_frame(exc: BaseException) -> str:
     return found
 
 
-def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None, options=()) -> Captured:
-    """options: capture-time tactics (MixedPrecision, Remat) that shape the traced step."""
+def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None, options=(),
+            decompositions=None) -> Captured:
+    """options: capture-time tactics (MixedPrecision, Remat) that shape the traced step; decompositions: extra
+    ones a tactic needs (see decompositions.py)."""
     example_inputs = tuple(example_inputs)
     mode = FORWARD if loss_fn is None else (LOSS_AND_GRADS if optimizer is None else TRAIN)
     device = _trace_device(model, example_inputs)
@@ -164,7 +166,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         handles += opt.install(model)
     try:
         gm = make_fx(functionalize(step, remove="mutations"), tracing_mode="fake",
-                     decomposition_table=capture_decompositions())(*flat)
+                     decomposition_table={**capture_decompositions(), **(decompositions or {})})(*flat)
     except Exception as e:  # noqa: BLE001 - every trace failure becomes one clear error
         where = _user_frame(e)
         raise TraceError(

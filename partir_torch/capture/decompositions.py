@@ -75,3 +75,23 @@ def capture_decompositions() -> dict:
         aten.mse_loss.default: _mse_loss,
         aten.mse_loss_backward.default: _mse_loss_backward,
     }
+
+
+def _log_softmax(x, dim, half_to_float=False):
+    """x - max - log(sum(exp(x - max))): over a tiled dim, amax is partial(max) and sum partial(sum), each
+    reduced by one scalar-per-row all_reduce (Megatron's vocabulary-parallel cross-entropy)."""
+    m = aten.amax.default(x, [dim], True)
+    shifted = aten.sub.Tensor(x, m)
+    lse = aten.log.default(aten.sum.dim_IntList(aten.exp.default(shifted), [dim], True))
+    return aten.sub.Tensor(shifted, lse)
+
+
+def _log_softmax_backward_data(grad, out, dim, input_dtype):
+    s = aten.sum.dim_IntList(grad, [dim], True)
+    return aten.sub.Tensor(grad, aten.mul.Tensor(aten.exp.default(out), s))
+
+
+def softmax_decompositions() -> dict:
+    """Used when a tactic tiles a softmax dim (vocabulary parallelism): log_softmax as reductions the rules tile."""
+    return {aten._log_softmax.default: _log_softmax,
+            aten._log_softmax_backward_data.default: _log_softmax_backward_data}

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 from ..propagate.engine import _stride_of
 from ..propagate.state import PARTIAL_OP
 from ..sharding import Sharding
+from . import indexed
 from .localize import localize_args
 from .records import META_NAME, META_ROLE
 from .reshard import Emitter, reshard
@@ -200,7 +201,7 @@ def lower(prog, groups: dict) -> Lowered:
                          (out_local[k] if out_local[k] is not None else _local(tuple(t.shape), outs[k], mesh))
                          if outs[k] is not None else tuple(t.shape) for k, t in enumerate(vals)]
         args, kwargs = localize_args(node, args, kwargs, in_local, out_local)
-        x = new.call_function(node.target, args, kwargs)
+        x = _indexed(em, prog, i, args, kwargs) or new.call_function(node.target, args, kwargs)
         x.meta["partir_src"] = node.name
         if node.meta.get("partir_recompute"):
             x.meta["partir_recompute"] = node.meta["partir_recompute"]
@@ -215,6 +216,24 @@ def lower(prog, groups: dict) -> Lowered:
     in_layouts = [layout[g.vid[n]] if n in g.vid else None for n in placeholders]
     return Lowered(gm, em.records, in_layouts, out_layouts, list(mesh.axes),
                    [local_shape.get(n) for n in placeholders])
+
+
+def _indexed(em, prog, i, args, kwargs):
+    """The local kernel of an op whose indexed factor (vocabulary, classes) is tiled, else None."""
+    rule = prog.graph.ops[i].rule
+    for f, axes in prop_axes(prog, i).items():
+        factor = rule.factors[f]
+        if factor.indexed and axes:
+            impl = indexed.IMPLS.get(prog.graph.ops[i].node.target)
+            if impl is None:
+                raise AssertionError(f"internal: no indexed kernel for {prog.graph.ops[i].node.target}")
+            n = factor.size // math.prod(prog.mesh.shape[a] for a in axes)
+            return impl(em, args, kwargs, indexed.offset(em, prog.mesh, axes, n), n)
+    return None
+
+
+def prop_axes(prog, i) -> dict:
+    return prog.prop.op_axes.get(i, {})
 
 
 def _phases(gm, cap) -> dict:

@@ -32,6 +32,9 @@ class Factor:
     size: int
     kind: str = PASS
     reduce_op: str = "sum"   # REDUCE only: the pending reduction the result gets
+    # the op addresses this dim by positions held in another tensor (embedding's vocabulary, nll_loss's classes):
+    # tiled, each rank shifts the positions by its offset and masks those outside its shard (lower/indexed.py)
+    indexed: bool = False
 
     def __str__(self):
         tag = {PASS: "", REDUCE: f"!{self.reduce_op}", NEED_REP: "*", BLOCKED: "#"}[self.kind]
@@ -80,8 +83,8 @@ class RuleBuilder:
     def __init__(self):
         self.factors: list = []
 
-    def new(self, size: int, kind: str = PASS, reduce_op: str = "sum") -> int:
-        self.factors.append(Factor(int(size), kind, reduce_op))
+    def new(self, size: int, kind: str = PASS, reduce_op: str = "sum", indexed: bool = False) -> int:
+        self.factors.append(Factor(int(size), kind, reduce_op, indexed))
         return len(self.factors) - 1
 
     def dims(self, shape, kind: str = PASS) -> list:
@@ -95,7 +98,7 @@ class RuleBuilder:
 
 
 def einsum(spec: str, in_shapes, out_shapes, need_rep: str = "", blocked: str = "", reduce: dict | None = None,
-           linear=()) -> OpRule:
+           linear=(), indexed: str = "") -> OpRule:
     """Build a rule from an einsum-like spec: 'mk,kn->mn'. '_' marks an ignored operand.
 
     Letters missing from some result are REDUCE (sum unless `reduce` says otherwise); letters in `need_rep` /
@@ -125,7 +128,7 @@ def einsum(spec: str, in_shapes, out_shapes, need_rep: str = "", blocked: str = 
             kind = REDUCE
         else:
             kind = PASS
-        ids[ch] = b.new(s, kind, reduce.get(ch, "sum"))
+        ids[ch] = b.new(s, kind, reduce.get(ch, "sum"), ch in indexed)
 
     def dims(letters, shape):
         if letters == "_" or shape is None:

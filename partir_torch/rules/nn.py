@@ -69,7 +69,9 @@ def nll_loss_forward(ctx):
     reduction = ctx.arg(3, "reduction", 1)
     w = ",c" if len(ctx.in_shapes) == 3 else ""
     out = "n" if reduction == 0 else ""
-    return einsum(f"nc,n{w}->{out},", ctx.in_shapes, ctx.out_shapes, need_rep="nc" if reduction == 1 else "c")
+    # C tiled (vocabulary-parallel cross-entropy): each rank picks the targets in its class shard
+    return einsum(f"nc,n{w}->{out},", ctx.in_shapes, ctx.out_shapes, need_rep="nc" if reduction == 1 else "",
+                  indexed="c")
 
 
 def nll_loss_backward(ctx):
@@ -78,19 +80,19 @@ def nll_loss_backward(ctx):
         return None
     g = "n" if len(ctx.in_shapes[0]) == 1 else ""
     spec_w = ",c" if len(ctx.in_shapes) == 5 else ""
-    return einsum(f"{g},nc,n{spec_w},->nc", ctx.in_shapes, ctx.out_shapes, need_rep="c")
+    return einsum(f"{g},nc,n{spec_w},->nc", ctx.in_shapes, ctx.out_shapes, indexed="c")
 
 
 def embedding(ctx):
-    """embedding(weight (V, D), indices (*)) -> (*, D). V stays whole (vocabulary tiling is a lowering of its own)."""
+    """embedding(weight (V, D), indices (*)) -> (*, D). V tiled: a masked local lookup, partial(sum) result."""
     idx = "ijkl"[:len(ctx.in_shapes[1])]
-    return einsum(f"vd,{idx}->{idx}d", ctx.in_shapes, ctx.out_shapes, need_rep="v", linear=[({0}, SUM)])
+    return einsum(f"vd,{idx}->{idx}d", ctx.in_shapes, ctx.out_shapes, indexed="v", linear=[({0}, SUM)])
 
 
 def embedding_dense_backward(ctx):
     """grad_weight (V, D) = scatter-add of grad_output (*, D) by indices: token dims are REDUCE."""
     idx = "ijkl"[:len(ctx.in_shapes[1])]
-    return einsum(f"{idx}d,{idx}->vd", ctx.in_shapes, ctx.out_shapes, blocked="v", linear=[({0}, SUM)])
+    return einsum(f"{idx}d,{idx}->vd", ctx.in_shapes, ctx.out_shapes, indexed="v", linear=[({0}, SUM)])
 
 
 def sdpa_cpu(ctx):

@@ -174,9 +174,18 @@ def _results(out) -> list:
     return [out] if isinstance(out, torch.Tensor) else [o if isinstance(o, torch.Tensor) else None for o in out]
 
 
-def run_node(node: fx.Node, operands: list, in_local: list | None = None, out_local: list | None = None) -> list:
+class _Eager:
+    """Stands in for lowering's Emitter: runs each op at once (to verify the indexed kernels of lower/indexed.py)."""
+
+    def call(self, target, *args, **kwargs):
+        return target(*args)
+
+
+def run_node(node: fx.Node, operands: list, in_local: list | None = None, out_local: list | None = None,
+             offset: tuple | None = None) -> list:
     """Run node's op with its tensor operand slots replaced by `operands`, shape args localised for the given local
-    shapes (None: global shapes). Returns the per-result-slot tensors (None for non-tensor results)."""
+    shapes (None: global shapes). offset=(first position, shard size): run the op's indexed kernel for that shard.
+    Returns the per-result-slot tensors (None for non-tensor results)."""
     flat, spec = tree_flatten((node.args, node.kwargs))
     slots = iter(operands)
     flat = [next(slots) if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
@@ -184,6 +193,10 @@ def run_node(node: fx.Node, operands: list, in_local: list | None = None, out_lo
     args, kwargs = tree_unflatten(flat, spec)
     if in_local is not None:
         args, kwargs = localize_args(node, args, kwargs, in_local, out_local)
+    if offset is not None:
+        from ..lower.indexed import IMPLS
+
+        return _results(IMPLS[node.target](_Eager(), args, kwargs, torch.tensor(offset[0]), offset[1]))
     return _results(node.target(*args, **kwargs))
 
 
@@ -247,7 +260,8 @@ def check_factor(node, rule: OpRule, inputs: list, ref: list, f: int, k: int) ->
     for r in range(k):
         local = [x if d is None else _chunk(x, _major_dims(d, f), k, r) for x, d in zip(inputs, rule.operands)]
         try:
-            outs.append(run_node(node, local, in_local, out_local))
+            off = (r * (fac.size // k), fac.size // k) if fac.indexed else None
+            outs.append(run_node(node, local, in_local, out_local, off))
         except Exception as e:  # noqa: BLE001 - a rank that cannot run is a wrong rule (or a missing localisation)
             return [_finding(WRONG, node, check, "", math.inf, f"rank {r} raised {type(e).__name__}: {e}")]
     return [x for j, dims in enumerate(rule.results) if dims is not None and ref[j] is not None

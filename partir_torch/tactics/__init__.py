@@ -1,9 +1,9 @@
 """Tactics: ManualPartition and presets (each returns a tactic or a list of tactics)."""
 from .manual import ManualPartition
-from .presets import (Megatron, SequenceParallel, Zero, data_parallel, find_linear_pairs, megatron,
+from .presets import (EmbeddingSharding, Megatron, embedding, SequenceParallel, Zero, data_parallel, find_linear_pairs, megatron,
                       sequence_parallel, zero)
 from .memory import MixedPrecision, Remat, mixed_precision, remat
 from .schedule import flatten_schedule
 
 __all__ = ["ManualPartition", "Megatron", "Zero", "data_parallel", "megatron", "zero", "find_linear_pairs", "SequenceParallel", "sequence_parallel",
-           "flatten_schedule", "MixedPrecision", "mixed_precision", "Remat", "remat"]
+           "flatten_schedule", "EmbeddingSharding", "embedding", "MixedPrecision", "mixed_precision", "Remat", "remat"]

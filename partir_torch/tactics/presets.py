@@ -162,34 +162,57 @@ def _ancestors(node) -> set:
     return seen
 
 
+def _embedding_tables(captured) -> list:
+    """Parameters used as the table of an aten.embedding (names), in parameter order."""
+    out = []
+    for n in captured.gm.graph.nodes:
+        if n.target is aten.embedding.default:
+            w = n.args[0]
+            if w.op == "placeholder" and w.meta.get("partir_role") == "param" and w.meta["partir_name"] not in out:
+                out.append(w.meta["partir_name"])
+    return out
+
+
 @dataclass(frozen=True)
 class Megatron:
-    """Megatron tensor parallelism on `axis`. plan: {FQN glob: "colwise" | "rowwise"} overrides detection."""
+    """Megatron tensor parallelism on `axis`. plan: {FQN glob: "colwise" | "rowwise" | "vocab"} overrides
+    detection. vocab=True also tiles the embedding tables on the vocabulary (a tied output projection then
+    produces vocabulary-tiled logits and the cross-entropy runs vocabulary-parallel)."""
 
     axis: str = "model"
     plan: dict | None = None
     name: str = "MP"
+    vocab: bool = False
+
+    def decompositions(self) -> dict:
+        from ..capture.decompositions import softmax_decompositions
+
+        return softmax_decompositions() if self.vocab or any(v == "vocab" for v in (self.plan or {}).values()) \
+            else {}
 
     def seeds(self, ctx) -> list:
         names = set(ctx.value_names())
+        vocab = []
         if self.plan:
             col, row = [], []
             for glob, kind in self.plan.items():
                 hits = [n[len("params."):] for n in names if n.startswith("params.")
                         and fnmatch.fnmatchcase(n[len("params."):], glob) and n.endswith("weight")]
-                if kind not in ("colwise", "rowwise"):
-                    raise PartitionError(f"{self.name}: plan value {kind!r} for {glob!r} must be 'colwise' or "
-                                         f"'rowwise'.")
+                if kind not in ("colwise", "rowwise", "vocab"):
+                    raise PartitionError(f"{self.name}: plan value {kind!r} for {glob!r} must be 'colwise', "
+                                         f"'rowwise' or 'vocab'.")
                 if not hits:
                     raise PartitionError(f"{self.name}: plan entry {glob!r} matches no parameter weight.")
-                (col if kind == "colwise" else row).extend(f"params.{h}" for h in hits)
+                {"colwise": col, "rowwise": row, "vocab": vocab}[kind].extend(f"params.{h}" for h in hits)
         else:
             col, row = find_linear_pairs(ctx.captured)
         if not col:
             raise PartitionError(f"{self.name}: found no column-parallel/row-parallel linear pair in this model "
                                  f"(a linear feeding another through activations or attention). Pass "
                                  f"plan={{'<fqn glob>': 'colwise' | 'rowwise'}}.")
-        seeds = [(w, 0) for w in col] + [(w, 1) for w in row]
+        if self.vocab and not self.plan:
+            vocab = _embedding_tables(ctx.captured)
+        seeds = [(w, 0) for w in col] + [(w, 1) for w in row] + [(w, 0) for w in vocab]
         seeds += [(w[:-len("weight")] + "bias", 0) for w in col if w[:-len("weight")] + "bias" in names]
         return seeds
 
@@ -198,8 +221,39 @@ class Megatron:
         ctx.seed_and_propagate(self.axis, self.seeds(ctx), self.name)
 
 
-def megatron(axis: str = "model", plan: dict | None = None, name: str = "MP") -> Megatron:
-    return Megatron(axis, plan, name)
+def megatron(axis: str = "model", plan: dict | None = None, name: str = "MP", vocab: bool = False) -> Megatron:
+    return Megatron(axis, plan, name, vocab)
+
+
+@dataclass(frozen=True)
+class EmbeddingSharding:
+    """EMB: every embedding table tiled on `axis`, on the vocabulary (dim="vocab": masked local lookups, partial
+    sums) or the feature dim (dim="feature": each rank looks up its slice of every row)."""
+
+    axis: str = "model"
+    dim: str = "vocab"
+    name: str = "EMB"
+
+    def __post_init__(self):
+        if self.dim not in ("vocab", "feature"):
+            raise PartitionError(f"embedding: dim must be 'vocab' or 'feature', got {self.dim!r}.")
+
+    def decompositions(self) -> dict:
+        from ..capture.decompositions import softmax_decompositions
+
+        return softmax_decompositions() if self.dim == "vocab" else {}
+
+    def apply(self, ctx) -> None:
+        ctx.mesh.check_axis(self.axis, self.name)
+        tables = _embedding_tables(ctx.captured)
+        if not tables:
+            raise PartitionError(f"{self.name}: the model has no embedding table (aten.embedding on a parameter).")
+        d = 0 if self.dim == "vocab" else 1
+        ctx.seed_and_propagate(self.axis, [(t, d) for t in tables], self.name)
+
+
+def embedding(axis: str = "model", dim: str = "vocab", name: str = "EMB") -> EmbeddingSharding:
+    return EmbeddingSharding(axis, dim, name)
 
 
 # -- sequence parallelism ----------------------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+"""Local kernels for ops that address a tiled dim by positions held in another tensor (Factor.indexed).
+
+A rank holding rows [off, off + n) of the dim shifts each position by -off and masks the positions outside its
+shard: the vocabulary-parallel embedding (masked lookup -> partial sum) and cross-entropy (each rank scores the
+targets in its class shard; nll_loss's ignore_index does the masking) of Megatron-LM, falling out of the rules.
+"""
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+
+def _shift(em, idx, off, n, fill):
+    """(positions local to this shard, in-shard mask): where(off <= idx < off + n, idx - off, fill)."""
+    lo = em.call(aten.ge.Tensor, idx, off)
+    hi = em.call(aten.lt.Tensor, idx, em.call(aten.add.Scalar, off, n))
+    mask = em.call(aten.logical_and.default, lo, hi)
+    local = em.call(aten.sub.Tensor, idx, off)
+    return em.call(aten.where.self, mask, local, em.call(aten.full_like.default, idx, fill)), mask
+
+
+def embedding(em, args, kwargs, off, n):
+    weight, idx = args[0], args[1]
+    local, mask = _shift(em, idx, off, n, 0)
+    out = em.call(aten.embedding.default, weight, local, *args[2:])
+    keep = em.call(aten.unsqueeze.default, mask, -1)
+    return em.call(aten.mul.Tensor, out, em.call(aten.type_as.default, keep, out))
+
+
+def embedding_dense_backward(em, args, kwargs, off, n):
+    grad, idx, num_weights, padding_idx, scale = (list(args) + [None] * 5)[:5]
+    if scale:
+        raise NotImplementedError("vocabulary-parallel embedding with scale_grad_by_freq=True")
+    local, mask = _shift(em, idx, off, n, 0)
+    keep = em.call(aten.unsqueeze.default, mask, -1)
+    g = em.call(aten.mul.Tensor, grad, em.call(aten.type_as.default, keep, grad))
+    return em.call(aten.embedding_dense_backward.default, g, local, n, -1, False)
+
+
+def nll_loss_forward(em, args, kwargs, off, n):
+    self_, target, weight, reduction, ignore_index = args
+    local, _ = _shift(em, target, off, n, ignore_index)
+    return em.call(aten.nll_loss_forward.default, self_, local, weight, reduction, ignore_index)
+
+
+def nll_loss_backward(em, args, kwargs, off, n):
+    grad, self_, target, weight, reduction, ignore_index, total = args
+    local, _ = _shift(em, target, off, n, ignore_index)
+    return em.call(aten.nll_loss_backward.default, grad, self_, local, weight, reduction, ignore_index, total)
+
+
+IMPLS = {
+    aten.embedding.default: embedding,
+    aten.embedding_dense_backward.default: embedding_dense_backward,
+    aten.nll_loss_forward.default: nll_loss_forward,
+    aten.nll_loss_backward.default: nll_loss_backward,
+}
+
+
+def offset(em, mesh, axes, n):
+    """The first position of this rank's shard of a dim split over `axes` (major to minor) into chunks of n."""
+    chunk = None
+    for a in axes:
+        c = em.coords[a]
+        chunk = c if chunk is None else em.call(aten.add.Tensor, em.call(aten.mul.Scalar, chunk, mesh.shape[a]), c)
+    return em.call(aten.mul.Scalar, chunk, n)
