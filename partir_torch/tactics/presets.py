@@ -295,6 +295,74 @@ def sequence_parallel(axis: str = "model", seq_dim: int = 1, name: str = "SP") -
     return SequenceParallel(axis, seq_dim, name)
 
 
+# -- expert parallelism and multi-query attention ------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExpertParallel:
+    """EP: stacked expert weights (parameters of rank >= 3 whose dim 0 counts the experts, e.g. w1 (E, d, h))
+    tiled on dim 0. Each rank runs its experts on the tokens it holds on that axis; the combine over experts
+    becomes partial(sum) and is reduced once per MoE layer. A dense model raises a PartitionError.
+    (Token exchange by all_to_all arises where tokens are tiled on the same axis and the model dispatches with a
+    per-group capacity; the reshard of a value from tiled(tokens) to tiled(experts) is one all_to_all.)"""
+
+    axis: str = "expert"
+    name: str = "EP"
+
+    def apply(self, ctx) -> None:
+        ctx.mesh.check_axis(self.axis, self.name)
+        k = ctx.mesh.shape[self.axis]
+        experts = [n for n in ctx.value_names() if n.startswith("params.") and len(ctx.value_meta(n)["shape"]) >= 3
+                   and ctx.value_meta(n)["shape"][0] > 1]
+        if not experts:
+            raise PartitionError(f"{self.name}: the model has no stacked expert weights (parameters of rank >= 3, "
+                                 f"experts on dim 0); expert parallelism does not apply to a dense model.")
+        bad = [n for n in experts if ctx.value_meta(n)["shape"][0] % k]
+        if bad:
+            raise PartitionError(f"{self.name}: {bad[0]} has {ctx.value_meta(bad[0])['shape'][0]} experts, not "
+                                 f"divisible by axis '{self.axis}' (size {k}). Use a number of experts divisible "
+                                 f"by {k}.")
+        ctx.seed_and_propagate(self.axis, [(n, 0) for n in experts], self.name)
+
+
+def expert_parallel(axis: str = "expert", name: str = "EP") -> ExpertParallel:
+    return ExpertParallel(axis, name)
+
+
+@dataclass(frozen=True)
+class MultiQuery:
+    """MQ (PartIR's inference sharding for multi-query / grouped-query attention): heads="q" tiles the query
+    heads (wq column-parallel, wo row-parallel) while the shared K/V projections stay explicitly replicated (each
+    rank slices the K/V heads it needs locally, no communication); heads="batch" tiles the batch of every input
+    with K/V replicated."""
+
+    axis: str = "model"
+    mode: str = "q"
+    name: str = "MQ"
+
+    def __post_init__(self):
+        if self.mode not in ("q", "batch"):
+            raise PartitionError(f"multi_query: mode must be 'q' or 'batch', got {self.mode!r}.")
+
+    def apply(self, ctx) -> None:
+        ctx.mesh.check_axis(self.axis, self.name)
+        col, row = find_linear_pairs(ctx.captured)
+        kv = [w for w in col if w.rsplit(".", 2)[-2] in ("wk", "wv", "k_proj", "v_proj", "key", "value")]
+        if not kv:
+            raise PartitionError(f"{self.name}: found no key/value projections (linears named wk/wv, k_proj/v_proj "
+                                 f"feeding attention).")
+        seeds = [(w, REP) for w in kv]
+        if self.mode == "batch":
+            seeds += [(n, 0) for n in ctx.value_names() if n.startswith("inputs.") and ctx.value_meta(n)["shape"]]
+        else:
+            attn_out = {w.rsplit(".", 2)[0] for w in kv}
+            seeds += [(w, 0) for w in col if w not in kv and w.rsplit(".", 2)[0] in attn_out]
+            seeds += [(w, 1) for w in row if w.rsplit(".", 2)[0] in attn_out]
+        ctx.seed_and_propagate(self.axis, seeds, self.name)
+
+
+def multi_query(axis: str = "model", mode: str = "q", name: str = "MQ") -> MultiQuery:
+    return MultiQuery(axis, mode, name)
+
+
 # -- ZeRO ----------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Zero:
