@@ -39,7 +39,9 @@ class Attention(nn.Module):
             raise ValueError(f"unknown attention impl {impl!r}")
         self.heads, self.causal, self.impl, self.dropout = heads, causal, impl, dropout
         self.wq = nn.Linear(d, d)
-        self.wk = nn.Linear(d, d)
+        # no key bias: it shifts every logit of a row equally, so its gradient is exactly zero and only rounding
+        # noise reaches AdamW (which would turn it into +-lr steps that differ with the summation order)
+        self.wk = nn.Linear(d, d, bias=False)
         self.wv = nn.Linear(d, d)
         self.wo = nn.Linear(d, d)
 

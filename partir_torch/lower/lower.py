@@ -144,7 +144,16 @@ def lower(prog, groups: dict) -> Lowered:
         key = (node, want, phase[0] if node.op == "placeholder" else "")
         if key not in cache:
             em.phase = phase[0]
-            x = reshard(em, env[node], local_shape[node], node.meta["val"].dtype, have, want, g.name(v), tactic_of(v))
+            src = node.args[0] if node.target in _HOISTABLE and node.args else None
+            if (want.is_replicated() and not have.partial and isinstance(src, fx.Node) and src in g.vid
+                    and not layout[g.vid[src]].partial):
+                # gather the view's source instead (once, shared by all its views: q/k/v of one norm output),
+                # then view the whole tensor again
+                x_src, _ = fetch(src, Sharding.replicate(len(g.shapes[g.vid[src]])))
+                x = new.call_function(node.target, (x_src, *node.args[1:]), dict(node.kwargs))
+            else:
+                x = reshard(em, env[node], local_shape[node], node.meta["val"].dtype, have, want, g.name(v),
+                            tactic_of(v))
             cache[key] = (x, _local(g.shapes[v], want, mesh))
         return cache[key]
 
@@ -216,6 +225,12 @@ def lower(prog, groups: dict) -> Lowered:
     in_layouts = [layout[g.vid[n]] if n in g.vid else None for n in placeholders]
     return Lowered(gm, em.records, in_layouts, out_layouts, list(mesh.axes),
                    [local_shape.get(n) for n in placeholders])
+
+
+# pure views with static arguments: a replicated copy of the view is the view of a replicated source
+_HOISTABLE = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+              torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+              torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim}
 
 
 def _indexed(em, prog, i, args, kwargs):

@@ -1,0 +1,153 @@
+"""Issue 4 presets beyond BP/MP/Z3: each on the zoo models it applies to, against single-device numerics (3 AdamW
+steps, emulated ranks), with its collectives counted against the textbook formula, and a clear error where it
+does not apply."""
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+
+import partir_torch as pt
+from partir_torch import tactics as T
+from examples.models import get
+
+warnings.filterwarnings("ignore")
+STEPS = 3
+
+
+def run(name, schedule, mesh, batch=4, steps=STEPS, **overrides):
+    spec = get(name, **overrides)
+    model = spec.build()
+    ref = copy.deepcopy(model)
+    data = spec.batch(batch, **overrides)
+    prog = pt.partition(model, pt.Mesh(mesh), schedule, example_inputs=data, loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for _ in range(steps):
+        loss = prog.train_step(*data)
+        ref_opt.zero_grad()
+        ref_loss = spec.loss_fn(ref, *data)
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    got = prog.gather_parameters()
+    for k, p in ref.named_parameters():
+        # AdamW divides by sqrt(v): for an entry whose gradient is ~0, a gradient summed in another order (1e-7
+        # relative) can move its update by a few 1e-6 (lr 1e-3); 1e-5 absolute is 1% of one step
+        torch.testing.assert_close(got[k], p.detach(), rtol=1e-5, atol=1e-5, msg=k)
+    return prog
+
+
+def counts(prog):
+    return Counter((r.kind, r.axis, r.phase) for r in prog.collectives())
+
+
+def test_sequence_parallel_turns_all_reduces_into_reduce_scatter_and_all_gather():
+    prog = run("gpt_sdpa", [T.megatron("model"), T.sequence_parallel("model")], {"model": 2})
+    c = counts(prog)
+    layers = 2
+    # Megatron's 2 all-reduces per layer and direction become 2 reduce-scatters (row-parallel outputs into the
+    # sequence-tiled residual stream) ...
+    assert c[("reduce_scatter", "model", "forward")] == 2 * layers
+    assert c[("reduce_scatter", "model", "backward")] == 2 * layers
+    # ... and 2 all-gathers in front of the column-parallel linears (one per norm output, shared by q, k and v)
+    assert c[("all_gather", "model", "forward")] == 2 * layers
+    # backward: the row-parallel linears' input gradients are gathered from the sequence-tiled stream, plus the
+    # positional-embedding gradient (its rows are sequence positions)
+    assert c[("all_gather", "model", "backward")] == 2 * layers + 1
+    assert c[("all_reduce", "model", "forward")] == 2                  # only the loss: numerator and count
+    h = prog.sharding("layers.0.ln1:out")
+    assert h.dims[1] == ("model",), h
+
+
+def test_vocabulary_parallel_embedding_and_cross_entropy():
+    prog = run("gpt_sdpa", [T.embedding("model")], {"model": 2})
+    assert prog.sharding("params.wte.weight").dims[0] == ("model",)
+    kinds = Counter((r.kind, r.reduce_op) for r in prog.collectives())
+    # forward: the masked lookup's partial sum; the log-softmax max and sum over the vocabulary; the loss numerator
+    # and the target count; backward: the log-softmax sum and the tied head's input gradient
+    assert kinds == {("all_reduce", "sum"): 6, ("all_reduce", "max"): 1}
+
+
+def test_megatron_with_vocabulary_parallel_head_on_llama():
+    run("llama", [T.data_parallel("batch"), T.megatron("model", vocab=True)], {"batch": 2, "model": 2})
+
+
+def test_expert_parallel_tiles_experts_and_reduces_the_combine_once_per_layer():
+    prog = run("moe", [T.data_parallel("batch"), T.expert_parallel("expert")], {"batch": 2, "expert": 2})
+    assert prog.sharding("params.layers.0.moe.w1").dims[0] == ("expert",)
+    c = counts(prog)
+    layers = 2
+    assert c[("all_reduce", "expert", "forward")] == layers          # combine over experts
+    # backward: the MoE input gradient and the router probabilities' gradient, each a sum over experts
+    assert c[("all_reduce", "expert", "backward")] == 2 * layers
+    assert not any(k[0] == "all_gather" for k in c)
+
+
+def test_expert_parallel_on_a_dense_model_is_an_error():
+    with pytest.raises(pt.PartitionError, match="dense model"):
+        run("gpt_sdpa", [T.expert_parallel("expert")], {"expert": 2}, steps=0)
+
+
+def test_multi_query_keeps_shared_kv_replicated():
+    prog = run("llama", [T.multi_query("model")], {"model": 2})
+    assert prog.sharding("params.layers.0.attention.wq.weight").dims[0] == ("model",)
+    assert prog.sharding("params.layers.0.attention.wk.weight").replicated == {"model"}
+    fwd = [r for r in prog.collectives() if r.phase == "forward"]
+    assert [r.kind for r in fwd].count("all_reduce") == 2            # the row-parallel wo, once per layer
+
+
+def test_mixed_precision_matches_unpartitioned_mixed_precision():
+    spec = get("gpt_sdpa")
+    data = spec.batch(4)
+    losses = []
+    for mesh, sched in (({"batch": 1}, []), ({"batch": 2}, [T.data_parallel("batch")])):
+        model = spec.build()
+        prog = pt.partition(model, pt.Mesh(mesh), [T.mixed_precision()] + sched, example_inputs=data,
+                            loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        losses.append([float(prog.train_step(*data)) for _ in range(STEPS)])
+        params = prog.gather_parameters()
+        assert params["wte.weight"].dtype == torch.float32            # fp32 master weights
+    # bf16 compute: the data-parallel sum of two half-batch gradients differs from the whole-batch one by bf16
+    # rounding, so compare to bf16 precision
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=2e-2, atol=0)
+    grads = [r for r in prog.collectives() if r.phase != "forward" and r.nbytes > 8]
+    assert grads and all(r.dtype == "float32" for r in grads)          # reduce_dtype=float32
+
+
+def test_mixed_precision_reduce_dtype_bf16_halves_gradient_bytes():
+    spec = get("gpt_sdpa")
+    model = spec.build()
+    sizes = {}
+    for rd in (torch.float32, torch.bfloat16):
+        prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.mixed_precision(reduce_dtype=rd),
+                                                            T.data_parallel("batch")],
+                            example_inputs=spec.batch(4), loss_fn=spec.loss_fn,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        sizes[rd] = sum(r.nbytes for r in prog.collectives() if r.nbytes > 8)
+    assert sizes[torch.bfloat16] * 2 == sizes[torch.float32]
+
+
+def test_remat_recomputes_and_saves_memory_with_equal_numerics():
+    prog = run("gpt_sdpa", [T.data_parallel("batch"), T.remat("layers.?")], {"batch": 2})
+    recomputed = [n for n in prog.captured.gm.graph.nodes if n.meta.get("partir_recompute")]
+    assert recomputed
+    spec = get("gpt_sdpa", d=256, heads=8, seq=256, vocab=256)
+    reports = []
+    for sched in ([T.data_parallel("batch")], [T.data_parallel("batch"), T.remat("layers.?")]):
+        m = spec.build(device="meta")
+        p = pt.partition(m, pt.Mesh({"batch": 2}), sched, example_inputs=spec.batch(32, device="meta"),
+                         loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(m.parameters()))
+        reports.append(p.simulate(pt.sim.hardware("h100", gpus_per_node=2)))
+    plain, remat = reports
+    assert remat.peak_memory_bytes < plain.peak_memory_bytes
+    assert remat.compute_s > plain.compute_s
+    assert remat.model_flops == plain.model_flops                    # recomputation is not model work
+
+
+def test_remat_selector_matching_nothing_is_an_error():
+    with pytest.raises(pt.PartitionError, match="matches no module"):
+        run("mlp", [T.remat("blocks.*")], {"batch": 1}, steps=0)
