@@ -44,9 +44,9 @@ class TacticContext:
 
     def seed_and_propagate(self, axis: str, seeds: list, tactic: str, region: set | None = None) -> None:
         vids = []
-        for name, state in seeds:
+        for name, state, *stride in seeds:      # (name, dim or state[, split factor of a strided tiling])
             vid = self.graph.name_to_vid[name]
-            self.prop.seed(axis, vid, state, tactic)
+            self.prop.seed(axis, vid, state, tactic, *stride)
             vids.append(vid)
         self.prop.run(axis, tactic, vids, region)
 

@@ -149,15 +149,23 @@ class Sharding:
         tiled = self.tiled_axes()
         for a in list(tiled) + [a for a, _ in self.partial] + sorted(self.replicated):
             mesh.check_axis(a, f"Sharding {self}")
-        sf = dict(self.strides)
+        order = {a: i for i, a in enumerate(mesh.axes)}
         out = []
         for a in mesh.axes:
-            if a in sf:
-                from torch.distributed.tensor.placement_types import _StridedShard
+            if a in tiled:
+                # DTensor splits a dim by its mesh axes in mesh order; an axis that this sharding applies after a
+                # later mesh axis (or to a minor factor) is a strided shard whose split factor counts those chunks
+                d = tiled[a]
+                sf = self.local_stride(a, mesh)
+                for b in self.dims[d][:self.dims[d].index(a)]:
+                    if order[b] > order[a]:
+                        sf *= mesh.shape[b]
+                if sf > 1:
+                    from torch.distributed.tensor.placement_types import _StridedShard
 
-                out.append(_StridedShard(tiled[a], split_factor=self.local_stride(a, mesh)))
-            elif a in tiled:
-                out.append(Shard(tiled[a]))
+                    out.append(_StridedShard(d, split_factor=sf))
+                else:
+                    out.append(Shard(d))
             elif self.partial_op(a):
                 out.append(Partial(self.partial_op(a)))
             else:

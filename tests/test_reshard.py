@@ -47,3 +47,24 @@ def test_reshard_matches_full_tensor(src, dst, kinds):
     out = rt.run(gm, [inp] + rt.coords())
     assert [r.kind for r in em.records] == kinds
     torch.testing.assert_close(rt.full(out, dst, full.shape), full)
+
+
+PLACEMENT_CASES = [S(dims=(("batch", "model"), ())), S(dims=(("model", "batch"), ())), S(dims=(("batch",), ("model",))),
+                   S(dims=(("batch",), ("model",)), strides=(("model", 3),)), S(dims=(("model",), ()))]
+
+
+@pytest.mark.parametrize("sh", PLACEMENT_CASES, ids=str)
+def test_dtensor_placements_describe_the_same_layout(sh):
+    """A DTensor built from our local shards with sh.placements() reassembles to the full tensor: the state_dict
+    DTensors (and checkpoints) mean what our shards hold, axis order and strided tilings included."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = pt.Mesh({"batch": 2, "model": 2})
+    rt = EmulatedRuntime(mesh)
+    full = torch.arange(8 * 12, dtype=torch.float32).reshape(8, 12)
+    with rt.mode:
+        dt = DTensor.from_local(rt.shard(full, sh), rt.device_mesh, sh.placements(mesh), shape=full.shape,
+                                stride=full.stride(), run_check=False)
+        whole = dt.full_tensor()
+    for r in range(mesh.size):
+        torch.testing.assert_close(whole._local_tensors[r], full)

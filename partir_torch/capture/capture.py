@@ -3,6 +3,7 @@ the op set). Inputs may be real, `meta` or fake tensors: everything is traced on
 model on `meta` captures without allocating it."""
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -67,6 +68,13 @@ def _fakify(mode: FakeTensorMode, t: torch.Tensor, device) -> torch.Tensor:
             out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
         return out
     return mode.from_tensor(t)
+
+
+def _tracing_session():
+    """torch.compiler.is_compiling() is True while we trace: libraries (Hugging Face's mask utilities) then skip
+    the data-dependent fast paths they skip under torch.compile, which a fake-tensor trace cannot take either."""
+    ctx = getattr(torch.compiler, "_compile_session_context", None)
+    return ctx() if ctx is not None else contextlib.nullcontext()
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -165,8 +173,9 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     for opt in options:
         handles += opt.install(model)
     try:
-        gm = make_fx(functionalize(step, remove="mutations"), tracing_mode="fake",
-                     decomposition_table={**capture_decompositions(), **(decompositions or {})})(*flat)
+        table = {**capture_decompositions(), **(decompositions or {})}
+        with _tracing_session():
+            gm = make_fx(functionalize(step, remove="mutations"), tracing_mode="fake", decomposition_table=table)(*flat)
     except Exception as e:  # noqa: BLE001 - every trace failure becomes one clear error
         where = _user_frame(e)
         raise TraceError(

@@ -143,8 +143,24 @@ def _embedding_dense_backward(call: _Call) -> None:
         call.set("num_weights", int(call.out_local[0][0]))
 
 
-# split.Tensor / split_with_sizes need no row: their sizes run along the split dim, which the rule keeps whole.
+def _split(call: _Call) -> None:
+    """split into equal chunks: when the chunk part of the dim is tiled (a fused q/k/v output), each chunk's
+    local size is the results' local size along the dim."""
+    outs = [o for o in call.out_local if o is not None]
+    if not outs:
+        return
+    shape = call.in_local[0]
+    dim = call.get("dim")
+    dim = (0 if dim is None else dim) % len(shape)
+    if call.get("split_size") is not None:
+        call.set("split_size", int(outs[0][dim]))
+    elif call.get("split_sizes") is not None:
+        call.set("split_sizes", [int(o[dim]) for o in call.out_local if o is not None])
+
+
 ROWS = {
+    aten.split.Tensor: _split,
+    aten.split_with_sizes.default: _split,
     aten.empty_strided.default: _empty_strided,
     aten.new_empty_strided.default: _empty_strided,
     aten.native_group_norm.default: _group_norm(0),

@@ -123,15 +123,25 @@ def lower(prog, groups: dict) -> Lowered:
         return f
 
     produced_of: dict = {}     # multi-output node -> result layouts
+    layouts_of = [op_layouts(prog, i) for i in range(len(g.ops))]
+    wants: dict = {}           # value node -> the layouts its consumers need
+    for i, op in enumerate(g.ops):
+        for vid, want in zip(op.operands, layouts_of[i][0]):
+            if want is not None:
+                wants.setdefault(g.values[vid], set()).add(want)
 
     def settle(node, produced, v):
-        """After an op: bring its result from the layout it was computed in to the value's recorded layout."""
+        """After an op: bring its result from the layout it was computed in to the value's recorded layout; and
+        when every consumer needs one same other layout, reshard right here (a gradient is reduced as soon as
+        the backward produces it, not when the optimizer first reads it, so the collective can overlap)."""
         want = _strip(layout[v])
-        if produced is None or produced == want:
-            return
-        x = reshard(em, env[node], local_shape[node], node.meta["val"].dtype, produced, want, g.name(v),
-                    tactic_of(v))
-        env[node], local_shape[node] = x, _local(g.shapes[v], want, mesh)
+        if produced is not None and produced != want:
+            x = reshard(em, env[node], local_shape[node], node.meta["val"].dtype, produced, want, g.name(v),
+                        tactic_of(v))
+            env[node], local_shape[node] = x, _local(g.shapes[v], want, mesh)
+        needed = wants.get(node, ())
+        if len(needed) == 1 and next(iter(needed)) != want and not node.meta.get("partir_output"):
+            fetch(node, next(iter(needed)))
 
     def fetch(node, want: Sharding | None):
         """node's value in layout `want` (None: as recorded)."""
@@ -185,7 +195,7 @@ def lower(prog, groups: dict) -> Lowered:
         i = op_index.get(node)
         if i is None:
             raise AssertionError(f"internal: node {node.format_node()} is not an op")
-        ins, outs = op_layouts(prog, i)
+        ins, outs = layouts_of[i]
         op = g.ops[i]
         slot = iter(range(len(op.operands)))
         in_local = []
@@ -221,6 +231,7 @@ def lower(prog, groups: dict) -> Lowered:
             local_shape[node] = out_local[0]
             settle(node, outs[0], v)
 
+    _sink_waits(new)
     gm = fx.GraphModule(torch.nn.Module(), new)
     in_layouts = [layout[g.vid[n]] if n in g.vid else None for n in placeholders]
     return Lowered(gm, em.records, in_layouts, out_layouts, list(mesh.axes),
@@ -249,6 +260,22 @@ def _indexed(em, prog, i, args, kwargs):
 
 def prop_axes(prog, i) -> dict:
     return prog.prop.op_axes.get(i, {})
+
+
+def _sink_waits(graph: fx.Graph) -> None:
+    """Move each wait_tensor down to just before the first node that reads it: the collective is issued where
+    its input is ready and compute runs on until the result is needed."""
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    for node in list(graph.nodes):
+        if node.target is wait and node.users:
+            first = min(node.users, key=_position(graph))
+            if node.next is not first:
+                first.prepend(node)
+
+
+def _position(graph: fx.Graph):
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    return index.__getitem__
 
 
 def _phases(gm, cap) -> dict:

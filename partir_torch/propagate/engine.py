@@ -73,7 +73,7 @@ class Propagator:
         return size
 
     # -- seeding -------------------------------------------------------------------------------------------------
-    def seed(self, axis: str, vid: int, state: int, tactic: str) -> None:
+    def seed(self, axis: str, vid: int, state: int, tactic: str, stride: int = 1) -> None:
         st = self.axis_state(axis)
         c = self.g.canon[vid]
         cur = st.value[c]
@@ -98,6 +98,8 @@ class Propagator:
                     f"cannot be tiled on axis '{axis}' (size {k}): {k} does not divide {size}. Use a size divisible "
                     f"by {k}, or tile another dim.")
         self._set(st, c, state, Provenance(tactic))
+        if stride > 1:
+            self.strides[(c, axis)] = stride
 
     def _set(self, st: AxisState, c: int, state: int, prov: Provenance) -> None:
         st.value[c] = state
@@ -180,7 +182,10 @@ class Propagator:
         done = 1
         for a in self.op_axes.get(i, {}).get(f, ()):
             done *= self.mesh.shape[a]
-        if factor.size % (done * k * inner):
+        # a strided tiling (inner > 1) splits the minor part of (inner, size / inner); earlier axes split the major
+        fits = factor.size % (done * k) == 0 if inner == 1 else \
+            (factor.size // inner) % k == 0 and inner % done == 0 and factor.size % inner == 0
+        if not fits:
             self._conflict(st, i, tactic, [source], f"factor of size {factor.size} (already split {done} ways) is not "
                                                    f"divisible by axis '{st.axis}' (size {k})")
             return []

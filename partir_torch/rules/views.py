@@ -82,6 +82,43 @@ def along(dim_arg):
     return rule
 
 
+def split_rule(ctx):
+    """split into equal chunks along dim: that dim is (chunks, size) and each result's dim is the size factor, so a
+    tiling of the size part (strided by the number of chunks: a fused q/k/v projection) reaches every chunk."""
+    shape = ctx.in_shapes[0]
+    dim = ctx.arg(2, "dim", 0) % max(len(shape), 1)
+    sizes = [s[dim] for s in ctx.out_shapes if s is not None]
+    if len(set(sizes)) != 1 or sizes[0] * len(ctx.out_shapes) != shape[dim] or sizes[0] <= 1:
+        return along(2)(ctx)
+    b = RuleBuilder()
+    ids = [(b.new(s),) if s > 1 and d != dim else () for d, s in enumerate(shape)]
+    chunks, part = b.new(len(ctx.out_shapes), "need_rep"), b.new(sizes[0])
+    ins = list(ids)
+    ins[dim] = (chunks, part)
+    out = list(ids)
+    out[dim] = (part,)
+    return b.rule([ins], [out if s is not None else None for s in ctx.out_shapes], MOVES)
+
+
+def cat_rule(ctx):
+    """cat of equal-size pieces along dim: the result's dim is (pieces, size), the mirror of split_rule (the
+    gradient of a fused q/k/v projection)."""
+    shapes = [s for s in ctx.in_shapes]
+    out = ctx.out_shapes[0]
+    dim = ctx.arg(1, "dim", 0) % max(len(out), 1)
+    sizes = {s[dim] for s in shapes if len(s) == len(out)}
+    if len(sizes) != 1 or len(shapes) * next(iter(sizes)) != out[dim] or next(iter(sizes)) <= 1:
+        return along(1)(ctx)
+    b = RuleBuilder()
+    ids = [(b.new(s),) if s > 1 and d != dim else () for d, s in enumerate(out)]
+    pieces, part = b.new(len(shapes), "need_rep"), b.new(next(iter(sizes)))
+    ins = list(ids)
+    ins[dim] = (part,)
+    res = list(ids)
+    res[dim] = (pieces, part)
+    return b.rule([ins for _ in shapes], [res], [(set(range(len(shapes))), ALL_OPS)])
+
+
 def slice_rule(ctx):
     """slice over the whole dim (start 0, end >= size, step 1) is a plain copy; otherwise the dim is NEED_REP."""
     shape = ctx.in_shapes[0]
@@ -112,7 +149,7 @@ def rules() -> dict:
         aten.unsqueeze.default: squeeze_like, aten.squeeze.dim: squeeze_like, aten.squeeze.dims: squeeze_like,
         aten.squeeze.default: squeeze_like,
         aten.slice.Tensor: slice_rule, aten.select.int: along(1),
-        aten.split.Tensor: along(2), aten.split_with_sizes.default: along(2),
-        aten.cat.default: along(1), aten.unbind.int: along(1),
+        aten.split.Tensor: split_rule, aten.split_with_sizes.default: split_rule,
+        aten.cat.default: cat_rule, aten.unbind.int: along(1),
         aten.slice_backward.default: along(2), aten.select_backward.default: select_backward,
     }

@@ -43,16 +43,50 @@ _STOP = {aten.native_layer_norm.default, aten.sum.dim_IntList, aten.amax.default
          aten.native_group_norm.default, aten.embedding.default}
 
 
-def _linear_weight(node, graph):
-    """If `node` is mm(x, t(W)) with W a 2-D parameter placeholder, the name of W."""
+def _linear(node):
+    """(W's name, W's output-feature dim) if `node` is a linear: mm(x, t(W)) (nn.Linear, W is (out, in)) or
+    mm(x, W) (Hugging Face's Conv1D, W is (in, out)), W a parameter placeholder; else None."""
     if node.target is not aten.mm.default:
         return None
     w = node.args[1]
-    if getattr(w, "target", None) is aten.t.default:
-        p = w.args[0]
-        if p.op == "placeholder" and p.meta.get("partir_role") == "param":
-            return p.meta["partir_name"]
+    if getattr(w, "target", None) is aten.t.default and w.args[0].op == "placeholder" \
+            and w.args[0].meta.get("partir_role") == "param":
+        return w.args[0].meta["partir_name"], 0
+    if w.op == "placeholder" and w.meta.get("partir_role") == "param" and len(w.meta["val"].shape) == 2:
+        return w.meta["partir_name"], 1
     return None
+
+
+def _linear_weight(node, graph=None):
+    found = _linear(node)
+    return found[0] if found else None
+
+
+def _fused_chunks(node) -> int:
+    """Number of equal chunks a linear's output is split into along its features (3 for a fused q/k/v), else 1."""
+    x = node
+    for _ in range(4):
+        users = list(x.users)
+        if len(users) != 1:
+            return 1
+        u = users[0]
+        if u.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            outs = [o for o in u.meta["val"]]
+            return len(outs) if len({tuple(o.shape) for o in outs}) == 1 else 1
+        if u.target not in (aten.add.Tensor, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+            return 1
+        x = u
+    return 1
+
+
+def linear_layout(captured) -> dict:
+    """weight name -> (output-feature dim, fused chunks) for every linear of the forward."""
+    out = {}
+    for n in captured.gm.graph.nodes:
+        found = _linear(n)
+        if found and found[0] not in out:
+            out[found[0]] = (found[1], _fused_chunks(n))
+    return out
 
 
 def find_linear_pairs(captured) -> tuple:
@@ -212,8 +246,15 @@ class Megatron:
                                  f"plan={{'<fqn glob>': 'colwise' | 'rowwise'}}.")
         if self.vocab and not self.plan:
             vocab = _embedding_tables(ctx.captured)
-        seeds = [(w, 0) for w in col] + [(w, 1) for w in row] + [(w, 0) for w in vocab]
-        seeds += [(w[:-len("weight")] + "bias", 0) for w in col if w[:-len("weight")] + "bias" in names]
+        lay = linear_layout(ctx.captured)
+        seeds = []
+        for w in col:   # output features; a fused q/k/v output is tiled strided, so each chunk keeps its heads
+            out_dim, chunks = lay.get(w, (0, 1))
+            seeds.append((w, out_dim, chunks))
+            bias = w[:-len("weight")] + "bias"
+            if bias in names:
+                seeds.append((bias, 0, chunks))
+        seeds += [(w, 1 - lay.get(w, (0, 1))[0]) for w in row] + [(w, 0) for w in vocab]
         return seeds
 
     def apply(self, ctx) -> None:

@@ -1,0 +1,83 @@
+"""The simulator on partitioned programs: stage reports change exactly where a tactic changed the program."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import partir_torch as pt
+from partir_torch import tactics as T
+from examples.models import get
+
+warnings.filterwarnings("ignore")
+
+
+def gpt_program(mesh, schedule, layers=2):
+    spec = get("gpt_sdpa", layers=layers)
+    model = spec.build(device="meta")
+    return pt.partition(model, pt.Mesh(mesh), schedule, example_inputs=spec.batch(8, device="meta"),
+                        loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters()))
+
+
+def kinds(report):
+    return {(c.kind, c.axis) for c in report.collectives}
+
+
+def test_stage_reports_follow_the_schedule():
+    prog = gpt_program({"batch": 2, "model": 2}, [T.data_parallel("batch"), T.megatron("model"),
+                                                   T.zero(3, "batch")])
+    r = prog.simulate(pt.sim.hardware("h100", gpus_per_node=4))
+    base, bp, mp, z3 = r.stages
+    assert [s.stage_name for s in r.stages] == ["replicated", "BP", "MP", "Z3"]
+    assert kinds(base) == set()
+    assert kinds(bp) == {("all_reduce", "batch")}                          # gradients (and the loss)
+    assert kinds(mp) == {("all_reduce", "batch"), ("all_reduce", "model")}  # + Megatron's per-layer all-reduces
+    assert kinds(z3) == {("all_reduce", "model"), ("all_reduce", "batch"), ("all_gather", "batch"),
+                         ("reduce_scatter", "batch")}
+    # BP leaves parameters whole, MP halves the tiled ones, Z3 tiles everything again on "batch"
+    param = [prog._stage_stats(k)["param"] for k in (-1, 0, 1, 2)]
+    assert param[1] == param[0] and param[2] < param[1] and param[3] < param[2]
+    assert z3.peak_memory_bytes < mp.peak_memory_bytes < bp.peak_memory_bytes < base.peak_memory_bytes
+    assert base.compute_s > bp.compute_s            # half the batch per device
+    assert r is r.stages[-1] or r.step_time_s == z3.step_time_s
+
+
+def test_zero3_memory_never_grows_with_ranks():
+    peaks, params = [], []
+    for k in (1, 2, 4, 8):
+        prog = gpt_program({"batch": k}, [T.data_parallel("batch"), T.zero(3, "batch")])
+        r = prog.simulate(pt.sim.hardware("h100", gpus_per_node=k))
+        peaks.append(r.peak_memory_bytes)
+        params.append(prog._stage_stats(1)["param"])
+    assert peaks == sorted(peaks, reverse=True) and params == sorted(params, reverse=True)
+    assert params[-1] <= params[0] / 8 * 1.1          # a few small tensors that do not divide stay whole
+
+
+def test_partition_with_simulate_prints_one_row_per_stage(capsys):
+    spec = get("mlp")
+    model = spec.build()
+    pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(4),
+                 loss_fn=spec.loss_fn, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                 simulate=pt.sim.hardware("a100-80g", gpus_per_node=2))
+    out = capsys.readouterr().out
+    assert "replicated" in out and "BP" in out and "ARx" in out
+
+
+def test_mesh_and_hardware_sizes_must_agree():
+    prog = gpt_program({"batch": 2}, [T.data_parallel("batch")])
+    with pytest.raises(pt.PartitionError, match="2 devices"):
+        prog.simulate(pt.sim.hardware("h100"))
+
+
+def test_chrome_trace_has_compute_and_comm_tracks(tmp_path):
+    prog = gpt_program({"batch": 2}, [T.data_parallel("batch"), T.zero(3, "batch")])
+    r = prog.simulate(pt.sim.hardware("h100", gpus_per_node=2))
+    path = tmp_path / "trace.json"
+    r.to_chrome_trace(str(path))
+    events = json.loads(path.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = {e.get("args", {}).get("name") for e in events if e.get("ph") == "M"}
+    assert any("comm" in str(n) for n in names) and any("compute" in str(n) for n in names)
+    assert sum(1 for e in events if e.get("ph") == "X") > 100
