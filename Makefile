@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 1
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.0" numpy tabulate pytest
+	$(PY) -m pip install -q "torch==2.13.0" numpy tabulate pytest "transformers==5.24.0"
 	$(PY) -m pip install -q --no-build-isolation -e .
 	touch $@
 
