@@ -1,0 +1,51 @@
+"""How long one simulation of a large per-device program takes (automatic search will call it thousands of times).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_speed.py [layers]
+
+GPT (d 768, 12 heads, seq 1024, vocab 50304, AdamW) built on `meta`, partitioned with BP + MP + Z3 on 8 devices
+({"batch": 4, "model": 2}), lowered once; then simulate_graph on 8xH100 is timed (best of 5, CPU seconds).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+import partir_torch as pt  # noqa: E402
+from partir_torch import tactics as T  # noqa: E402
+from partir_torch.sim import simulate_graph  # noqa: E402
+from examples.models import get  # noqa: E402
+
+
+def main(layers: int = 48):
+    warnings.simplefilter("ignore")
+    spec = get("gpt_sdpa", d=768, heads=12, seq=1024, vocab=50304, layers=layers)
+    model = spec.build(device="meta")
+    t0 = time.time()
+    prog = pt.partition(model, pt.Mesh({"batch": 4, "model": 2}),
+                        [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")],
+                        example_inputs=spec.batch(8, device="meta"), loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters()))
+    t1 = time.time()
+    low = prog.stage_lowered(len(prog.stages) - 1)
+    t2 = time.time()
+    hw = pt.sim.hardware("h100")
+    times = []
+    for _ in range(5):
+        c = time.process_time()
+        report = simulate_graph(low.gm, prog.mesh, hw)
+        times.append(time.process_time() - c)
+    nodes = len(low.gm.graph.nodes)
+    print(f"GPT {layers} layers, d 768: per-device program of {nodes} nodes "
+          f"(partition {t1 - t0:.1f} s, lowering + local shapes {t2 - t1:.1f} s)")
+    print(f"simulate_graph on 8xH100: best {min(times):.3f} s CPU, median {sorted(times)[2]:.3f} s "
+          f"(goal <= 0.2 s); predicted step {report.step_time_s * 1e3:.1f} ms, MFU {report.mfu * 100:.1f}%")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 48)

@@ -1,0 +1,174 @@
+"""Predictability (DESIGN §5.3, issue 3): the collectives of each strategy are the textbook ones, counted exactly.
+
+Model: gpt_sdpa from the zoo (vocab V=64, seq T=16, width d=32, L=2 layers, tied embedding/head), global batch B=4,
+fp32 (4 bytes). P is the set of trainable parameters (the tied wte counted once), |p| a tensor's bytes.
+Every record's nbytes is the full array size the collective reduces or produces (records.py: nccl-tests convention).
+
+    BP  (batch=2)        all_reduce(sum) of every gradient, |p| bytes each          -> |P| records
+                         + 2 scalar all_reduces for the loss: mean cross-entropy is lowered as sum / count, and
+                           both the sum and the count are partial over the batch axis
+    MP  (model=2)        per layer 2 all_reduces in forward (after attn.wo and mlp.w2, the row-parallel linears) and
+                         2 in backward (dx of the column-parallel wq/wk/wv and w1), each B*T*d*4 bytes -> 4L records;
+                         none for the embedding or the loss: megatron tiles no vocabulary here
+    BP+MP (2x2)          MP's records on "model" with the local batch B/2, and BP's gradient all_reduces on "batch"
+                         with each gradient's model-local bytes (|p| / 2 for the tensors megatron tiles)
+    BP+Z3 (batch=2)      forward: all_gather of every parameter (|p| bytes); backward: all_gather again of every
+                         parameter the backward reads (re-gathered rather than kept alive); optimizer: every gradient
+                         reduce_scattered once (|p| bytes, input size); the 2 loss scalars; nothing else
+    BP+Z2 (batch=2)      every gradient reduce_scattered once; every updated parameter all_gathered once, after the
+                         update; the 2 loss scalars; Z1 lowers to the same program (presets.Zero docstring)
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+import partir_torch as pt
+from examples.models import get
+
+T = pt.tactics
+SPEC = get("gpt_sdpa")
+B, SEQ, D, LAYERS, VOCAB = 4, 16, 32, 2, 64
+F32 = 4
+LOSS_SCALARS = 2          # sum and count of the mean cross-entropy
+
+
+def partition(mesh: dict, tactics, optimizer=True):
+    model = SPEC.build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer else None
+    prog = pt.partition(model, pt.Mesh(mesh), tactics, example_inputs=SPEC.batch(B), loss_fn=SPEC.loss_fn,
+                        optimizer=opt)
+    return model, prog
+
+
+def param_bytes(model) -> dict:
+    return {k: p.numel() * p.element_size() for k, p in model.named_parameters()}
+
+
+def select(records, **attrs) -> list:
+    return [r for r in records if all(getattr(r, k) == v for k, v in attrs.items())]
+
+
+def used_in_backward(name: str) -> bool:
+    """Parameters the backward reads: every matrix (dx = dy @ W; the tied wte is the LM head's matrix) and the
+    LayerNorm affine parameters (aten.native_layer_norm_backward takes weight and bias as operands). Linear biases
+    and the position table wpe are not read: their gradients are sums of the incoming gradient."""
+    if name == "wpe.weight":
+        return False
+    if ".ln" in name or name.startswith("ln_f."):
+        return True
+    return name.endswith(".weight")
+
+
+def test_model_shape_assumed_by_formulas():
+    model = SPEC.build()
+    cfg = model.cfg
+    assert (cfg.vocab, cfg.seq, cfg.d, cfg.layers, cfg.attention) == (VOCAB, SEQ, D, LAYERS, "sdpa")
+    assert model.wte.weight.shape == (VOCAB, D)
+
+
+def test_bp_one_all_reduce_per_gradient():
+    model, prog = partition({"batch": 2}, [T.data_parallel("batch")])
+    recs = prog.collectives()
+    pb = param_bytes(model)
+    assert {r.kind for r in recs} == {"all_reduce"}
+    assert {(r.axis, r.group_size, r.tactic, r.dtype, r.reduce_op) for r in recs} == {("batch", 2, "BP", "float32",
+                                                                                       "sum")}
+    # expected: |P| gradient all_reduces of |p| bytes + LOSS_SCALARS of 4 bytes
+    assert len(recs) == len(pb) + LOSS_SCALARS
+    loss = select(recs, phase="forward")
+    assert [r.nbytes for r in loss] == [F32] * LOSS_SCALARS
+    grads = [r for r in recs if r.phase != "forward"]
+    assert Counter(r.nbytes for r in grads) == Counter(pb.values())
+    assert sum(r.nbytes for r in recs) == sum(pb.values()) + LOSS_SCALARS * F32
+
+
+def test_mp_two_all_reduces_per_layer_each_way():
+    model, prog = partition({"model": 2}, [T.megatron("model")])
+    recs = prog.collectives()
+    act = B * SEQ * D * F32          # (B, T, d) fp32 activation = 8192 bytes
+    assert {(r.kind, r.axis, r.tactic, r.nbytes) for r in recs} == {("all_reduce", "model", "MP", act)}
+    assert len(select(recs, phase="forward")) == 2 * LAYERS
+    assert len(select(recs, phase="backward")) == 2 * LAYERS
+    assert len(recs) == 4 * LAYERS   # nothing for embedding, head or loss
+    assert sum(r.nbytes for r in recs) == 4 * LAYERS * act
+
+
+def test_bp_mp_compose():
+    model, prog = partition({"batch": 2, "model": 2}, [T.data_parallel("batch"), T.megatron("model")])
+    recs = prog.collectives()
+    act_local = (B // 2) * SEQ * D * F32
+    mp = select(recs, axis="model")
+    assert {(r.kind, r.tactic, r.nbytes) for r in mp} == {("all_reduce", "MP", act_local)}
+    assert len(select(mp, phase="forward")) == len(select(mp, phase="backward")) == 2 * LAYERS
+    bp = select(recs, axis="batch")
+    assert {(r.kind, r.tactic) for r in bp} == {("all_reduce", "BP")}
+    model_tiled = {k for k in param_bytes(model) if prog.sharding(f"params.{k}").tiled_axes().get("model") is not None}
+    # megatron tiles the column-parallel wq/wk/wv/w1 (weights and biases) and the row-parallel wo/w2 (weights)
+    assert model_tiled == {k for k in param_bytes(model) if re.search(r"\.(attn\.w[qkv]|mlp\.w1)\.(weight|bias)$", k)
+                           or re.search(r"\.(attn\.wo|mlp\.w2)\.weight$", k)}
+    local = [b // 2 if k in model_tiled else b for k, b in param_bytes(model).items()]
+    assert Counter(r.nbytes for r in bp if r.phase != "forward") == Counter(local)
+    assert [r.nbytes for r in select(bp, phase="forward")] == [F32] * LOSS_SCALARS
+    assert len(recs) == 4 * LAYERS + len(local) + LOSS_SCALARS
+
+
+def test_zero3_gathers_in_forward_and_backward_and_reduce_scatters_gradients():
+    model, prog = partition({"batch": 2}, [T.data_parallel("batch"), T.zero(3, "batch")])
+    recs = prog.collectives()
+    pb = param_bytes(model)
+    fwd_gather = select(recs, kind="all_gather", phase="forward")
+    assert {(r.tactic, r.axis, r.dim) for r in fwd_gather} == {("Z3", "batch", 0)}
+    assert Counter(r.value for r in fwd_gather) == Counter(f"params.{k}" for k in pb)      # each exactly once
+    assert all(r.nbytes == pb[r.value[len("params."):]] for r in fwd_gather)
+    bwd_gather = select(recs, kind="all_gather", phase="backward")
+    want_bwd = [k for k in pb if used_in_backward(k)]
+    assert len(want_bwd) == 1 + LAYERS * (6 + 4) + 2      # wte; per layer 6 matrices + 2 LayerNorms; ln_f
+    assert Counter(r.value for r in bwd_gather) == Counter(f"params.{k}" for k in want_bwd)
+    assert all(r.nbytes == pb[r.value[len("params."):]] for r in bwd_gather)
+    rs = select(recs, kind="reduce_scatter")
+    assert Counter(r.nbytes for r in rs) == Counter(pb.values())                          # each gradient once
+    assert {(r.axis, r.reduce_op) for r in rs} == {("batch", "sum")}
+    assert select(recs, kind="all_gather", phase="optimizer") == []                       # parameters stay sharded
+    ar = select(recs, kind="all_reduce")
+    assert [r.nbytes for r in ar] == [F32] * LOSS_SCALARS
+    assert len(recs) == len(pb) + len(want_bwd) + len(pb) + LOSS_SCALARS
+
+
+@pytest.mark.parametrize("stage", [2, 1])
+def test_zero2_reduce_scatters_gradients_and_gathers_updated_parameters(stage):
+    model, prog = partition({"batch": 2}, [T.data_parallel("batch"), T.zero(stage, "batch")])
+    recs = prog.collectives()
+    pb = param_bytes(model)
+    rs = select(recs, kind="reduce_scatter")
+    assert Counter(r.nbytes for r in rs) == Counter(pb.values())
+    ag = select(recs, kind="all_gather")
+    assert {(r.phase, r.tactic, r.axis) for r in ag} == {("optimizer", f"Z{stage}", "batch")}
+    assert Counter(r.value for r in ag) == Counter(f"params.{k}" for k in pb)             # once each, after update
+    assert all(r.nbytes == pb[r.value[len("params."):]] for r in ag)
+    assert [r.nbytes for r in select(recs, kind="all_reduce")] == [F32] * LOSS_SCALARS
+    assert len(recs) == 2 * len(pb) + LOSS_SCALARS
+    # the i-th gather follows the i-th reduce_scatter: a parameter is gathered only after its shard was updated
+    kinds = [r.kind for r in recs if r.kind != "all_reduce"]
+    rs_seen = 0
+    for i, k in enumerate(kinds):
+        rs_seen += k == "reduce_scatter"
+        if k == "all_gather":
+            assert rs_seen >= kinds[:i + 1].count("all_gather"), kinds
+
+
+def test_records_match_lowered_graph():
+    """Every record names a collective node of the per-device program, in program order."""
+    _, prog = partition({"batch": 2, "model": 2}, [T.data_parallel("batch"), T.megatron("model"),
+                                                   T.zero(3, "batch")])
+    low = prog.lowered
+    recs = prog.collectives()
+    nodes = [n for n in low.gm.graph.nodes if n.meta.get("partir_collective") is not None]
+    assert [n.name for n in nodes] == [r.node for r in recs]
+    kinds = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor",
+             "reduce_scatter": "reduce_scatter_tensor"}
+    for n, r in zip(nodes, recs):
+        assert kinds[r.kind] in str(n.target), (n.format_node(), r)

@@ -1,0 +1,238 @@
+"""Real ranks (DESIGN §5.4, issue 3): 4 gloo processes on 127.0.0.1 run the same partitioned program.
+
+One spawn (each costs 5-10 s) runs every check; each rank returns plain Python results and the tests below read them:
+
+  phase "train":  gpt_sdpa, BP + MP + Z3 on the 2x2 mesh {batch: 2, model: 2}, 2 AdamW steps on the global batch.
+                  Every rank's loss equals the single-device loss; gather_parameters() equals the single-device
+                  parameters; state_dict() holds DTensors whose placements are prog.sharding(name).placements(mesh),
+                  whose local shards have the sharding's local shape, and whose full tensors equal the
+                  single-device values.
+  phase "local":  the same schedule, fed with train_step_local: each rank passes its own slice of the batch (by its
+                  coordinate on "batch"); losses and parameters equal the single-device run.
+  phase "mismatch": rank 3 partitions with batch size 8, the others with 4: every rank raises RuntimeMismatchError
+                  naming rank 3 (the first rank whose program differs), instead of hanging or running.
+
+A watchdog bounds the spawn (SPAWN_TIMEOUT_S); gloo's own timeout (GLOO_TIMEOUT_S) turns a rank stuck in a collective
+into an error instead of a hang.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 4
+STEPS = 2
+LR, EPS = 1e-3, 1e-5   # AdamW; eps as in test_parity.py (bounds AdamW's amplification of rounding)
+SPAWN_TIMEOUT_S = 240
+GLOO_TIMEOUT_S = 60
+LOSS_RTOL = 1e-5
+PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-6   # fp32; see test_parity.py for why an atol is needed with AdamW
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _max_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """How far got is outside rtol/atol of want (<= 0: within)."""
+    return ((got - want).abs() - PARAM_RTOL * want.abs() - PARAM_ATOL).max().item()
+
+
+def _reference(spec, batch):
+    model = spec.build()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = spec.loss_fn(ref, *batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses, {k: p.detach() for k, p in ref.named_parameters()}
+
+
+def _schedule():
+    import partir_torch as pt
+
+    return [pt.tactics.data_parallel("batch"), pt.tactics.megatron("model"), pt.tactics.zero(3, "batch")]
+
+
+def _phase_train(spec, batch, mesh):
+    import partir_torch as pt
+    from torch.distributed.tensor import DTensor
+
+    model, ref_losses, ref_params = _reference(spec, batch)
+    prog = pt.partition(model, mesh, _schedule(), example_inputs=batch, loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    losses = [prog.train_step(*batch).item() for _ in range(STEPS)]
+    gathered = prog.gather_parameters()
+    param_errs = {k: _max_err(gathered[k], w) for k, w in ref_params.items() if k in gathered}
+    sd = prog.state_dict()
+    not_dtensor = sorted(n for n, v in sd.items() if not isinstance(v, DTensor))
+    wrong_placements, wrong_local, full_errs = [], [], {}
+    for n, v in sd.items():
+        if not isinstance(v, DTensor):
+            continue
+        sh = prog.sharding(n)
+        if tuple(v.placements) != tuple(sh.placements(mesh)):
+            wrong_placements.append(f"{n}: {v.placements} vs {sh.placements(mesh)}")
+        if tuple(v.to_local().shape) != tuple(sh.local_shape(v.shape, mesh)):
+            wrong_local.append(f"{n}: local {tuple(v.to_local().shape)} vs {sh.local_shape(v.shape, mesh)}")
+        if n.startswith("params."):
+            full_errs[n] = _max_err(v.full_tensor(), ref_params[n[len("params."):]])
+    return {"losses": losses, "ref_losses": ref_losses, "param_names": sorted(gathered),
+            "ref_names": sorted(ref_params), "param_errs": param_errs, "n_state": len(sd),
+            "not_dtensor": not_dtensor, "wrong_placements": wrong_placements, "wrong_local": wrong_local,
+            "full_errs": full_errs}
+
+
+def _phase_local(spec, batch, mesh, rank):
+    import partir_torch as pt
+
+    model, ref_losses, ref_params = _reference(spec, batch)
+    prog = pt.partition(model, mesh, _schedule(), example_inputs=batch, loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    b = mesh.coordinate(rank)["batch"]
+    per = batch[0].shape[0] // mesh.shape["batch"]
+    local = tuple(t[b * per:(b + 1) * per] for t in batch)     # this rank's rows; replicated on "model"
+    losses = [prog.train_step_local(*local).item() for _ in range(STEPS)]
+    gathered = prog.gather_parameters()
+    return {"losses": losses, "ref_losses": ref_losses,
+            "param_errs": {k: _max_err(gathered[k], w) for k, w in ref_params.items() if k in gathered}}
+
+
+def _phase_mismatch(spec, mesh, rank):
+    import partir_torch as pt
+
+    batch = spec.batch(8 if rank == 3 else 4)
+    model = spec.build()
+    try:
+        prog = pt.partition(model, mesh, _schedule(), example_inputs=batch, loss_fn=spec.loss_fn,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+        prog.train_step(*batch)
+    except Exception as e:  # noqa: BLE001 - the test inspects the type and message
+        return {"raised": type(e).__name__, "is_mismatch": isinstance(e, pt.errors.RuntimeMismatchError),
+                "message": str(e)}
+    return {"raised": None}
+
+
+def _worker(rank, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    out = {"rank": rank}
+    try:
+        import partir_torch as pt
+        from examples.models import get
+
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=GLOO_TIMEOUT_S))
+        spec = get("gpt_sdpa")
+        batch = spec.batch(4)
+        mesh = pt.Mesh({"batch": 2, "model": 2})
+        for name, fn in (("train", lambda: _phase_train(spec, batch, mesh)),
+                         ("local", lambda: _phase_local(spec, batch, mesh, rank)),
+                         ("mismatch", lambda: _phase_mismatch(spec, mesh, rank))):
+            t0 = time.perf_counter()
+            try:
+                out[name] = fn()
+            except Exception:  # noqa: BLE001 - reported to the parent; the next phase still runs
+                out[name] = {"error": traceback.format_exc()}
+            out[name]["seconds"] = time.perf_counter() - t0
+            dist.barrier()
+    except Exception:  # noqa: BLE001
+        out["fatal"] = traceback.format_exc()
+    queue.put(out)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Spawn the 4 ranks once; {rank: results}. Fails (never hangs) after SPAWN_TIMEOUT_S."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    t0 = time.perf_counter()
+    procs = mp.start_processes(_worker, args=(_free_port(), queue), nprocs=WORLD, join=False, start_method="spawn")
+    results, deadline = {}, time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while len(results) < WORLD:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                pytest.fail(f"real ranks: only ranks {sorted(results)} reported within {SPAWN_TIMEOUT_S} s")
+            try:
+                r = queue.get(timeout=min(left, 5.0))
+                results[r["rank"]] = r
+            except queue_mod.Empty:
+                dead = [(i, p.exitcode) for i, p in enumerate(procs.processes)
+                        if p.exitcode not in (None, 0) and i not in results]
+                if dead:
+                    pytest.fail(f"real ranks: rank {dead[0][0]} exited with code {dead[0][1]} before reporting")
+        while not procs.join(timeout=max(deadline - time.monotonic(), 1)):
+            if time.monotonic() > deadline:
+                pytest.fail("real ranks: processes did not exit")
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.kill()
+    print(f"spawn of {WORLD} gloo ranks: {time.perf_counter() - t0:.1f} s")
+    for r in results.values():
+        assert "fatal" not in r, f"rank {r['rank']}: {r['fatal']}"
+    return results
+
+
+def _phase(ranks, name) -> dict:
+    out = {}
+    for rank, r in sorted(ranks.items()):
+        res = r[name]
+        assert "error" not in res, f"rank {rank}, phase {name}:\n{res['error']}"
+        out[rank] = res
+    return out
+
+
+def test_loss_equals_single_device(ranks):
+    for rank, r in _phase(ranks, "train").items():
+        for step, (got, want) in enumerate(zip(r["losses"], r["ref_losses"])):
+            assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank} step {step}: {got} vs {want}"
+
+
+def test_gather_parameters_equals_single_device(ranks):
+    for rank, r in _phase(ranks, "train").items():
+        assert r["param_names"] == r["ref_names"]
+        bad = {k: e for k, e in r["param_errs"].items() if e > 0}
+        assert not bad, f"rank {rank}: gathered parameters outside tolerance (excess error): {bad}"
+
+
+def test_state_dict_is_dtensors_with_the_program_shardings(ranks):
+    for rank, r in _phase(ranks, "train").items():
+        assert r["n_state"] == 3 * len(r["ref_names"])     # each parameter, its exp_avg and its exp_avg_sq
+        assert r["not_dtensor"] == []
+        assert r["wrong_placements"] == []
+        assert r["wrong_local"] == []
+        bad = {k: e for k, e in r["full_errs"].items() if e > 0}
+        assert not bad, f"rank {rank}: DTensor.full_tensor() differs from the single-device parameter: {bad}"
+
+
+def test_train_step_local_equals_single_device(ranks):
+    for rank, r in _phase(ranks, "local").items():
+        for step, (got, want) in enumerate(zip(r["losses"], r["ref_losses"])):
+            assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank} step {step}: {got} vs {want}"
+        bad = {k: e for k, e in r["param_errs"].items() if e > 0}
+        assert not bad, f"rank {rank}: parameters after train_step_local outside tolerance: {bad}"
+
+
+def test_ranks_with_different_programs_raise_naming_the_rank(ranks):
+    for rank, r in _phase(ranks, "mismatch").items():
+        assert r["raised"] == "RuntimeMismatchError" and r["is_mismatch"], f"rank {rank}: {r}"
+        assert "rank 3" in r["message"], f"rank {rank}: the error should name rank 3: {r['message']}"
