@@ -20,16 +20,42 @@ from .manual import ManualPartition
 aten = torch.ops.aten
 
 
-def data_parallel(axis: str = "batch", dims: dict | None = None, name: str = "BP") -> ManualPartition:
-    """Tile the batch dim of every input on `axis`. dims: {input index: dim} for inputs whose batch dim is not 0
-    (or None to leave that input whole, e.g. a graph's edge list)."""
-    dims = dims or {}
+@dataclass(frozen=True)
+class DataParallel:
+    """BP: tile the batch dim of every input on `axis`. By default the batch dim is dim 0 of each input whose
+    dim 0 has the batch size (the dim-0 size most inputs share); other inputs (a graph's edge list (2, E), a
+    shared mask) stay whole. dims: {input index: dim or None} overrides per input."""
 
-    def pick(n, shape):
-        i = int(n.split(".")[1])
-        return dims.get(i, 0) if shape else None
+    axis: str = "batch"
+    dims: dict | None = None
+    name: str = "BP"
 
-    return ManualPartition({"inputs.*": pick}, axis=axis, name=name)
+    def seeds(self, ctx) -> list:
+        inputs = sorted((n for n in ctx.value_names() if n.startswith("inputs.")), key=lambda n: int(n.split(".")[1]))
+        shapes = {n: ctx.value_meta(n)["shape"] for n in inputs}
+        sizes = [s[0] for s in shapes.values() if s]
+        batch = max(set(sizes), key=sizes.count) if sizes else None
+        out = []
+        for n in inputs:
+            i = int(n.split(".")[1])
+            if self.dims and i in self.dims:
+                d = self.dims[i]
+            else:
+                d = 0 if shapes[n] and shapes[n][0] == batch else None
+            if d is not None:
+                out.append((n, d % len(shapes[n])))
+        if not out:
+            raise PartitionError(f"{self.name}: no input has a batch dim to tile on axis '{self.axis}'.")
+        return out
+
+    def apply(self, ctx) -> None:
+        ctx.mesh.check_axis(self.axis, self.name)
+        ctx.seed_and_propagate(self.axis, self.seeds(ctx), self.name)
+
+
+def data_parallel(axis: str = "batch", dims: dict | None = None, name: str = "BP") -> DataParallel:
+    """Tile the batch dim of every input on `axis` (see DataParallel)."""
+    return DataParallel(axis, dims, name)
 
 
 # -- Megatron ------------------------------------------------------------------------------------------------------
