@@ -226,8 +226,38 @@ class Program:
             lines.append(f"{lhs} = {rhs}{sh}{tag}")
         return "\n".join(lines)
 
+    def device_program(self) -> str:
+        """The per-device program: local shapes, each op's value sharding, and every collective with its kind,
+        axis, bytes and the tactic that made it necessary."""
+        low = self.stage_lowered(len(self.stages) - 1)
+        g = self.graph
+        src = {n.name: n for n in g.gm.graph.nodes}
+        lines = [f"# per-device program on mesh {self.mesh}; schedule: "
+                 + ", ".join(f"{t.name}[{getattr(t, 'axis', '?')}]" for t in self.tactics)]
+        for node in low.gm.graph.nodes:
+            if node.op == "output":
+                lines.append(f"return {node.args[0]}")
+                continue
+            val = node.meta.get("val")
+            shape = f": {_dt(val)}{list(val.shape)}" if hasattr(val, "shape") else ""
+            if node.op == "placeholder":
+                lines.append(f"%{node.name}{shape} = input {node.meta.get('partir_name', '')}")
+                continue
+            args = ", ".join(f"%{a.name}" if hasattr(a, "name") else repr(a) for a in node.args)
+            line = f"%{node.name}{shape} = {_short(node.target)}({args})"
+            rec = node.meta.get("partir_collective")
+            origin = src.get(node.meta.get("partir_src", ""))
+            if rec is not None:
+                op = f"({rec.reduce_op})" if rec.reduce_op else ""
+                line += f"  # {rec.kind}{op} on '{rec.axis}' (x{rec.group_size}) {_fmt_bytes(rec.nbytes)} " \
+                        f"<- {rec.tactic}, for {rec.value}"
+            elif origin is not None and origin in g.vid:
+                line += f"  # {self.sharding_of_vid(g.vid[origin])}"
+            lines.append(line)
+        return "\n".join(lines)
+
     def __str__(self):
-        return self.annotated()
+        return self.device_program()
 
     # -- stages: lowering and simulating the program as it stood after each tactic ---------------------------------
     def _view(self, prop) -> "Program":
@@ -304,6 +334,19 @@ class Program:
         decided = sum(1 for st in self.prop.axes.values() for p in st.prov.values() if p.tactic == tactic.name)
         return Stage(tactic.name, getattr(tactic, "axis", ""), shardings, tuple(self.prop.conflicts), decided,
                      self.prop.snapshot())
+
+
+def _dt(val) -> str:
+    return {"torch.float32": "f32", "torch.bfloat16": "bf16", "torch.float16": "f16", "torch.int64": "i64",
+            "torch.bool": "b8"}.get(str(getattr(val, "dtype", "")), str(getattr(val, "dtype", "")))
+
+
+def _short(target) -> str:
+    name = str(target)
+    for prefix in ("aten.", "_c10d_functional."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name.rsplit(".default", 1)[0]
 
 
 def _fmt_bytes(b: float) -> str:

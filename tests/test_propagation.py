@@ -275,13 +275,33 @@ GOLDEN = """\
 return [add_1]"""
 
 
+DEVICE_GOLDEN = """\
+# per-device program on mesh Mesh(x=2); schedule: MP[x]
+%arg0_1: f32[4, 4] = input params.fc1.weight
+%arg1_1: f32[4] = input params.fc1.bias
+%arg2_1: f32[4, 4] = input params.fc2.weight
+%arg3_1: f32[4] = input params.fc2.bias
+%arg4_1: f32[2, 4] = input inputs.0
+%coord_x: i64[] = input coord.x
+%t_default: f32[4, 4] = t(%arg0_1)  # [{}, {x}]
+%mm_default: f32[2, 4] = mm(%arg4_1, %t_default)  # [{}, {x}]
+%add_tensor: f32[2, 4] = add.Tensor(%mm_default, %arg1_1)  # [{}, {x}]
+%relu_default: f32[2, 4] = relu(%add_tensor)  # [{}, {x}]
+%t_default_1: f32[4, 4] = t(%arg2_1)  # [{x}, {}]
+%mm_default_1: f32[2, 4] = mm(%relu_default, %t_default_1)  # [{}, {}] partial(sum)={x}
+%all_reduce_default: f32[2, 4] = all_reduce(%mm_default_1, 'sum', 'partir_x')  # all_reduce(sum) on 'x' (x2) 32 B <- MP, for mm_1
+%wait_tensor_default: f32[2, 4] = wait_tensor(%all_reduce_default)
+%add_tensor_1: f32[2, 4] = add.Tensor(%wait_tensor_default, %arg3_1)  # [{}, {}]
+return (add_tensor_1,)"""
+
+
 def test_golden_annotated_print():
     torch.manual_seed(0)
     prog = pt.partition(TwoLayerMLP(), pt.Mesh({"x": 2}),
                         [pt.ManualPartition({"params.fc1.*": 0, "params.fc2.weight": 1}, axis="x", name="MP")],
                         example_inputs=(torch.randn(2, 4),))
-    assert str(prog) == GOLDEN
-    assert prog.annotated() == GOLDEN
+    assert prog.annotated() == GOLDEN          # the captured (global) graph with each value's sharding
+    assert str(prog) == DEVICE_GOLDEN          # print(prog): the per-device program with its collectives
 
 
 # -- (d) explain -------------------------------------------------------------------------------------------------
