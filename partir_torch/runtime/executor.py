@@ -104,8 +104,20 @@ class Executor:
         return self.prog.captured.names[name]
 
     def run(self, batch, local=False):
+        """Random ops (dropout) draw each rank's shard from that rank's own generator: distribution-equivalent to
+        the single-device step, not bit-identical. Emulated ranks each have their own stream; on real ranks the
+        step runs under a generator seeded from (a seed drawn once from the caller's generator, step, rank), so
+        ranks seeded alike by the user still draw independent masks."""
         low = self.ensure()
-        outs = self.rt.run(low.gm, self._args(batch, local))
+        args = self._args(batch, local)
+        if isinstance(self.rt, DistributedRuntime):
+            if not hasattr(self, "_seed"):
+                self._seed = int(torch.randint(0, 2 ** 31 - 1, ()).item())
+            with torch.random.fork_rng(devices=[self.rt.device] if self.rt.device.type == "cuda" else []):
+                torch.manual_seed((self._seed * 1_000_003 + self.steps * 8191 + self.rt.rank) % (2 ** 63))
+                outs = self.rt.run(low.gm, args)
+        else:
+            outs = self.rt.run(low.gm, args)
         return list(outs)
 
     def train_step(self, batch, local=False):
