@@ -1,45 +1,39 @@
-"""Random ops inside the step (dropout). Emulated ranks draw each shard at its offset of the single-device stream
-(LocalTensorMode's offset-based generator), so the partitioned step is identical to the single-device one, for
-any tiling of the random tensor. Real ranks draw from per-rank generators (runtime/executor.py): the same
-distribution, independent across ranks, not bit-identical."""
+"""Random ops inside the step (dropout): their rule keeps the draw whole, so every rank draws the whole mask from
+the same generator state and keeps its slice. The partitioned step is then identical to the single-device step
+(not merely distribution-equivalent) for any tiling, and a replicated value is the same on every rank. Real ranks
+must be seeded alike; the start-up plan check compares their generator states."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
 import partir_torch as pt
-from partir_torch import tactics as T
 
 
 class Drop(nn.Module):
     def __init__(self, p):
         super().__init__()
+        self.lin = nn.Linear(256, 256)
         self.drop = nn.Dropout(p)
 
     def forward(self, x):
-        return self.drop(x)
+        return self.lin(self.drop(x))
 
 
-def _program(model, x, seeds):
-    return pt.partition(model, pt.Mesh({"batch": 2, "model": 2}),
-                        [pt.ManualPartition({"inputs.0": d}, axis=a, name=f"T{a}") for a, d in seeds],
-                        example_inputs=(x,))
-
-
-def test_emulated_dropout_is_identical_to_single_device_for_any_tiling():
+def test_dropout_is_identical_to_single_device_for_any_tiling():
     p = 0.25
+    torch.manual_seed(0)
     model = Drop(p).train()
-    x = torch.ones(64, 256)
+    x = torch.randn(64, 256)
     for seeds in ([("batch", 0)], [("batch", 1)], [("batch", 0), ("model", 1)]):
-        prog = _program(model, x, seeds)
-        torch.manual_seed(0)
+        prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}),
+                            [pt.ManualPartition({"inputs.0": d}, axis=a, name=f"T{a}") for a, d in seeds],
+                            example_inputs=(x,))
+        torch.manual_seed(123)
         y = prog(x)
-        torch.manual_seed(0)
-        torch.testing.assert_close(y, model(x), rtol=0, atol=0)
-    kept = y != 0
-    # and it is dropout: each element kept with probability 1 - p (8 sigma band), kept ones scaled by 1/(1-p)
-    assert abs(kept.float().mean().item() - (1 - p)) < 8 * (p * (1 - p) / y.numel()) ** 0.5
-    torch.testing.assert_close(y[kept], torch.full_like(y[kept], 1 / (1 - p)))
-    # the four shards are not one repeated mask
-    shards = kept.reshape(2, 32, 2, 128).permute(0, 2, 1, 3).reshape(4, 32, 128)
-    assert not any(torch.equal(shards[0], shards[r]) for r in range(1, 4))
+        torch.manual_seed(123)
+        torch.testing.assert_close(y, model(x), rtol=1e-6, atol=1e-6)
+    # and it is dropout (not a no-op): about a quarter of the inputs are zeroed
+    torch.manual_seed(123)
+    mask = model.drop(torch.ones(64, 256)) != 0
+    assert abs(mask.float().mean().item() - (1 - p)) < 0.02

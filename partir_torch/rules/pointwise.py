@@ -77,11 +77,26 @@ def cast(src_slot):
 
 # Tensor factories shaped like their operand: the operand's values are not read, but its layout is the result's.
 LIKE = [aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
-        aten.rand_like.default, aten.randn_like.default]
+        ]
+# Random draws (dropout's mask) stay whole: every rank draws the whole tensor from the same generator state and
+# keeps its slice, so the step equals the single-device one bit for bit and replicated values agree across ranks
+# (a per-shard draw would give each rank of a replicated axis a different mask).
+RANDOM = [aten.bernoulli.p, aten.bernoulli.default, aten.rand_like.default, aten.randn_like.default,
+          aten.native_dropout.default]
+
+
+def whole(ctx):
+    """Every dim kept whole (random draws)."""
+    from .factors import RuleBuilder
+
+    b = RuleBuilder()
+    return b.rule([[()] * len(x) for x in ctx.in_shapes], [None if o is None else [()] * len(o)
+                                                            for o in ctx.out_shapes])
 
 
 def rules() -> dict:
     table = {op: pointwise for op in NONLINEAR + LIKE}
+    table.update({op: whole for op in RANDOM})
     table.update({
         aten.add.Tensor: LINEAR_JOINT, aten.sub.Tensor: LINEAR_JOINT,
         aten.add.Scalar: pointwise, aten.sub.Scalar: pointwise,

@@ -54,7 +54,8 @@ class DistributedRuntime:
         if bad:
             raise RuntimeMismatchError(
                 f"partition: rank {bad[0]} built a different program than rank 0 (plan hash {hashes[bad[0]]} vs "
-                f"{hashes[0]}). Every rank must call partition with the same model, shapes, schedule and code.")
+                f"{hashes[0]}). Every rank must call partition with the same model, shapes, schedule and code, and "
+                f"seed its random generator alike (torch.manual_seed) when the step draws random numbers.")
 
     def shard(self, full: torch.Tensor, sh: Sharding):
         return shard_of(full.detach().to(self.device), sh, self.mesh, self.coord)

@@ -32,6 +32,10 @@ class Executor:
                 code = self.lowered.gm.code
                 for axis, gname in self.rt.groups.items():
                     code = code.replace(repr(gname), repr(f"axis:{axis}"))
+                if any(str(n.target).startswith(("aten.bernoulli", "aten.rand", "aten.native_dropout"))
+                       for n in self.lowered.gm.graph.nodes):
+                    # random draws must agree on every rank: include the generator state in the plan
+                    code += f"\n# rng {hash(bytes(torch.get_rng_state().numpy()))}"
                 self.rt.check_plan(code)
             if self.state is not None:   # runtime re-created (emulation): re-shard the state we hold
                 full = self.state_full()
@@ -104,21 +108,11 @@ class Executor:
         return self.prog.captured.names[name]
 
     def run(self, batch, local=False):
-        """Random ops (dropout) draw each rank's shard from that rank's own generator: distribution-equivalent to
-        the single-device step, not bit-identical. Emulated ranks each have their own stream; on real ranks the
-        step runs under a generator seeded from (a seed drawn once from the caller's generator, step, rank), so
-        ranks seeded alike by the user still draw independent masks."""
+        """Random ops (dropout) are drawn whole on every rank from the caller's generator and sliced (their rule
+        keeps them whole), so a step equals the single-device step given the same generator state; on real ranks
+        every process must be seeded alike (checked with the plan at start-up)."""
         low = self.ensure()
-        args = self._args(batch, local)
-        if isinstance(self.rt, DistributedRuntime):
-            if not hasattr(self, "_seed"):
-                self._seed = int(torch.randint(0, 2 ** 31 - 1, ()).item())
-            with torch.random.fork_rng(devices=[self.rt.device] if self.rt.device.type == "cuda" else []):
-                torch.manual_seed((self._seed * 1_000_003 + self.steps * 8191 + self.rt.rank) % (2 ** 63))
-                outs = self.rt.run(low.gm, args)
-        else:
-            outs = self.rt.run(low.gm, args)
-        return list(outs)
+        return list(self.rt.run(low.gm, self._args(batch, local)))
 
     def train_step(self, batch, local=False):
         cap = self.prog.captured
