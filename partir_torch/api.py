@@ -12,13 +12,14 @@ from .errors import PartitionError
 
 
 def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimizer=None, registry=None,
-              simulate=None) -> Program:
+              simulate=None, timeout_s: float = 300.0) -> Program:
     """Trace `model`'s step and partition it over `mesh` with the tactics of `schedule`, in order.
 
     >>> prog = partition(model, Mesh({"batch": 2}), [ManualPartition({"inputs.*": 0}, axis="batch")],
     ...                  example_inputs=(x, y), loss_fn=lambda m, x, y: F.mse_loss(m(x), y))
 
     simulate: a pt.sim.hardware(...) to print, after the schedule, one simulated row per tactic stage.
+    timeout_s: on real ranks, how long the start-up check waits for every rank before naming the missing ones.
     """
     if not isinstance(mesh, Mesh):
         raise PartitionError(f"partition: mesh must be a pt.Mesh, got {type(mesh).__name__}.")
@@ -36,6 +37,7 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     with no_gc():   # linear time: no full collections over the traced graph's heap while partitioning
         graph = PartGraph(captured.gm, registry or default_registry(), captured.names, captured.ties)
         prog = Program(captured, graph, Propagator(graph, mesh), mesh, tactics, model, optimizer)
+        prog.timeout_s = timeout_s
         ctx = TacticContext(prog)
         for t in tactics:
             t.apply(ctx)

@@ -45,6 +45,15 @@ class DistributedRuntime:
         """All ranks must run the same program: compare hashes; name the first rank that differs."""
         h = hashlib.sha256(text.encode()).hexdigest()[:16]
         hashes = [None] * dist.get_world_size()
+        if dist.get_backend() == "gloo":
+            # a rank that died or never reached partition() is named here instead of hanging everyone
+            try:
+                dist.monitored_barrier(timeout=self.timeout, wait_all_ranks=True)
+            except RuntimeError as e:
+                raise RuntimeMismatchError(f"partition: not every rank reached the start-up check within "
+                                           f"{self.timeout}: {e}. A rank may have died or not called "
+                                           f"partition(); collectives later in the step use the process group's "
+                                           f"timeout (init_process_group(timeout=...)).") from e
         try:
             dist.all_gather_object(hashes, h)
         except Exception as e:  # noqa: BLE001

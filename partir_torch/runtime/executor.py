@@ -25,7 +25,8 @@ class Executor:
     def ensure(self):
         if self.rt is None or not self.rt.valid():
             mesh = self.prog.mesh
-            self.rt = DistributedRuntime(mesh) if real_ranks_active() else EmulatedRuntime(mesh)
+            self.rt = DistributedRuntime(mesh, getattr(self.prog, "timeout_s", 300.0)) if real_ranks_active() \
+                else EmulatedRuntime(mesh)
             self.lowered = lower(self.prog, self.rt.groups)
             if isinstance(self.rt, DistributedRuntime):
                 # group names differ between ranks (each rank numbers its own groups): hash the axis names instead
