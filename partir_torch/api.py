@@ -12,7 +12,7 @@ from .errors import PartitionError
 
 
 def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimizer=None, registry=None,
-              simulate=None, timeout_s: float = 300.0) -> Program:
+              simulate=None, timeout_s: float = 300.0, bucket_bytes: int = 64 * 2 ** 20) -> Program:
     """Trace `model`'s step and partition it over `mesh` with the tactics of `schedule`, in order.
 
     >>> prog = partition(model, Mesh({"batch": 2}), [ManualPartition({"inputs.*": 0}, axis="batch")],
@@ -20,6 +20,8 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
 
     simulate: a pt.sim.hardware(...) to print, after the schedule, one simulated row per tactic stage.
     timeout_s: on real ranks, how long the start-up check waits for every rank before naming the missing ones.
+    bucket_bytes: parameter gathers and gradient reduce-scatters are merged into buckets of up to this many bytes
+    (one collective each, as DDP/FSDP do; the bytes are unchanged); 0 keeps one collective per parameter.
     """
     if not isinstance(mesh, Mesh):
         raise PartitionError(f"partition: mesh must be a pt.Mesh, got {type(mesh).__name__}.")
@@ -37,7 +39,7 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     with no_gc():   # linear time: no full collections over the traced graph's heap while partitioning
         graph = PartGraph(captured.gm, registry or default_registry(), captured.names, captured.ties)
         prog = Program(captured, graph, Propagator(graph, mesh), mesh, tactics, model, optimizer)
-        prog.timeout_s = timeout_s
+        prog.timeout_s, prog.bucket_bytes = timeout_s, bucket_bytes
         ctx = TacticContext(prog)
         for t in tactics:
             t.apply(ctx)

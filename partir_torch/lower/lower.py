@@ -18,6 +18,7 @@ from ..propagate.engine import _stride_of
 from ..propagate.state import PARTIAL_OP
 from ..sharding import Sharding
 from . import indexed
+from .bucket import bucket_collectives
 from .localize import localize_args
 from .records import META_NAME, META_ROLE
 from .reshard import Emitter, reshard
@@ -88,7 +89,8 @@ def op_layouts(prog, i: int):
 
 
 def lower(prog, groups: dict) -> Lowered:
-    """Build the per-device program. groups: mesh axis -> process group name used by the collectives."""
+    """Build the per-device program. groups: mesh axis -> process group name used by the collectives. Runs of
+    parameter all_gathers / gradient reduce_scatters are merged into buckets of prog.bucket_bytes (bucket.py)."""
     g, mesh, cap = prog.graph, prog.mesh, prog.captured
     new = fx.Graph()
     env: dict = {}              # old node -> new node (in the value's recorded layout)
@@ -231,10 +233,12 @@ def lower(prog, groups: dict) -> Lowered:
             local_shape[node] = out_local[0]
             settle(node, outs[0], v)
 
+    cap = getattr(prog, "bucket_bytes", 0)
+    records = bucket_collectives(new, em.records, cap) if cap else em.records
     _sink_waits(new)
     gm = fx.GraphModule(torch.nn.Module(), new)
     in_layouts = [layout[g.vid[n]] if n in g.vid else None for n in placeholders]
-    return Lowered(gm, em.records, in_layouts, out_layouts, list(mesh.axes),
+    return Lowered(gm, records, in_layouts, out_layouts, list(mesh.axes),
                    [local_shape.get(n) for n in placeholders])
 
 

@@ -38,8 +38,10 @@ class Emitter:
         node.meta["partir_dtype"] = dtype
         return node
 
-    def collective(self, target, args, kind, axis, shape, dtype, nbytes, value, tactic, reduce_op="", dim=-1):
+    def collective(self, target, args, kind, axis, shape, dtype, nbytes, value, tactic, reduce_op="", dim=-1,
+                   in_shape=None):
         c = self.call(target, *args, meta_shape=shape, dtype=dtype)
+        c.meta["partir_in_shape"] = tuple(in_shape) if in_shape is not None else None
         rec = CollectiveRecord(kind, axis, self.mesh.shape[axis], int(nbytes), str(dtype).replace("torch.", ""),
                                tactic, value, c.name, reduce_op, dim, self.phase)
         c.meta["partir_collective"] = rec
@@ -97,9 +99,10 @@ def all_gather(em, x, shape, d, axis, dtype, value, tactic, stride=1):
     elt = torch.empty((), dtype=dtype).element_size()
     nbytes = math.prod(shape) * k * elt
     y, first, perm = _to_front(em, x, shape, d, dtype)
+    in_shape = tuple(first)
     first[0] *= k
     g = em.collective(c10d.all_gather_into_tensor.default, (y, k, em.groups[axis]), ALL_GATHER, axis,
-                      tuple(first), dtype, nbytes, value, tactic, dim=d)
+                      tuple(first), dtype, nbytes, value, tactic, dim=d, in_shape=in_shape)
     if stride > 1:   # rank-major (k, s, m) -> (s, k, m)
         g = _interleave(em, g, first, k, stride, dtype)
     return _from_front(em, g, first, perm, dtype)
@@ -118,9 +121,10 @@ def reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic, stride=1):
     y, first, perm = _to_front(em, x, shape, d, dtype)
     if stride > 1:   # (s, k, m) -> (k, s, m): each rank's strided chunk becomes contiguous
         y = _interleave(em, y, first, stride, k, dtype)
+    in_shape = tuple(first)
     first[0] //= k
     r = em.collective(c10d.reduce_scatter_tensor.default, (y, op, k, em.groups[axis]), REDUCE_SCATTER, axis,
-                      tuple(first), dtype, nbytes, value, tactic, reduce_op=op, dim=d)
+                      tuple(first), dtype, nbytes, value, tactic, reduce_op=op, dim=d, in_shape=in_shape)
     return _from_front(em, r, first, perm, dtype)
 
 

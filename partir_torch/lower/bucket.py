@@ -1,0 +1,123 @@
+"""Bucketing: collectives of one kind on one axis merged into one call, as DDP and FSDP do, so the fixed cost of a
+collective is paid once per bucket instead of once per parameter. Bytes are unchanged.
+
+- all_gather of a parameter shard (an input of the program, so it can move): consecutive gathers of the same
+  axis, dtype and phase are issued together where the first is, up to `cap` bytes (a prefetch).
+- reduce_scatter of a gradient (and all_gather of an updated parameter): consecutive ones are issued together
+  where the last input is ready, when every member's result is first read after that point.
+
+A bucket flattens its members' shards into one buffer, runs one collective and slices each member back out.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .records import ALL_GATHER, REDUCE_SCATTER, META_COLLECTIVE, CollectiveRecord
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+CAP = 64 * 2 ** 20
+
+
+def bucket_collectives(graph: fx.Graph, records: list, cap: int = CAP) -> list:
+    """Merge buckets in place; returns the new record list (program order)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    runs: dict = {}
+    groups = []
+    for node in list(graph.nodes):
+        rec = node.meta.get(META_COLLECTIVE)
+        if rec is None or rec.kind not in (ALL_GATHER, REDUCE_SCATTER) or not _plain(node, rec):
+            continue
+        key = (rec.kind, rec.axis, rec.dtype, rec.phase, node.args[-1])
+        run = runs.get(key)
+        if run is None or sum(m[1].nbytes for m in run) + rec.nbytes > cap or not _fits(run, node, rec, order):
+            run = []
+            runs[key] = run
+            groups.append(run)
+        run.append((node, rec))
+    merged = {}
+    for run in groups:
+        if len(run) > 1:
+            rec = _merge(graph, run)
+            for node, old in run:
+                merged[old.node] = rec
+    out, seen = [], set()
+    for r in records:
+        new = merged.get(r.node, r)
+        if id(new) not in seen:
+            seen.add(id(new))
+            out.append(new)
+    return out
+
+
+def _plain(node, rec) -> bool:
+    """A dim-0 collective whose result goes straight to one wait (no interleaving, no moved dims)."""
+    users = list(node.users)
+    return rec.dim in (0, -1) and len(users) == 1 and users[0].target is c10d.wait_tensor.default and \
+        node.meta.get("partir_in_shape") is not None
+
+
+def _prefetch(run) -> bool:
+    """Gathers of program inputs (parameter shards) can all be issued where the first one is."""
+    return run[0][1].kind == ALL_GATHER and all(n.args[0].op == "placeholder" for n, _ in run)
+
+
+def _fits(run, node, rec, order) -> bool:
+    if _prefetch(run + [(node, rec)]):
+        return True
+    # otherwise the merged collective sits after the last member's input: every member's result must be read later
+    ready = max(order[n.args[0]] for n, _ in run + [(node, rec)])
+    return all(min(order[u] for u in next(iter(n.users)).users) > ready for n, _ in run + [(node, rec)])
+
+
+def _merge(graph, run) -> CollectiveRecord:
+    first_node, first = run[0]
+    k, group = first.group_size, first_node.args[-1]
+    if _prefetch(run):
+        anchor = first_node
+        insert = graph.inserting_before(anchor)
+    else:
+        anchor = max((n.args[0] for n, _ in run), key=lambda a: list(graph.nodes).index(a))
+        insert = graph.inserting_before(anchor.next)
+    with insert:
+        if first.kind == ALL_GATHER:
+            flats = [graph.call_function(aten.reshape.default, (n.args[0], [-1])) for n, _ in run]
+            buf = graph.call_function(aten.cat.default, (flats,))
+            coll = graph.call_function(c10d.all_gather_into_tensor.default, (buf, k, group))
+        else:
+            flats = [graph.call_function(aten.reshape.default, (n.args[0], [k, -1])) for n, _ in run]
+            buf = graph.call_function(aten.view.default, (graph.call_function(aten.cat.default, (flats, 1)), [-1]))
+            coll = graph.call_function(c10d.reduce_scatter_tensor.default, (buf, first.reduce_op, k, group))
+        wait = graph.call_function(c10d.wait_tensor.default, (coll,))
+        if first.kind == ALL_GATHER:
+            rows = graph.call_function(aten.view.default, (wait, [k, -1]))
+        off = 0
+        for (node, rec), flat in zip(run, flats):
+            shape = list(node.meta["partir_in_shape"])
+            n = _numel(shape) if first.kind == ALL_GATHER else _numel(shape) // k
+            if first.kind == ALL_GATHER:
+                part = graph.call_function(aten.slice.Tensor, (rows, 1, off, off + n))
+                part = graph.call_function(aten.clone.default, (part,), {"memory_format": torch.contiguous_format})
+                out = graph.call_function(aten.view.default, (part, [shape[0] * k] + shape[1:]))
+            else:
+                part = graph.call_function(aten.slice.Tensor, (wait, 0, off, off + n))
+                out = graph.call_function(aten.view.default, (part, [shape[0] // k] + shape[1:]))
+            off += n
+            next(iter(node.users)).replace_all_uses_with(out)
+    for node, _ in run:   # collectives count as side effects: dead-code elimination would keep them
+        wait = next(iter(node.users))
+        graph.erase_node(wait)
+        graph.erase_node(node)
+    rec = CollectiveRecord(first.kind, first.axis, k, sum(r.nbytes for _, r in run), first.dtype,
+                           "+".join(dict.fromkeys(r.tactic for _, r in run)),
+                           ", ".join(r.value for _, r in run), coll.name, first.reduce_op, 0, first.phase)
+    coll.meta[META_COLLECTIVE] = rec
+    return rec
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
