@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import TraceError
 from .decompositions import capture_decompositions
+from .graphutil import forward_nodes
 from .optim import functional_optimizer
 from .tags import collect_tags, install_hooks
 
@@ -204,14 +205,7 @@ def _split_param_views(gm) -> None:
     is duplicated for the backward, so that a tiled parameter is gathered for each phase and its gathered copy
     does not live from forward to backward (ZeRO-3's memory saving)."""
     nodes = list(gm.graph.nodes)
-    out = nodes[-1]
-    loss = out.args[0][0]
-    fwd, stack = set(), [loss]
-    while stack:
-        n = stack.pop()
-        if n not in fwd:
-            fwd.add(n)
-            stack.extend(n.all_input_nodes)
+    fwd = forward_nodes(gm)
     for n in nodes:
         if n.op != "call_function" or n.target not in _VIEWS or n not in fwd:
             continue

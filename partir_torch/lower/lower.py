@@ -18,6 +18,7 @@ from ..propagate.engine import _stride_of
 from ..propagate.state import PARTIAL_OP
 from ..sharding import Sharding
 from . import indexed
+from ..capture.graphutil import ancestors, descendants
 from .bucket import bucket_collectives
 from .localize import localize_args
 from .records import META_NAME, META_ROLE
@@ -290,34 +291,14 @@ def _phases(gm, cap) -> dict:
     if cap.mode == "forward":
         return {n: "forward" for n in nodes}
     loss = out.args[0][0]
-    fwd = _ancestors([loss])
+    fwd = ancestors([loss])
     phases = {n: "forward" for n in fwd}
-    region = _descendants([n for n in nodes if n.op == "placeholder"
+    region = descendants([n for n in nodes if n.op == "placeholder"
                            and n.meta.get("partir_role") in ("opt_state", "lr", "step")])
     for n in nodes:
         if n not in fwd and n not in region and n.op != "output":
             phases[n] = "backward"
     return phases
-
-
-def _ancestors(roots) -> set:
-    seen, stack = set(), list(roots)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
-
-
-def _descendants(roots) -> set:
-    seen, stack = set(), list(roots)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.users)
-    return seen
 
 
 def _strip(sh: Sharding) -> Sharding:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..capture.graphutil import forward_nodes
 from ..errors import PartitionError
 from ..propagate.state import REPLICATED as REP, UNKNOWN
 from .manual import ManualPartition
@@ -122,7 +123,7 @@ def find_linear_pairs(captured) -> tuple:
     gm = captured.gm
     nodes = list(gm.graph.nodes)
     out = next(n for n in nodes if n.op == "output")
-    fwd = _ancestors(out.args[0][0]) if captured.mode != "forward" else set(nodes)
+    fwd = forward_nodes(gm) if captured.mode != "forward" else set(nodes)
     col, row = [], []
     region_of: dict = {}
     static = _static_nodes(nodes)
@@ -209,17 +210,6 @@ def _merge(marks: list, region_of: dict) -> set:
             if v is m:
                 region_of[k] = first
     return first
-
-
-def _ancestors(node) -> set:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(a for a in n.all_input_nodes)
-    return seen
 
 
 def _embedding_tables(captured) -> list:
