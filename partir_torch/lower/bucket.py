@@ -1,9 +1,10 @@
-"""Bucketing: collectives of one kind on one axis merged into one call, as DDP and FSDP do, so the fixed cost of a
+"""Bucketing: collectives of one kind on one axis merged into one call, as DDP (all_reduce) and FSDP do, so the fixed cost of a
 collective is paid once per bucket instead of once per parameter. Bytes are unchanged.
 
 - all_gather of a parameter shard (an input of the program, so it can move): consecutive gathers of the same
   axis, dtype and phase are issued together where the first is, up to `cap` bytes (a prefetch).
-- reduce_scatter of a gradient (and all_gather of an updated parameter): consecutive ones are issued together
+- all_reduce / reduce_scatter of a gradient (and all_gather of an updated parameter): consecutive ones are issued
+  together
   where the last input is ready, when every member's result is first read after that point.
 
 A bucket flattens its members' shards into one buffer, runs one collective and slices each member back out.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .records import ALL_GATHER, REDUCE_SCATTER, META_COLLECTIVE, CollectiveRecord
+from .records import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, META_COLLECTIVE, CollectiveRecord
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -27,9 +28,9 @@ def bucket_collectives(graph: fx.Graph, records: list, cap: int = CAP) -> list:
     groups = []
     for node in list(graph.nodes):
         rec = node.meta.get(META_COLLECTIVE)
-        if rec is None or rec.kind not in (ALL_GATHER, REDUCE_SCATTER) or not _plain(node, rec):
+        if rec is None or rec.kind not in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) or not _plain(node, rec):
             continue
-        key = (rec.kind, rec.axis, rec.dtype, rec.phase, node.args[-1])
+        key = (rec.kind, rec.axis, rec.dtype, rec.phase, rec.reduce_op, node.args[-1])
         run = runs.get(key)
         if run is None or sum(m[1].nbytes for m in run) + rec.nbytes > cap or not _fits(run, node, rec, order):
             run = []
@@ -54,8 +55,8 @@ def bucket_collectives(graph: fx.Graph, records: list, cap: int = CAP) -> list:
 def _plain(node, rec) -> bool:
     """A dim-0 collective whose result goes straight to one wait (no interleaving, no moved dims)."""
     users = list(node.users)
-    return rec.dim in (0, -1) and len(users) == 1 and users[0].target is c10d.wait_tensor.default and \
-        node.meta.get("partir_in_shape") is not None
+    shaped = node.meta.get("partir_in_shape") is not None or rec.kind == ALL_REDUCE
+    return rec.dim in (0, -1) and len(users) == 1 and users[0].target is c10d.wait_tensor.default and shaped
 
 
 def _prefetch(run) -> bool:
@@ -81,7 +82,11 @@ def _merge(graph, run) -> CollectiveRecord:
         anchor = max((n.args[0] for n, _ in run), key=lambda a: list(graph.nodes).index(a))
         insert = graph.inserting_before(anchor.next)
     with insert:
-        if first.kind == ALL_GATHER:
+        if first.kind == ALL_REDUCE:
+            flats = [graph.call_function(aten.reshape.default, (n.args[0], [-1])) for n, _ in run]
+            buf = graph.call_function(aten.cat.default, (flats,))
+            coll = graph.call_function(c10d.all_reduce.default, (buf, first.reduce_op, group))
+        elif first.kind == ALL_GATHER:
             flats = [graph.call_function(aten.reshape.default, (n.args[0], [-1])) for n, _ in run]
             buf = graph.call_function(aten.cat.default, (flats,))
             coll = graph.call_function(c10d.all_gather_into_tensor.default, (buf, k, group))
@@ -94,6 +99,13 @@ def _merge(graph, run) -> CollectiveRecord:
             rows = graph.call_function(aten.view.default, (wait, [k, -1]))
         off = 0
         for (node, rec), flat in zip(run, flats):
+            if first.kind == ALL_REDUCE:
+                shape = list(node.meta["partir_local_shape"])
+                part = graph.call_function(aten.slice.Tensor, (wait, 0, off, off + _numel(shape)))
+                out = graph.call_function(aten.view.default, (part, shape))
+                off += _numel(shape)
+                next(iter(node.users)).replace_all_uses_with(out)
+                continue
             shape = list(node.meta["partir_in_shape"])
             n = _numel(shape) if first.kind == ALL_GATHER else _numel(shape) // k
             if first.kind == ALL_GATHER:
