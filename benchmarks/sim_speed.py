@@ -35,16 +35,21 @@ def main(layers: int = 48):
     low = prog.stage_lowered(len(prog.stages) - 1)
     t2 = time.time()
     hw = pt.sim.hardware("h100")
-    times = []
-    for _ in range(5):
+    c = time.process_time()
+    report = simulate_graph(low.gm, prog.mesh, hw)
+    cold = time.process_time() - c
+    times = []     # the same program on other hardware: per-node facts and liveness are reused
+    for i in range(5):
+        other = pt.sim.hardware("h100", nic_bw=(40 + 5 * i) * 1e9)
         c = time.process_time()
-        report = simulate_graph(low.gm, prog.mesh, hw)
+        simulate_graph(low.gm, prog.mesh, other)
         times.append(time.process_time() - c)
     nodes = len(low.gm.graph.nodes)
     print(f"GPT {layers} layers, d 768: per-device program of {nodes} nodes "
           f"(partition {t1 - t0:.1f} s, lowering + local shapes {t2 - t1:.1f} s)")
-    print(f"simulate_graph on 8xH100: best {min(times):.3f} s CPU, median {sorted(times)[2]:.3f} s "
-          f"(goal <= 0.2 s); predicted step {report.step_time_s * 1e3:.1f} ms, MFU {report.mfu * 100:.1f}%")
+    print(f"simulate_graph on 8xH100: first simulation of the program {cold:.3f} s CPU (goal <= 0.2 s); "
+          f"again on other hardware: best {min(times):.3f} s, median {sorted(times)[2]:.3f} s; predicted step "
+          f"{report.step_time_s * 1e3:.1f} ms, MFU {report.mfu * 100:.1f}%")
 
 
 if __name__ == "__main__":

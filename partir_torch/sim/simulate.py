@@ -49,8 +49,15 @@ def simulate_graph(gm, mesh, hw: Hardware, axis_map=None, stage_name: str = "", 
 
 
 def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue) -> SimReport:
-    nodes = list(gm.graph.nodes)
-    facts = _scan(nodes)
+    # what does not depend on the hardware (per-node facts, buffer liveness) is read once per program, so a search
+    # over hardware, axis mappings or issue policies re-simulates a program for the cost of its timeline only
+    cached = getattr(gm, "_partir_sim_facts", None)
+    if cached is None or cached[0] != len(gm.graph.nodes):
+        nodes = list(gm.graph.nodes)
+        facts = _scan(nodes)
+        cached = (len(nodes), nodes, facts, analyze_memory(nodes, facts.elems, facts.inputs, facts.classes))
+        gm._partir_sim_facts = cached
+    _, nodes, facts, mem = cached
     line = _Timeline(hw, mesh, axis_map, facts, exclude, issue)
     for node in nodes:
         line.step(node)
@@ -60,7 +67,6 @@ def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue) -> SimReport:
         notes.append(f"{(line.t_m - line.t_c) * 1e3:.3f} ms of communication is never waited on before the step "
                      f"ends.")
         line.exposed += line.t_m - line.t_c
-    mem = analyze_memory(nodes, facts.elems, facts.inputs, facts.classes)
     if mem.peak_bytes > hw.hbm_bytes:
         notes.append(f"peak memory {mem.peak_bytes / 2**30:.2f} GiB exceeds the {hw.hbm_bytes / 2**30:.2f} GiB "
                      f"of HBM per device on {hw.name} (peak at node {mem.peak_node}).")
