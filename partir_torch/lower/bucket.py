@@ -110,7 +110,8 @@ def _merge(graph, run) -> CollectiveRecord:
             n = _numel(shape) if first.kind == ALL_GATHER else _numel(shape) // k
             if first.kind == ALL_GATHER:
                 part = graph.call_function(aten.slice.Tensor, (rows, 1, off, off + n))
-                out = graph.call_function(aten.reshape.default, (part, [shape[0] * k] + shape[1:]))   # copies
+                part = graph.call_function(aten.clone.default, (part,), {"memory_format": torch.contiguous_format})
+                out = graph.call_function(aten.view.default, (part, [shape[0] * k] + shape[1:]))
             else:
                 part = graph.call_function(aten.slice.Tensor, (wait, 0, off, off + n))
                 out = graph.call_function(aten.view.default, (part, [shape[0] // k] + shape[1:]))
