@@ -10,6 +10,7 @@ Views, getitem and metadata ops cost nothing.
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -100,9 +101,11 @@ def elem_bytes(v) -> list:
 
 
 def val_facts(v) -> tuple:
-    """(signature, per-tensor bytes) of a meta val, in one pass."""
+    """(signature, per-tensor bytes) of a meta val, in one pass (shape and dtype only: fake-tensor method calls
+    are slow)."""
     if isinstance(v, torch.Tensor):
-        return (tuple(v.shape), v.dtype), [v.numel() * v.element_size()]
+        shape, dtype = tuple(v.shape), v.dtype
+        return (shape, dtype), [math.prod(shape) * dtype.itemsize]
     return val_sig(v), elem_bytes(v)
 
 

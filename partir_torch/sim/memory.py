@@ -89,7 +89,6 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
             continue
         target = node.target
         cls, info = classes[node]
-        val = node.meta.get("val")
         if target is operator.getitem:
             src, idx = node.args[0], node.args[1]
             srcs = sid_of.get(src, ())
@@ -97,6 +96,7 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
         elif info == "view" or cls == WAIT or (cls != FREE and _writes_self(target)):
             base = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
             bs = sid_of.get(base, ()) if base is not None else ()
+            val = node.meta.get("val")
             n = len(val) if isinstance(val, (tuple, list)) else 1
             sid_of[node] = [bs[0]] * n if bs else [new(node, b, i) for b in elems[node]]
         elif cls == FREE and info != "alloc":

@@ -92,13 +92,14 @@ class _Facts:
 
 def _scan(nodes) -> _Facts:
     f = _Facts()
+    sigs, elems, nbytes, inputs, classes = f.sigs, f.elems, f.nbytes, f.inputs, f.classes   # hot loop: locals
     for n in nodes:
-        f.sigs[n], eb = val_facts(n.meta.get("val"))
-        f.elems[n] = eb
-        f.nbytes[n] = sum(eb)
-        f.inputs[n] = n.all_input_nodes
+        sigs[n], eb = val_facts(n.meta.get("val"))
+        elems[n] = eb
+        nbytes[n] = eb[0] if len(eb) == 1 else sum(eb)
+        inputs[n] = list(n._input_nodes)
         if n.op == "call_function":
-            f.classes[n] = op_class(n.target)
+            classes[n] = op_class(n.target)
     return f
 
 
