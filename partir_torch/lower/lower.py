@@ -223,7 +223,8 @@ def lower(prog, groups: dict) -> Lowered:
                          (out_local[k] if out_local[k] is not None else _local(tuple(t.shape), outs[k], mesh))
                          if outs[k] is not None else tuple(t.shape) for k, t in enumerate(vals)]
         args, kwargs = localize_args(node, args, kwargs, in_local, out_local)
-        x = _indexed(em, prog, i, args, kwargs) or new.call_function(node.target, args, kwargs)
+        target = _RESHAPE.get(node.target, node.target)
+        x = _indexed(em, prog, i, args, kwargs) or new.call_function(target, args, kwargs)
         x.meta["partir_src"] = node.name
         if node.meta.get("partir_recompute"):
             x.meta["partir_recompute"] = node.meta["partir_recompute"]
@@ -242,6 +243,12 @@ def lower(prog, groups: dict) -> Lowered:
     return Lowered(gm, records, in_layouts, out_layouts, list(mesh.axes),
                    [local_shape.get(n) for n in placeholders])
 
+
+# A local shard's strides can differ from the traced tensor's (an operand arrives gathered, a kernel lays out its
+# output after its inputs): views are emitted as reshape, which is the same view when the strides allow it and a
+# copy otherwise. The graph is functional, so nothing observes the difference.
+_RESHAPE = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+            torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
 
 # pure views with static arguments: a replicated copy of the view is the view of a replicated source
 _HOISTABLE = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,

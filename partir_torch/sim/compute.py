@@ -29,7 +29,8 @@ COLLECTIVE_NAMES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tens
 COLLECTIVE_KIND = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
                    "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
 # Ops whose schema does not say "alias" but that never copy (functionalization's reshape result, ...).
-_ALIAS_OPS = {"aten::_unsafe_view", "aten::alias", "aten::lift_fresh", "aten::_reshape_alias"}
+_ALIAS_OPS = {"aten::_unsafe_view", "aten::alias", "aten::lift_fresh", "aten::_reshape_alias",
+              "aten::reshape"}   # lowering emits reshape for views: a view whenever the strides allow
 # Ops that allocate without running a kernel: free in time, but they hold memory.
 _ALLOC_OPS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::new_empty_strided"}
 
