@@ -40,7 +40,7 @@ def bucket_collectives(graph: fx.Graph, records: list, cap: int = CAP) -> list:
     merged = {}
     for run in groups:
         if len(run) > 1:
-            rec = _merge(graph, run)
+            rec = _merge(graph, run, order)
             for node, old in run:
                 merged[old.node] = rec
     out, seen = [], set()
@@ -68,18 +68,21 @@ def _fits(run, node, rec, order) -> bool:
     if _prefetch(run + [(node, rec)]):
         return True
     # otherwise the merged collective sits after the last member's input: every member's result must be read later
-    ready = max(order[n.args[0]] for n, _ in run + [(node, rec)])
-    return all(min(order[u] for u in next(iter(n.users)).users) > ready for n, _ in run + [(node, rec)])
+    members = run + [(node, rec)]
+    if any(n.args[0] not in order for n, _ in members):
+        return False                      # an input made by an earlier bucket: keep it simple, do not merge
+    ready = max(order[n.args[0]] for n, _ in members)
+    return all(min(order.get(u, -1) for u in next(iter(n.users)).users) > ready for n, _ in members)
 
 
-def _merge(graph, run) -> CollectiveRecord:
+def _merge(graph, run, order) -> CollectiveRecord:
     first_node, first = run[0]
     k, group = first.group_size, first_node.args[-1]
     if _prefetch(run):
         anchor = first_node
         insert = graph.inserting_before(anchor)
     else:
-        anchor = max((n.args[0] for n, _ in run), key=lambda a: list(graph.nodes).index(a))
+        anchor = max((n.args[0] for n, _ in run), key=order.__getitem__)   # original nodes keep their order
         insert = graph.inserting_before(anchor.next)
     with insert:
         if first.kind == ALL_REDUCE:

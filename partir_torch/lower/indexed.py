@@ -31,7 +31,11 @@ def embedding(em, args, kwargs, off, n):
 def embedding_dense_backward(em, args, kwargs, off, n):
     grad, idx, num_weights, padding_idx, scale = (list(args) + [None] * 5)[:5]
     if scale:
-        raise NotImplementedError("vocabulary-parallel embedding with scale_grad_by_freq=True")
+        from ..errors import PartitionError
+
+        raise PartitionError("an embedding with scale_grad_by_freq=True cannot be tiled on its vocabulary (the "
+                             "frequency counts need every token); tile its feature dim (embedding(dim='feature')) "
+                             "or keep the table replicated.")
     local, mask = _shift(em, idx, off, n, 0)
     keep = em.call(aten.unsqueeze.default, mask, -1)
     g = em.call(aten.mul.Tensor, grad, em.call(aten.type_as.default, keep, grad))

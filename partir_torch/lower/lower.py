@@ -278,16 +278,12 @@ def _sink_waits(graph: fx.Graph) -> None:
     """Move each wait_tensor down to just before the first node that reads it: the collective is issued where
     its input is ready and compute runs on until the result is needed."""
     wait = torch.ops._c10d_functional.wait_tensor.default
+    index = {n: i for i, n in enumerate(graph.nodes)}     # moving a wait keeps the other nodes' order
     for node in list(graph.nodes):
         if node.target is wait and node.users:
-            first = min(node.users, key=_position(graph))
+            first = min(node.users, key=index.__getitem__)
             if node.next is not first:
                 first.prepend(node)
-
-
-def _position(graph: fx.Graph):
-    index = {n: i for i, n in enumerate(graph.nodes)}
-    return index.__getitem__
 
 
 def _phases(gm, cap) -> dict:
