@@ -39,7 +39,8 @@ def bucket_collectives(graph: fx.Graph, records: list, cap: int = CAP) -> list:
         run.append((node, rec))
     merged = {}
     for run in groups:
-        if len(run) > 1:
+        # an earlier merge may have replaced a member's input with one of its slices (chained collectives): skip
+        if len(run) > 1 and all(n.args[0] in order for n, _ in run):
             rec = _merge(graph, run, order)
             for node, old in run:
                 merged[old.node] = rec
