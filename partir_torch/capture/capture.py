@@ -205,6 +205,7 @@ def _split_param_views(gm) -> None:
     is duplicated for the backward, so that a tiled parameter is gathered for each phase and its gathered copy
     does not live from forward to backward (ZeRO-3's memory saving)."""
     nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
     fwd = forward_nodes(gm)
     for n in nodes:
         if n.op != "call_function" or n.target not in _VIEWS or n not in fwd:
@@ -214,7 +215,7 @@ def _split_param_views(gm) -> None:
         late = [u for u in n.users if u not in fwd and u.op != "output"]
         if not late or len(late) == len(n.users):
             continue
-        with gm.graph.inserting_before(min(late, key=nodes.index)):
+        with gm.graph.inserting_before(min(late, key=index.__getitem__)):
             dup = gm.graph.call_function(n.target, n.args, n.kwargs)
             dup.meta.update({k: v for k, v in n.meta.items() if k not in ("partir_tag", "partir_tags")})
         for u in late:

@@ -125,7 +125,8 @@ def find_linear_pairs(captured) -> tuple:
     out = next(n for n in nodes if n.op == "output")
     fwd = forward_nodes(gm) if captured.mode != "forward" else set(nodes)
     col, row = [], []
-    region_of: dict = {}
+    regions = _Regions()
+    region_of: dict = {}       # node -> region id (find() gives the merged region)
     static = _static_nodes(nodes)
     for n in nodes:
         if n not in fwd:
@@ -133,28 +134,25 @@ def find_linear_pairs(captured) -> tuple:
         w = _linear_weight(n, gm.graph)
         if w is None:
             continue
-        if n.args[0] in region_of and region_of[n.args[0]] is not None:
-            sources = region_of[n.args[0]]
+        if n.args[0] in region_of:
             row.append(w)
-            col.extend(s for s in sources if s not in col)
+            col.extend(regions.weights(region_of[n.args[0]]))
             continue
         # grow the region of this linear's output
-        stack, mark = [n], {w}
-        region_of[n] = mark
+        stack = [n]
+        region_of[n] = regions.new(w)
         while stack:
             x = stack.pop()
             for u in x.users:
                 if u in region_of:
-                    if region_of[u] is not None and region_of[u] is not region_of[x]:
-                        _merge([region_of[u], region_of[x]], region_of)
+                    regions.union([region_of[u], region_of[x]])
                     continue
                 if u not in fwd or u.target in _STOP:
                     continue
                 if _linear_weight(u, gm.graph) is not None:
                     continue
                 if u.target in _VIEWS or u.target in _MIXERS or _is_pointwise_within(u, region_of, fwd, static):
-                    region_of[u] = _merge([region_of[a] for a in u.all_input_nodes if region_of.get(a)],
-                                          region_of)
+                    region_of[u] = regions.union([region_of[a] for a in u.all_input_nodes if a in region_of])
                     stack.append(u)
     # a region fed by several linears (q, k, v; gate and up): all of them are column-parallel
     order = {n: i for i, n in enumerate(captured.input_names)}
@@ -194,22 +192,40 @@ def _is_pointwise_within(u, region_of, fwd, static) -> bool:
             if a.op == "placeholder" or a in fwd:
                 # a residual stream or another branch: the region ends here (unless it is itself a region value
                 # of a different linear, e.g. gate * up in SwiGLU)
-                if region_of.get(a) is None:
-                    return False
+                return False
     return True
 
 
-def _merge(marks: list, region_of: dict) -> set:
-    """Union the linear sets of co-operands (q, k, v meeting in attention; gate and up in SwiGLU)."""
-    first = marks[0]
-    for m in marks[1:]:
-        if m is first:
-            continue
-        first |= m
-        for k, v in region_of.items():
-            if v is m:
-                region_of[k] = first
-    return first
+class _Regions:
+    """Union-find over the regions grown from linears: co-operands (q, k, v meeting in attention; gate and up in
+    SwiGLU) merge their regions in near-constant time, keeping the structure search linear in the graph."""
+
+    def __init__(self):
+        self.parent: list = []
+        self.members: list = []
+
+    def new(self, weight: str) -> int:
+        self.parent.append(len(self.parent))
+        self.members.append([weight])
+        return len(self.parent) - 1
+
+    def find(self, i: int) -> int:
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+    def union(self, ids: list) -> int:
+        roots = list(dict.fromkeys(self.find(i) for i in ids))
+        first = roots[0]
+        for r in roots[1:]:
+            self.parent[r] = first
+            self.members[first] += self.members[r]
+            self.members[r] = []
+        return first
+
+    def weights(self, i: int) -> list:
+        return list(self.members[self.find(i)])
 
 
 def _embedding_tables(captured) -> list:
