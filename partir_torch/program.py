@@ -42,13 +42,16 @@ class TacticContext:
         val = node.meta["val"]
         return {"shape": tuple(val.shape), "dtype": val.dtype, "role": node.meta.get("partir_role", "activation")}
 
-    def seed_and_propagate(self, axis: str, seeds: list, tactic: str, region: set | None = None) -> None:
+    def seed_and_propagate(self, axis: str, seeds: list, tactic: str, region: set | None = None,
+                           closed: bool = False) -> list:
+        """Seed named values and propagate on `axis`; returns the canonical values set. closed=True: see
+        Propagator.run (the seeded factor's region only, its values sealed)."""
         vids = []
         for name, state, *stride in seeds:      # (name, dim or state[, split factor of a strided tiling])
             vid = self.graph.name_to_vid[name]
             self.prop.seed(axis, vid, state, tactic, *stride)
             vids.append(vid)
-        self.prop.run(axis, tactic, vids, region)
+        return self.prop.run(axis, tactic, vids, region, closed)
 
     def seed_nodes_and_propagate(self, axis: str, seeds: list, tactic: str, region: set | None = None) -> None:
         """Like seed_and_propagate, for graph nodes that have no name (a linear's input activation)."""

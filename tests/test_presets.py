@@ -88,6 +88,48 @@ def test_expert_parallel_tiles_experts_and_reduces_the_combine_once_per_layer():
     assert not any(k[0] == "all_gather" for k in c)
 
 
+def test_expert_parallel_exchanges_token_buffers_by_all_to_all():
+    """GShard dispatch, groups and experts tiled on one axis: per MoE layer one all_to_all moves the dispatched
+    buffers (B, E, C, d) from tiled(groups) to tiled(experts) and one moves the expert outputs back; the backward
+    does the same for their gradients. The experts' gradients need no reduction on that axis."""
+    prog = run("moe_capacity", [T.expert_parallel("data")], {"data": 2}, eps=1e-5)
+    layers, E, C, d, B, T_ = 2, 4, 10, 32, 4, 16        # C = ceil(1.25 * top_k 2 * T 16 / E 4)
+    c = counts(prog)
+    assert c[("all_to_all", "data", "forward")] == 2 * layers
+    assert c[("all_to_all", "data", "backward")] == 2 * layers
+    a2a = [r for r in prog.collectives() if r.kind == "all_to_all"]
+    assert {r.nbytes for r in a2a} == {B // 2 * E * C * d * 4}       # the local buffer, sent once
+    assert not any(r.kind == "all_gather" for r in prog.collectives())
+    assert not any("moe.w" in r.value for r in prog.collectives())
+    # the dense layers are data parallel on the same axis: one gradient all_reduce per non-expert parameter
+    dense = [n for n, _ in prog.model.named_parameters() if ".moe.w" not in n]
+    assert c[("all_reduce", "data", "backward")] == len(dense)
+    assert prog.sharding("params.layers.0.moe.w1").dims[0] == ("data",)
+    assert prog.sharding("inputs.0").dims[0] == ("data",)
+    assert "all_to_all" in prog.explain("params.layers.0.moe.w1")
+
+
+def test_expert_parallel_on_its_own_axis_tiles_tokens_on_both():
+    prog = run("moe_capacity", [T.data_parallel("batch"), T.expert_parallel("expert"), T.zero(3, "batch")],
+               {"batch": 2, "expert": 2}, eps=1e-5)
+    assert prog.sharding("inputs.0").dims[0] == ("batch", "expert")
+    assert prog.sharding("params.layers.0.moe.w1").dims[0] == ("expert", "batch")
+    c = counts(prog)
+    assert c[("all_to_all", "expert", "forward")] == c[("all_to_all", "expert", "backward")] == 4
+    assert not any(k[0] == "all_to_all" and k[1] == "batch" for k in c)
+
+
+def test_expert_parallel_after_data_parallel_on_the_same_axis_is_an_error():
+    with pytest.raises(pt.PartitionError, match=r"put expert_parallel\('data'\) before BP"):
+        run("moe_capacity", [T.data_parallel("data"), T.expert_parallel("data")], {"data": 2}, steps=0)
+
+
+def test_expert_parallel_on_per_token_weight_selection_is_an_error():
+    with pytest.raises(pt.PartitionError, match="index_select"):
+        run("moe_index", [T.data_parallel("batch"), T.expert_parallel("expert")], {"batch": 2, "expert": 2},
+            steps=0)
+
+
 def test_expert_parallel_on_a_dense_model_is_an_error():
     with pytest.raises(pt.PartitionError, match="dense model"):
         run("gpt_sdpa", [T.expert_parallel("expert")], {"expert": 2}, steps=0)
@@ -162,7 +204,9 @@ MATRIX = (
     + [(m, "EMB", {"model": 2}, lambda: [T.embedding("model")]) for m in ["gpt", "gpt_sdpa", "llama", "moe"]]
     + [(m, "EMB-feature", {"model": 2}, lambda: [T.embedding("model", dim="feature")]) for m in ["gpt", "llama"]]
     + [(m, "EP", {"batch": 2, "expert": 2}, lambda: [T.data_parallel("batch"), T.expert_parallel("expert")])
-       for m in ["moe", "moe_index"]]
+       for m in ["moe", "moe_capacity"]]
+    + [("moe_capacity", "EP-shared", {"data": 2, "model": 2},
+        lambda: [T.expert_parallel("data"), T.megatron("model"), T.zero(3, "data")])]
     + [(m, "MQ", {"model": 2}, lambda: [T.multi_query("model")]) for m in ["gpt", "gpt_sdpa", "llama", "vit"]]
     + [(m, "Z1", {"batch": 2}, lambda: [T.data_parallel("batch"), T.zero(1, "batch")]) for m in
        ["mlp", "gpt_sdpa", "unet"]]

@@ -14,6 +14,11 @@ CASES = [  # (src, dst, expected collectives)
     (S(dims=(("a",), (), ())), S(dims=((), (), ("a",))), ["all_to_all"]),
     (S(dims=(("a",), ("b",), ())), S(dims=((), ("b",), ("a",))), ["all_to_all"]),
     (S(dims=((), (), ("a",))), S(dims=(("a",), (), ())), ["all_to_all"]),
+    # strided source / destination (an expert dim minor inside a (capacity * experts) dim)
+    (S(dims=((), (), ("a",)), strides=(("a", 2),)), S(dims=(("a",), (), ())), ["all_to_all"]),
+    (S(dims=(("a",), (), ())), S(dims=((), ("a",), ()), strides=(("a", 3),)), ["all_to_all"]),
+    (S(dims=((), ("a",), ()), strides=(("a", 3),)), S(dims=((), (), ("a",)), strides=(("a", 2),)), ["all_to_all"]),
+    (S(dims=(("b",), (), ("a",)), strides=(("a", 2),)), S(dims=(("b", "a"), (), ())), ["all_to_all"]),
     (S(dims=(("a", "b"), (), ())), S(dims=((), (), ())), ["all_gather", "all_gather"]),
     (S(dims=(("a",), (), ())), S(dims=(("a", "b"), (), ())), []),
     (S(dims=(("b",), (), ("a",)), strides=(("a", 2),)), S(dims=((), (), ())), ["all_gather", "all_gather"]),

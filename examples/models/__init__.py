@@ -25,6 +25,7 @@ VARIANTS: dict[str, dict] = {
     "gpt_sdpa": {"attention": "sdpa"},
     "moe": {"dispatch": "onehot"},
     "moe_index": {"dispatch": "index"},
+    "moe_capacity": {"dispatch": "capacity"},
 }
 
 

@@ -6,9 +6,16 @@ dispatch="onehot": every expert runs on every token; outputs are combined densel
     comparing against arange(E), since F.one_hot is not fake-traceable.
 dispatch="index":  each token's k chosen experts' weights are gathered with index_select
     and applied with bmm. Both are free of data-dependent shapes and give equal results.
+dispatch="capacity": GShard's dispatch. Each sequence is a group; every expert takes at most C tokens of a
+    group (C = ceil(capacity_factor * top_k * T / E), first-choice assignments before second-choice ones,
+    tokens past capacity dropped: their MoE output is 0 and the residual carries them). Tokens are moved into
+    per-expert buffers (B, E, C, d) by a one-hot dispatch einsum, the experts run as batched einsums, and a
+    gate-weighted combine einsum brings them back. With groups and experts tiled on one mesh axis, the buffers
+    travel by all_to_all. With capacity_factor >= E / top_k no token is dropped and it equals "onehot".
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,15 +36,17 @@ class MoEConfig:
     experts: int = 4
     top_k: int = 2
     hidden: int = 64  # per-expert hidden size
-    dispatch: str = "onehot"  # "onehot" | "index"
+    dispatch: str = "onehot"  # "onehot" | "index" | "capacity"
+    capacity_factor: float = 1.25  # dispatch="capacity": expert buffer size relative to an even split
 
 
 class MoE(nn.Module):
     def __init__(self, cfg: MoEConfig):
         super().__init__()
-        if cfg.dispatch not in ("onehot", "index"):
+        if cfg.dispatch not in ("onehot", "index", "capacity"):
             raise ValueError(f"unknown dispatch {cfg.dispatch!r}")
         self.experts, self.top_k, self.dispatch = cfg.experts, cfg.top_k, cfg.dispatch
+        self.capacity_factor = cfg.capacity_factor
         self.router = nn.Linear(cfg.d, cfg.experts, bias=False)
         self.w1 = nn.Parameter(torch.empty(cfg.experts, cfg.d, cfg.hidden))
         self.w2 = nn.Parameter(torch.empty(cfg.experts, cfg.hidden, cfg.d))
@@ -45,6 +54,8 @@ class MoE(nn.Module):
         nn.init.normal_(self.w2, 0.0, 0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, d)
+        if self.dispatch == "capacity":
+            return self._capacity_forward(x)
         B, T, D = x.shape
         E, K = self.experts, self.top_k
         xf = x.reshape(B * T, D)  # (N, d), N = B*T tokens
@@ -68,6 +79,27 @@ class MoE(nn.Module):
             y = torch.bmm(h, w2).reshape(B * T, K, D)  # (N, K, d)
             out = (y * gates.unsqueeze(-1)).sum(1)  # (N, d)
         return out.reshape(B, T, D)  # (B, T, d)
+
+    def _capacity_forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, d), one group per sequence
+        B, T, D = x.shape
+        E, K = self.experts, self.top_k
+        C = min(T, math.ceil(self.capacity_factor * K * T / E))  # tokens per expert per group
+        probs = self.router(x).softmax(dim=-1)  # (B, T, E)
+        gates, idx = probs.topk(K, dim=-1)  # (B, T, K)
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+        mask = (idx.unsqueeze(-1) == torch.arange(E, device=x.device)).to(x.dtype)  # (B, T, K, E)
+        # position of each assignment in its expert's buffer: all first choices of the group, then all second
+        # choices (GShard's priority), each in token order
+        by_slot = mask.transpose(1, 2).reshape(B, K * T, E)
+        pos = ((by_slot.cumsum(dim=1) - 1.0) * by_slot).reshape(B, K, T, E).transpose(1, 2)  # (B, T, K, E)
+        keep = mask * (pos < C).to(x.dtype)
+        slot = (pos.unsqueeze(-1) == torch.arange(C, device=x.device)).to(x.dtype) * keep.unsqueeze(-1)
+        dispatch = slot.sum(dim=2)  # (B, T, E, C): a token occupies one slot of each chosen expert
+        combine = (slot * gates.unsqueeze(-1).unsqueeze(-1)).sum(dim=2)  # (B, T, E, C)
+        expert_in = torch.einsum("btec,btd->becd", dispatch, x)  # (B, E, C, d)
+        h = F.gelu(torch.einsum("becd,edh->bech", expert_in, self.w1))
+        y = torch.einsum("bech,ehd->becd", h, self.w2)  # (B, E, C, d)
+        return torch.einsum("btec,becd->btd", combine, y)  # (B, T, d)
 
 
 class MoEBlock(nn.Module):

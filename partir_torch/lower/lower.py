@@ -139,6 +139,7 @@ def lower(prog, groups: dict) -> Lowered:
         the backward produces it, not when the optimizer first reads it, so the collective can overlap)."""
         want = _strip(layout[v])
         if produced is not None and produced != want:
+            em.phase = phase[0]
             x = reshard(em, env[node], local_shape[node], node.meta["val"].dtype, produced, want, g.name(v),
                         tactic_of(v))
             env[node], local_shape[node] = x, _local(g.shapes[v], want, mesh)

@@ -149,21 +149,27 @@ def local_slice(em, x, shape, d, axis, dtype, stride=1):
     return em.call(aten.reshape.default, t, out_shape, meta_shape=tuple(out_shape), dtype=dtype), tuple(out_shape)
 
 
-def all_to_all(em, x, shape, d1, d2, axis, dtype, value, tactic):
-    """Move `axis` from tiling dim d1 to tiling dim d2 with one all_to_all (d1 becomes whole, d2 tiled)."""
+def all_to_all(em, x, shape, d1, d2, axis, dtype, value, tactic, s1=1, s2=1):
+    """Move `axis` from tiling dim d1 to tiling dim d2 with one all_to_all (d1 becomes whole, d2 tiled).
+    s1 / s2 > 1: the axis tiles the minor part of d1 / d2 seen as (s, n / s) (a strided tiling)."""
     k = em.mesh.shape[axis]
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     y, first, perm = _to_front(em, x, shape, d2, dtype)          # (n2, *rest), d1 somewhere in rest
     pos = perm.index(d1) if perm is not None else d1             # position of d1 in the moved frame
+    if s2 > 1:   # (s2, k, m) -> (k, s2, m): the chunk for rank r becomes contiguous
+        y = _interleave(em, y, first, s2, k, dtype)
     n = first[0] // k
     sizes = [n] * k
     z = em.collective(c10d.all_to_all_single.default, (y, sizes, sizes, em.groups[axis]), ALL_TO_ALL, axis,
                       tuple(first), dtype, nbytes, value, tactic, dim=d2)
-    # z = (k, n, *rest): block r came from rank r and holds its chunk of d1; fold k into d1
+    # z = (k, n, *rest): block r came from rank r and holds its chunk of d1, which is (s1, m1) of the whole d1
+    # seen as (s1, k, m1): put k between s1 and m1
     rest = first[1:]
-    v = em.call(aten.reshape.default, z, [k, n] + rest, meta_shape=(k, n, *rest), dtype=dtype)
-    order = list(range(1, pos + 1)) + [0] + list(range(pos + 1, len(rest) + 2))
-    moved = tuple(([k, n] + rest)[i] for i in order)
+    m1 = rest[pos - 1] // s1
+    split = [k, n] + rest[:pos - 1] + [s1, m1] + rest[pos:]
+    v = em.call(aten.reshape.default, z, split, meta_shape=tuple(split), dtype=dtype)
+    order = [1] + list(range(2, pos + 2)) + [0] + list(range(pos + 2, len(split)))
+    moved = tuple(split[i] for i in order)
     p = em.call(aten.permute.default, v, order, meta_shape=moved, dtype=dtype)
     c = _contiguous(em, p, moved, dtype)
     out_first = [n] + rest
@@ -191,19 +197,24 @@ def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tacti
     cur_dims = [list(a) for a in src.dims]
     src_sf, dst_sf = dict(src.strides), dict(dst.strides)
     pending = dict(src.partial)
-    # 0. an axis that moves from one dim to another (innermost in both, contiguous chunks): one all_to_all
+    # 0. an axis that moves from one dim to another (innermost in both): one all_to_all
     for d1 in range(len(cur_dims)):
         if not cur_dims[d1]:
             continue
         axis = cur_dims[d1][-1]
         d2 = dst.tiled_axes().get(axis)
-        if (d2 is None or d2 == d1 or src_sf.get(axis, 1) > 1 or dst_sf.get(axis, 1) > 1 or axis in pending
+        if (d2 is None or d2 == d1 or axis in pending
                 or dst.dims[d2][:len(cur_dims[d2])] != tuple(cur_dims[d2])
-                or dst.dims[d2][len(cur_dims[d2])] != axis or shape[d2] % em.mesh.shape[axis]):
+                or dst.dims[d2][len(cur_dims[d2])] != axis):
             continue
         if list(dst.dims[d1][:len(cur_dims[d1]) - 1]) != cur_dims[d1][:-1]:
             continue
-        x, shape = all_to_all(em, x, shape, d1, d2, axis, dtype, value, tactic_of(axis))
+        s1 = _stride_before(cur_dims[d1], src_sf, axis, em.mesh)
+        s2 = _stride_before(dst.dims[d2], dst_sf, axis, em.mesh)
+        if shape[d1] % s1 or shape[d2] % (s2 * em.mesh.shape[axis]):
+            continue
+        x, shape = all_to_all(em, x, shape, d1, d2, axis, dtype, value, tactic_of(axis), s1, s2)
+        src_sf[axis] = dst_sf.get(axis, 1)
         cur_dims[d1].pop()
         cur_dims[d2].append(axis)
     # 1. un-tile: drop axes not in dst's prefix (same axis, same split factor), innermost first

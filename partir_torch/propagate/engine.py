@@ -9,11 +9,20 @@ from __future__ import annotations
 
 from collections import deque
 
+import torch
+
 from ..errors import ShardingConflictError
 from ..mesh import Mesh
 from ..rules.factors import PASS, REDUCE
 from .graph import PartGraph, no_gc
 from .state import PARTIAL, PARTIAL_OP, REPLICATED, UNKNOWN, AxisState, Conflict, Provenance, state_str
+
+
+aten = torch.ops.aten
+# ops that only re-view their operand: where a closed region ends in one, the region is cut back to its source
+VIEW_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
+                      aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
+                      aten.squeeze.dims, aten.clone.default, aten.expand.default, aten.alias.default})
 
 
 class Propagator:
@@ -35,6 +44,10 @@ class Propagator:
         # (op index, axis) -> inner split factor when the op tiles a factor strided (the factor seen as
         # (inner, size / inner), the axis on the second part): a (B*H) batch dim of bmm tiled on H
         self.op_inner: dict = {}
+        # (canonical vid, axis) pairs fixed by a closed run (expert parallelism's token buffers): an op outside
+        # that run computes in whatever layout its other neighbours imply and lowering reshards the value at the
+        # boundary (tiled(groups) <-> tiled(experts) on one axis is an all_to_all)
+        self.sealed: set = set()
 
     def snapshot(self) -> "Propagator":
         """A copy of every decision so far (the state after one tactic stage), sharing the graph."""
@@ -48,6 +61,7 @@ class Propagator:
         p.dim_axes = {k: list(v) for k, v in self.dim_axes.items()}
         p.strides = dict(self.strides)
         p.op_inner = dict(self.op_inner)
+        p.sealed = set(self.sealed)
         return p
 
     @property
@@ -108,13 +122,57 @@ class Propagator:
             self.dim_axes.setdefault((c, state), []).append(st.axis)
 
     # -- the loop ------------------------------------------------------------------------------------------------
-    def run(self, axis: str, tactic: str, seeded: list, region: set | None = None) -> None:
+    def run(self, axis: str, tactic: str, seeded: list, region: set | None = None, closed: bool = False) -> list:
         """Propagate on `axis` from the values just seeded (vids) to a fixed point. `region` (op indices), when
-        given, confines the tactic to those ops (ZeRO decides the optimizer update only)."""
+        given, confines the tactic to those ops (ZeRO decides the optimizer update only). `closed`: decide only
+        ops whose every operand and result (of rank >= 1) holds the tiled factor, and seal the values set, so
+        that later tactics compute around them (see `sealed`). Returns the canonical values set."""
         with no_gc():
-            self._run(axis, tactic, seeded, region)
+            changed = self._run(axis, tactic, seeded, region, closed)
+            if closed:
+                changed = self._retract_sink_views(self.axes[axis], changed, tactic)
+                self.sealed.update((c, axis) for c in changed)
+        return changed
 
-    def _run(self, axis: str, tactic: str, seeded: list, region: set | None = None) -> None:
+    def _retract_sink_views(self, st: AxisState, changed: list, tactic: str) -> list:
+        """A closed region does not end in views: a view decided by the closed run whose result only feeds ops
+        outside it is undone (repeatedly, up a chain of views), so the later tactic decides it and reads the
+        view's source, exchanged once for all of its views (an expert output used by the combine and, transposed,
+        by the combine's backward)."""
+        g = self.g
+        mine = {i for i, t in st.assign_tactic.items() if t == tactic}
+        keep = set(changed)
+        work = [i for i in mine if g.ops[i].node.target in VIEW_OPS]
+        while work:
+            i = work.pop()
+            op = g.ops[i]
+            if i not in st.assign or not op.results or op.results[0] is None:
+                continue
+            c = g.canon[op.results[0]]
+            if c not in keep or any(u in st.assign for v in g.tied[c] for u in g.users[v]) or \
+                    any(g.values[v].meta.get("partir_output") for v in g.tied[c]):
+                continue
+            f = st.assign.pop(i)
+            st.assign_tactic.pop(i)
+            axes = self.op_axes[i][f]
+            axes.remove(st.axis)
+            if not axes:
+                del self.op_axes[i][f]
+            self.op_inner.pop((i, st.axis), None)
+            d = st.value[c]
+            if d >= 0:
+                self.dim_axes[(c, d)].remove(st.axis)
+            st.value[c] = UNKNOWN
+            st.prov.pop(c, None)
+            self.strides.pop((c, st.axis), None)
+            keep.discard(c)
+            for v in op.operands:       # the view's source may now be a sink view itself
+                p = g.producer[v]
+                if p >= 0 and p in mine and g.ops[p].node.target in VIEW_OPS:
+                    work.append(p)
+        return [c for c in changed if c in keep]
+
+    def _run(self, axis: str, tactic: str, seeded: list, region: set | None = None, closed: bool = False) -> list:
         st = self.axis_state(axis)
         g = self.g
         queue = deque()
@@ -127,6 +185,7 @@ class Propagator:
                         queued.add(i)
                         queue.append(i)
 
+        changed = [g.canon[v] for v in seeded]
         for vid in sorted(seeded):
             push_value(vid)
         while queue:
@@ -134,19 +193,23 @@ class Propagator:
             queued.discard(i)
             if i in st.assign:
                 continue
-            for vid in self._visit(st, i, tactic):
+            for vid in self._visit(st, i, tactic, closed):
+                changed.append(vid)
                 push_value(vid)
+        return changed
 
-    def _visit(self, st: AxisState, i: int, tactic: str) -> list:
+    def _visit(self, st: AxisState, i: int, tactic: str, closed: bool = False) -> list:
         """Decide op i on st.axis if its neighbours allow exactly one decision. Returns the values it set."""
         g, op = self.g, self.g.ops[i]
         rule = op.rule
         if rule is None:
             return []
+        # sealed values do not constrain the op: lowering reshards them at the boundary
+        sealed, axis = self.sealed, st.axis
         slots = [(False, j, dims, vid) for j, (dims, vid) in enumerate(zip(rule.operands, op.operands))
-                 if dims is not None]
+                 if dims is not None and (g.canon[vid], axis) not in sealed]
         slots += [(True, j, dims, vid) for j, (dims, vid) in enumerate(zip(rule.results, op.results))
-                  if dims is not None and vid is not None]
+                  if dims is not None and vid is not None and (g.canon[vid], axis) not in sealed]
         cands: dict = {}
         blockers = []
         partial_ops = []
@@ -163,6 +226,8 @@ class Propagator:
                 partial_ops.append((j, vid, s))
         if len(cands) == 1 and not blockers:
             (f, inner), = cands
+            if closed and any(dims and not any(f in fs for fs in dims) for _, _, dims, _ in slots):
+                return []     # the op leaves the closed region (a value without the factor)
             return self._tile(st, i, f, slots, tactic, cands[(f, inner)][0], inner)
         if cands:
             others = blockers + [v for vs in cands.values() for v in vs]
