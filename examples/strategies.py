@@ -27,8 +27,10 @@ FAMILIES = {
                                                                T.zero(3, "batch")], 4),
     "llama_sp": ("llama", {"batch": 2, "model": 2}, lambda: [T.data_parallel("batch"), T.megatron("model"),
                                                               T.sequence_parallel("model")], 4),
-    "moe_ep": ("moe", {"batch": 2, "expert": 2}, lambda: [T.data_parallel("batch"), T.expert_parallel("expert")],
-               4),
+    # GShard dispatch; experts and token groups share the "data" axis (tokens exchanged by all_to_all), Megatron
+    # on "model" for attention
+    "moe_ep": ("moe_capacity", {"data": 2, "model": 2},
+               lambda: [T.expert_parallel("data"), T.megatron("model"), T.zero(3, "data")], 4),
     "unet_fsdp": ("unet", {"batch": 4}, lambda: [T.data_parallel("batch"), T.zero(3, "batch")], 4),
     # nodes tiled on dim 0 and the edge list on its edge dim: each rank holds a slice of nodes and of edges
     "gns_edges": ("gns", {"batch": 2}, lambda: [T.data_parallel("batch", dims={1: 1})], 2),

@@ -9,6 +9,9 @@ One spawn (each costs 5-10 s) runs every check; each rank returns plain Python r
                   single-device values.
   phase "local":  the same schedule, fed with train_step_local: each rank passes its own slice of the batch (by its
                   coordinate on "batch"); losses and parameters equal the single-device run.
+  phase "moe_ep":  moe_capacity (GShard dispatch), EP on "batch" (experts and token groups share it, token buffers
+                  exchanged by all_to_all over gloo) + MP on "model": losses and gathered parameters equal single
+                  device.
   phase "mismatch": rank 3 partitions with batch size 8, the others with 4: every rank raises RuntimeMismatchError
                   naming rank 3 (the first rank whose program differs), instead of hanging or running.
 
@@ -114,6 +117,23 @@ def _phase_local(spec, batch, mesh, rank):
             "param_errs": {k: _max_err(gathered[k], w) for k, w in ref_params.items() if k in gathered}}
 
 
+def _phase_moe_ep(mesh):
+    import partir_torch as pt
+    from examples.models import get
+
+    spec = get("moe_capacity")
+    batch = spec.batch(4)
+    model, ref_losses, ref_params = _reference(spec, batch)
+    schedule = [pt.tactics.expert_parallel("batch"), pt.tactics.megatron("model")]
+    prog = pt.partition(model, mesh, schedule, example_inputs=batch, loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    losses = [prog.train_step(*batch).item() for _ in range(STEPS)]
+    gathered = prog.gather_parameters()
+    return {"losses": losses, "ref_losses": ref_losses,
+            "all_to_all": sum(r.kind == "all_to_all" for r in prog.collectives()),
+            "param_errs": {k: _max_err(gathered[k], w) for k, w in ref_params.items() if k in gathered}}
+
+
 def _phase_mismatch(spec, mesh, rank):
     import partir_torch as pt
 
@@ -143,6 +163,7 @@ def _worker(rank, port, queue):
         mesh = pt.Mesh({"batch": 2, "model": 2})
         for name, fn in (("train", lambda: _phase_train(spec, batch, mesh)),
                          ("local", lambda: _phase_local(spec, batch, mesh, rank)),
+                         ("moe_ep", lambda: _phase_moe_ep(mesh)),
                          ("mismatch", lambda: _phase_mismatch(spec, mesh, rank))):
             t0 = time.perf_counter()
             try:
@@ -230,6 +251,15 @@ def test_train_step_local_equals_single_device(ranks):
             assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank} step {step}: {got} vs {want}"
         bad = {k: e for k, e in r["param_errs"].items() if e > 0}
         assert not bad, f"rank {rank}: parameters after train_step_local outside tolerance: {bad}"
+
+
+def test_expert_parallel_all_to_all_on_real_ranks_equals_single_device(ranks):
+    for rank, r in _phase(ranks, "moe_ep").items():
+        assert r["all_to_all"] == 8       # 2 layers x (dispatch + combine) x (forward + backward)
+        for step, (got, want) in enumerate(zip(r["losses"], r["ref_losses"])):
+            assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank} step {step}: {got} vs {want}"
+        bad = {k: e for k, e in r["param_errs"].items() if e > 0}
+        assert not bad, f"rank {rank}: parameters outside tolerance: {bad}"
 
 
 def test_ranks_with_different_programs_raise_naming_the_rank(ranks):
