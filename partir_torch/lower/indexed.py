@@ -54,7 +54,20 @@ def nll_loss_backward(em, args, kwargs, off, n):
     return em.call(aten.nll_loss_backward.default, grad, self_, local, weight, reduction, ignore_index, total)
 
 
+def arange(em, args, kwargs, off, n):
+    """This rank's positions [off, off + n) of arange(start, end, step): start + step * (off + arange(n))."""
+    start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
+    local = em.call(aten.arange.default, n, meta_shape=(n,), dtype=kwargs.get("dtype"), kwargs=kwargs)
+    pos = em.call(aten.add.Tensor, local, off)
+    if step != 1:
+        pos = em.call(aten.mul.Scalar, pos, step)
+    if start != 0:
+        pos = em.call(aten.add.Scalar, pos, start)
+    return pos
+
+
 IMPLS = {
+    aten.arange.default: arange, aten.arange.start: arange, aten.arange.start_step: arange,
     aten.embedding.default: embedding,
     aten.embedding_dense_backward.default: embedding_dense_backward,
     aten.nll_loss_forward.default: nll_loss_forward,

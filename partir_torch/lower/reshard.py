@@ -32,8 +32,8 @@ class Emitter:
         self.records: list = []
         self.phase = ""
 
-    def call(self, target, *args, meta_shape=None, dtype=None):
-        node = self.graph.call_function(target, tuple(args))
+    def call(self, target, *args, meta_shape=None, dtype=None, kwargs=None):
+        node = self.graph.call_function(target, tuple(args), dict(kwargs or {}))
         node.meta["partir_local_shape"] = meta_shape
         node.meta["partir_dtype"] = dtype
         return node

@@ -115,9 +115,18 @@ def factory(ctx):
 
 
 def blocked_factory(ctx):
-    """arange: a tiled result would need the rank's offset; kept whole."""
+    """rand / randn: drawn whole on every rank from the same generator state (then sliced), so that a step
+    equals the single-device step for any tiling."""
     b = RuleBuilder()
     return b.rule([None] * len(ctx.in_shapes), [b.dims(s, BLOCKED) for s in ctx.out_shapes])
+
+
+def arange(ctx):
+    """arange: its one dim is an indexed factor: a rank holding positions [off, off + n) computes
+    start + step * (off + arange(n)) (lower/indexed.py)."""
+    b = RuleBuilder()
+    (n,), = ctx.out_shapes
+    return b.rule([None] * len(ctx.in_shapes), [[(b.new(n, indexed=True),)]])
 
 
 def last_two_whole(ctx):
@@ -157,8 +166,7 @@ def rules() -> dict:
         aten.empty.memory_format: factory, aten.scalar_tensor.default: factory, aten.rand.default: blocked_factory,
         aten.randn.default: blocked_factory, aten.new_zeros.default: factory, aten.new_ones.default: factory,
         aten.new_empty.default: factory, aten.new_full.default: factory, aten.empty_strided.default: factory,
-        aten.arange.default: blocked_factory, aten.arange.start: blocked_factory,
-        aten.arange.start_step: blocked_factory,
+        aten.arange.default: arange, aten.arange.start: arange, aten.arange.start_step: arange,
         aten.tril.default: last_two_whole, aten.triu.default: last_two_whole,
         aten.upsample_nearest2d.default: spatial, aten.upsample_nearest2d.vec: spatial,
         aten.upsample_nearest2d_backward.default: spatial, aten.avg_pool2d.default: spatial,

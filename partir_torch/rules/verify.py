@@ -177,8 +177,8 @@ def _results(out) -> list:
 class _Eager:
     """Stands in for lowering's Emitter: runs each op at once (to verify the indexed kernels of lower/indexed.py)."""
 
-    def call(self, target, *args, **kwargs):
-        return target(*args)
+    def call(self, target, *args, kwargs=None, **meta):
+        return target(*args, **(kwargs or {}))
 
 
 def run_node(node: fx.Node, operands: list, in_local: list | None = None, out_local: list | None = None,
