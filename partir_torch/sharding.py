@@ -30,7 +30,8 @@ REPLICATED = _Replicated()
 class Sharding:
     """Sharding of a value over a mesh.
 
-    dims[d] is the tuple of axes tiling dim d, major to minor (the order in which tactics tiled it);
+    dims[d] is the tuple of axes tiling dim d, major to minor (the order in which tactics tiled it, except that
+    an axis tiling a more major factor of a folded dim in whole blocks of an earlier axis's factor goes before it);
     partial is a tuple of (axis, reduce op) on which the value is a pending reduction; replicated are the axes
     explicitly seeded replicated. Every other axis is (implicitly) replicated.
 

@@ -209,3 +209,22 @@ def test_train_step_local_rejects_global_batch():
                         loss_fn=spec.loss_fn, optimizer=adamw(model))
     with pytest.raises(pt.PartitionError, match=r"\(2, 16\)"):
         prog.train_step_local(*batch)
+
+
+@pytest.mark.parametrize("model", ["gpt", "gpt_sdpa", "llama"])
+def test_tactic_order_on_separate_axes_gives_the_same_program(model):
+    """MP then BP equals BP then MP (the axes tile different factors; where both tile one folded dim, the
+    attention's (B*H), each keeps its factor's place: batch major, heads minor): same shardings, same
+    collectives, no conflicts, single-device numerics."""
+    spec = get(model)
+    batch = spec.batch(4)
+    mesh = pt.Mesh({"batch": 2, "model": 2})
+    progs = [train_parity(spec, mesh, order, batch, f"{model} {[t.name for t in order]}")
+             for order in ([T.data_parallel("batch"), T.megatron("model")],
+                           [T.megatron("model"), T.data_parallel("batch")])]
+    a, b = progs
+    assert a.conflicts == [] and b.conflicts == []
+    names = list(a.graph.name_to_vid)
+    assert {n: str(a.sharding(n)) for n in names} == {n: str(b.sharding(n)) for n in names}
+    key = lambda p: sorted((r.kind, r.axis, r.nbytes) for r in p.collectives())  # noqa: E731
+    assert key(a) == key(b)

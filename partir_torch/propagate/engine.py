@@ -111,15 +111,22 @@ class Propagator:
                     f"{tactic}: dim {state} of {name} (size {size}{' after earlier tilings' if size != shape[state] else ''}) "
                     f"cannot be tiled on axis '{axis}' (size {k}): {k} does not divide {size}. Use a size divisible "
                     f"by {k}, or tile another dim.")
-        self._set(st, c, state, Provenance(tactic))
         if stride > 1:
             self.strides[(c, axis)] = stride
+        self._set(st, c, state, Provenance(tactic))
 
     def _set(self, st: AxisState, c: int, state: int, prov: Provenance) -> None:
         st.value[c] = state
         st.prov[c] = prov
         if state >= 0:
-            self.dim_axes.setdefault((c, state), []).append(st.axis)
+            # a dim's axes are kept major to minor: a later axis goes before an earlier one only where it tiles a
+            # more major part in whole blocks of that one's part; otherwise it splits the shard left by the
+            # earlier axes, i.e. it is the most minor (lower.major_to_minor orders an op's layouts alike)
+            axes = self.dim_axes.setdefault((c, state), [])
+            mine, k = self.strides.get((c, st.axis), 1), self.mesh.shape[st.axis]
+            at = next((j for j, a in enumerate(axes) if self.strides.get((c, a), 1) > mine
+                       and self.strides.get((c, a), 1) % (mine * k) == 0), len(axes))
+            axes.insert(at, st.axis)
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self, axis: str, tactic: str, seeded: list, region: set | None = None, closed: bool = False) -> list:
@@ -269,9 +276,11 @@ class Propagator:
                 self._conflict(st, i, tactic, [vid, source], f"dim {d} is tiled with another split factor")
                 return []
             if s == UNKNOWN and self.dim_axes.get((c, d)) and any(
-                    _minor_clash(self.strides.get((c, a), 1), stride) for a in self.dim_axes[(c, d)]):
-                # layouts compose major to minor: a later axis may only tile a more minor factor of the dim
-                self._conflict(st, i, tactic, [vid, source], f"dim {d} is already tiled on a more minor factor")
+                    _minor_clash(self.strides.get((c, a), 1), stride, k) for a in self.dim_axes[(c, d)]):
+                # an axis may tile a more major part of a dim than an earlier axis only where its chunks hold
+                # whole blocks of that axis's part (heads tiled first, then the batch in (B*H))
+                self._conflict(st, i, tactic, [vid, source], f"dim {d} is already tiled on a more minor factor "
+                                                             f"that the chunks of axis '{st.axis}' would split")
                 return []
             if s == UNKNOWN:
                 if self.local_dim(vid, d) % k:
@@ -293,9 +302,9 @@ class Propagator:
         changed = []
         for c, d, stride in targets:
             if st.value[c] == UNKNOWN:
-                self._set(st, c, d, prov)
                 if stride > 1:
                     self.strides[(c, st.axis)] = stride
+                self._set(st, c, d, prov)
                 changed.append(c)
         if factor.kind == REDUCE:
             p = PARTIAL[factor.reduce_op]
@@ -367,5 +376,10 @@ def _factor_at(rule, fs, stride: int) -> tuple:
     return None, 0
 
 
-def _minor_clash(existing: int, new: int) -> bool:
-    return existing > 1 and existing >= new
+def _minor_clash(existing: int, new: int, k: int) -> bool:
+    """Does a new axis of size k tiling the dim's part of split factor `new` clash with an axis already tiling
+    the part of split factor `existing`? Equal strided parts clash; a more major new part must chunk whole blocks
+    of the existing part (new * k divides existing)."""
+    if existing <= 1 or existing < new:
+        return False
+    return existing == new or existing % (new * k) != 0
