@@ -71,6 +71,18 @@ def test_rules_beyond_the_zoo():
     assert report.nodes >= 15 and not report.wrong and not report.missing and not report.errors, str(report)
 
 
+def test_advanced_indexing_rule():
+    """aten.index.Tensor: adjacent and separated index tensors, broadcast index shapes (HF builds masks so)."""
+    def f(a, i, j, k):
+        return a[i, j], a[:, k], a[i, :, j.view(1, 3) % 7], a[i.view(-1)] * 2
+
+    gm = _trace(f, torch.randn(5, 6, 7), torch.randint(0, 5, (4, 1, 1)), torch.randint(0, 6, (1, 3)),
+                torch.randint(0, 6, (2, 5)))
+    report = verify_graph(gm)
+    assert "aten.index.Tensor" in report.ops
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
 # ---- (2) the verifier fails on wrong rules ---------------------------------------------------------------------
 def _mm_with_k_pass(ctx):
     """mm with its contracted k marked PASS (wrong: each rank holds a partial sum, not the whole result)."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .factors import NEED_REP, RuleBuilder
+from .factors import ALL_OPS, NEED_REP, RuleBuilder
 from .reduction import along_dim
 
 aten = torch.ops.aten
@@ -18,6 +18,34 @@ def index_select(ctx):
     ef = (b.new(e),) if e > 1 else ()
     out = [ef if d == dim else f for d, f in enumerate(xs)]
     return b.rule([xs, [ef] if ctx.in_shapes[1] else []], [out])
+
+
+def index_tensor(ctx):
+    """x[i0, i1, ...] with integer index tensors (aten.index.Tensor): the indexed dims of x stay whole; the
+    indices' broadcast dims are PASS factors shared with the result (placed where the indexed dims were when they
+    are adjacent, else first); x's other dims pass through. Boolean masks are left without a rule."""
+    x = ctx.in_shapes[0]
+    indices = ctx.arg(1, "indices")
+    pos = [d for d, ix in enumerate(indices) if ix is not None]
+    idx = ctx.in_shapes[1:]
+    if not pos or len(idx) != len(pos) or any(
+            isinstance(ix, torch.fx.Node) and ix.meta["val"].dtype in (torch.bool, torch.uint8)
+            for ix in indices if ix is not None):
+        return None
+    nb = max(len(s) for s in idx)
+    bshape = [max((s[j - (nb - len(s))] for s in idx if j >= nb - len(s)), default=1) for j in range(nb)]
+    b = RuleBuilder()
+    bf = [(b.new(n),) if n > 1 else () for n in bshape]
+    xs = [(b.new(n, NEED_REP if d in pos else "pass"),) if n > 1 else () for d, n in enumerate(x)]
+    rest = [d for d in range(len(x)) if d not in pos]
+    if pos == list(range(pos[0], pos[0] + len(pos))):
+        out = [xs[d] for d in rest if d < pos[0]] + bf + [xs[d] for d in rest if d > pos[0]]
+    else:
+        out = bf + [xs[d] for d in rest]
+    if len(out) != len(ctx.out_shapes[0]):
+        return None
+    ins = [[bf[nb - len(s) + j] if n > 1 else () for j, n in enumerate(s)] for s in idx]
+    return b.rule([xs] + ins, [out], [({0}, ALL_OPS)])
 
 
 def gather(ctx):
@@ -63,7 +91,7 @@ def one_hot(ctx):
 
 def rules() -> dict:
     return {
-        aten.index_select.default: index_select,
+        aten.index_select.default: index_select, aten.index.Tensor: index_tensor,
         aten.gather.default: gather,
         aten.scatter_add.default: scatter_like(3), aten.index_add.default: scatter_like(3),
         aten.scatter.src: scatter_like(3), aten.scatter.value: scatter_like(3),
