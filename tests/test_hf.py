@@ -65,3 +65,5 @@ def test_bp_mp_z3_on_2x2x2_matches_single_device(build):
     c = Counter((r.kind, r.axis) for r in prog.collectives())
     assert c[("all_reduce", "model")] == 4 * 2
     assert c[("all_gather", "model")] == 0
+    # no conflicts: GPT-2's fused q/k/v bias, tiled strided by Megatron, stays whole on "fsdp" (explain says so)
+    assert prog.conflicts == []

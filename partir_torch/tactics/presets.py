@@ -537,8 +537,13 @@ class Zero:
         vid = g.name_to_vid[name]
         shape = g.shapes[vid]
         k = ctx.mesh.shape[self.axis]
-        sizes = [(prop.local_dim(vid, d), d) for d in range(len(shape))]
-        if sizes and sizes[0][0] % k == 0:
+        c = g.canon[vid]
+        # a dim an earlier axis tiles strided (the q/k/v part of a fused projection's output dim) cannot take
+        # another axis on its own (see Propagator._set): tile another dim, or keep it whole
+        strided = {d for d in range(len(shape)) if any(prop.strides.get((c, a), 1) > 1
+                                                       for a in prop.dim_axes.get((c, d), ()))}
+        sizes = [(prop.local_dim(vid, d), d) for d in range(len(shape)) if d not in strided]
+        if sizes and sizes[0][1] == 0 and sizes[0][0] % k == 0:
             return 0
         ok = [d for s, d in sorted(sizes, reverse=True) if s % k == 0]
         return ok[0] if ok else None
@@ -561,7 +566,8 @@ class Zero:
                       if n in ctx.graph.name_to_vid]
             if d is None:
                 ctx.note(p, f"{self.name}: no dim of {tuple(ctx.graph.shapes[ctx.graph.name_to_vid[p]])} is "
-                            f"divisible by axis '{self.axis}' (size {k}); replicated")
+                            f"divisible by axis '{self.axis}' (size {k}) (a dim an earlier axis tiles strided does "
+                            f"not count); replicated")
                 continue
             seeds += [(s, d) for s in states]
             seeds.append((p, d) if self.stage == 3 else (p, REP))
