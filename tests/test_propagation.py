@@ -394,3 +394,62 @@ def test_propagation_cost_is_linear(monkeypatch):
     n4, n16 = (len(steps[k][4].gm.graph.nodes) for k in (4, 16))
     assert 3.5 < n16 / n4 < 4.5
     assert best[16] / best[4] < 6, f"4 layers: {best[4]:.3f} s, 16 layers: {best[16]:.3f} s"
+
+
+class _Routed(nn.Module):
+    """x (B, D) -> per-expert buffers (B, E, Dh) -> expert matmul with w (E, Dh, H) -> sum over experts, plus a
+    skip path (as the residual stream of an MoE block)."""
+
+    def __init__(self, d=8, e=4, dh=6, h=5):
+        super().__init__()
+        self.proj = nn.Linear(d, e * dh, bias=False)
+        self.skip = nn.Linear(d, h)
+        self.w = nn.Parameter(torch.randn(e, dh, h) * 0.1)
+        self.e, self.dh = e, dh
+
+    def forward(self, x):
+        buf = self.proj(x).reshape(x.shape[0], self.e, self.dh)
+        return self.skip(x) + torch.einsum("bed,edh->beh", buf, self.w).sum(1)
+
+
+class _ClosedExperts:
+    """Seeds w's expert dim on "a" and propagates closed (what expert_parallel does for buffer models)."""
+    axis, name = "a", "C"
+
+    def apply(self, ctx):
+        self.changed = ctx.seed_and_propagate("a", [("params.w", 0)], self.name, closed=True)
+
+
+def test_closed_region_is_sealed_and_lowered_with_all_to_all():
+    """A closed run decides only ops whose every operand and result holds the seeded factor (the expert matmul,
+    the views of its buffer, w's update) and seals the values it set; a later tactic on the same axis (BP) decides
+    the projection and the expert sum around the sealed values, which lowering exchanges by all_to_all."""
+    torch.manual_seed(0)
+    model = _Routed()
+    x = torch.randn(4, 8)
+    closed = _ClosedExperts()
+    ref = __import__("copy").deepcopy(model)
+    loss_fn = lambda m, x: m(x).pow(2).mean()   # noqa: E731
+    prog = pt.partition(model, pt.Mesh({"a": 2}), [closed, bp("a")], example_inputs=(x,), loss_fn=loss_fn,
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=0)
+    assert prog.conflicts == []
+    st = prog.prop.axes["a"]
+    g = prog.graph
+    decided_by_c = {g.ops[i].node.target for i, t in st.assign_tactic.items() if t == "C"}
+    assert aten.bmm.default in decided_by_c and aten.mm.default not in decided_by_c
+    assert all((c, "a") in prog.prop.sealed for c in closed.changed)
+    assert prog.sharding("params.w").dims[0] == ("a",) and prog.sharding("inputs.0").dims[0] == ("a",)
+    kinds = [(r.kind, r.phase) for r in prog.collectives()]
+    # forward: the buffer into the region, the expert output out of it; backward: their gradients
+    assert kinds.count(("all_to_all", "forward")) == 2 and kinds.count(("all_to_all", "backward")) == 2
+    assert not any(k == "all_gather" for k, _ in kinds)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        loss = prog.train_step(x)
+        opt.zero_grad()
+        want = loss_fn(ref, x)
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-7)
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(prog.gather_parameters()[k], p.detach(), rtol=1e-5, atol=1e-6)

@@ -214,9 +214,11 @@ class Propagator:
         # sealed values do not constrain the op: lowering reshards them at the boundary
         sealed, axis = self.sealed, st.axis
         slots = [(False, j, dims, vid) for j, (dims, vid) in enumerate(zip(rule.operands, op.operands))
-                 if dims is not None and (g.canon[vid], axis) not in sealed]
+                 if dims is not None]
         slots += [(True, j, dims, vid) for j, (dims, vid) in enumerate(zip(rule.results, op.results))
-                  if dims is not None and vid is not None and (g.canon[vid], axis) not in sealed]
+                  if dims is not None and vid is not None]
+        if sealed:
+            slots = [sl for sl in slots if (g.canon[sl[3]], axis) not in sealed]
         cands: dict = {}
         blockers = []
         partial_ops = []
