@@ -1,5 +1,5 @@
 """Stock Hugging Face models (small random-init configs, no downloads) partitioned with data parallel + Megatron +
-ZeRO-3 on a 2x2x2 mesh match the single-device loss and updated parameters (issue 4)."""
+ZeRO-3 on a 2x2x2 mesh match the single-device loss and updated parameters (issue 4); an HF MoE (Mixtral) too."""
 from __future__ import annotations
 
 import copy
@@ -67,3 +67,43 @@ def test_bp_mp_z3_on_2x2x2_matches_single_device(build):
     assert c[("all_gather", "model")] == 0
     # no conflicts: GPT-2's fused q/k/v bias, tiled strided by Megatron, stays whole on "fsdp" (explain says so)
     assert prog.conflicts == []
+
+
+def mixtral():
+    """Stock Mixtral with its "batched_mm" experts: each token's expert weights are selected by index
+    (gate_up_proj[expert_ids]), no data-dependent shapes."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=16, bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = "batched_mm"
+    return MixtralForCausalLM(cfg)
+
+
+def test_mixtral_bp_mp_z3_matches_single_device_and_refuses_expert_parallel():
+    """An HF MoE: BP + MP + Z3 on 2x2 equals one device; expert_parallel is refused with the reason (per-token
+    selection of expert weights would gather every expert on every rank)."""
+    torch.manual_seed(0)
+    model = mixtral().train()
+    ref = copy.deepcopy(model)
+    tokens = torch.randint(0, 64, (8, 16))
+    schedule = [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")]
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}), schedule, example_inputs=(tokens,),
+                        loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-5)
+    for _ in range(2):
+        loss = prog.train_step(tokens)
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref, tokens)
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    got = prog.gather_parameters()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    assert prog.conflicts == []
+    with pytest.raises(pt.PartitionError, match=r"experts.gate_up_proj .* aten.index.Tensor"):
+        pt.partition(mixtral(), pt.Mesh({"expert": 2}), [T.expert_parallel("expert")], example_inputs=(tokens,),
+                     loss_fn=loss_fn)
