@@ -4,6 +4,11 @@ A node is decided once per axis: either one factor of its rule is tiled on the a
 holds the factor becomes tiled; results without a REDUCE factor become partial), or a partial operand flows
 through it (the op is linear in it). Nodes decided by earlier tactics never change. Each value is set at most once
 per axis, so the loop is linear in the graph size.
+
+A closed run (expert parallelism) decides only ops whose every operand and result holds the seeded factor and then
+seals the values it set: later tactics on that axis treat sealed values as free (they decide the ops around them
+from their other neighbours) and lowering reshards at the boundary, e.g. token buffers tiled(groups) ->
+tiled(experts) by one all_to_all.
 """
 from __future__ import annotations
 
