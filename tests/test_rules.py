@@ -72,14 +72,23 @@ def test_rules_beyond_the_zoo():
 
 
 def test_advanced_indexing_rule():
-    """aten.index.Tensor: adjacent and separated index tensors, broadcast index shapes (HF builds masks so)."""
+    """aten.index.Tensor: adjacent and separated index tensors, broadcast index shapes (HF builds masks so);
+    aten.index_put, plain and accumulating (the gradient of a per-token selection of expert weights)."""
     def f(a, i, j, k):
-        return a[i, j], a[:, k], a[i, :, j.view(1, 3) % 7], a[i.view(-1)] * 2
+        v = torch.ones(4, 1, 3, 7)
+        return (a[i, j], a[:, k], a[i, :, j.view(1, 3) % 7], a[i.view(-1)] * 2,
+                a.index_put((i, j), v, accumulate=True), a.index_put((i, j), v), a.index_put((i.view(-1),),
+                                                                                         torch.ones(4, 6, 7)),
+                # the gradient of a[i, j]: accumulated into zeros, so the positions may be tiled (partial sum)
+                a.new_zeros(5, 6, 7).index_put((i, j), a[i, j] * 3, accumulate=True))
 
     gm = _trace(f, torch.randn(5, 6, 7), torch.randint(0, 5, (4, 1, 1)), torch.randint(0, 6, (1, 3)),
                 torch.randint(0, 6, (2, 5)))
     report = verify_graph(gm)
-    assert "aten.index.Tensor" in report.ops
+    assert {"aten.index.Tensor", "aten.index_put.default"} <= report.ops
+    into_zeros = [n for n in gm.graph.nodes if n.target is aten.index_put.default and n.args[0].target is
+                  aten.new_zeros.default]
+    assert into_zeros and any(f.kind == "reduce" for f in default_registry().build(into_zeros[0]).factors)
     assert not report.wrong and not report.missing and not report.errors, str(report)
 
 

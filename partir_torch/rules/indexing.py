@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .factors import ALL_OPS, NEED_REP, RuleBuilder
+from .factors import ALL_OPS, NEED_REP, REDUCE, RuleBuilder
+from .registry import structural_zero
 from .reduction import along_dim
 
 aten = torch.ops.aten
@@ -20,32 +21,58 @@ def index_select(ctx):
     return b.rule([xs, [ef] if ctx.in_shapes[1] else []], [out])
 
 
-def index_tensor(ctx):
-    """x[i0, i1, ...] with integer index tensors (aten.index.Tensor): the indexed dims of x stay whole; the
-    indices' broadcast dims are PASS factors shared with the result (placed where the indexed dims were when they
-    are adjacent, else first); x's other dims pass through. Boolean masks are left without a rule."""
-    x = ctx.in_shapes[0]
-    indices = ctx.arg(1, "indices")
+def _advanced(ctx, x, indices, idx_shapes, b, positions="pass"):
+    """Factors of advanced indexing x[indices]: (x's dims, the index tensors' dims, the indexed result's dims), the
+    indexed dims of x NEED_REP, the indices' broadcast dims (kind `positions`) shared with the result (where the
+    indexed dims were when they are adjacent, else first), x's other dims PASS. None for boolean masks."""
     pos = [d for d, ix in enumerate(indices) if ix is not None]
-    idx = ctx.in_shapes[1:]
-    if not pos or len(idx) != len(pos) or any(
+    if not pos or len(idx_shapes) != len(pos) or any(
             isinstance(ix, torch.fx.Node) and ix.meta["val"].dtype in (torch.bool, torch.uint8)
             for ix in indices if ix is not None):
         return None
-    nb = max(len(s) for s in idx)
-    bshape = [max((s[j - (nb - len(s))] for s in idx if j >= nb - len(s)), default=1) for j in range(nb)]
-    b = RuleBuilder()
-    bf = [(b.new(n),) if n > 1 else () for n in bshape]
+    nb = max(len(s) for s in idx_shapes)
+    bshape = [max((s[j - (nb - len(s))] for s in idx_shapes if j >= nb - len(s)), default=1) for j in range(nb)]
+    bf = [(b.new(n, positions),) if n > 1 else () for n in bshape]
     xs = [(b.new(n, NEED_REP if d in pos else "pass"),) if n > 1 else () for d, n in enumerate(x)]
     rest = [d for d in range(len(x)) if d not in pos]
     if pos == list(range(pos[0], pos[0] + len(pos))):
         out = [xs[d] for d in rest if d < pos[0]] + bf + [xs[d] for d in rest if d > pos[0]]
     else:
         out = bf + [xs[d] for d in rest]
-    if len(out) != len(ctx.out_shapes[0]):
+    ins = [[bf[nb - len(s) + j] if n > 1 else () for j, n in enumerate(s)] for s in idx_shapes]
+    return xs, ins, out
+
+
+def index_tensor(ctx):
+    """x[i0, i1, ...] with integer index tensors (aten.index.Tensor): see _advanced. Linear in x."""
+    b = RuleBuilder()
+    got = _advanced(ctx, ctx.in_shapes[0], ctx.arg(1, "indices"), ctx.in_shapes[1:], b)
+    if got is None or len(got[2]) != len(ctx.out_shapes[0]):
         return None
-    ins = [[bf[nb - len(s) + j] if n > 1 else () for j, n in enumerate(s)] for s in idx]
+    xs, ins, out = got
     return b.rule([xs] + ins, [out], [({0}, ALL_OPS)])
+
+
+def index_put(ctx):
+    """x[i0, i1, ...] = v (or += v with accumulate=True), shaped like x: x's indexed dims stay whole, and so do the
+    positions (the indices' broadcast dims, in v too) unless they are accumulated into zeros (REDUCE); x's other
+    dims PASS through v and the result. Linear in (x, v) together: sum partials for accumulate=True; sum, max or
+    min for a plain put (entries are selected)."""
+    b = RuleBuilder()
+    indices = ctx.arg(1, "indices")
+    n_idx = sum(ix is not None for ix in indices)
+    x, v = ctx.in_shapes[0], ctx.in_shapes[1 + n_idx]
+    # the positions: accumulated into zeros (the gradient of x[i]), each rank scatters the positions it holds and
+    # the ranks' results sum to the whole (a partial(sum) result); otherwise they stay whole
+    acc = ctx.arg(3, "accumulate", False)
+    positions = REDUCE if acc and structural_zero(ctx.arg(0, "self")) else NEED_REP
+    got = _advanced(ctx, x, indices, ctx.in_shapes[1:1 + n_idx], b, positions=positions)
+    if got is None or len(v) != len(got[2]) or tuple(ctx.out_shapes[0]) != tuple(x):
+        return None
+    xs, ins, out = got
+    vs = [fs if n > 1 else () for fs, n in zip(out, v)]
+    ops = ("sum",) if acc else ALL_OPS
+    return b.rule([xs] + ins + [vs], [xs], [({0, 1 + n_idx}, ops)])
 
 
 def gather(ctx):
@@ -91,7 +118,7 @@ def one_hot(ctx):
 
 def rules() -> dict:
     return {
-        aten.index_select.default: index_select, aten.index.Tensor: index_tensor,
+        aten.index_select.default: index_select, aten.index.Tensor: index_tensor, aten.index_put.default: index_put,
         aten.gather.default: gather,
         aten.scatter_add.default: scatter_like(3), aten.index_add.default: scatter_like(3),
         aten.scatter.src: scatter_like(3), aten.scatter.value: scatter_like(3),

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..lower.localize import localize_args
 from .factors import BLOCKED, NEED_REP, PASS, REDUCE, OpRule
-from .registry import RuleRegistry, default_registry, result_vals, tensor_operands
+from .registry import RuleRegistry, default_registry, result_vals, structural_zero, tensor_operands
 
 WRONG, MISSING, ERROR = "wrong", "missing", "error"
 SPLITS = (2, 3)
@@ -163,9 +163,11 @@ def _random(val: torch.Tensor, positive: bool, gen) -> torch.Tensor:
 
 
 def make_inputs(node: fx.Node, gen: torch.Generator) -> list:
-    """Real random tensors for the node's tensor operand slots, shaped and typed like their meta["val"]."""
+    """Real random tensors for the node's tensor operand slots, shaped and typed like their meta["val"] (zeros
+    for an operand that is zero by construction: a rule may rely on it, see registry.structural_zero)."""
     slot, bound, unique = INDEX_OPERANDS.get(node.target, (-1, None, False))
     return [_indices(node, a.meta["val"], int(bound(node)), unique, gen) if i == slot
+            else torch.zeros(tuple(a.meta["val"].shape), dtype=a.meta["val"].dtype) if structural_zero(a)
             else _random(a.meta["val"], node.target in POSITIVE, gen) for i, a in enumerate(tensor_operands(node))]
 
 

@@ -1,8 +1,9 @@
 """Tactics: ManualPartition and presets (each returns a tactic or a list of tactics)."""
 from .manual import ManualPartition
-from .presets import (DataParallel, EmbeddingSharding, ExpertParallel, Megatron, MultiQuery, embedding, expert_parallel,
-                      multi_query, SequenceParallel, Zero, data_parallel, find_linear_pairs, megatron,
-                      sequence_parallel, zero)
+from .presets import (DataParallel, EmbeddingSharding, Megatron, MultiQuery, embedding, multi_query, SequenceParallel,
+                      Zero, data_parallel, megatron, sequence_parallel, zero)
+from .experts import ExpertParallel, expert_parallel
+from .structure import find_linear_pairs
 from .memory import MixedPrecision, Remat, mixed_precision, remat
 from .schedule import flatten_schedule
 

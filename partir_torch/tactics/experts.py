@@ -1,0 +1,119 @@
+"""Expert parallelism (EP): stacked expert weights tiled on an axis; with per-expert token buffers (GShard's
+capacity dispatch) the token groups are tiled on the same axis and the buffers exchanged by all_to_all."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..capture.graphutil import descendants, forward_nodes
+from ..errors import PartitionError
+from ..propagate.engine import VIEW_OPS
+from ..propagate.state import UNKNOWN
+from .presets import DataParallel
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """EP: stacked expert weights (parameters of rank >= 3 whose dim 0 counts the experts, e.g. w1 (E, d, h))
+    tiled on dim 0 of `axis`. A dense model raises a PartitionError.
+
+    Models that move tokens into per-expert buffers (GShard's capacity dispatch: (groups, E, C, d)) get token
+    exchange: the expert region (every op whose operands and results all carry the expert dim: the expert
+    matmuls, their backward, the experts' optimizer update) is decided first and sealed; then the token groups
+    (the batch dim of the inputs) are tiled on the same axis, so the dense layers run data parallel on it, the
+    dispatch and combine einsums run on local groups, and the buffers move between tiled(groups) and
+    tiled(experts) by one all_to_all each way (two forward, two backward per MoE layer). Expert gradients need no
+    reduction on that axis: each rank already holds all tokens routed to its experts. A data_parallel on the same
+    axis afterwards adds nothing; one before it has already decided the experts, which is an error (put
+    expert_parallel first).
+
+    Models that combine expert outputs densely (every expert applied to every token, then a gate-weighted sum over
+    experts) have no buffers to exchange: there each rank runs its experts on the tokens it holds and the combine
+    becomes partial(sum), reduced once per MoE layer (tokens stay as earlier tactics left them)."""
+
+    axis: str = "expert"
+    name: str = "EP"
+
+    def apply(self, ctx) -> None:
+        ctx.mesh.check_axis(self.axis, self.name)
+        k = ctx.mesh.shape[self.axis]
+        g, prop = ctx.graph, ctx.prop
+        experts = [n for n in ctx.value_names() if n.startswith("params.") and len(ctx.value_meta(n)["shape"]) >= 3
+                   and ctx.value_meta(n)["shape"][0] > 1]
+        if not experts:
+            raise PartitionError(f"{self.name}: the model has no stacked expert weights (parameters of rank >= 3, "
+                                 f"experts on dim 0); expert parallelism does not apply to a dense model.")
+        bad = [n for n in experts if ctx.value_meta(n)["shape"][0] % k]
+        if bad:
+            raise PartitionError(f"{self.name}: {bad[0]} has {ctx.value_meta(bad[0])['shape'][0]} experts, not "
+                                 f"divisible by axis '{self.axis}' (size {k}). Use a number of experts divisible "
+                                 f"by {k}.")
+        seeds = [(n, 0) for n in experts]
+        if self._exchanges_tokens(ctx, seeds):
+            ctx.seed_and_propagate(self.axis, seeds, self.name, closed=True)
+            tokens = [(n, d) for n, d in DataParallel(self.axis, name=self.name).seeds(ctx)
+                      if prop.state(self.axis, g.name_to_vid[n]) == UNKNOWN]
+            ctx.seed_and_propagate(self.axis, tokens, self.name)
+            for n in experts:
+                ctx.note(n, f"{self.name}: experts tiled on axis '{self.axis}' (size {k}); token buffers exchanged "
+                            f"by all_to_all with the token groups tiled on the same axis")
+        else:
+            ctx.seed_and_propagate(self.axis, seeds, self.name)
+            for n in experts:
+                ctx.note(n, f"{self.name}: experts tiled on axis '{self.axis}' (size {k}); the model combines "
+                            f"expert outputs densely (no per-expert token buffers), so the combine is reduced")
+        self._check_expert_compute(ctx, experts)
+
+    def _check_expert_compute(self, ctx, experts) -> None:
+        """Every forward use of an expert weight (past views of it) must compute on tiled experts; otherwise the
+        weights would be gathered at use, which is not expert parallelism."""
+        g, st = ctx.graph, ctx.prop.axes[self.axis]
+        fwd = forward_nodes(g.gm)
+        op_index = {op.node: i for i, op in enumerate(g.ops)}
+        for n in experts:
+            stack, seen = [g.values[g.name_to_vid[n]]], set()
+            while stack:
+                node = stack.pop()
+                for u in node.users:
+                    if u in seen or u not in fwd or u not in op_index:
+                        continue
+                    seen.add(u)
+                    if u.target in VIEW_OPS:
+                        stack.append(u)
+                        continue
+                    i = op_index[u]
+                    if st.assign_tactic.get(i) == self.name:
+                        continue
+                    by = st.assign_tactic.get(i)
+                    why = (f"already decided on that axis by {by}; put expert_parallel('{self.axis}') before {by} "
+                           f"in the schedule" if by else
+                           "which EP could not decide on a slice of the experts (an op that selects expert weights "
+                           "per token, such as index_select, would gather all experts on every rank); dispatch "
+                           "tokens to per-expert buffers (GShard capacity dispatch) or combine expert outputs "
+                           "densely")
+                    raise PartitionError(
+                        f"{self.name}: {n} (experts on dim 0, tiled on axis '{self.axis}' of size "
+                        f"{ctx.mesh.shape[self.axis]}) is used by {u.target} ({u.name}), {why}.")
+
+    def _exchanges_tokens(self, ctx, seeds) -> bool:
+        """Trial of the closed expert region on a copy of the decisions: does it end at token buffers, i.e. is
+        every value on its boundary an activation (computed from the inputs), with at least one such value?"""
+        g, axis = ctx.graph, self.axis
+        trial = ctx.prop.snapshot()
+        vids = [g.name_to_vid[n] for n, _ in seeds]
+        for v in vids:
+            trial.seed(axis, v, 0, self.name)
+        region = set(trial.run(axis, self.name, vids, closed=True))
+        assign = trial.axes[axis].assign
+        inputs = [n for n in g.gm.graph.nodes if n.op == "placeholder" and n.meta.get("partir_role") == "input"]
+        from_inputs = descendants(inputs)
+        boundary = []
+        for c in region:
+            for v in g.tied[c]:
+                ops = ((g.producer[v],) if g.producer[v] >= 0 else ()) + tuple(g.users[v])
+                if any(i not in assign and g.ops[i].rule is not None for i in ops):
+                    boundary.append(v)
+        return bool(boundary) and all(g.values[v] in from_inputs for v in boundary)
+
+
+def expert_parallel(axis: str = "expert", name: str = "EP") -> ExpertParallel:
+    return ExpertParallel(axis, name)

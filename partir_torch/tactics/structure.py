@@ -1,0 +1,189 @@
+"""Finding a model's structure in its captured graph, for presets that work on models they have never seen:
+column-parallel / row-parallel linear pairs (nn.Linear or HF Conv1D weights, fused q/k/v projections, gated MLPs),
+their weights' layouts, and embedding tables.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..capture.graphutil import forward_nodes
+
+aten = torch.ops.aten
+
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+          aten.transpose.int, aten.t.default, aten.expand.default, aten.clone.default, aten.unsqueeze.default,
+          aten.squeeze.dim, aten.squeeze.dims, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor,
+          aten.cat.default, aten.contiguous.default, aten._to_copy.default, aten.alias.default}
+_MIXERS = {aten._scaled_dot_product_flash_attention_for_cpu.default, aten.bmm.default, aten._softmax.default,
+           aten._safe_softmax.default, aten.where.self, aten.masked_fill.Scalar, aten.tril.default}
+_STOP = {aten.native_layer_norm.default, aten.sum.dim_IntList, aten.amax.default, aten.mean.dim, aten.sum.default,
+         aten.native_group_norm.default, aten.embedding.default}
+
+
+def _linear(node):
+    """(W's name, W's output-feature dim) if `node` is a linear: mm(x, t(W)) (nn.Linear, W is (out, in)) or
+    mm(x, W) (Hugging Face's Conv1D, W is (in, out)), W a parameter placeholder; else None."""
+    if node.target is not aten.mm.default:
+        return None
+    w = node.args[1]
+    if getattr(w, "target", None) is aten.t.default and w.args[0].op == "placeholder" \
+            and w.args[0].meta.get("partir_role") == "param":
+        return w.args[0].meta["partir_name"], 0
+    if w.op == "placeholder" and w.meta.get("partir_role") == "param" and len(w.meta["val"].shape) == 2:
+        return w.meta["partir_name"], 1
+    return None
+
+
+def linear_weight(node, graph=None):
+    found = _linear(node)
+    return found[0] if found else None
+
+
+def _fused_chunks(node) -> int:
+    """Number of equal chunks a linear's output is split into along its features (3 for a fused q/k/v), else 1."""
+    x = node
+    for _ in range(4):
+        users = list(x.users)
+        if len(users) != 1:
+            return 1
+        u = users[0]
+        if u.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            outs = [o for o in u.meta["val"]]
+            return len(outs) if len({tuple(o.shape) for o in outs}) == 1 else 1
+        if u.target not in (aten.add.Tensor, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+            return 1
+        x = u
+    return 1
+
+
+def linear_layout(captured) -> dict:
+    """weight name -> (output-feature dim, fused chunks) for every linear of the forward."""
+    out = {}
+    for n in captured.gm.graph.nodes:
+        found = _linear(n)
+        if found and found[0] not in out:
+            out[found[0]] = (found[1], _fused_chunks(n))
+    return out
+
+
+def find_linear_pairs(captured) -> tuple:
+    """(column-parallel weights, row-parallel weights), found by structure: a linear whose output reaches another
+    linear's input through head reshapes, activations, gating products and attention (but no residual add, norm
+    or reduction) is column-parallel; the one it reaches is row-parallel."""
+    gm = captured.gm
+    nodes = list(gm.graph.nodes)
+    out = next(n for n in nodes if n.op == "output")
+    fwd = forward_nodes(gm) if captured.mode != "forward" else set(nodes)
+    col, row = [], []
+    regions = _Regions()
+    region_of: dict = {}       # node -> region id (find() gives the merged region)
+    static = _static_nodes(nodes)
+    for n in nodes:
+        if n not in fwd:
+            continue
+        w = linear_weight(n, gm.graph)
+        if w is None:
+            continue
+        if n.args[0] in region_of:
+            row.append(w)
+            col.extend(regions.weights(region_of[n.args[0]]))
+            continue
+        # grow the region of this linear's output
+        stack = [n]
+        region_of[n] = regions.new(w)
+        while stack:
+            x = stack.pop()
+            for u in x.users:
+                if u in region_of:
+                    regions.union([region_of[u], region_of[x]])
+                    continue
+                if u not in fwd or u.target in _STOP:
+                    continue
+                if linear_weight(u, gm.graph) is not None:
+                    continue
+                if u.target in _VIEWS or u.target in _MIXERS or _is_pointwise_within(u, region_of, fwd, static):
+                    region_of[u] = regions.union([region_of[a] for a in u.all_input_nodes if a in region_of])
+                    stack.append(u)
+    # a region fed by several linears (q, k, v; gate and up): all of them are column-parallel
+    order = {n: i for i, n in enumerate(captured.input_names)}
+    return sorted(set(col), key=order.get), sorted(set(row), key=order.get)
+
+
+def _static_nodes(nodes) -> set:
+    """Nodes computed from parameters, buffers and constants only (rotary tables, masks): not a residual stream."""
+    static = set()
+    for n in nodes:
+        if n.op == "placeholder":
+            if n.meta.get("partir_role") in ("param", "buffer"):
+                static.add(n)
+        elif n.op == "call_function" and all(a in static for a in n.all_input_nodes):
+            static.add(n)
+    return static
+
+
+def _is_pointwise_within(u, region_of, fwd, static) -> bool:
+    import operator
+
+    if u.target is operator.getitem:
+        return True
+    from ..rules.pointwise import NONLINEAR
+
+    if u.target not in NONLINEAR and u.target not in (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor,
+                                                       aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar,
+                                                       aten.neg.default, aten.add.Scalar):
+        return False
+    for a in u.args:
+        if isinstance(a, torch.fx.Node) and a not in region_of:
+            if a in static:
+                continue
+            val = a.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.numel() <= 1:
+                continue
+            if a.op == "placeholder" or a in fwd:
+                # a residual stream or another branch: the region ends here (unless it is itself a region value
+                # of a different linear, e.g. gate * up in SwiGLU)
+                return False
+    return True
+
+
+class _Regions:
+    """Union-find over the regions grown from linears: co-operands (q, k, v meeting in attention; gate and up in
+    SwiGLU) merge their regions in near-constant time, keeping the structure search linear in the graph."""
+
+    def __init__(self):
+        self.parent: list = []
+        self.members: list = []
+
+    def new(self, weight: str) -> int:
+        self.parent.append(len(self.parent))
+        self.members.append([weight])
+        return len(self.parent) - 1
+
+    def find(self, i: int) -> int:
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+    def union(self, ids: list) -> int:
+        roots = list(dict.fromkeys(self.find(i) for i in ids))
+        first = roots[0]
+        for r in roots[1:]:
+            self.parent[r] = first
+            self.members[first] += self.members[r]
+            self.members[r] = []
+        return first
+
+    def weights(self, i: int) -> list:
+        return list(self.members[self.find(i)])
+
+
+def embedding_tables(captured) -> list:
+    """Parameters used as the table of an aten.embedding (names), in parameter order."""
+    out = []
+    for n in captured.gm.graph.nodes:
+        if n.target is aten.embedding.default:
+            w = n.args[0]
+            if w.op == "placeholder" and w.meta.get("partir_role") == "param" and w.meta["partir_name"] not in out:
+                out.append(w.meta["partir_name"])
+    return out
