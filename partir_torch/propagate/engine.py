@@ -140,19 +140,20 @@ class Propagator:
         ops whose every operand and result (of rank >= 1) holds the tiled factor, and seal the values set, so
         that later tactics compute around them (see `sealed`). Returns the canonical values set."""
         with no_gc():
+            before = set(self.axes[axis].assign) if closed and axis in self.axes else set()
             changed = self._run(axis, tactic, seeded, region, closed)
             if closed:
-                changed = self._retract_sink_views(self.axes[axis], changed, tactic)
+                st = self.axes[axis]
+                changed = self._retract_sink_views(st, changed, set(st.assign) - before)
                 self.sealed.update((c, axis) for c in changed)
         return changed
 
-    def _retract_sink_views(self, st: AxisState, changed: list, tactic: str) -> list:
+    def _retract_sink_views(self, st: AxisState, changed: list, mine: set) -> list:
         """A closed region does not end in views: a view decided by the closed run whose result only feeds ops
         outside it is undone (repeatedly, up a chain of views), so the later tactic decides it and reads the
         view's source, exchanged once for all of its views (an expert output used by the combine and, transposed,
-        by the combine's backward)."""
+        by the combine's backward). `mine`: the ops the closed run decided."""
         g = self.g
-        mine = {i for i, t in st.assign_tactic.items() if t == tactic}
         keep = set(changed)
         work = [i for i in mine if g.ops[i].node.target in VIEW_OPS]
         while work:
