@@ -226,6 +226,9 @@ def test_preset_matrix_matches_single_device(model, name, mesh, schedule):
     ("vit", lambda: T.embedding("model"), "no embedding table"),
     ("unet", lambda: T.sequence_parallel("model"), "linear pairs"),
     ("mlp", lambda: T.multi_query("model"), "key/value projections"),
+    # convolution kernels (ViT's patch embedding, UNet's convs) are rank >= 3 but not experts
+    ("vit", lambda: T.expert_parallel("model"), "dense model"),
+    ("unet", lambda: T.expert_parallel("model"), "dense model"),
 ])
 def test_presets_that_do_not_apply_raise(model, tactic, match):
     with pytest.raises(pt.PartitionError, match=match):

@@ -9,12 +9,14 @@ from ..errors import PartitionError
 from ..propagate.engine import VIEW_OPS
 from ..propagate.state import UNKNOWN
 from .presets import DataParallel
+from .structure import expert_weights
 
 
 @dataclass(frozen=True)
 class ExpertParallel:
-    """EP: stacked expert weights (parameters of rank >= 3 whose dim 0 counts the experts, e.g. w1 (E, d, h))
-    tiled on dim 0 of `axis`. A dense model raises a PartitionError.
+    """EP: stacked expert weights (parameters (E, ., .) used by a batched matmul over E, e.g. w1 (E, d, h) in
+    einsum("becd,edh->bech"), or selected per token; see structure.expert_weights) tiled on dim 0 of `axis`. A
+    dense model raises a PartitionError.
 
     Models that move tokens into per-expert buffers (GShard's capacity dispatch: (groups, E, C, d)) get token
     exchange: the expert region (every op whose operands and results all carry the expert dim: the expert
@@ -37,11 +39,11 @@ class ExpertParallel:
         ctx.mesh.check_axis(self.axis, self.name)
         k = ctx.mesh.shape[self.axis]
         g, prop = ctx.graph, ctx.prop
-        experts = [n for n in ctx.value_names() if n.startswith("params.") and len(ctx.value_meta(n)["shape"]) >= 3
-                   and ctx.value_meta(n)["shape"][0] > 1]
+        experts = expert_weights(ctx.captured)
         if not experts:
-            raise PartitionError(f"{self.name}: the model has no stacked expert weights (parameters of rank >= 3, "
-                                 f"experts on dim 0); expert parallelism does not apply to a dense model.")
+            raise PartitionError(f"{self.name}: the model has no stacked expert weights (parameters (E, ., .) used "
+                                 f"by a batched matmul over E or selected per token); expert parallelism does not "
+                                 f"apply to a dense model.")
         bad = [n for n in experts if ctx.value_meta(n)["shape"][0] % k]
         if bad:
             raise PartitionError(f"{self.name}: {bad[0]} has {ctx.value_meta(bad[0])['shape'][0]} experts, not "

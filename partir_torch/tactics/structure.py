@@ -187,3 +187,34 @@ def embedding_tables(captured) -> list:
             if w.op == "placeholder" and w.meta.get("partir_role") == "param" and w.meta["partir_name"] not in out:
                 out.append(w.meta["partir_name"])
     return out
+
+
+_EXPERT_USES = {aten.bmm.default, aten.baddbmm.default, aten.index_select.default, aten.index.Tensor}
+
+
+def expert_weights(captured) -> list:
+    """Names of stacked expert weights: parameters (E, ., .) with E > 1 whose forward use, past views, is a batched
+    matmul over dim 0 or a selection of experts (index_select / indexing), as einsum("...d,edh->...") and per-token
+    expert selection trace. Convolution kernels and embeddings are not experts."""
+    gm = captured.gm
+    fwd = forward_nodes(gm)
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" or n.meta.get("partir_role") != "param":
+            continue
+        val = n.meta.get("val")
+        if val is None or val.dim() != 3 or val.shape[0] <= 1:
+            continue
+        stack, seen, uses = [n], set(), set()
+        while stack:
+            for u in stack.pop().users:
+                if u in seen or u not in fwd:
+                    continue
+                seen.add(u)
+                if u.target in _VIEWS:
+                    stack.append(u)
+                else:
+                    uses.add(u.target)
+        if uses & _EXPERT_USES and not uses & {aten.convolution.default}:
+            out.append(n.meta["partir_name"])
+    return out
