@@ -130,6 +130,19 @@ def test_expert_parallel_on_per_token_weight_selection_is_an_error():
             steps=0)
 
 
+def test_expert_parallel_params_glob_names_the_experts():
+    prog = run("moe_capacity", [T.expert_parallel("data", params="layers.*.moe.w1")], {"data": 2}, steps=1,
+               eps=1e-5)
+    assert prog.sharding("params.layers.0.moe.w1").dims[0] == ("data",)
+    # w2 is not named, but the experts' second matmul shares E with w1's: propagation tiles it too
+    assert prog.sharding("params.layers.0.moe.w2").dims[0] == ("data",)
+    assert "seeded" not in prog.explain("params.layers.0.moe.w2")
+    with pytest.raises(pt.PartitionError, match="matches no parameter"):
+        run("moe_capacity", [T.expert_parallel("data", params="nope.*")], {"data": 2}, steps=0)
+    with pytest.raises(pt.PartitionError, match="stack the experts on dim 0"):
+        run("moe_capacity", [T.expert_parallel("data", params="*ln*")], {"data": 2}, steps=0)
+
+
 def test_expert_parallel_on_a_dense_model_is_an_error():
     with pytest.raises(pt.PartitionError, match="dense model"):
         run("gpt_sdpa", [T.expert_parallel("expert")], {"expert": 2}, steps=0)

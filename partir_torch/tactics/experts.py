@@ -2,6 +2,7 @@
 capacity dispatch) the token groups are tiled on the same axis and the buffers exchanged by all_to_all."""
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 
 from ..capture.graphutil import descendants, forward_nodes
@@ -34,12 +35,13 @@ class ExpertParallel:
 
     axis: str = "expert"
     name: str = "EP"
+    params: str | None = None      # FQN glob of the expert weights; None: found by use (structure.expert_weights)
 
     def apply(self, ctx) -> None:
         ctx.mesh.check_axis(self.axis, self.name)
         k = ctx.mesh.shape[self.axis]
         g, prop = ctx.graph, ctx.prop
-        experts = expert_weights(ctx.captured)
+        experts = expert_weights(ctx.captured) if self.params is None else self._selected(ctx)
         if not experts:
             raise PartitionError(f"{self.name}: the model has no stacked expert weights (parameters (E, ., .) used "
                                  f"by a batched matmul over E or selected per token); expert parallelism does not "
@@ -64,6 +66,19 @@ class ExpertParallel:
                 ctx.note(n, f"{self.name}: experts tiled on axis '{self.axis}' (size {k}); the model combines "
                             f"expert outputs densely (no per-expert token buffers), so the combine is reduced")
         self._check_expert_compute(ctx, experts)
+
+    def _selected(self, ctx) -> list:
+        names = [n for n in ctx.value_names() if n.startswith("params.")
+                 and fnmatch.fnmatchcase(n[len("params."):], self.params)]
+        if not names:
+            some = [n[len("params."):] for n in ctx.value_names() if n.startswith("params.")][:4]
+            raise PartitionError(f"{self.name}: params={self.params!r} matches no parameter FQN (they look like "
+                                 f"{', '.join(some)}, ...).")
+        flat = [n for n in names if len(ctx.value_meta(n)["shape"]) < 2 or ctx.value_meta(n)["shape"][0] <= 1]
+        if flat:
+            raise PartitionError(f"{self.name}: {flat[0]} has shape {ctx.value_meta(flat[0])['shape']}: expert "
+                                 f"weights stack the experts on dim 0 (E, ...). Narrow params={self.params!r}.")
+        return names
 
     def _check_expert_compute(self, ctx, experts) -> None:
         """Every forward use of an expert weight (past views of it) must compute on tiled experts; otherwise the
@@ -117,5 +132,7 @@ class ExpertParallel:
         return bool(boundary) and all(g.values[v] in from_inputs for v in boundary)
 
 
-def expert_parallel(axis: str = "expert", name: str = "EP") -> ExpertParallel:
-    return ExpertParallel(axis, name)
+def expert_parallel(axis: str = "expert", name: str = "EP", params: str | None = None) -> ExpertParallel:
+    """Expert parallelism on `axis` (see ExpertParallel); `params` (FQN glob, e.g. "layers.*.moe.w?") names the
+    expert weights where finding them by use is not wanted."""
+    return ExpertParallel(axis, name, params)
