@@ -87,13 +87,15 @@ class MoE(nn.Module):
         probs = self.router(x).softmax(dim=-1)  # (B, T, E)
         gates, idx = probs.topk(K, dim=-1)  # (B, T, K)
         gates = gates / gates.sum(dim=-1, keepdim=True)
-        mask = (idx.unsqueeze(-1) == torch.arange(E, device=x.device)).to(x.dtype)  # (B, T, K, E)
+        # positions are counted in fp32 (exact to 2^24; bf16 would round them past 256 tokens per group)
+        mask = (idx.unsqueeze(-1) == torch.arange(E, device=x.device)).to(torch.float32)  # (B, T, K, E)
         # position of each assignment in its expert's buffer: all first choices of the group, then all second
         # choices (GShard's priority), each in token order
         by_slot = mask.transpose(1, 2).reshape(B, K * T, E)
         pos = ((by_slot.cumsum(dim=1) - 1.0) * by_slot).reshape(B, K, T, E).transpose(1, 2)  # (B, T, K, E)
-        keep = mask * (pos < C).to(x.dtype)
-        slot = (pos.unsqueeze(-1) == torch.arange(C, device=x.device)).to(x.dtype) * keep.unsqueeze(-1)
+        keep = mask * (pos < C).to(torch.float32)
+        slot = ((pos.unsqueeze(-1) == torch.arange(C, device=x.device)).to(torch.float32)
+                * keep.unsqueeze(-1)).to(x.dtype)  # (B, T, K, E, C) one-hot slot of each assignment
         dispatch = slot.sum(dim=2)  # (B, T, E, C): a token occupies one slot of each chosen expert
         combine = (slot * gates.unsqueeze(-1).unsqueeze(-1)).sum(dim=2)  # (B, T, E, C)
         expert_in = torch.einsum("btec,btd->becd", dispatch, x)  # (B, E, C, d)
