@@ -22,9 +22,7 @@ import cProfile
 import io
 import os
 import pstats
-import subprocess
 import sys
-import textwrap
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,6 +35,7 @@ import partir_torch as pt  # noqa: E402
 import partir_torch.api as api  # noqa: E402
 from examples.models import get  # noqa: E402
 from partir_torch.capture import capture  # noqa: E402
+from benchmarks.meta_capture import meta_capture  # noqa: E402
 
 MESH = {"replica": 2, "batch": 2, "model": 2}
 WIDTH = dict(d=768, heads=12, seq=1024, vocab=50304, attention="sdpa")
@@ -83,36 +82,6 @@ def profile(model, batch, loss_fn, opt, cap, top: int = 15) -> str:
     return out.getvalue()
 
 
-_BIG = textwrap.dedent("""
-    import resource, sys, time, torch
-    sys.path.insert(0, {root!r})
-    from examples.models import get
-    from partir_torch.capture import capture
-    spec = get("gpt", layers=48, d=4096, heads=32, vocab=50304, seq=1024, attention="sdpa")
-    def rss_now():   # current resident set in KiB (ru_maxrss is a peak, and would hide growth below it)
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * resource.getpagesize() // 1024
-        except OSError:
-            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rss0 = rss_now()
-    t0, c0 = time.perf_counter(), time.process_time()
-    model = spec.build(device="meta")
-    tokens = torch.zeros(8, 1024, dtype=torch.long, device="meta")
-    cap = capture(model, (tokens, tokens), spec.loss_fn, torch.optim.AdamW(model.parameters(), lr=3e-4))
-    print(time.perf_counter() - t0, time.process_time() - c0,
-          (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024,
-          sum(p.numel() for p in model.parameters()), len(cap.gm.graph.nodes))
-""")
-
-
-def big_capture() -> tuple:
-    out = subprocess.run([sys.executable, "-c", _BIG.format(root=ROOT)], capture_output=True, text=True, check=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    wall, cpu, rss, n, nodes = out.stdout.split()
-    return float(wall), float(cpu), int(rss), int(n), int(nodes)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, nargs="+", default=[12, 48, 96])
@@ -148,7 +117,7 @@ def main():
     if 48 in times and 96 in times:
         r = times[96] / times[48]
         print(f"partition CPU time 96 / 48 layers: {r:.2f}x (goal <= 2.1x): {'met' if r <= 2.1 else 'MISSED'}")
-    wall, cpu, rss, n, nodes = big_capture()
+    wall, cpu, rss, n, nodes, _ = meta_capture(48, 4096)
     print(f"capture of GPT 48 layers d=4096 ({n / 1e9:.1f}B params, {nodes} nodes) on meta: {wall:.1f} s wall, "
           f"{cpu:.1f} s CPU, peak RSS +{rss / 2**30:.2f} GiB (goal < 15 s, < 2 GB): "
           f"{'met' if cpu < 15 and rss < 2 * 2**30 else 'MISSED'}")
