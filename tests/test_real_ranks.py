@@ -245,21 +245,23 @@ def test_state_dict_is_dtensors_with_the_program_shardings(ranks):
         assert not bad, f"rank {rank}: DTensor.full_tensor() differs from the single-device parameter: {bad}"
 
 
+def _assert_trained_like_single_device(rank, r, what):
+    """Every step's loss and the parameters after the last step equal the single-device run."""
+    for step, (got, want) in enumerate(zip(r["losses"], r["ref_losses"])):
+        assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank} step {step}: {got} vs {want}"
+    bad = {k: e for k, e in r["param_errs"].items() if e > 0}
+    assert not bad, f"rank {rank}: parameters {what} outside tolerance (excess error): {bad}"
+
+
 def test_train_step_local_equals_single_device(ranks):
     for rank, r in _phase(ranks, "local").items():
-        for step, (got, want) in enumerate(zip(r["losses"], r["ref_losses"])):
-            assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank} step {step}: {got} vs {want}"
-        bad = {k: e for k, e in r["param_errs"].items() if e > 0}
-        assert not bad, f"rank {rank}: parameters after train_step_local outside tolerance: {bad}"
+        _assert_trained_like_single_device(rank, r, "after train_step_local")
 
 
 def test_expert_parallel_all_to_all_on_real_ranks_equals_single_device(ranks):
     for rank, r in _phase(ranks, "moe_ep").items():
         assert r["all_to_all"] == 8       # 2 layers x (dispatch + combine) x (forward + backward)
-        for step, (got, want) in enumerate(zip(r["losses"], r["ref_losses"])):
-            assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank} step {step}: {got} vs {want}"
-        bad = {k: e for k, e in r["param_errs"].items() if e > 0}
-        assert not bad, f"rank {rank}: parameters outside tolerance: {bad}"
+        _assert_trained_like_single_device(rank, r, "under EP + MP")
 
 
 def test_ranks_with_different_programs_raise_naming_the_rank(ranks):

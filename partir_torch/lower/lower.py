@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from ..propagate.engine import _stride_of
+from ..propagate.engine import _stride_of, place_axis
 from ..propagate.state import PARTIAL_OP
 from ..sharding import Sharding
 from . import indexed
@@ -83,29 +83,19 @@ def op_layouts(prog, i: int):
                         in_part[j].append((axis, opname))
                 for j in range(nres):
                     out_part[j].append((axis, opname))
-    # each dim's axes major to minor, as the propagator keeps them for values (Propagator._set)
+    # each dim's axes major to minor, placed as the propagator places them for values (engine.place_axis)
     for dims_list, strides_list in ((in_dims, in_strides), (out_dims, out_strides)):
         for dims, strides in zip(dims_list, strides_list):
             sf = dict(strides)
             for d, axes in enumerate(dims or ()):
-                dims[d] = major_to_minor(axes, sf, prog.mesh)
+                ordered = []
+                for a in axes:
+                    place_axis(ordered, a, lambda x: sf.get(x, 1), prog.mesh)
+                dims[d] = ordered
     ins = [None if ignored[j] else Sharding(in_dims[j], in_part[j], strides=in_strides[j]) for j in range(nops)]
     outs = [None if out_dims[j] is None else Sharding(out_dims[j], out_part[j], strides=out_strides[j])
             for j in range(nres)]
     return ins, outs
-
-
-def major_to_minor(axes, strides: dict, mesh) -> list:
-    """Axes tiling one dim, in the order they were assigned, placed major to minor: a later axis goes before an
-    earlier one where it tiles a more major part of the dim in whole blocks of that one's part (the batch in a
-    (B*H) dim whose heads were tiled first); otherwise it splits what the earlier ones left."""
-    out = []
-    for a in axes:
-        mine, k = strides.get(a, 1), mesh.shape[a]
-        at = next((j for j, b in enumerate(out) if strides.get(b, 1) > mine and strides.get(b, 1) % (mine * k) == 0),
-                  len(out))
-        out.insert(at, a)
-    return out
 
 
 def lower(prog, groups: dict) -> Lowered:

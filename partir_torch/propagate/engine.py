@@ -126,12 +126,12 @@ class Propagator:
         if state >= 0:
             # a dim's axes are kept major to minor: a later axis goes before an earlier one only where it tiles a
             # more major part in whole blocks of that one's part; otherwise it splits the shard left by the
-            # earlier axes, i.e. it is the most minor (lower.major_to_minor orders an op's layouts alike)
+            # earlier axes, i.e. it is the most minor (place_axis; lowering orders an op's layouts alike)
             axes = self.dim_axes.setdefault((c, state), [])
-            mine, k = self.strides.get((c, st.axis), 1), self.mesh.shape[st.axis]
-            at = next((j for j, a in enumerate(axes) if self.strides.get((c, a), 1) > mine
-                       and self.strides.get((c, a), 1) % (mine * k) == 0), len(axes))
-            axes.insert(at, st.axis)
+            if axes:
+                place_axis(axes, st.axis, lambda a: self.strides.get((c, a), 1), self.mesh)
+            else:
+                axes.append(st.axis)
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self, axis: str, tactic: str, seeded: list, region: set | None = None, closed: bool = False) -> list:
@@ -360,6 +360,15 @@ class Propagator:
             states.append((g.name(v), state_str(st.value[c]), prov.tactic if prov else "-"))
         node = g.ops[i].node
         self._conflicts[(i, st.axis)] = Conflict(node.name, str(node.target), st.axis, tactic, tuple(states), reason)
+
+
+def place_axis(axes: list, axis: str, stride_of, mesh) -> None:
+    """Insert `axis` into `axes` (one dim's axes, major to minor): before the first earlier axis whose part it tiles
+    in whole blocks from a more major part (the batch of a (B*H) dim whose heads were tiled first); otherwise
+    last, splitting what the earlier axes left. stride_of(axis): the split factor of the part it tiles."""
+    mine, k = stride_of(axis), mesh.shape[axis]
+    at = next((j for j, a in enumerate(axes) if stride_of(a) > mine and stride_of(a) % (mine * k) == 0), len(axes))
+    axes.insert(at, axis)
 
 
 def _stride_of(rule, fs, f) -> int:
