@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 from ..capture.graphutil import descendants, forward_nodes
 from ..errors import PartitionError
-from ..propagate.engine import VIEW_OPS
 from ..propagate.state import UNKNOWN
 from .presets import DataParallel
-from .structure import expert_weights
+from .structure import expert_weights, forward_uses
 
 
 @dataclass(frozen=True)
@@ -87,29 +86,20 @@ class ExpertParallel:
         fwd = forward_nodes(g.gm)
         op_index = {op.node: i for i, op in enumerate(g.ops)}
         for n in experts:
-            stack, seen = [g.values[g.name_to_vid[n]]], set()
-            while stack:
-                node = stack.pop()
-                for u in node.users:
-                    if u in seen or u not in fwd or u not in op_index:
-                        continue
-                    seen.add(u)
-                    if u.target in VIEW_OPS:
-                        stack.append(u)
-                        continue
-                    i = op_index[u]
-                    if st.assign_tactic.get(i) == self.name:
-                        continue
-                    by = st.assign_tactic.get(i)
-                    why = (f"already decided on that axis by {by}; put expert_parallel('{self.axis}') before {by} "
-                           f"in the schedule" if by else
-                           "which EP could not decide on a slice of the experts (an op that selects expert weights "
-                           "per token, such as index_select, would gather all experts on every rank); dispatch "
-                           "tokens to per-expert buffers (GShard capacity dispatch) or combine expert outputs "
-                           "densely")
-                    raise PartitionError(
-                        f"{self.name}: {n} (experts on dim 0, tiled on axis '{self.axis}' of size "
-                        f"{ctx.mesh.shape[self.axis]}) is used by {u.target} ({u.name}), {why}.")
+            for u in forward_uses(g.values[g.name_to_vid[n]], fwd):
+                i = op_index.get(u)
+                if i is None or st.assign_tactic.get(i) == self.name:
+                    continue
+                by = st.assign_tactic.get(i)
+                why = (f"already decided on that axis by {by}; put expert_parallel('{self.axis}') before {by} "
+                       f"in the schedule" if by else
+                       "which EP could not decide on a slice of the experts (an op that selects expert weights "
+                       "per token, such as index_select, would gather all experts on every rank); dispatch "
+                       "tokens to per-expert buffers (GShard capacity dispatch) or combine expert outputs "
+                       "densely")
+                raise PartitionError(
+                    f"{self.name}: {n} (experts on dim 0, tiled on axis '{self.axis}' of size "
+                    f"{ctx.mesh.shape[self.axis]}) is used by {u.target} ({u.name}), {why}.")
 
     def _exchanges_tokens(self, ctx, seeds) -> bool:
         """Trial of the closed expert region on a copy of the decisions: does it end at token buffers, i.e. is

@@ -189,6 +189,21 @@ def embedding_tables(captured) -> list:
     return out
 
 
+def forward_uses(node, fwd) -> list:
+    """The forward ops that use `node`'s value past views of it (the ops that compute with a parameter)."""
+    stack, seen, out = [node], set(), []
+    while stack:
+        for u in stack.pop().users:
+            if u in seen or u not in fwd:
+                continue
+            seen.add(u)
+            if u.target in _VIEWS:
+                stack.append(u)
+            else:
+                out.append(u)
+    return out
+
+
 _EXPERT_USES = {aten.bmm.default, aten.baddbmm.default, aten.index_select.default, aten.index.Tensor}
 
 
@@ -205,16 +220,7 @@ def expert_weights(captured) -> list:
         val = n.meta.get("val")
         if val is None or val.dim() != 3 or val.shape[0] <= 1:
             continue
-        stack, seen, uses = [n], set(), set()
-        while stack:
-            for u in stack.pop().users:
-                if u in seen or u not in fwd:
-                    continue
-                seen.add(u)
-                if u.target in _VIEWS:
-                    stack.append(u)
-                else:
-                    uses.add(u.target)
+        uses = {u.target for u in forward_uses(n, fwd)}
         if uses & _EXPERT_USES and not uses & {aten.convolution.default}:
             out.append(n.meta["partir_name"])
     return out
