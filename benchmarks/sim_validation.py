@@ -1,128 +1,272 @@
-"""Simulator vs published measurements (/work/shared/reference/hardware.md).
+"""The simulator against published measurements it was not fitted on (benchmarks/sim_reference.py).
 
-Collectives: all-reduce bus bandwidth, busbw = algbw x 2(n-1)/n (nccl-tests PERFORMANCE.md), for every calibration
-row. Training runs: step throughput of four published runs, reconstructed as models and schedules
-(``training_rows``).
+1. Every reference row is rebuilt and predicted: collectives through ``sim.estimate``, kernels through the cost
+   model's roofline (``sim.compute.kernel_time``), training runs as a model built on ``meta``, partitioned with the
+   run's schedule and simulated (``simulate_graph`` on the final stage's lowered program).
+2. ``fit`` tunes a few physical knobs (``KNOBS``) on the calibration half only; every quoted error comes from rows
+   the fit did not see: the validation half, and leave-one-family-out (refit without the family, then predict it).
+3. Ranking cases (several configurations of one model on one system) report Kendall's tau; rows that publish peak
+   memory report its error.
+4. ``--write-confidence`` stores each family's held-out error in ``partir_torch/sim/confidence.py``, which
+   ``SimReport.table()`` shows as its confidence column.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_validation.py
+Deep models are simulated at two shallow depths and extrapolated linearly to the run's depth (every transformer
+block costs the same time and memory; the embedding, head, optimizer start and first gather are the intercept).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_validation.py [--quick] [--write-confidence]
 """
 from __future__ import annotations
 
-import statistics
-
+import argparse
+import dataclasses
+import math
 import os
+import statistics
 import sys
+import time
+import warnings
 
 from tabulate import tabulate
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from partir_torch.mesh import Mesh
-from partir_torch.sim import estimate, hardware
+from benchmarks import sim_models as M                                   # noqa: E402
+from benchmarks.sim_reference import RANKING, ROWS, SPLIT, Ref, check     # noqa: E402
+from partir_torch.mesh import Mesh                                        # noqa: E402
+from partir_torch.sim import estimate, hardware                           # noqa: E402
+from partir_torch.sim.compute import kernel_time, memory_time             # noqa: E402
 
-MiB, GiB = 2 ** 20, 2 ** 30
-SIZES = [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB, 8 * GiB]
-LARGE = 8 * GiB            # size used for the "large-message" rows (nccl-tests' usual maximum)
+DEPTHS = (2, 4)            # shallow depths simulated; deeper runs are extrapolated linearly in the layer count
 
-# (setup, hardware, overrides, forced algorithm or None, {size: measured busbw GB/s}, source)
-COLLECTIVE_ROWS = [
-    ("8xA100-80G", "a100-80g", {}, None,
-     dict(zip(SIZES, [36.2, 71.4, 109.2, 166.6, 213.9, 228.1, 231.6])), "Azure ND A100 v4, NCCL 2.18"),
-    ("8xH200 (NVLS)", "h200", {}, None,
-     dict(zip(SIZES, [53.0, 138.4, 240.4, 368.1, 432.2, 467.6, 480.0])), "Azure ND H200 v5, NCCL 2.20"),
-    ("8xA100", "a100-80g", {}, None, {LARGE: 232}, "GTC'25 S72583"),
-    ("8xH100 SHARP", "h100", {}, "nvls", {LARGE: 480}, "GTC'25 S72583"),
-    ("8xH100 ring", "h100", {}, "ring", {LARGE: 370}, "GTC'25 S72583"),
-    ("32xH100 (4 DGX)", "h100", {"nodes": 4}, None, {LARGE: 370}, "GTC'25 S72583"),
-    ("32xH100 SHARP", "h100", {"nodes": 4, "ib_sharp": True}, None, {LARGE: 480}, "GTC'25 S72583"),
-]
+# Physical knobs the fit may move, each a Hardware field with the grid it searches (multiplicative on the preset
+# value where "scale", absolute otherwise). They act on every chip alike: the fit learns physics shared across
+# families (how efficient fused attention is relative to its peak, how much of HBM bandwidth memory-bound kernels
+# see, their per-launch overhead), never a per-row constant.
+KNOBS = {
+    "attn_efficiency": ("scale", (0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3)),
+    "hbm_efficiency": ("abs", (0.70, 0.75, 0.80, 0.85, 0.90, 0.95)),
+    "kernel_overhead_s": ("abs", (1e-6, 2e-6, 4e-6, 8e-6)),
+}
 
 
-def collective_rows() -> list:
-    """[(setup, size, ref GB/s, sim GB/s, delta %, algorithm, source)] for every all-reduce calibration point."""
-    rows = []
-    for setup, name, overrides, algorithm, points, source in COLLECTIVE_ROWS:
-        hw = hardware(name, **overrides)
-        n = hw.num_devices
-        mesh = Mesh({"dp": n})
-        for size, ref in points.items():
-            est = estimate(hw, "all_reduce", size, mesh, "dp", algorithm=algorithm)
-            busbw = size / est.time_s * 2 * (n - 1) / n / 1e9
-            rows.append((setup, size, ref, busbw, 100 * (busbw - ref) / ref, est.tactic, source))
-    return rows
+# ----------------------------------------------------------------------------------------------------- programs
+_PROGRAMS: dict = {}
 
 
-# (run, model builder name, config, hardware, overrides, mesh size, global batch, unit, measured, notes, source)
-TRAINING_RUNS = [
-    ("MPT-7B FSDP", "gpt", dict(vocab=50368, seq=2048, d=4096, heads=32, layers=32, attention="sdpa"),
-     "h100", {}, 8, 48, "tokens/s/GPU", 10643, "micro-batch 6, bf16, no AC", "llm-foundry benchmarking"),
-    ("Llama-2-13B FSDP", "llama", dict(vocab=32000, seq=4096, d=5120, heads=40, kv_heads=40, layers=40,
-                                       hidden=13824),
-     "a100-80g", {"nodes": 8}, 64, 128, "tokens/s/GPU", 2162, "local batch 2, bf16, no AC", "torchtitan"),
-    ("GPT-1.7B DP48", "gpt", dict(vocab=131072, seq=4096, d=2048, heads=16, layers=24, attention="sdpa"),
-     "h100", {"nodes": 6}, 48, 192, "TFLOP/s/GPU", 408.8, "TP1, global batch 192", "Megatron-LM README"),
-    ("MaxText-16B FSDP", "llama", dict(vocab=32000, seq=2048, d=4096, heads=64, kv_heads=64, layers=32,
-                                       hidden=28672),
-     "tpu-v5e", {"topology": (16, 16)}, 256, 1536, "TFLOP/s/chip", 120.0,
-     "per-device batch 6, full remat",
-     "maxtext v5e README"),
-]
-
-
-def training_rows() -> list:
-    """End-to-end training runs of hardware.md, each reconstructed as a model (built on `meta`) and a schedule
-    (bf16 mixed precision; data parallel + ZeRO-3 = FSDP, or plain data parallel; remat where the run used it),
-    partitioned and simulated.
-    Returns rows like collective_rows(): (run, unit, ref, sim, delta %, notes, source)."""
-    import warnings
-
+def _schedule(kind: str, remat: bool, cfg):
     import torch
 
-    import partir_torch as pt
     from partir_torch import tactics as T
-    from examples.models import get
 
-    warnings.simplefilter("ignore")
-    rows = []
-    for run, model, cfg, hw_name, overrides, n, batch, unit, ref, notes, source in TRAINING_RUNS:
-        spec = get(model, **cfg)
-        m = spec.build(device="meta")
-        tokens = torch.zeros(batch, cfg["seq"], dtype=torch.int64, device="meta")
-        sched = [T.mixed_precision(torch.bfloat16), T.data_parallel("dp")]
-        sched += [T.zero(3, "dp")] if "FSDP" in run else []
-        sched += [T.remat("layers.*")] if "remat" in notes and "without" not in notes else []
-        prog = pt.partition(m, pt.Mesh({"dp": n}), sched, example_inputs=(tokens, tokens), loss_fn=spec.loss_fn,
-                            optimizer=torch.optim.AdamW(m.parameters(), lr=1e-4))
-        r = prog.simulate(hardware(hw_name, **overrides))
-        local_tokens = batch // n * cfg["seq"]
-        sim = local_tokens / r.step_time_s if unit.startswith("tokens") else r.model_flops / r.step_time_s / 1e12
-        rows.append((run, unit, ref, sim, 100 * (sim - ref) / ref, notes, source))
-    return rows
+    mp = T.mixed_precision(torch.bfloat16)
+    tp = T.megatron("tp", plan=M.plan_for(cfg))
+    s = {"fsdp": [mp, T.data_parallel("dp"), T.zero(3, "dp")],
+         "zero2": [mp, T.data_parallel("dp"), T.zero(2, "dp")],
+         "zero1": [mp, T.data_parallel("dp"), T.zero(1, "dp")],
+         "dcn+fsdp": [mp, T.data_parallel("dcn"), T.data_parallel("dp"), T.zero(3, "dp")],
+         "tp+zero1": [T.data_parallel("dp"), tp, mp, T.zero(1, "dp")],
+         "fsdp+tp": [T.data_parallel("dp"), tp, mp, T.zero(3, "dp")]}[kind]
+    return s + ([T.remat("layers.*")] if remat else [])
 
 
-def _size(b: int) -> str:
-    return f"{b // GiB} GiB" if b >= GiB else f"{b // MiB} MiB"
+def program(setup: dict, layers: int):
+    """(lowered per-device GraphModule, mesh, recomputed node names) of a training row at ``layers`` blocks."""
+    key = (repr(sorted(setup["model"].items())), repr(setup["mesh"]), setup["batch"], setup["schedule"],
+           setup["remat"], layers)
+    if key not in _PROGRAMS:
+        import torch
+
+        import partir_torch as pt
+
+        warnings.simplefilter("ignore")
+        cfg = M.DecoderConfig(**{**setup["model"], "layers": layers})
+        model = M.build(cfg)
+        mesh = pt.Mesh(setup["mesh"])
+        data = math.prod(v for a, v in setup["mesh"].items() if a != "tp")
+        tokens = torch.zeros(setup["batch"] * data, cfg.seq, dtype=torch.int64, device="meta")
+        prog = pt.partition(model, mesh, _schedule(setup["schedule"], setup["remat"], cfg),
+                            example_inputs=(tokens, tokens), loss_fn=M.loss_fn,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
+        low = prog.stage_lowered(len(prog.stages) - 1)
+        recompute = {n.name for n in low.gm.graph.nodes if n.meta.get("partir_recompute")}
+        _PROGRAMS[key] = (low.gm, mesh, recompute)
+    return _PROGRAMS[key]
 
 
-def _stats(deltas) -> str:
-    if not deltas:
+def _hw(setup: dict, knobs: dict):
+    base = hardware(setup["preset"], **setup.get("hw", {}))
+    over = {k: (getattr(base, k) * v if KNOBS[k][0] == "scale" else v) for k, v in knobs.items()}
+    if "attn_efficiency" in over:
+        over["attn_efficiency"] = min(over["attn_efficiency"], base.mm_efficiency)
+    return dataclasses.replace(base, **over)
+
+
+# ---------------------------------------------------------------------------------------------------- predict
+def flops_per_token(c: dict, formula: str) -> float:
+    """Training FLOPs per token as the source counts them (forward + backward = 3x forward; no recompute)."""
+    d, L, s, V = c["d"], c["layers"], c["seq"], c["vocab"]
+    if formula == "megatron":      # Narayanan et al. 2021, eq. 3: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) / (B s)
+        return 72 * L * d * d * (1 + s / (6 * d) + V / (12 * L * d))
+    # MaxText calculate_tflops_training_per_device (2023-2024): gated MLP, q/k/v/o, non-causal attention, unembed
+    h, kv = c["heads"], c.get("kv_heads") or c["heads"]
+    hd = c.get("head_dim") or d // h
+    ffn = 2 * c["hidden"] * d * (2 if c.get("gated") else 1) + 2 * c["hidden"] * d
+    qkv, proj, attn = 2 * d * (h + 2 * kv) * hd, 2 * d * h * hd, 4 * s * h * hd
+    return 3 * (L * (ffn + qkv + proj + attn) + 2 * d * V)
+
+
+def _extrapolate(setup, hw, what):
+    """``what(report)`` at the run's depth, from the two shallow depths."""
+    from partir_torch.sim import simulate_graph
+
+    vals = []
+    for L in DEPTHS:
+        gm, mesh, recompute = program(setup, L)
+        rep = simulate_graph(gm, mesh, hw, exclude_flops=recompute)
+        vals.append(what(rep))
+    a, b = DEPTHS
+    return vals[0] + (setup["model"]["layers"] - a) * (vals[1] - vals[0]) / (b - a)
+
+
+def predict(ref: Ref, knobs: dict | None = None) -> float:
+    """The simulator's figure for ``ref``, in the row's unit."""
+    s, hw = ref.setup, _hw(ref.setup, knobs or {})
+    if ref.kind == "collective":
+        n = s["n"]
+        est = estimate(hw, s["kind"], s["bytes"], Mesh({"dp": n}), "dp", algorithm=s.get("algorithm"))
+        f = 2 * (n - 1) / n if s["kind"] == "all_reduce" else (n - 1) / n
+        return s["bytes"] / est.time_s * f / 1e9
+    if ref.kind == "gemm":
+        m, n, k = s["m"], s["n"], s["k"]
+        import torch
+        size = getattr(torch, s["dtype"]).itemsize
+        return 2 * m * n * k / kernel_time(hw, 2 * m * n * k, (m * k + k * n + m * n) * size, s["dtype"]) / 1e12
+    if ref.kind == "attention":
+        b, T, h, hd = s["batch"], s["seq"], s["heads"], s["head_dim"]
+        flops = 4 * b * T * T * h * hd / (2 if s["causal"] else 1)
+        return flops / kernel_time(hw, flops, 4 * b * T * h * hd * 2, "bfloat16", attention=True) / 1e12
+    if ref.kind == "hbm":
+        return 2 * s["bytes"] / memory_time(hw, 2 * s["bytes"]) / 1e12
+    step = _extrapolate(s, hw, lambda r: r.step_time_s)
+    tokens = s["batch"] * s["model"]["seq"]
+    if ref.unit.startswith("tokens"):
+        return tokens / step
+    return tokens * flops_per_token(s["model"], s["flops"]) / step / 1e12
+
+
+def predict_memory(ref: Ref) -> float:
+    """Peak memory per device in GiB (no knob changes memory)."""
+    return _extrapolate(ref.setup, _hw(ref.setup, {}), lambda r: r.peak_memory_bytes) / 2 ** 30
+
+
+def err(pred: float, ref: float) -> float:
+    return (pred - ref) / ref
+
+
+# -------------------------------------------------------------------------------------------------------- fit
+def _loss(rows, knobs, cache) -> float:
+    errs = []
+    for r in rows:
+        key = (r.name, tuple(sorted(knobs.items())))
+        if key not in cache:
+            cache[key] = err(predict(r, knobs), r.measured)
+        errs.append(abs(math.log1p(cache[key])))
+    return statistics.median(errs) + 0.25 * statistics.mean(errs)
+
+
+def fit(rows, cache, passes: int = 2) -> dict:
+    """Coordinate descent over ``KNOBS`` on ``rows``: minimise median + mean/4 of |log(sim/ref)|."""
+    knobs = {k: (1.0 if mode == "scale" else getattr(hardware("h100"), k)) for k, (mode, _) in KNOBS.items()}
+    for _ in range(passes):
+        for k, (_, grid) in KNOBS.items():
+            knobs[k] = min(grid, key=lambda v: _loss(rows, {**knobs, k: v}, cache))
+    return knobs
+
+
+def kendall_tau(a, b) -> float:
+    n, s = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            s += math.copysign(1, a[i] - a[j]) * math.copysign(1, b[i] - b[j]) if a[i] != a[j] and b[i] != b[j] \
+                else 0
+    return s / (n * (n - 1) / 2)
+
+
+# ------------------------------------------------------------------------------------------------------ report
+def _stats(es) -> str:
+    if not es:
         return "n/a"
-    absd = [abs(d) for d in deltas]
-    return f"mean |d| {statistics.mean(absd):.1f}%, max |d| {max(absd):.1f}% ({len(absd)} rows)"
+    a = sorted(abs(e) for e in es)
+    return f"median |err| {100 * statistics.median(a):.1f}%, mean {100 * statistics.mean(a):.1f}%, " \
+           f"max {100 * a[-1]:.1f}% ({len(a)} rows)"
 
 
-def main():
-    rows = collective_rows()
-    table = [(s, _size(b), f"{r:.1f}", f"{m:.1f}", f"{d:+.1f}%", a, src) for s, b, r, m, d, a, src in rows]
-    print("All-reduce bus bandwidth (GB/s): reference vs simulator")
-    print(tabulate(table, headers=["setup", "size", "Ref", "Sim", "Δ%", "algorithm", "source"]))
-    print(f"\nall sizes:   {_stats([d for *_, d, _, _ in rows])}")
-    print(f"size >= 16 MiB: {_stats([d for _, b, _, _, d, _, _ in rows if b >= 16 * MiB])}")
-    train = training_rows()
-    print("\nEnd-to-end training runs: reference vs simulator")
-    print(tabulate([(r, u, f"{ref:.1f}", f"{sim:.1f}", f"{d:+.1f}%", n, src) for r, u, ref, sim, d, n, src in train],
-                   headers=["run", "unit", "Ref", "Sim", "Δ%", "notes", "source"]))
-    print(f"training: {_stats([r[4] for r in train])}")
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="collectives and kernels only")
+    ap.add_argument("--write-confidence", action="store_true")
+    args = ap.parse_args(argv)
+    check()
+    t0 = time.process_time()
+    rows = [r for r in ROWS if not (args.quick and r.kind == "training")]
+    cal = [r for r in rows if SPLIT[r.family] == "cal"]
+    val = [r for r in rows if SPLIT[r.family] == "val"]
+    cache: dict = {}
+    knobs = fit(cal, cache)
+    print("fitted on the calibration half:", ", ".join(f"{k}={v:g}" for k, v in knobs.items()))
+    pred = {r.name: predict(r, knobs) for r in rows}
+    e = {r.name: err(pred[r.name], r.measured) for r in rows}
+    table = [(SPLIT[r.family], r.family, r.name, r.unit, f"{r.measured:g}", f"{pred[r.name]:.4g}",
+              f"{100 * e[r.name]:+.1f}%", r.source[:48]) for r in rows]
+    print(tabulate(table, headers=["half", "family", "row", "unit", "ref", "sim", "err", "source"]))
+    print(f"\ncalibration half: {_stats([e[r.name] for r in cal])}")
+    print(f"validation half:  {_stats([e[r.name] for r in val])}")
+    worst = max(val, key=lambda r: abs(e[r.name]))
+    print(f"worst validation row: {worst.name} ({100 * e[worst.name]:+.1f}%)")
+    for kind in ("collective", "gemm", "attention", "hbm", "training"):
+        vs = [e[r.name] for r in val if r.kind == kind]
+        if vs:
+            print(f"  validation {kind}: {_stats(vs)}")
+
+    # leave one family out: refit without it, predict it
+    fams = sorted({r.family for r in rows})
+    lofo = {}
+    for f in fams:
+        k = fit([r for r in rows if r.family != f], cache, passes=1)
+        lofo[f] = [err(predict(r, k), r.measured) for r in rows if r.family == f]
+    print("\nLeave-one-family-out (fit on every other family, predict this one)")
+    print(tabulate([(f, SPLIT[f], _stats(lofo[f])) for f in fams], headers=["family", "half", "error"]))
+    print(f"all families held out: {_stats([x for f in fams for x in lofo[f]])}")
+
+    cases = [(c, names) for c, names in RANKING.items() if all(n in pred for n in names)]
+    if cases:
+        print("\nRanking cases: Kendall's tau between measured and simulated order")
+        byname = {r.name: r for r in rows}
+        for c, names in cases:
+            tau = kendall_tau([byname[n].measured for n in names], [pred[n] for n in names])
+            print(f"  {c}: tau {tau:+.2f} ({len(names)} configurations)")
+
+    mem = [r for r in rows if r.mem_gib]
+    if mem:
+        print("\nPeak memory per device (GiB): reference vs simulator")
+        mrows = [(r.name, r.mem_gib, predict_memory(r)) for r in mem]
+        print(tabulate([(n, f"{m:g}", f"{p:.1f}", f"{100 * err(p, m):+.1f}%") for n, m, p in mrows],
+                       headers=["row", "ref", "sim", "err"]))
+
+    conf = {f: statistics.median(abs(x) for x in (lofo[f] if SPLIT[f] == "cal" else
+                                                  [e[r.name] for r in val if r.family == f])) for f in fams}
+    if args.write_confidence and not args.quick:
+        _write_confidence(conf)
+    print(f"\n{time.process_time() - t0:.0f} s CPU")
+
+
+def _write_confidence(conf: dict) -> None:
+    path = os.path.join(os.path.dirname(__file__), "..", "partir_torch", "sim", "confidence.py")
+    text = open(path).read()
+    start, end = text.index("FAMILY_ERROR = {"), text.index("}  # end FAMILY_ERROR") + 1
+    body = "FAMILY_ERROR = {\n" + "".join(f"    {f!r}: {v:.3f},\n" for f, v in sorted(conf.items())) + "}"
+    open(path, "w").write(text[:start] + body + text[end:])
+    print(f"wrote {len(conf)} family errors to {path}")
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ class CostModel:
                     dtype = v.dtype
         out = node.meta.get("val")
         total = in_bytes + nbytes.get(node, 0)
-        t_mem = total / (hw.hbm_efficiency * hw.hbm_bw) + hw.kernel_overhead_s
+        t_mem = memory_time(hw, total)
         flops = 0
         if formula is not None:
             try:
@@ -175,9 +175,20 @@ class CostModel:
         if flops <= 0:
             return 0, t_mem, None
         dtype = dtype or torch.float32
-        eff = hw.attn_efficiency if _is_attention(node.target) else hw.mm_efficiency
-        t_flop = flops / (eff * hw.peak_flops(dtype)) + hw.mm_half_time_s
-        return flops, max(t_flop, t_mem), str(dtype).replace("torch.", "")
+        t = kernel_time(hw, flops, total, dtype, _is_attention(node.target))
+        return flops, t, str(dtype).replace("torch.", "")
+
+
+def memory_time(hw: Hardware, nbytes: float) -> float:
+    """Seconds of a memory-bound kernel that reads and writes ``nbytes`` in all."""
+    return nbytes / (hw.hbm_efficiency * hw.hbm_bw) + hw.kernel_overhead_s
+
+
+def kernel_time(hw: Hardware, flops: float, nbytes: float, dtype, attention: bool = False) -> float:
+    """Roofline of one FLOP-carrying kernel: the slower of its Hockney compute leg and its memory leg."""
+    eff = hw.attn_efficiency if attention else hw.mm_efficiency
+    t_flop = flops / (eff * hw.peak_flops(dtype)) + hw.mm_half_time_s
+    return max(t_flop, memory_time(hw, nbytes))
 
 
 def _is_attention(target) -> bool:

@@ -51,6 +51,9 @@ class SimReport:
     hardware: str = ""
     peak_flops: float = 0.0              # FLOP/s the MFU is measured against
     trace: list = field(default_factory=list, repr=False)   # (track, name, start_s, dur_s)
+    # held-out median |error| of the closest validated family (sim/confidence.py) and that family's name
+    confidence: float | None = None
+    confidence_family: str = ""
 
     def collectives_by_kind(self) -> dict:
         """kind -> (count, bytes, seconds)."""
@@ -70,12 +73,18 @@ class SimReport:
 
     def _row(self) -> list:
         colls = ", ".join(f"{ABBREV.get(k, k)}x{n} {_bytes(b)}" for k, (n, b, _) in self.collectives_by_kind().items())
+        conf = "-" if self.confidence is None else f"±{100 * self.confidence:.0f}% ({self.confidence_family})"
         return [self.stage_name or "program", _ms(self.step_time_s), _ms(self.compute_s), _ms(self.comm_s),
-                _ms(self.exposed_comm_s), _bytes(self.peak_memory_bytes), f"{100 * self.mfu:.1f}%", colls or "-"]
+                _ms(self.exposed_comm_s), _bytes(self.peak_memory_bytes), f"{100 * self.mfu:.1f}%", conf,
+                colls or "-"]
 
     def table(self) -> str:
-        """One row per stage (or one row for this program), then the memory breakdown of the last row."""
-        headers = ["stage", "step", "compute", "comm", "exposed comm", "peak mem/device", "MFU", "collectives"]
+        """One row per stage (or one row for this program), then the memory breakdown of the last row.
+
+        ``confidence``: how far the simulator was off, median |error| on published runs it was not fitted on, for
+        the validated family (chip/strategy) closest to this one (benchmarks/sim_validation.py)."""
+        headers = ["stage", "step", "compute", "comm", "exposed comm", "peak mem/device", "MFU", "confidence",
+                   "collectives"]
         rows = [s._row() for s in self.stages] if self.stages else [self._row()]
         text = tabulate(rows, headers=headers, tablefmt="simple")
         last = self.stages[-1] if self.stages else self

@@ -19,6 +19,7 @@ from ..errors import PartitionError
 from ..lower.records import META_COLLECTIVE
 from .comm import check_mesh, estimate
 from .compute import COLLECTIVE, COMPUTE, FREE, CostModel, op_class, val_facts
+from .confidence import closest_family, strategy_of
 from .hardware import Hardware
 from .memory import analyze_memory
 from .report import CollectiveTiming, SimReport
@@ -72,11 +73,13 @@ def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue) -> SimReport:
                      f"of HBM per device on {hw.name} (peak at node {mem.peak_node}).")
     by_dtype = line.flops_by_dtype
     peak = hw.peak_flops(max(by_dtype, key=by_dtype.get) if by_dtype else "bfloat16")   # the dominant dtype
+    family, conf = closest_family(hw.name, strategy_of(c.tactic for c in line.timings))
     return SimReport(
         step_time_s=step, compute_s=line.compute_s, comm_s=line.comm_s, exposed_comm_s=line.exposed,
         peak_memory_bytes=mem.peak_bytes, memory_breakdown=mem.breakdown, model_flops=line.model_flops,
         mfu=line.model_flops / (step * peak) if step > 0 else 0.0, collectives=line.timings, notes=notes,
-        stage_name=stage_name, hardware=hw.describe(), peak_flops=peak, trace=line.trace)
+        stage_name=stage_name, hardware=hw.describe(), peak_flops=peak, trace=line.trace, confidence=conf,
+        confidence_family=family)
 
 
 @dataclass

@@ -1,0 +1,54 @@
+"""How far to trust a simulated figure: the held-out error of the closest validated family.
+
+``benchmarks/sim_validation.py`` judges the simulator on published measurements grouped in families (chip x
+strategy) and writes each family's median |error| on data the fit did not see (the validation half for validation
+families, leave-one-family-out for calibration families) into ``FAMILY_ERROR`` below
+(``--write-confidence``). A report finds its family from the hardware preset and the tactics its collectives come
+from, and falls back to the closest validated family: same strategy on the nearest chip, then neighbouring strategies.
+
+>>> closest_family("h200", "fsdp")[0] in FAMILY_ERROR
+True
+"""
+from __future__ import annotations
+
+# median |error| per family, held out (written by benchmarks/sim_validation.py --write-confidence)
+FAMILY_ERROR = {
+}  # end FAMILY_ERROR
+
+# chip of each preset, and the chips nearest to each (same vendor first, then by generation)
+CHIP = {"a100-40g": "a100", "a100-80g": "a100", "h100": "h100", "h200": "h200", "b200": "b200",
+        "tpu-v4": "v4", "tpu-v5e": "v5e", "tpu-v5p": "v5p", "tpu-v6e": "v6e"}
+NEAR_CHIPS = {"a100": ("h100", "h200", "b200"), "h100": ("h200", "b200", "a100"), "h200": ("h100", "b200", "a100"),
+              "b200": ("h200", "h100", "a100"), "v4": ("v5p", "v5e", "v6e"), "v5e": ("v6e", "v5p", "v4"),
+              "v5p": ("v4", "v6e", "v5e"), "v6e": ("v5e", "v5p", "v4")}
+NEAR_STRATEGIES = {"fsdp": ("fsdp+dcn", "zero2", "dp"), "fsdp+dcn": ("fsdp", "zero2"), "zero2": ("fsdp", "dp"),
+                   "dp": ("zero2", "fsdp"), "tp": ("fsdp+tp",), "fsdp+tp": ("tp", "fsdp"),
+                   "ep": ("all_to_all", "dp"), "single": ("gemm", "attention", "hbm", "dp")}
+
+
+def strategy_of(tactics) -> str:
+    """Strategy family from the tactic names of a program's collectives (``CollectiveRecord.tactic``)."""
+    ts = {str(t).split("[")[0].split("-")[0] for t in tactics if t}
+    tp = bool(ts & {"MP", "SP", "MQ", "EMB"})
+    if ts & {"EP"}:
+        return "ep"
+    if "Z3" in ts:
+        return "fsdp+tp" if tp else "fsdp"
+    if tp:
+        return "tp"
+    if "Z2" in ts:
+        return "zero2"
+    return "dp" if ts else "single"
+
+
+def closest_family(hw_name: str, strategy: str) -> tuple:
+    """(family, held-out median |error|) of the validated family closest to this chip and strategy, or
+    ("", None) when no family has been validated."""
+    chip = CHIP.get(hw_name, hw_name)
+    chips = (chip,) + NEAR_CHIPS.get(chip, ())
+    strategies = (strategy,) + NEAR_STRATEGIES.get(strategy, ())
+    ranked = sorted(((si + ci, ci), f"{c}/{s}") for si, s in enumerate(strategies) for ci, c in enumerate(chips))
+    for _, fam in ranked:
+        if fam in FAMILY_ERROR:
+            return fam, FAMILY_ERROR[fam]
+    return "", None
