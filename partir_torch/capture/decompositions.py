@@ -8,6 +8,10 @@ plus these few decompositions, chosen so that tiling falls out of the rules inst
 - mse_loss and its backward -> elementwise ops and a sum, with the global element count as a constant.
 - nll_loss_forward(reduction=mean) -> nll_loss_forward(sum) / total_weight: both partial under data parallelism,
   reduced before the division, which stays exact with ignore_index and class weights.
+- batch norm (every forward variant) and its backward -> per-channel sums stacked into one (2, C) tensor: with
+  the batch tiled, that tensor is partial(sum) and one all_reduce per norm and pass gives the global statistics
+  (SyncBatchNorm's semantics, without gathering the activations). Instance norm reaches batch norm with (N*C)
+  channels, so its statistics stay local.
 """
 from __future__ import annotations
 
@@ -65,8 +69,129 @@ def _convolution(x, w, bias, stride, padding, dilation, transposed, output_paddi
     return aten.add.Tensor(out, aten.view.default(bias, [1, -1] + [1] * (out.dim() - 2)))
 
 
+# ---- batch norm ------------------------------------------------------------------------------------------------
+def _acc_dtype(dtype):
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _per_channel(t, ndim):
+    return aten.view.default(t, [1, -1] + [1] * (ndim - 2))   # (C,) -> (1, C, 1, ...)
+
+
+def _stacked_sums(a, b, dims, n):
+    """(sum(a) / n, sum(b) / n) over `dims`, through one (2, C) tensor: with the batch tiled both sums are
+    partial(sum), and since the stacked tensor has two consumers it is all-reduced once, where it is made."""
+    s = aten.cat.default([aten.unsqueeze.default(aten.sum.dim_IntList(a, dims), 0),
+                          aten.unsqueeze.default(aten.sum.dim_IntList(b, dims), 0)])
+    s = aten.div.Scalar(s, n)
+    return aten.select.int(s, 0, 0), aten.select.int(s, 0, 1)
+
+
+def _bn_train(x, weight, bias, running_mean, running_var, momentum, eps):
+    """Training-mode batch norm from the moments of x - running_mean (a replicated per-channel shift: it keeps
+    E[x^2] - E[x]^2 free of cancellation once the running mean is near the batch mean; zero without running
+    statistics). Returns (out, save_mean, save_rstd, new_running_mean, new_running_var)."""
+    red = [0] + list(range(2, x.dim()))
+    n = x.numel() // x.shape[1]
+    xa = x.to(_acc_dtype(x.dtype))
+    shift = None if running_mean is None else running_mean.to(xa.dtype)
+    xs = xa if shift is None else aten.sub.Tensor(xa, _per_channel(shift, x.dim()))     # (N, C, *)
+    m1, m2 = _stacked_sums(xs, aten.mul.Tensor(xs, xs), red, n)                          # (C,), (C,)
+    var = aten.clamp_min.default(aten.sub.Tensor(m2, aten.mul.Tensor(m1, m1)), 0)       # biased
+    rstd = aten.rsqrt.default(aten.add.Scalar(var, eps))
+    out = aten.mul.Tensor(aten.sub.Tensor(xs, _per_channel(m1, x.dim())), _per_channel(rstd, x.dim()))
+    out = _affine(out, weight, bias)
+    mean = m1 if shift is None else aten.add.Tensor(m1, shift)
+    new_mean = new_var = None
+    if running_mean is not None:
+        new_mean = aten.add.Tensor(aten.mul.Scalar(mean, momentum), aten.mul.Scalar(running_mean, 1 - momentum))
+    if running_var is not None:
+        unbiased = aten.mul.Scalar(var, n / max(n - 1, 1))
+        new_var = aten.add.Tensor(aten.mul.Scalar(unbiased, momentum), aten.mul.Scalar(running_var, 1 - momentum))
+    save_dtype = x.dtype if x.device.type == "cpu" else xa.dtype      # as eager (CPU keeps the input's dtype)
+    return (out.to(x.dtype), mean.to(save_dtype), rstd.to(save_dtype),
+            None if new_mean is None else new_mean.to(running_mean.dtype),
+            None if new_var is None else new_var.to(running_var.dtype))
+
+
+def _affine(out, weight, bias):
+    if weight is not None:
+        out = aten.mul.Tensor(out, _per_channel(weight, out.dim()))
+    if bias is not None:
+        out = aten.add.Tensor(out, _per_channel(bias, out.dim()))
+    return out
+
+
+def _bn_eval(x, weight, bias, running_mean, running_var, eps):
+    """Inference batch norm: per-channel pointwise ops with the running statistics (no statistics to reduce)."""
+    xa = x.to(_acc_dtype(x.dtype))
+    rstd = aten.rsqrt.default(aten.add.Scalar(running_var.to(xa.dtype), eps))
+    out = aten.mul.Tensor(aten.sub.Tensor(xa, _per_channel(running_mean.to(xa.dtype), x.dim())),
+                          _per_channel(rstd, x.dim()))
+    empty = x.new_zeros((0,)) if x.device.type == "cpu" else None
+    return (_affine(out, weight, bias).to(x.dtype), running_mean if empty is None else empty,
+            rstd if empty is None else empty)
+
+
+def _native_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    if not training:
+        return _bn_eval(x, weight, bias, running_mean, running_var, eps)
+    return _bn_train(x, weight, bias, running_mean, running_var, momentum, eps)[:3]
+
+
+def _bn_legit_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    if not training:
+        out, m, r = _bn_eval(x, weight, bias, running_mean, running_var, eps)
+        return out, m, r, running_mean, running_var
+    return _bn_train(x, weight, bias, running_mean, running_var, momentum, eps)
+
+
+def _bn_legit_no_stats(x, weight, bias, training, momentum, eps):
+    return _bn_train(x, weight, bias, None, None, momentum, eps)[:3]
+
+
+def _bn_legit_no_training(x, weight, bias, running_mean, running_var, momentum, eps):
+    return _bn_eval(x, weight, bias, running_mean, running_var, eps)
+
+
+def _bn_backward(grad_out, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask):
+    """Training: dx needs the global sums of dy and dy * (x - mean), taken as one stacked (2, C) tensor (one
+    all_reduce with the batch tiled); the weight and bias gradients are those same sums, already reduced.
+    Inference, or no dx wanted: the two sums are the (partial) weight and bias gradients."""
+    acc = _acc_dtype(x.dtype)
+    dy, xa = grad_out.to(acc), x.to(acc)
+    red = [0] + list(range(2, x.dim()))
+    n = x.numel() // x.shape[1]
+    if train:
+        mean, invstd = save_mean.to(acc), save_invstd.to(acc)
+    else:
+        mean = running_mean.to(acc)
+        invstd = aten.rsqrt.default(aten.add.Scalar(running_var.to(acc), eps))
+    xc = aten.sub.Tensor(xa, _per_channel(mean, x.dim()))                     # (N, C, *)
+    dyxc = aten.mul.Tensor(dy, xc)
+    if train and output_mask[0]:
+        gmean, dmean = _stacked_sums(dy, dyxc, red, n)                         # E[dy], E[dy (x - mean)]
+        gsum, dot = aten.mul.Scalar(gmean, n), aten.mul.Scalar(dmean, n)
+        proj = aten.mul.Tensor(xc, _per_channel(aten.mul.Tensor(dmean, aten.mul.Tensor(invstd, invstd)), x.dim()))
+        dx = aten.sub.Tensor(aten.sub.Tensor(dy, proj), _per_channel(gmean, x.dim()))
+    else:
+        gsum, dot = aten.sum.dim_IntList(dy, red), aten.sum.dim_IntList(dyxc, red)
+        dx = dy
+    scale = invstd if weight is None else aten.mul.Tensor(invstd, weight.to(acc))
+    grad_input = aten.mul.Tensor(dx, _per_channel(scale, x.dim())).to(x.dtype) if output_mask[0] else None
+    wdtype = x.dtype if weight is None else weight.dtype
+    grad_weight = aten.mul.Tensor(dot, invstd).to(wdtype) if output_mask[1] else None
+    grad_bias = gsum.to(wdtype) if output_mask[2] else None
+    return grad_input, grad_weight, grad_bias
+
+
 def capture_decompositions() -> dict:
     return {
+        aten.native_batch_norm.default: _native_batch_norm,
+        aten._native_batch_norm_legit_functional.default: _bn_legit_functional,
+        aten._native_batch_norm_legit.no_stats: _bn_legit_no_stats,
+        aten._native_batch_norm_legit_no_training.default: _bn_legit_no_training,
+        aten.native_batch_norm_backward.default: _bn_backward,
         aten.mean.dim: _mean_dim,
         aten.mean.default: _mean,
         aten.nll_loss_forward.default: _nll_loss_forward,

@@ -158,8 +158,20 @@ def _split(call: _Call) -> None:
         call.set("split_sizes", [int(o[dim]) for o in call.out_local if o is not None])
 
 
+def _repeat(call: _Call) -> None:
+    """repeat(x, repeats): each local dim holds out_local / x_local copies (x's dims align with the last ones)."""
+    reps, x, out = call.get("repeats"), call.in_local[0], call.out_local[0]
+    if reps is None or out is None:
+        return
+    lead = len(reps) - len(x)
+    call.set("repeats", [int(o) // int(x[d - lead] if d >= lead else 1) for d, o in enumerate(out)])
+
+
 ROWS = {
+    aten.repeat.default: _repeat,
     aten.split.Tensor: _split,
+    aten.unsafe_split.Tensor: _split,
+    aten.unsafe_split_with_sizes.default: _split,
     aten.split_with_sizes.default: _split,
     aten.empty_strided.default: _empty_strided,
     aten.new_empty_strided.default: _empty_strided,
