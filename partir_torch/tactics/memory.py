@@ -72,7 +72,8 @@ _RANDOM = {aten.native_dropout.default, aten.rand.default, aten.randn.default, a
 
 @dataclass(frozen=True)
 class Remat:
-    """Activation checkpointing of the modules whose FQN matches `selector` (a glob, e.g. "layers.*"): each one's
+    """Activation checkpointing of the modules whose FQN matches `selector` (a glob, e.g. "layers.*"; where a
+    matched module contains other matched modules, the outermost one is the checkpointed region): each one's
     forward intermediates are recomputed in the backward, just before their first use, instead of being kept
     alive from forward to backward. The module's inputs and output are kept; random ops (dropout) are kept too,
     so the recomputation sees the same masks."""
@@ -104,8 +105,8 @@ class Remat:
                 if g is None or first is None:
                     return
                 for n in list(g.nodes)[first:]:
-                    if n.op == "call_function":
-                        n.meta.setdefault("partir_remat", fqn)
+                    if n.op == "call_function":   # hooks of enclosing modules run later: the outermost match wins
+                        n.meta["partir_remat"] = fqn
 
             handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
         return handles
@@ -117,6 +118,8 @@ class Remat:
         gm = cap.gm
         nodes = list(gm.graph.nodes)
         loss = nodes[-1].args[0][0]
+        while loss.target in (aten.detach.default, aten.alias.default):   # the step returns loss.detach()
+            loss = loss.args[0]
         # make_fx traces the forward first: everything up to the loss is forward (including results only the
         # backward reads, such as a norm's saved mean and rstd)
         fwd = set(nodes[:nodes.index(loss) + 1])

@@ -10,28 +10,61 @@ from ..capture.graphutil import forward_nodes
 
 aten = torch.ops.aten
 
+# ops that move or cast a value without changing which elements it holds: a parameter seen through any chain of
+# them is still that parameter (mixed precision casts every parameter before its use)
+_CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.clone.default,
+          aten.alias.default, aten.contiguous.default, aten.detach.default, aten.lift_fresh_copy.default}
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
           aten.transpose.int, aten.t.default, aten.expand.default, aten.clone.default, aten.unsqueeze.default,
           aten.squeeze.dim, aten.squeeze.dims, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor,
-          aten.cat.default, aten.contiguous.default, aten._to_copy.default, aten.alias.default}
+          aten.cat.default, aten.select.int, aten.unbind.int} | _CASTS
 _MIXERS = {aten._scaled_dot_product_flash_attention_for_cpu.default, aten.bmm.default, aten._softmax.default,
            aten._safe_softmax.default, aten.where.self, aten.masked_fill.Scalar, aten.tril.default}
 _STOP = {aten.native_layer_norm.default, aten.sum.dim_IntList, aten.amax.default, aten.mean.dim, aten.sum.default,
          aten.native_group_norm.default, aten.embedding.default}
 
 
+_TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
+
+
+def source(node, through=_CASTS):
+    """The node `node` is a copy of, past dtype casts and copies (`through`); `node` itself if it is none."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in through \
+            and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
+def param_source(node) -> tuple | None:
+    """(parameter placeholder, transposed) if `node` is a parameter seen through casts, copies and 2-D
+    transposes (every structure query reads parameters through this, so a model under mixed precision, whose
+    parameters reach their ops through `_to_copy`, has the structure of the plain model); else None."""
+    flips = 0
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        if node.target in _TRANSPOSES:
+            perm = node.args[1] if node.target is aten.permute.default else None
+            if perm is not None and list(perm) != [1, 0]:
+                return None
+            flips += 1
+        elif node.target not in _CASTS:
+            return None
+        node = node.args[0]
+    if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.meta.get("partir_role") == "param":
+        return node, flips % 2 == 1
+    return None
+
+
 def _linear(node):
     """(W's name, W's output-feature dim) if `node` is a linear: mm(x, t(W)) (nn.Linear, W is (out, in)) or
-    mm(x, W) (Hugging Face's Conv1D, W is (in, out)), W a parameter placeholder; else None."""
+    mm(x, W) (Hugging Face's Conv1D, W is (in, out)), W a 2-D parameter seen through casts (param_source);
+    else None."""
     if node.target is not aten.mm.default:
         return None
-    w = node.args[1]
-    if getattr(w, "target", None) is aten.t.default and w.args[0].op == "placeholder" \
-            and w.args[0].meta.get("partir_role") == "param":
-        return w.args[0].meta["partir_name"], 0
-    if w.op == "placeholder" and w.meta.get("partir_role") == "param" and len(w.meta["val"].shape) == 2:
-        return w.meta["partir_name"], 1
-    return None
+    found = param_source(node.args[1])
+    if found is None or len(found[0].meta["val"].shape) != 2:
+        return None
+    w, transposed = found
+    return w.meta["partir_name"], 0 if transposed else 1
 
 
 def linear_weight(node, graph=None):
@@ -50,7 +83,8 @@ def _fused_chunks(node) -> int:
         if u.target in (aten.split.Tensor, aten.split_with_sizes.default):
             outs = [o for o in u.meta["val"]]
             return len(outs) if len({tuple(o.shape) for o in outs}) == 1 else 1
-        if u.target not in (aten.add.Tensor, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        if u.target not in (aten.add.Tensor, aten.view.default, aten._unsafe_view.default, aten.reshape.default) \
+                and u.target not in _CASTS:
             return 1
         x = u
     return 1
@@ -183,9 +217,9 @@ def embedding_tables(captured) -> list:
     out = []
     for n in captured.gm.graph.nodes:
         if n.target is aten.embedding.default:
-            w = n.args[0]
-            if w.op == "placeholder" and w.meta.get("partir_role") == "param" and w.meta["partir_name"] not in out:
-                out.append(w.meta["partir_name"])
+            found = param_source(n.args[0])
+            if found and not found[1] and found[0].meta["partir_name"] not in out:
+                out.append(found[0].meta["partir_name"])
     return out
 
 
