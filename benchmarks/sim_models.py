@@ -128,4 +128,6 @@ def build(c: DecoderConfig) -> Decoder:
 
 
 def plan_for(c: DecoderConfig) -> dict:
-    return {k: v for k, v in MEGATRON_PLAN.items() if c.gated or "w3" not in k}
+    """Megatron's plan for this config, with the vocabulary-parallel embedding and head Megatron-LM uses."""
+    plan = {k: v for k, v in MEGATRON_PLAN.items() if c.gated or "w3" not in k}
+    return {**plan, "emb.weight": "vocab", **({} if c.tied else {"head.weight": "vocab"})}

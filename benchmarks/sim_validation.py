@@ -46,7 +46,10 @@ KNOBS = {
     "attn_efficiency": ("scale", (0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3)),
     "hbm_efficiency": ("abs", (0.70, 0.75, 0.80, 0.85, 0.90, 0.95)),
     "kernel_overhead_s": ("abs", (1e-6, 2e-6, 4e-6, 8e-6)),
+    "mm_half_time_s": ("scale", (0.4, 0.5, 0.6, 0.8, 1.0)),
+    "fp8_efficiency": ("abs", (0.60, 0.65, 0.70, 0.75, 0.80)),
 }
+TRAINING_KNOBS = ("attn_efficiency", "hbm_efficiency", "kernel_overhead_s", "mm_half_time_s")   # bf16 runs
 
 
 # ----------------------------------------------------------------------------------------------------- programs
@@ -63,7 +66,7 @@ def _schedule(kind: str, remat: bool, cfg):
     s = {"fsdp": [mp, T.data_parallel("dp"), T.zero(3, "dp")],
          "zero2": [mp, T.data_parallel("dp"), T.zero(2, "dp")],
          "zero1": [mp, T.data_parallel("dp"), T.zero(1, "dp")],
-         "dcn+fsdp": [mp, T.data_parallel("dcn"), T.data_parallel("dp"), T.zero(3, "dp")],
+         "dcn+fsdp": [mp, T.data_parallel("dcn", name="BP-dcn"), T.data_parallel("dp"), T.zero(3, "dp")],
          "tp+zero1": [T.data_parallel("dp"), tp, mp, T.zero(1, "dp")],
          "fsdp+tp": [T.data_parallel("dp"), tp, mp, T.zero(3, "dp")]}[kind]
     return s + ([T.remat("layers.*")] if remat else [])
@@ -148,7 +151,7 @@ def predict(ref: Ref, knobs: dict | None = None) -> float:
     if ref.kind == "hbm":
         return 2 * s["bytes"] / memory_time(hw, 2 * s["bytes"]) / 1e12
     step = _extrapolate(s, hw, lambda r: r.step_time_s)
-    tokens = s["batch"] * s["model"]["seq"]
+    tokens = s["batch"] * s["model"]["seq"] / s["mesh"].get("tp", 1)       # a tensor-parallel group shares its batch
     if ref.unit.startswith("tokens"):
         return tokens / step
     return tokens * flops_per_token(s["model"], s["flops"]) / step / 1e12
@@ -167,7 +170,8 @@ def err(pred: float, ref: float) -> float:
 def _loss(rows, knobs, cache) -> float:
     errs = []
     for r in rows:
-        key = (r.name, tuple(sorted(knobs.items())))
+        used = {k: v for k, v in knobs.items() if r.kind != "training" or k in TRAINING_KNOBS}
+        key = (r.name, tuple(sorted(used.items())))
         if key not in cache:
             cache[key] = err(predict(r, knobs), r.measured)
         errs.append(abs(math.log1p(cache[key])))
@@ -177,6 +181,7 @@ def _loss(rows, knobs, cache) -> float:
 def fit(rows, cache, passes: int = 2) -> dict:
     """Coordinate descent over ``KNOBS`` on ``rows``: minimise median + mean/4 of |log(sim/ref)|."""
     knobs = {k: (1.0 if mode == "scale" else getattr(hardware("h100"), k)) for k, (mode, _) in KNOBS.items()}
+    knobs = {k: (v if v in KNOBS[k][1] else KNOBS[k][1][len(KNOBS[k][1]) // 2]) for k, v in knobs.items()}
     for _ in range(passes):
         for k, (_, grid) in KNOBS.items():
             knobs[k] = min(grid, key=lambda v: _loss(rows, {**knobs, k: v}, cache))
@@ -212,7 +217,7 @@ def main(argv=None):
     cal = [r for r in rows if SPLIT[r.family] == "cal"]
     val = [r for r in rows if SPLIT[r.family] == "val"]
     cache: dict = {}
-    knobs = fit(cal, cache)
+    knobs = fit(cal, cache, passes=1)
     print("fitted on the calibration half:", ", ".join(f"{k}={v:g}" for k, v in knobs.items()))
     pred = {r.name: predict(r, knobs) for r in rows}
     e = {r.name: err(pred[r.name], r.measured) for r in rows}

@@ -187,6 +187,8 @@ def memory_time(hw: Hardware, nbytes: float) -> float:
 def kernel_time(hw: Hardware, flops: float, nbytes: float, dtype, attention: bool = False) -> float:
     """Roofline of one FLOP-carrying kernel: the slower of its Hockney compute leg and its memory leg."""
     eff = hw.attn_efficiency if attention else hw.mm_efficiency
+    if hw.fp8_efficiency and str(dtype).replace("torch.", "").startswith("float8"):
+        eff = hw.fp8_efficiency
     t_flop = flops / (eff * hw.peak_flops(dtype)) + hw.mm_half_time_s
     return max(t_flop, memory_time(hw, nbytes))
 

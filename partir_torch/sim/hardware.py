@@ -49,6 +49,9 @@ class Hardware:
     tf32: bool = False                 # fp32 matmuls run on tensor cores (torch.backends.cuda.matmul.allow_tf32)
     mm_efficiency: float = 0.85        # best-shape fraction of peak for matmul-like ops
     mm_half_time_s: float = GEMM_HALF_TIME_S   # Hockney t_1/2 of a matmul kernel
+    # fp8 GEMMs reach a smaller fraction of their (2x) peak than bf16 ones: cuBLASLt fp8 on H100/H200 tops out at
+    # ~1,380 of 1,979 TFLOP/s (Azure AI-benchmarking-guide); 0 = same as mm_efficiency
+    fp8_efficiency: float = 0.0
     # fused attention kernels (FlashAttention-2) reach a smaller fraction of peak than GEMMs: ~50-73% on A100
     # (Dao 2023, FlashAttention-2, fig. 5-7), ~35-40% on H100 (Shah et al. 2024, FlashAttention-3, fig. 6)
     attn_efficiency: float = 0.6
@@ -146,10 +149,11 @@ class Hardware:
 
 
 def _gpu(name, bf16, fp32, tf32, fp8, hbm_gb, hbm_gbs, nvlink_gbs, nic_gbs, mm_eff, nvlink_eff, nvls, hbm_gib=None,
-         attn_eff=0.6):
+         attn_eff=0.6, fp8_eff=0.0):
     return Hardware(name=name, kind="gpu", peak_bf16=bf16 * TFLOPS, peak_fp32=fp32 * TFLOPS,
                     peak_tf32=tf32 * TFLOPS, peak_fp8=fp8 * TFLOPS, hbm_bytes=hbm_gb * GB,
-                    hbm_bw=hbm_gbs * GB, mm_efficiency=mm_eff, attn_efficiency=attn_eff, nvlink_bw=nvlink_gbs * GB,
+                    hbm_bw=hbm_gbs * GB, mm_efficiency=mm_eff, attn_efficiency=attn_eff, fp8_efficiency=fp8_eff,
+                    nvlink_bw=nvlink_gbs * GB,
                     nvlink_efficiency=nvlink_eff, nvls=nvls, nic_bw=nic_gbs * GB)
 
 
@@ -167,8 +171,8 @@ def _tpu(name, gen, bf16, hbm, hbm_gbs, ici_gbs, dcn_gbs, topology):
 PRESETS = {
     "a100-40g": _gpu("a100-40g", 312, 19.5, 156, 312, 40, 1555, 300, 25, 0.869, 0.775, False),
     "a100-80g": _gpu("a100-80g", 312, 19.5, 156, 312, 80, 2039, 300, 25, 0.869, 0.775, False),
-    "h100": _gpu("h100", 989, 66.9, 494.5, 1979, 80, 3350, 450, 50, 0.803, 0.822, True, attn_eff=0.4),
-    "h200": _gpu("h200", 989, 67, 494.5, 1979, 141, 4800, 450, 50, 0.803, 0.822, True, attn_eff=0.4),
+    "h100": _gpu("h100", 989, 66.9, 494.5, 1979, 80, 3350, 450, 50, 0.803, 0.822, True, attn_eff=0.4, fp8_eff=0.70),
+    "h200": _gpu("h200", 989, 67, 494.5, 1979, 141, 4800, 450, 50, 0.803, 0.822, True, attn_eff=0.4, fp8_eff=0.70),
     "b200": _gpu("b200", 2250, 80, 1125, 4500, 180, 8000, 900, 50, 0.776, 0.822, True, attn_eff=0.4),
     # TPUs: Google Cloud TPU docs. ICI per link one-way; DCN per chip (v4: 25 GB/s per 4-chip host).
     "tpu-v4": _tpu("tpu-v4", "v4", 275, 32 * GiB, 1200, 45, 25 / 4, (2, 2, 1)),

@@ -1,7 +1,9 @@
-"""Simulate one step of a per-device program: a compute stream and a communication stream.
+"""Simulate one step of a per-device program: a compute stream and one communication stream per mesh axis.
 
-Compute nodes run one after another in program order on the compute stream. A collective is issued on the comm
-stream when its input is ready and the stream is free (``issue="ready"``), or when the compute stream reaches it
+Compute nodes run one after another in program order on the compute stream. Collectives over one mesh axis run one
+after another on that axis's stream (NCCL runs each communicator on its own stream, so collectives of different
+axes, e.g. tensor-parallel activations and data-parallel gradients, proceed concurrently; that they then share
+links is not modelled). A collective is issued on its stream when its input is ready and the stream is free (``issue="ready"``), or when the compute stream reaches it
 in program order (``issue="program"``, what eager CUDA does: ProcessGroupNCCL makes the comm stream wait for all
 work enqueued before the call). Compute runs on until a ``wait_tensor`` needs the result; the time it then waits
 is exposed communication.
@@ -63,11 +65,12 @@ def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue) -> SimReport:
     for node in nodes:
         line.step(node)
     notes = line.notes
-    step = max(line.t_c, line.t_m)
-    if line.t_m > line.t_c:
-        notes.append(f"{(line.t_m - line.t_c) * 1e3:.3f} ms of communication is never waited on before the step "
+    t_m = max(line.t_m.values(), default=0.0)
+    step = max(line.t_c, t_m)
+    if t_m > line.t_c:
+        notes.append(f"{(t_m - line.t_c) * 1e3:.3f} ms of communication is never waited on before the step "
                      f"ends.")
-        line.exposed += line.t_m - line.t_c
+        line.exposed += t_m - line.t_c
     if mem.peak_bytes > hw.hbm_bytes:
         notes.append(f"peak memory {mem.peak_bytes / 2**30:.2f} GiB exceeds the {hw.hbm_bytes / 2**30:.2f} GiB "
                      f"of HBM per device on {hw.name} (peak at node {mem.peak_node}).")
@@ -107,7 +110,8 @@ def _scan(nodes) -> _Facts:
 
 
 class _Timeline:
-    """The two streams. t_c: compute stream clock; t_m: comm stream clock; done: when each value is ready."""
+    """The streams. t_c: compute stream clock; t_m: comm stream clock per mesh axis; done: when each value is
+    ready."""
 
     def __init__(self, hw, mesh, axis_map, facts, exclude, issue):
         self.hw, self.mesh, self.axis_map, self.f, self.exclude, self.issue = hw, mesh, axis_map, facts, exclude, issue
@@ -119,7 +123,8 @@ class _Timeline:
         self.trace: list = []
         self.notes: list = []
         self.flops_by_dtype: dict = {}
-        self.t_c = self.t_m = self.compute_s = self.comm_s = self.exposed = 0.0
+        self.t_m: dict = {}
+        self.t_c = self.compute_s = self.comm_s = self.exposed = 0.0
         self.model_flops = 0
 
     def step(self, node):
@@ -158,16 +163,16 @@ class _Timeline:
             ready = max([self.done[a] for a in self.f.inputs[node]], default=0.0)
         else:                             # when the compute stream reaches it
             ready = self.t_c
-        start = max(ready, self.t_m)
-        self.t_m = start + t
+        start = max(ready, self.t_m.get(axis, 0.0))
+        end = self.t_m[axis] = start + t
         self.comm_s += t
         self.trace.append((1, f"{kind}[{axis}] {node.name}", start, t))
-        self.coll_end[node] = (self.t_m, len(self.timings))
+        self.coll_end[node] = (end, len(self.timings))
         self.timings.append(CollectiveTiming(
             kind, axis or "?", getattr(rec, "group_size", 0), int(size), getattr(rec, "dtype", ""),
             getattr(rec, "tactic", ""), getattr(rec, "value", ""), node.name, t,
-            est.tactic if est else "unknown", start, self.t_m, 0.0))
-        self.done[node] = self.t_m
+            est.tactic if est else "unknown", start, end, 0.0))
+        self.done[node] = end
 
     def wait(self, node):
         end, idx = self.coll_end.get(node.args[0] if node.args else None, (0.0, -1))
