@@ -31,3 +31,20 @@ class RuntimeMismatchError(PartitionError):
 def closest(name: str, candidates, n: int = 3) -> list[str]:
     """The few candidates nearest to `name`, for 'did you mean' hints."""
     return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.3)
+
+
+class InternalError(PartitionError):
+    """Something partir_torch did not expect while building or running the program (a bug to report): the
+    message names the node, its aten op and the user's source line that made it."""
+
+
+def internal_error(node, stage: str, exc: BaseException) -> InternalError:
+    """An InternalError for `exc`, raised while `stage` (lowering, running) handled fx node `node`."""
+    from .capture.graphutil import source_line
+
+    where = source_line(node) if node is not None else ""
+    what = node.format_node() if node is not None else "?"
+    return InternalError(f"partir_torch: internal error while {stage} {what}: {type(exc).__name__}: {exc}"
+                         + (f"\n  made by {where}" if where else "")
+                         + "\nPlease report this with the model; as a workaround, leave the value whole on the axis "
+                           "(ManualPartition with REPLICATED) or register a rule for the op (pt.register_rule).")

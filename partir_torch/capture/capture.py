@@ -4,6 +4,7 @@ model on `meta` captures without allocating it."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -12,14 +13,17 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.func import functional_call, functionalize, grad_and_value
+from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_mutation, sync_functional_tensor, to_fun
 
-from ..errors import TraceError
+from ..errors import PartitionError, TraceError
 from .decompositions import capture_decompositions
-from .graphutil import forward_nodes
+from .graphutil import forward_nodes, source_line
 from .optim import functional_optimizer
 from .tags import collect_tags, install_hooks
+from .tidy import untie_random_templates
 
 FORWARD, LOSS_AND_GRADS, TRAIN = "forward", "loss_and_grads", "train"
 
@@ -41,6 +45,7 @@ class Captured:
     trainable: list = field(default_factory=list)
     buffer_fqns: list = field(default_factory=list)
     device: torch.device = torch.device("cpu")
+    consts: dict = field(default_factory=dict)   # "consts.<i>" -> tensor created inside the step (lifted)
 
 
 class _Bound:
@@ -89,12 +94,163 @@ def _user_frame(exc: BaseException) -> str:
     return found
 
 
+def _functional(step):
+    """`step` traced under functionalization (AOTAutograd's FunctionalTensorMode, which, unlike
+    torch.func.functionalize, lets autograd run above it): in-place ops become out-of-place ones, and a state
+    input the step writes into (a batch norm's running statistics) ends as one `copy_` into its placeholder,
+    which _state_mutations turns into a state output."""
+    def wrapped(*args):
+        with FunctionalTensorMode():
+            fargs = [to_fun(a) for a in args]
+            outs = [from_fun(o) for o in step(*fargs)]
+            for a, fa in zip(args, fargs):
+                sync_functional_tensor(fa)
+                if has_data_mutation(fa):
+                    a.copy_(from_fun(fa))
+        return outs
+    return wrapped
+
+
+def _check_loss(loss, model) -> None:
+    if not isinstance(loss, torch.Tensor):
+        hint = " (a model output object: return its .loss, e.g. loss_fn=lambda m, x, y: m(input_ids=x, " \
+               "labels=y).loss)" if hasattr(loss, "loss") else ""
+        raise TraceError(f"partition: loss_fn returned a {type(loss).__name__}, not a tensor{hint}. It must "
+                         f"return the scalar loss of {type(model).__name__}'s step.")
+    if loss.dim() != 0:
+        raise TraceError(f"partition: loss_fn returned a tensor of shape {tuple(loss.shape)}; the loss must be a "
+                         f"scalar. Reduce it (.mean() or .sum()) inside loss_fn.")
+    if not loss.is_floating_point():
+        raise TraceError(f"partition: loss_fn returned a {loss.dtype} scalar; a loss to differentiate must be "
+                         f"floating point.")
+
+
+_DATA_DEPENDENT = ("data-dependent", "data dependent", "_local_scalar_dense", "item()", "DataDependent",
+                   "GuardOnDataDependentSymNode", "nonzero", "dynamic output shape", "DynamicOutputShape")
+
+
+def _check_signature(loss_fn, model, example_inputs) -> None:
+    try:
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):    # builtins and C callables have no signature to check
+        return
+    try:
+        sig.bind(model, *example_inputs)
+    except TypeError as e:
+        raise TraceError(f"partition: loss_fn is called as loss_fn(model, *example_inputs), here with the model and "
+                         f"{len(example_inputs)} input(s), but its signature {sig} does not accept that ({e}). "
+                         f"Give loss_fn one parameter per element of example_inputs after the model.") from None
+
+
+def _inputs_text(example_inputs) -> str:
+    flat, _ = tree_flatten(tuple(example_inputs))
+    return ", ".join(f"inputs.{i} {tuple(x.shape)} {x.dtype}" for i, x in enumerate(flat)
+                     if isinstance(x, torch.Tensor))
+
+
+def _trace_error(e: BaseException, mode: str, model, example_inputs=()) -> TraceError:
+    """One TraceError whose advice matches the cause."""
+    where = _user_frame(e)
+    text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    full = f"{type(e).__name__} {e}"
+    if "dtype" in full or "scalar type" in full:
+        dtypes = sorted({str(p.dtype) for p in model.parameters()})
+        advice = (f"A dtype mismatch: the example inputs are {_inputs_text(example_inputs)}; the parameters are "
+                  f"{', '.join(dtypes)}. Give the inputs the dtypes the model expects (token ids as torch.long, "
+                  f"features in the parameters' dtype).")
+    elif any(k in full for k in _DATA_DEPENDENT):
+        advice = ("The step branches on tensor values or has a data-dependent shape (if x.sum() > 0, .item(), "
+                  "nonzero, boolean-mask indexing). Rewrite it with torch.where / masks, or move the branch out of "
+                  "the model.")
+    elif "fake" in full.lower() and ("kernel" in full or "impl" in full):
+        advice = ("An op has no fake-tensor (shape) implementation. Register one with torch.library.register_fake "
+                  "for the custom op named above.")
+    elif isinstance(e, NotImplementedError):
+        advice = "An op used by the step is not implemented for tracing on this device; see the op named above."
+    else:
+        advice = ("This is where tracing the step on fake tensors stopped; the line above is the last frame of "
+                  "your code. If the model runs eagerly, please report it with this message.")
+    return TraceError(f"partition: the {mode.replace('_', ' ')} step of {type(model).__name__} could not be "
+                      f"traced into one graph: {text}" + (f"\n  at {where}" if where else "") + "\n" + advice)
+
+
+_INDEX_ARGS = {torch.ops.aten.embedding.default: 1, torch.ops.aten.index_select.default: 2,
+               torch.ops.aten.gather.default: 2, torch.ops.aten.embedding_dense_backward.default: 1}
+
+
+def _check_indices(gm: fx.GraphModule, model) -> None:
+    """Eager torch refuses floating-point indices (token ids given as floats); a trace on fake tensors would
+    truncate them silently."""
+    for n in gm.graph.nodes:
+        at = _INDEX_ARGS.get(n.target)
+        idx = n.args[at] if at is not None and len(n.args) > at else None
+        val = idx.meta.get("val") if isinstance(idx, fx.Node) else None
+        if isinstance(val, torch.Tensor) and val.is_floating_point():
+            where = source_line(n)
+            raise TraceError(f"partition: {n.target} in {type(model).__name__} is given {val.dtype} indices of "
+                             f"shape {tuple(val.shape)} (token ids as floats?)" + (f"\n  at {where}" if where else "")
+                             + "\nIndices must be integer tensors (torch.long); eager PyTorch raises here too. "
+                               "Pass the batch's ids as x.long().")
+
+
+def _lift_constants(gm: fx.GraphModule, names: list, roles: list) -> dict:
+    """Tensors created inside the step and kept as attributes by make_fx (torch.tensor(...), an HF cache's empty
+    tensors) become placeholders `consts.<i>` (role "const"): ordinary values with rules, fed at every call."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    consts = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        t = getattr(gm, node.target, None)
+        if not isinstance(t, torch.Tensor):
+            continue
+        name = f"consts.{len(consts)}"
+        with gm.graph.inserting_after(placeholders[-1]):
+            ph = gm.graph.placeholder(name.replace(".", "_"))
+        ph.meta.update(node.meta)
+        placeholders.append(ph)
+        node.replace_all_uses_with(ph)
+        gm.graph.erase_node(node)
+        delattr(gm, node.target)
+        consts[name] = t.detach()
+        names.append(name), roles.append("const")
+    return consts
+
+
+def _state_mutations(gm: fx.GraphModule, names: list, roles: list, out_names: list, model) -> None:
+    """A buffer the step writes into (running statistics) becomes a state output named like its placeholder (tied
+    to it, so it keeps its layout step after step); writes into the caller's batch are dropped; writes into
+    parameters or optimizer state are refused."""
+    role_of = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], zip(names, roles)))
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    extra = []
+    for node in list(gm.graph.nodes):
+        if node.target is not torch.ops.aten.copy_.default or node.args[0].op != "placeholder":
+            continue
+        name, role = role_of[node.args[0]]
+        if role in ("param", "opt_state"):
+            where = node.meta.get("stack_trace", "").strip().splitlines()[-2:]
+            raise TraceError(f"partition: the step of {type(model).__name__} writes into {name} in place"
+                             + (f" ({' '.join(w.strip() for w in where)})" if where else "")
+                             + ". Parameters change only through the optimizer; compute a new tensor instead.")
+        if role == "buffer":
+            extra.append(node.args[1])
+            out_names.append(name)
+        gm.graph.erase_node(node)
+    if extra:
+        out_node.args = (list(out_node.args[0]) + extra,)
+    gm.graph.lint()
+    gm.recompile()
+
+
 def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None, options=(),
             decompositions=None) -> Captured:
     """options: capture-time tactics (MixedPrecision, Remat) that shape the traced step; decompositions: extra
     ones a tactic needs (see decompositions.py)."""
     example_inputs = tuple(example_inputs)
     mode = FORWARD if loss_fn is None else (LOSS_AND_GRADS if optimizer is None else TRAIN)
+    if loss_fn is not None:
+        _check_signature(loss_fn, model, example_inputs)
     device = _trace_device(model, example_inputs)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -108,6 +264,8 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake = lambda t: _fakify(fake_mode, t, device)
     fparams = {k: fake(p.detach()) for k, p in params.items()}
+    for k in trainable:
+        fparams[k].requires_grad_(True)
     fbuffers = {k: fake(b) for k, b in buffers.items()}
     opt_state: dict = {}
     if fopt is not None:
@@ -148,16 +306,18 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
             spec_box.append(spec)
             out_names[:] = [f"outputs.{i}" for i in range(len(flat_out))]
             return flat_out
-        fixed = {k: p[k] for k in frozen}
-
-        def loss_of(tp):
-            state, args = {**tp, **fixed, **b}, batch
-            for opt in options:
-                state, args = opt.transform_step(state, args)
-            loss = loss_fn(_Bound(model, state), *args)
-            return loss.float() if loss.is_floating_point() else loss
-
-        grads, loss = grad_and_value(loss_of)({k: p[k] for k in trainable})
+        state, fargs = {**p, **b}, batch
+        for opt in options:
+            state, fargs = opt.transform_step(state, fargs)
+        with torch.enable_grad():
+            loss = loss_fn(_Bound(model, state), *fargs)
+            _check_loss(loss, model)
+            loss = loss.float()
+            # the backward as autograd runs it (AOTAutograd's joint trace): custom autograd.Functions, old-style
+            # or with setup_context, and library ops with registered autograd are differentiated as in eager
+            got = torch.autograd.grad(loss, [p[k] for k in trainable], allow_unused=True)
+        grads = {k: torch.zeros_like(p[k]) if g is None else g for k, g in zip(trainable, got)}
+        loss = loss.detach()
         if mode == LOSS_AND_GRADS:
             out_names[:] = ["loss"] + [f"grads.{k}" for k in trainable]
             return [loss] + [grads[k] for k in trainable]
@@ -166,7 +326,8 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         for (s, k), t in zip(state_keys, args[off:off + len(state_keys)]):
             st.setdefault(s, {})[k] = t
         lr, count = args[off + len(state_keys)], args[off + len(state_keys) + 1]
-        new_p, new_s = fopt.update({k: p[k] for k in trainable}, grads, st, lr, count)
+        with torch.no_grad():
+            new_p, new_s = fopt.update({k: p[k] for k in trainable}, grads, st, lr, count)
         out_names[:] = ["loss"] + [f"params.{k}" for k in trainable] + [f"opt.{s}.{k}" for s, k in state_keys]
         return [loss] + [new_p[k] for k in trainable] + [new_s[s][k] for s, k in state_keys]
 
@@ -176,20 +337,21 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     try:
         table = {**capture_decompositions(), **(decompositions or {})}
         with _tracing_session():
-            gm = make_fx(functionalize(step, remove="mutations"), tracing_mode="fake", decomposition_table=table)(*flat)
+            gm = make_fx(_functional(step), tracing_mode="fake", decomposition_table=table)(*flat)
+    except PartitionError:
+        raise
     except Exception as e:  # noqa: BLE001 - every trace failure becomes one clear error
-        where = _user_frame(e)
-        raise TraceError(
-            f"partition: the {mode.replace('_', ' ')} step of {type(model).__name__} could not be traced into one "
-            f"graph: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            + (f"\n  at {where}" if where else "")
-            + "\nThe step must not branch on tensor values (if x.sum() > 0, .item(), data-dependent shapes). "
-              "Rewrite it with torch.where / masks, or move the branch out of the model.") from e
+        raise _trace_error(e, mode, model, example_inputs) from e
     finally:
         for h in handles:
             h.remove()
+    _check_indices(gm, model)
+    consts = _lift_constants(gm, names, roles)
+    untie_random_templates(gm)
+    _state_mutations(gm, names, roles, out_names, model)
     cap = _annotate(gm, mode, names, roles, out_names, spec_box[0] if spec_box else None, fopt,
                     list(params), trainable, list(buffers), device)
+    cap.consts = consts
     for opt in options:
         opt.rewrite(cap)
     return cap

@@ -28,6 +28,12 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..errors import PartitionError
+
+
+class OptimizerError(PartitionError, NotImplementedError):
+    """The optimizer cannot be captured (unsupported kind, foreign or complex parameters)."""
+
 LR = Tensor | dict[str, Tensor] | float
 State = dict[str, dict[str, Tensor]]
 
@@ -50,16 +56,24 @@ class FunctionalOptimizer:
                 "decoupled_weight_decay", False)
             self.kind = "adamw" if decoupled else "adam"
         else:
-            raise NotImplementedError(f"unsupported optimizer {type(opt).__name__}")
+            raise OptimizerError(
+                f"partition: optimizer {type(opt).__name__} is not supported. Supported: torch.optim.SGD (momentum, "
+                f"nesterov, weight decay), torch.optim.Adam and torch.optim.AdamW (incl. amsgrad). To add one, write "
+                f"its update as a pure function of (param, grad, state) tensors in partir_torch/capture/optim.py "
+                f"(FunctionalOptimizer: a kind, its state names, an update) so it traces into the step; or capture "
+                f"without an optimizer (prog.loss_and_grads) and update the parameters yourself.")
         self._opt = opt
         self._group: dict[str, int] = {}  # fqn -> param group index
         self._param: dict[str, Tensor] = {}  # fqn -> torch parameter
         for gi, group in enumerate(opt.param_groups):
             for p in group["params"]:
                 if id(p) not in names:
-                    raise KeyError("optimizer parameter missing from `names`")
+                    raise OptimizerError(f"partition: the optimizer holds a parameter of shape {tuple(p.shape)} that "
+                                         f"is not a parameter of the model. Build the optimizer from "
+                                         f"model.parameters() of the model you partition.")
                 if torch.is_complex(p):
-                    raise NotImplementedError(f"complex parameter {names[id(p)]}")
+                    raise OptimizerError(f"partition: parameter {names[id(p)]} is complex; the captured optimizers "
+                                         f"update real tensors only.")
                 self._group[names[id(p)]], self._param[names[id(p)]] = gi, p
         groups = opt.param_groups
         if self.kind == "sgd":

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_map
 
 from ..propagate.engine import _stride_of, place_axis
 from ..propagate.state import PARTIAL_OP
+from ..errors import PartitionError, internal_error
 from ..sharding import Sharding
 from . import indexed
 from ..capture.graphutil import ancestors, descendants
@@ -180,70 +181,77 @@ def lower(prog, groups: dict) -> Lowered:
             cache[key] = (x, _local(g.shapes[v], want, mesh))
         return cache[key]
 
-    for node in g.gm.graph.nodes:
-        if node.op == "placeholder":
-            continue
-        phase[0] = phase_of.get(node, "optimizer")
-        if node.op == "output":
-            outs = []
-            for name, o in zip(cap.output_names, node.args[0]):
-                v = g.vid[o]
-                keep = name.startswith("params.") or name.startswith("opt.")
-                want = _strip(layout[v]) if keep else Sharding.replicate(len(g.shapes[v]))
-                x, _ = fetch(o, want)
-                outs.append(x)
-                out_layouts.append(want)
-            new.output(tuple(outs))
-            continue
-        if node.target is operator.getitem:
-            src = env[node.args[0]]
-            x = new.call_function(operator.getitem, (src, node.args[1]))
+    current = [None]
+    try:
+        for node in g.gm.graph.nodes:
+            current[0] = node
+            if node.op == "placeholder":
+                continue
+            phase[0] = phase_of.get(node, "optimizer")
+            if node.op == "output":
+                outs = []
+                for name, o in zip(cap.output_names, node.args[0]):
+                    v = g.vid[o]
+                    keep = name.startswith(("params.", "opt.", "buffers."))
+                    want = _strip(layout[v]) if keep else Sharding.replicate(len(g.shapes[v]))
+                    x, _ = fetch(o, want)
+                    outs.append(x)
+                    out_layouts.append(want)
+                new.output(tuple(outs))
+                continue
+            if node.target is operator.getitem:
+                src = env[node.args[0]]
+                x = new.call_function(operator.getitem, (src, node.args[1]))
+                env[node] = x
+                v = g.vid.get(node)
+                produced = produced_of[node.args[0]][node.args[1]]
+                if v is not None:
+                    local_shape[node] = _local(g.shapes[v], produced, mesh)
+                    settle(node, produced, v)
+                continue
+            i = op_index.get(node)
+            if i is None:
+                raise RuntimeError("the node is neither an op with a rule slot nor a placeholder")
+            ins, outs = layouts_of[i]
+            op = g.ops[i]
+            slot = iter(range(len(op.operands)))
+            in_local = []
+
+            def mapped(a):
+                if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) and a in g.vid:
+                    j = next(slot)
+                    x, shp = fetch(a, ins[j])
+                    in_local.append(shp)
+                    return x
+                if isinstance(a, fx.Node):
+                    return env[a]
+                return a
+
+            args = tree_map(mapped, node.args)
+            kwargs = tree_map(mapped, node.kwargs)
+            out_local = [None if o is None else _local(g.shapes[v], o, mesh) if v is not None else None
+                         for o, v in zip(outs, op.results)]
+            if not isinstance(node.meta.get("val"), torch.Tensor):
+                vals = node.meta["val"]
+                out_local = [None if not isinstance(t, torch.Tensor) else
+                             (out_local[k] if out_local[k] is not None else _local(tuple(t.shape), outs[k], mesh))
+                             if outs[k] is not None else tuple(t.shape) for k, t in enumerate(vals)]
+            args, kwargs = localize_args(node, args, kwargs, in_local, out_local)
+            target = _RESHAPE.get(node.target, node.target)
+            x = _indexed(em, prog, i, args, kwargs) or new.call_function(target, args, kwargs)
+            x.meta["partir_src"] = node.name
+            if node.meta.get("partir_recompute"):
+                x.meta["partir_recompute"] = node.meta["partir_recompute"]
             env[node] = x
-            v = g.vid.get(node)
-            produced = produced_of[node.args[0]][node.args[1]]
-            if v is not None:
-                local_shape[node] = _local(g.shapes[v], produced, mesh)
-                settle(node, produced, v)
-            continue
-        i = op_index.get(node)
-        if i is None:
-            raise AssertionError(f"internal: node {node.format_node()} is not an op")
-        ins, outs = layouts_of[i]
-        op = g.ops[i]
-        slot = iter(range(len(op.operands)))
-        in_local = []
-
-        def mapped(a):
-            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) and a in g.vid:
-                j = next(slot)
-                x, shp = fetch(a, ins[j])
-                in_local.append(shp)
-                return x
-            if isinstance(a, fx.Node):
-                return env[a]
-            return a
-
-        args = tree_map(mapped, node.args)
-        kwargs = tree_map(mapped, node.kwargs)
-        out_local = [None if o is None else _local(g.shapes[v], o, mesh) if v is not None else None
-                     for o, v in zip(outs, op.results)]
-        if not isinstance(node.meta.get("val"), torch.Tensor):
-            vals = node.meta["val"]
-            out_local = [None if not isinstance(t, torch.Tensor) else
-                         (out_local[k] if out_local[k] is not None else _local(tuple(t.shape), outs[k], mesh))
-                         if outs[k] is not None else tuple(t.shape) for k, t in enumerate(vals)]
-        args, kwargs = localize_args(node, args, kwargs, in_local, out_local)
-        target = _RESHAPE.get(node.target, node.target)
-        x = _indexed(em, prog, i, args, kwargs) or new.call_function(target, args, kwargs)
-        x.meta["partir_src"] = node.name
-        if node.meta.get("partir_recompute"):
-            x.meta["partir_recompute"] = node.meta["partir_recompute"]
-        env[node] = x
-        produced_of[node] = outs
-        if isinstance(node.meta.get("val"), torch.Tensor):
-            v = g.vid[node]
-            local_shape[node] = out_local[0]
-            settle(node, outs[0], v)
+            produced_of[node] = outs
+            if isinstance(node.meta.get("val"), torch.Tensor):
+                v = g.vid[node]
+                local_shape[node] = out_local[0]
+                settle(node, outs[0], v)
+    except PartitionError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a bug of ours, reported with the node that hit it
+        raise internal_error(current[0], "lowering", e) from e
 
     cap = getattr(prog, "bucket_bytes", 0)
     records = bucket_collectives(new, em.records, cap) if cap else em.records

@@ -230,6 +230,8 @@ class Propagator:
         partial_ops = []
         for is_res, j, dims, vid in slots:
             s = st.value[g.canon[vid]]
+            if s >= 0 and is_res and rule.sliced_results:
+                continue
             if s >= 0:
                 fs = dims[s] if s < len(dims) else ()
                 f, inner = _factor_at(rule, fs, self.strides.get((g.canon[vid], st.axis), 1))

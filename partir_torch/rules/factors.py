@@ -52,6 +52,7 @@ class OpRule:
     operands: tuple
     results: tuple
     linear: tuple = ()
+    sliced_results: bool = False     # results are computed whole; a tiling their users ask for is a local slice
 
     def slots(self):
         """(is_result, index, dims) for every tensor slot."""
@@ -91,10 +92,10 @@ class RuleBuilder:
         """A fresh factor per dim of size > 1."""
         return [(self.new(s, kind),) if s > 1 else () for s in shape]
 
-    def rule(self, operands, results, linear=()) -> OpRule:
+    def rule(self, operands, results, linear=(), sliced_results=False) -> OpRule:
         tup = lambda x: None if x is None else tuple(tuple(d) for d in x)
         return OpRule(tuple(self.factors), tuple(tup(o) for o in operands), tuple(tup(r) for r in results),
-                      tuple((frozenset(s), tuple(ops)) for s, ops in linear))
+                      tuple((frozenset(s), tuple(ops)) for s, ops in linear), sliced_results)
 
 
 def einsum(spec: str, in_shapes, out_shapes, need_rep: str = "", blocked: str = "", reduce: dict | None = None,

@@ -86,12 +86,13 @@ RANDOM = [aten.bernoulli.p, aten.bernoulli.default, aten.rand_like.default, aten
 
 
 def whole(ctx):
-    """Every dim kept whole (random draws)."""
+    """Every dim kept whole (random draws); a result its users tile is the rank's slice of the whole draw, which
+    is no conflict."""
     from .factors import RuleBuilder
 
     b = RuleBuilder()
     return b.rule([[()] * len(x) for x in ctx.in_shapes], [None if o is None else [()] * len(o)
-                                                            for o in ctx.out_shapes])
+                                                            for o in ctx.out_shapes], sliced_results=True)
 
 
 def rules() -> dict:

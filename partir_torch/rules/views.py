@@ -61,12 +61,13 @@ def squeeze_like(ctx):
     return b.rule([ins], [outs], MOVES)
 
 
-def along(dim_arg):
+def along(dim_arg, like_result=False):
     """Ops that cut or join along one dim (slice, select, split, cat, unbind): that dim is kept whole (it has no
     factor, so a tiling of it is gathered first); the other dims are PASS, matched in order (select drops its dim).
+    like_result: dims are named after the result's shape (cat, whose first operand may be a legacy empty tensor).
     """
     def rule(ctx):
-        shape = ctx.in_shapes[0]
+        shape = ctx.out_shapes[0] if like_result else ctx.in_shapes[0]
         dim = ctx.arg(dim_arg, "dim", 0) % max(len(shape), 1)
         b = RuleBuilder()
         ids = [(b.new(s),) if s > 1 and d != dim else () for d, s in enumerate(shape)]
@@ -102,13 +103,15 @@ def split_rule(ctx):
 
 def cat_rule(ctx):
     """cat of equal-size pieces along dim: the result's dim is (pieces, size), the mirror of split_rule (the
-    gradient of a fused q/k/v projection)."""
+    gradient of a fused q/k/v projection). torch.cat skips 1-d empty operands (an empty cache joined with new
+    keys): they get no dims (nothing to tile) and the others are named after the result."""
     shapes = [s for s in ctx.in_shapes]
     out = ctx.out_shapes[0]
     dim = ctx.arg(1, "dim", 0) % max(len(out), 1)
     sizes = {s[dim] for s in shapes if len(s) == len(out)}
-    if len(sizes) != 1 or len(shapes) * next(iter(sizes)) != out[dim] or next(iter(sizes)) <= 1:
-        return along(1)(ctx)
+    if (len(sizes) != 1 or len(shapes) * next(iter(sizes)) != out[dim] or next(iter(sizes)) <= 1
+            or any(len(s) != len(out) for s in shapes)):
+        return along(1, like_result=True)(ctx)
     b = RuleBuilder()
     ids = [(b.new(s),) if s > 1 and d != dim else () for d, s in enumerate(out)]
     pieces, part = b.new(len(shapes), "need_rep"), b.new(next(iter(sizes)))
@@ -117,6 +120,17 @@ def cat_rule(ctx):
     res = list(ids)
     res[dim] = (pieces, part)
     return b.rule([ins for _ in shapes], [res], [(set(range(len(shapes))), ALL_OPS)])
+
+
+def pad_rule(ctx):
+    """constant_pad_nd(x, pad, value): a padded dim is kept whole, the others PASS; linear (a partial x stays
+    partial) only when the padding value is 0 (a value v would be counted once per rank)."""
+    shape = ctx.in_shapes[0]
+    pad = ctx.arg(1, "pad")
+    padded = {len(shape) - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]}
+    b = RuleBuilder()
+    ids = [(b.new(s),) if s > 1 and d not in padded else () for d, s in enumerate(shape)]
+    return b.rule([ids], [ids], MOVES if ctx.arg(2, "value", 0) == 0 else [])
 
 
 def slice_rule(ctx):
@@ -150,6 +164,6 @@ def rules() -> dict:
         aten.squeeze.default: squeeze_like,
         aten.slice.Tensor: slice_rule, aten.select.int: along(1),
         aten.split.Tensor: split_rule, aten.split_with_sizes.default: split_rule,
-        aten.cat.default: cat_rule, aten.unbind.int: along(1),
+        aten.cat.default: cat_rule, aten.constant_pad_nd.default: pad_rule, aten.unbind.int: along(1),
         aten.slice_backward.default: along(2), aten.select_backward.default: select_backward,
     }

@@ -5,7 +5,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
-from ..errors import PartitionError
+from ..errors import PartitionError, internal_error
 from ..lower.lower import lower
 from .distributed import DistributedRuntime, real_ranks_active
 from .emulate import EmulatedRuntime
@@ -87,12 +87,15 @@ class Executor:
             elif role == "lr":
                 lr = cap.fopt.lr
                 args.append(self.rt.local(torch.tensor(lr, dtype=torch.float64)))
+            elif role == "const":
+                args.append(self.rt.shard(cap.consts[name], sh))
             elif role == "step":
                 args.append(self.rt.local(torch.tensor(float(self.steps + 1), dtype=torch.float64)))
             else:
                 x = flat[k]
                 k += 1
                 want = self.prog.graph.shapes[self.prog.graph.vid[self._placeholder(name)]]
+                self._check_input(name, x)
                 if local:
                     if tuple(x.shape) != tuple(shp):
                         raise PartitionError(f"train_step_local: {name} has shape {tuple(x.shape)}, but each rank's "
@@ -105,6 +108,22 @@ class Executor:
                     args.append(self.rt.shard(x, sh))
         return args + self.rt.coords()
 
+    def _check_input(self, name, x):
+        """The call's input against the captured one: type, dtype and device (shapes are checked by the caller,
+        against the global or the per-rank shape)."""
+        val = self._placeholder(name).meta["val"]
+        if not isinstance(x, torch.Tensor):
+            raise PartitionError(f"{name} is a {type(x).__name__}; the program was captured with a tensor "
+                                 f"{tuple(val.shape)} {val.dtype} there.")
+        if x.dtype != val.dtype:
+            raise PartitionError(f"{name} has dtype {x.dtype}; the program was captured with {val.dtype} "
+                                 f"(shape {tuple(val.shape)}). Convert it (x.to({val.dtype})) or re-partition with "
+                                 f"example inputs of this dtype.")
+        dev = self.prog.captured.device
+        if x.device.type == "meta" or (x.device.type != dev.type and dev.type != "meta"):
+            raise PartitionError(f"{name} is on {x.device}; the program runs on {dev.type}. Move the batch there "
+                                 f"(x.to('{dev.type}')).")
+
     def _placeholder(self, name):
         return self.prog.captured.names[name]
 
@@ -113,15 +132,34 @@ class Executor:
         keeps them whole), so a step equals the single-device step given the same generator state; on real ranks
         every process must be seeded alike (checked with the plan at start-up)."""
         low = self.ensure()
-        return list(self.rt.run(low.gm, self._args(batch, local)))
+        args = self._args(batch, local)
+        try:
+            return list(self.rt.run(low.gm, args))
+        except PartitionError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failing per-device op is a bug of ours: name its node
+            raise internal_error(self._failing_node(low.gm, e), "running", e) from e
+
+    def _failing_node(self, gm, exc):
+        """The captured node whose per-device op raised `exc` (from the generated code's line), else None."""
+        import traceback
+
+        lines = gm.code.splitlines()
+        for fr in reversed(traceback.extract_tb(exc.__traceback__)):
+            if fr.filename.startswith("<eval_with_key>") and 0 < fr.lineno <= len(lines):
+                name = lines[fr.lineno - 1].strip().split(" = ")[0]
+                node = next((n for n in gm.graph.nodes if n.name == name), None)
+                src = node.meta.get("partir_src") if node is not None else None
+                orig = next((n for n in self.prog.captured.gm.graph.nodes if n.name == src), None)
+                return orig or node
+        return None
 
     def train_step(self, batch, local=False):
         cap = self.prog.captured
         if cap.mode != TRAIN:
             raise PartitionError("train_step needs partition(..., loss_fn=..., optimizer=...).")
         outs = self.run(batch, local)
-        for name, t in zip(cap.output_names[1:], outs[1:]):
-            self.state[name] = t
+        self._keep_state(outs)
         self.steps += 1
         return self.rt.rank0(outs[0])
 
@@ -130,8 +168,15 @@ class Executor:
         if cap.mode != LOSS_AND_GRADS:
             raise PartitionError("loss_and_grads needs partition(..., loss_fn=...) without an optimizer.")
         outs = self.run(batch)
+        self._keep_state(outs)
         return self.rt.rank0(outs[0]), {n[len("grads."):]: self.rt.rank0(t)
-                                        for n, t in zip(cap.output_names[1:], outs[1:])}
+                                        for n, t in zip(cap.output_names[1:], outs[1:]) if n.startswith("grads.")}
+
+    def _keep_state(self, outs):
+        """Updated state outputs (buffers written by the forward: running statistics) replace the state held."""
+        for name, t in zip(self.prog.captured.output_names, outs):
+            if name in self.state:
+                self.state[name] = t
 
     def forward(self, inputs):
         cap = self.prog.captured
@@ -139,7 +184,9 @@ class Executor:
             raise PartitionError("calling the program runs the forward; this program was captured with a loss_fn "
                                  "(use train_step or loss_and_grads).")
         outs = self.run(inputs)
-        return tree_unflatten([self.rt.rank0(t) for t in outs], cap.out_spec)
+        self._keep_state(outs)
+        n = cap.out_spec.num_leaves
+        return tree_unflatten([self.rt.rank0(t) for t in outs[:n]], cap.out_spec)
 
     # -- state -----------------------------------------------------------------------------------------------------
     def _layout(self, name):
