@@ -48,8 +48,10 @@ class MixedPrecision:
         return {k: cast(v) for k, v in state.items()}, tuple(cast(a) for a in args)
 
     def rewrite(self, cap) -> None:
-        """reduce_dtype == param_dtype: stop partial gradients at their up-cast, so they are reduced in the
-        compute dtype (the engine never passes a partial through a node marked this way)."""
+        """Each phase casts the parameters it uses (split_param_casts); reduce_dtype == param_dtype: stop partial
+        gradients at their up-cast, so they are reduced in the compute dtype (the engine never passes a partial
+        through a node marked this way)."""
+        split_param_casts(cap.gm)
         if self.reduce_dtype == torch.float32:
             return
         for n in cap.gm.graph.nodes:
@@ -64,6 +66,43 @@ class MixedPrecision:
 
 def mixed_precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) -> MixedPrecision:
     return MixedPrecision(param_dtype, reduce_dtype)
+
+
+def _forward_of(gm) -> tuple:
+    """(nodes in order, the forward: every node traced up to the loss, including results only the backward reads,
+    such as a norm's saved mean and rstd). make_fx traces the forward first; the step returns loss.detach()."""
+    nodes = list(gm.graph.nodes)
+    loss = nodes[-1].args[0][0]
+    while loss.target in (aten.detach.default, aten.alias.default):
+        loss = loss.args[0]
+    return nodes, set(nodes[:nodes.index(loss) + 1])
+
+
+def split_param_casts(gm) -> None:
+    """A parameter's cast (mixed precision's `_to_copy` to the compute dtype) used by the forward and by the
+    backward (directly, through a view of it, or by a recomputed forward) is duplicated for the backward, as
+    capture duplicates parameter views: a tiled parameter is then gathered, already cast, once per phase, and the
+    gathered copy does not live from the forward to the backward (ZeRO-3's memory saving, kept under mixed
+    precision and remat)."""
+    nodes, fwd = _forward_of(gm)
+    index = {n: i for i, n in enumerate(nodes)}
+    changed = False
+    for n in nodes:
+        if n not in fwd or n.target is not aten._to_copy.default or n.args[0].op != "placeholder" \
+                or n.args[0].meta.get("partir_role") != "param":
+            continue
+        late = [u for u in n.users if u not in fwd and u.op != "output"]
+        if not late or len(late) == len(n.users):
+            continue
+        with gm.graph.inserting_before(min(late, key=index.__getitem__)):
+            dup = gm.graph.call_function(n.target, n.args, n.kwargs)
+        dup.meta.update({k: v for k, v in n.meta.items() if k not in ("partir_tag", "partir_tags")})
+        for u in late:
+            u.replace_input_with(n, dup)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
 
 
 _RANDOM = {aten.native_dropout.default, aten.rand.default, aten.randn.default, aten.rand_like.default,
@@ -116,13 +155,7 @@ class Remat:
 
     def rewrite(self, cap) -> None:
         gm = cap.gm
-        nodes = list(gm.graph.nodes)
-        loss = nodes[-1].args[0][0]
-        while loss.target in (aten.detach.default, aten.alias.default):   # the step returns loss.detach()
-            loss = loss.args[0]
-        # make_fx traces the forward first: everything up to the loss is forward (including results only the
-        # backward reads, such as a norm's saved mean and rstd)
-        fwd = set(nodes[:nodes.index(loss) + 1])
+        nodes, fwd = _forward_of(gm)
         groups: dict = {}
         for n in nodes:
             fqn = n.meta.get("partir_remat")
@@ -154,10 +187,12 @@ class Remat:
                     c.meta.pop("partir_tags", None)
                     c.meta.pop("partir_tag", None)
                     c.meta["partir_recompute"] = fqn
+                    c.meta["partir_recompute_of"] = n.name
                     clones[n] = c
             for n, us in late.items():
                 for u in us:
                     u.replace_input_with(n, clones[n])
+        split_param_casts(gm)   # the recomputed forward reads the backward's casts (mixed precision)
         gm.graph.lint()
         gm.recompile()
 

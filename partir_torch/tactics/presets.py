@@ -18,7 +18,7 @@ import torch
 from ..errors import PartitionError
 from ..propagate.state import REPLICATED as REP, UNKNOWN
 from .manual import ManualPartition
-from .structure import embedding_tables, find_linear_pairs, linear_layout, linear_weight
+from .structure import embedding_tables, find_linear_pairs, is_param_cast, linear_layout, linear_weight
 
 aten = torch.ops.aten
 
@@ -288,6 +288,8 @@ class Zero:
         region = ctx.optimizer_region() if cap.fopt is not None else set()
         if cap.fopt is None:   # zero(3) without an optimizer: parameters stored tiled, gathered at every use
             region = set()
+        if self.stage == 3:    # a parameter's cast (mixed precision) runs on the shard: gathered in param_dtype
+            region |= {i for i, op in enumerate(ctx.graph.ops) if is_param_cast(op.node)}
         ctx.seed_and_propagate(self.axis, seeds, self.name, region)
 
 

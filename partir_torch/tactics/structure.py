@@ -54,6 +54,12 @@ def param_source(node) -> tuple | None:
     return None
 
 
+def is_param_cast(node) -> bool:
+    """A dtype cast of a parameter (mixed precision's `_to_copy` of a parameter to the compute dtype)."""
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _CASTS \
+        and param_source(node) is not None and node.meta["val"].dtype != param_source(node)[0].meta["val"].dtype
+
+
 def _linear(node):
     """(W's name, W's output-feature dim) if `node` is a linear: mm(x, t(W)) (nn.Linear, W is (out, in)) or
     mm(x, W) (Hugging Face's Conv1D, W is (in, out)), W a 2-D parameter seen through casts (param_source);
