@@ -12,6 +12,9 @@ plus these few decompositions, chosen so that tiling falls out of the rules inst
   the batch tiled, that tensor is partial(sum) and one all_reduce per norm and pass gives the global statistics
   (SyncBatchNorm's semantics, without gathering the activations). Instance norm reaches batch norm with (N*C)
   channels, so its statistics stay local.
+- mkldnn_rnn_layer (an LSTM layer on CPU, one opaque kernel) and its backward -> matmuls over all time steps and
+  per-step cell updates (the backward recomputes the gates and runs backpropagation through time), so the batch
+  dim is an ordinary pass-through factor, as in GRU / RNN, which trace to such ops already.
 """
 from __future__ import annotations
 
@@ -185,8 +188,107 @@ def _bn_backward(grad_out, x, weight, running_mean, running_var, save_mean, save
     return grad_input, grad_weight, grad_bias
 
 
+# ---- LSTM layer (CPU's mkldnn kernel) ---------------------------------------------------------------------------
+_LSTM = 2      # mkldnn_rnn_layer's mode for LSTM (ideep::rnn_kind::LSTM)
+
+
+def _flat_mm(x, w):
+    """(T, B, K) @ w.T -> (T, B, N): one matmul over all steps."""
+    t, b, k = x.shape
+    return aten.view.default(aten.mm.default(aten.view.default(x, [t * b, k]), aten.t.default(w)), [t, b, -1])
+
+
+def _state(t):
+    """An initial / final state as the kernel gets it, (B, H) or (1, B, H), as (B, H)."""
+    return t if t.dim() == 2 else aten.select.int(t, 0, 0)
+
+
+def _like_state(t, ref):
+    return t if ref.dim() == 2 else aten.unsqueeze.default(t, 0)
+
+
+def _lstm_input_gates(x, w_ih, b_ih, b_hh, has_biases):
+    g = _flat_mm(x, w_ih)                                                     # (T, B, 4H)
+    return aten.add.Tensor(g, aten.add.Tensor(b_ih, b_hh)) if has_biases else g
+
+
+def _lstm_cell(gates, c, hidden):
+    """gates (B, 4H) in PyTorch's (input, forget, cell, output) order -> (h, c, activated gates)."""
+    i, f, g, o = aten.split.Tensor(gates, hidden, 1)
+    i, f, g, o = aten.sigmoid.default(i), aten.sigmoid.default(f), aten.tanh.default(g), aten.sigmoid.default(o)
+    c = aten.add.Tensor(aten.mul.Tensor(f, c), aten.mul.Tensor(i, g))
+    return aten.mul.Tensor(o, aten.tanh.default(c)), c, (i, f, g, o)
+
+
+def _mkldnn_lstm_layer(x, w_ih, w_hh, b_ih, b_hh, hx, cx, reverse, batch_sizes, mode, hidden_size, num_layers,
+                       has_biases, bidirectional, batch_first, train):
+    """One direction of one LSTM layer: x (T, B, I) -> (y (T, B, H), hy, cy, workspace (unused)). `reverse` runs it
+    backwards in time. The kernel is always called time-major: batch_first and bidirectional only describe the
+    module it serves (measured: the kernel's result does not depend on them)."""
+    if mode != _LSTM or batch_sizes:
+        return NotImplemented
+    gx = _lstm_input_gates(x, w_ih, b_ih, b_hh, has_biases)                   # (T, B, 4H)
+    h, c = _state(hx), _state(cx)                                             # (B, H)
+    n = x.shape[0]
+    out = [None] * n
+    for t in (range(n - 1, -1, -1) if reverse else range(n)):
+        gates = aten.add.Tensor(aten.select.int(gx, 0, t), aten.mm.default(h, aten.t.default(w_hh)))
+        h, c, _ = _lstm_cell(gates, c, hidden_size)
+        out[t] = h
+    workspace = aten.empty.memory_format([0], dtype=torch.uint8, device=x.device)
+    return aten.stack.default(out), _like_state(h, hx), _like_state(c, cx), workspace
+
+
+def _mkldnn_lstm_layer_backward(x, w_ih, w_hh, b_ih, b_hh, hx, cx, y, hy, cy, grad_y, grad_hy, grad_cy, reverse,
+                                mode, hidden_size, num_layers, has_biases, train, bidirectional, batch_sizes,
+                                batch_first, workspace):
+    """Backpropagation through time for _mkldnn_lstm_layer: the gates are recomputed from x and the previous hidden
+    states (y shifted by one step), the cell states by the elementwise recurrence; then one backward sweep, and the
+    weight gradients as matmuls over all steps (partial(sum) when the batch is tiled)."""
+    if mode != _LSTM or batch_sizes:
+        return NotImplemented
+    n, hid = x.shape[0], hidden_size
+    order = list(range(n - 1, -1, -1)) if reverse else list(range(n))
+    h_prev = [_state(hx) if k == 0 else aten.select.int(y, 0, order[k - 1]) for k in range(n)]  # per step taken
+    gx = _lstm_input_gates(x, w_ih, b_ih, b_hh, has_biases)
+    c, cs, acts = _state(cx), [], []
+    for k, t in enumerate(order):
+        gates = aten.add.Tensor(aten.select.int(gx, 0, t), aten.mm.default(h_prev[k], aten.t.default(w_hh)))
+        _, c_new, a = _lstm_cell(gates, c, hid)
+        cs.append((c, c_new))
+        acts.append(a)
+        c = c_new
+    dh = aten.zeros_like.default(h_prev[0]) if grad_hy is None else _state(grad_hy)
+    dc = aten.zeros_like.default(c) if grad_cy is None else _state(grad_cy)
+    dgates = [None] * n
+    for k in range(n - 1, -1, -1):
+        t = order[k]
+        i, f, g, o = acts[k]
+        c_prev, c_t = cs[k]
+        if grad_y is not None:
+            dh = aten.add.Tensor(dh, aten.select.int(grad_y, 0, t))
+        tc = aten.tanh.default(c_t)
+        do = aten.mul.Tensor(dh, tc)
+        dc = aten.add.Tensor(dc, aten.tanh_backward.default(aten.mul.Tensor(dh, o), tc))
+        di, dg, df = aten.mul.Tensor(dc, g), aten.mul.Tensor(dc, i), aten.mul.Tensor(dc, c_prev)
+        dgates[t] = aten.cat.default([aten.sigmoid_backward.default(di, i), aten.sigmoid_backward.default(df, f),
+                                      aten.tanh_backward.default(dg, g), aten.sigmoid_backward.default(do, o)], 1)
+        dc = aten.mul.Tensor(dc, f)
+        dh = aten.mm.default(dgates[t], w_hh)                                 # (B, H)
+    dgx = aten.stack.default(dgates)                                          # (T, B, 4H), time order
+    hp = aten.stack.default([h_prev[order.index(t)] for t in range(n)])       # (T, B, H), time order
+    flat = aten.view.default(dgx, [-1, 4 * hid])
+    d_x = _flat_mm(dgx, aten.t.default(w_ih))
+    d_w_ih = aten.mm.default(aten.t.default(flat), aten.view.default(x, [-1, x.shape[2]]))
+    d_w_hh = aten.mm.default(aten.t.default(flat), aten.view.default(hp, [-1, hid]))
+    d_b = aten.sum.dim_IntList(dgx, [0, 1])
+    return d_x, d_w_ih, d_w_hh, d_b, d_b, _like_state(dh, hx), _like_state(dc, cx)
+
+
 def capture_decompositions() -> dict:
     return {
+        aten.mkldnn_rnn_layer.default: _mkldnn_lstm_layer,
+        aten.mkldnn_rnn_layer_backward.default: _mkldnn_lstm_layer_backward,
         aten.native_batch_norm.default: _native_batch_norm,
         aten._native_batch_norm_legit_functional.default: _bn_legit_functional,
         aten._native_batch_norm_legit.no_stats: _bn_legit_no_stats,

@@ -1,0 +1,254 @@
+"""Norms and recurrent layers under data parallelism (issue 9, items 2 and 4).
+
+Batch norm in train mode keeps single-device semantics (statistics over the global batch, as SyncBatchNorm) from one
+all_reduce of stacked per-channel sums per norm in the forward and one in the backward, never by gathering the
+activations; its running statistics are state outputs. Instance, group and layer norm and LSTM / GRU / RNN shard the
+batch with no collective but the gradients' and the loss's. Every rule these layers reach passes the verifier.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import partir_torch as pt
+from partir_torch.capture import capture
+from partir_torch.rules.verify import verify_graph
+
+RTOL, ATOL = 1e-5, 1e-6
+DP = [pt.tactics.data_parallel("batch")]
+LOSS_REDUCTIONS = 2          # cross_entropy(mean) = nll(sum) / total_weight: both partial, 4 bytes each
+
+
+class BatchNorms(nn.Module):
+    """BatchNorm1d on (N, C) and (N, C, L), BatchNorm2d, BatchNorm3d, with distinct channel counts (8, 4, 2, 6) so
+    that each norm's (2, C) float32 statistics all_reduce has its own size (64, 32, 16, 48 bytes)."""
+
+    def __init__(self, track_running_stats=True):
+        super().__init__()
+        kw = dict(track_running_stats=track_running_stats)
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(4, momentum=0.3, **kw)
+        self.bn3 = nn.BatchNorm3d(2, **kw)
+        self.bn1_seq = nn.BatchNorm1d(8, **kw)
+        self.fc = nn.Linear(64, 6)
+        self.bn1 = nn.BatchNorm1d(6, affine=False, **kw)
+
+    def forward(self, x):                                    # (N, 3, 4, 4)
+        h = F.relu(self.bn2(self.conv(x)))                   # (N, 4, 4, 4)
+        h = self.bn3(h.view(-1, 2, 2, 4, 4)).view(-1, 8, 8)  # (N, 2, 2, 4, 4) -> (N, 8, 8)
+        h = self.bn1_seq(h).flatten(1)                       # (N, 64)
+        return self.bn1(self.fc(h))                          # (N, 6)
+
+
+BN_STATS_BYTES = {64, 32, 16, 48}
+
+
+def _ce(m, x, y):
+    return F.cross_entropy(m(x), y)
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _batches(steps, n, shape, classes, seed=0, shift=1.5):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn((n, *shape), generator=g) + shift, torch.randint(0, classes, (n,), generator=g))
+            for _ in range(steps)]
+
+
+def _train_both(model, mesh, batches, loss_fn=_ce, tactics=DP):
+    """prog.train_step and eager SGD on a deepcopy, step by step: the losses must agree at every step."""
+    ref = copy.deepcopy(model)
+    ref_opt = _sgd(ref)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "partir_torch: no sharding rule")   # no op may be a barrier
+        prog = pt.partition(model, mesh, tactics, example_inputs=batches[0], loss_fn=loss_fn, optimizer=_sgd(model),
+                            bucket_bytes=0)
+        for i, batch in enumerate(batches):
+            got = prog.train_step(*batch)
+            ref_opt.zero_grad()
+            want = loss_fn(ref, *batch)
+            want.backward()
+            ref_opt.step()
+            torch.testing.assert_close(got.detach(), want.detach(), rtol=RTOL, atol=0,
+                                       msg=lambda m: f"loss of step {i}: {m}")
+    return prog, ref
+
+
+def _assert_state_equal(prog, ref):
+    """Parameters and buffers (running statistics, num_batches_tracked) of the program equal the eager module's."""
+    sd = prog.state_dict()
+    params = dict(ref.named_parameters())
+    for k, want in ref.state_dict().items():
+        got = sd[("params." if k in params else "buffers.") + k]
+        if want.is_floating_point():
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
+        else:
+            assert torch.equal(got, want), f"{k}: {got} != {want}"
+
+
+def _by_phase(prog) -> Counter:
+    return Counter((r.kind, r.phase, r.nbytes) for r in prog.collectives())
+
+
+# ---- batch norm -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stats", [True, False], ids=["running_stats", "no_running_stats"])
+def test_batch_norm_data_parallel_matches_one_device(stats):
+    """4 ranks, 2 samples each; 3 SGD steps: losses, parameters and running statistics (unbiased running_var,
+    num_batches_tracked) equal eager nn.BatchNorm on the whole batch. One all_reduce of (2, C) per norm forward and
+    one backward; the norms' weight and bias gradients need none of their own; nothing is gathered."""
+    torch.manual_seed(0)
+    model = BatchNorms(track_running_stats=stats)
+    prog, ref = _train_both(model, pt.Mesh({"batch": 4}), _batches(3, 8, (3, 4, 4), 6))
+    _assert_state_equal(prog, ref)
+    if stats:
+        assert int(prog.state_dict()["buffers.bn2.num_batches_tracked"]) == 3
+        assert float(ref.bn2.running_var.sub(1).abs().max()) > 0.1    # the statistics moved: a real comparison
+
+    coll = _by_phase(prog)
+    assert all(kind == "all_reduce" for kind, _, _ in coll), coll
+    fwd = Counter({b: n for (_, ph, b), n in coll.items() if ph == "forward"})
+    bwd = Counter({b: n for (_, ph, b), n in coll.items() if ph == "backward"})
+    assert fwd == Counter({**{b: 1 for b in BN_STATS_BYTES}, 4: LOSS_REDUCTIONS}), fwd
+    # backward: one per norm, plus the gradients of conv.weight (432 B), fc.weight (1536 B) and fc.bias (24 B)
+    assert bwd == Counter({**{b: 1 for b in BN_STATS_BYTES}, 432: 1, 1536: 1, 24: 1}), bwd
+
+
+def test_batch_norm_forward_only_and_eval():
+    """Forward-only programs: train mode updates the running statistics like eager (one all_reduce per norm);
+    eval mode normalises with them and needs no collective. Either returns the whole output: one all_gather."""
+    torch.manual_seed(1)
+    model = BatchNorms()
+    ref = copy.deepcopy(model)
+    (x, _), (x2, _) = _batches(2, 8, (3, 4, 4), 6, seed=1)
+    mesh = pt.Mesh({"batch": 4})
+    prog = pt.partition(model, mesh, DP, example_inputs=(x,))
+    for batch in (x, x2):
+        torch.testing.assert_close(prog(batch), ref(batch), rtol=RTOL, atol=ATOL)
+    _assert_state_equal(prog, ref)
+    out_gather = ("all_gather", 8 * 6 * 4)
+    assert sorted((r.kind, r.nbytes) for r in prog.collectives()) == sorted(
+        [("all_reduce", b) for b in BN_STATS_BYTES] + [out_gather])
+
+    model.load_state_dict({k[len("buffers."):]: v for k, v in prog.state_dict().items() if k.startswith("buffers.")},
+                          strict=False)
+    model.eval(), ref.eval()
+    prog = pt.partition(model, mesh, DP, example_inputs=(x,))
+    torch.testing.assert_close(prog(x2), ref(x2), rtol=RTOL, atol=ATOL)
+    assert [(r.kind, r.nbytes, r.value) for r in prog.collectives()] == [(*out_gather, "bn1:out")]
+
+
+# ---- instance, group and layer norm -----------------------------------------------------------------------------
+class OtherNorms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.inorm = nn.InstanceNorm2d(4, affine=True)
+        self.inorm1 = nn.InstanceNorm1d(4)
+        self.gn = nn.GroupNorm(2, 4)
+        self.ln = nn.LayerNorm([4, 4, 4])          # over (C, H, W)
+        self.ln_last = nn.LayerNorm(4)             # over W only
+        self.rms = nn.RMSNorm([4, 4])              # over (H, W)
+        self.fc = nn.Linear(64, 5)
+
+    def forward(self, x):                          # (N, 3, 4, 4)
+        h = self.inorm(self.conv(x))
+        h = self.inorm1(h.flatten(2)).view_as(h)   # (N, 4, 16)
+        h = self.rms(self.ln_last(self.ln(self.gn(h))))
+        return self.fc(F.gelu(h).flatten(1))
+
+
+def test_instance_group_layer_norm_data_parallel():
+    """Per-sample norms shard the batch locally: the only collectives are the loss's and the gradients'."""
+    torch.manual_seed(2)
+    prog, ref = _train_both(OtherNorms(), pt.Mesh({"batch": 2}), _batches(3, 4, (3, 4, 4), 5, seed=2))
+    _assert_state_equal(prog, ref)
+    coll = _by_phase(prog)
+    assert all(kind == "all_reduce" for kind, _, _ in coll), coll
+    fwd = Counter({b: n for (_, ph, b), n in coll.items() if ph == "forward"})
+    assert fwd == Counter({4: LOSS_REDUCTIONS}), fwd
+    n_grads = sum(n for (_, ph, _), n in coll.items() if ph == "backward")
+    assert n_grads == len(list(ref.parameters())), coll
+
+
+# ---- recurrent layers -------------------------------------------------------------------------------------------
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.lstm = nn.LSTM(4, 5, num_layers=2, batch_first=True)
+        self.lstm_proj = nn.LSTM(5, 4, proj_size=3, batch_first=True)
+        self.gru = nn.GRU(3, 3, bidirectional=True, batch_first=True)
+        self.rnn = nn.RNN(6, 4, nonlinearity="relu")          # (T, N, .): time-major
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, tokens):                               # (N, T)
+        h, _ = self.lstm(self.emb(tokens))
+        h, _ = self.lstm_proj(h)
+        h, _ = self.gru(h)
+        h, _ = self.rnn(h.transpose(0, 1))
+        return self.head(h.transpose(0, 1))                  # (N, T, 10)
+
+
+def test_recurrent_layers_data_parallel():
+    """LSTM (stacked, projected), bidirectional GRU and a time-major RNN: the batch is split over 4 ranks with no
+    gather; collectives are the loss's and one all_reduce per parameter gradient."""
+    torch.manual_seed(3)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 10, (8, 5), generator=g), torch.randint(0, 10, (8, 5), generator=g))
+               for _ in range(2)]
+    loss_fn = lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+    prog, ref = _train_both(Recurrent(), pt.Mesh({"batch": 4}), batches, loss_fn)
+    _assert_state_equal(prog, ref)
+    assert prog.sharding("inputs.0").dims[0] == ("batch",)
+    coll = _by_phase(prog)
+    assert all(kind == "all_reduce" for kind, _, _ in coll), coll
+    assert sum(n for (_, ph, _), n in coll.items() if ph == "forward") == LOSS_REDUCTIONS, coll
+    # one all_reduce per gradient; an mkldnn LSTM layer's bias_ih and bias_hh gradients are one value (2 layers)
+    assert sum(n for (_, ph, _), n in coll.items() if ph == "backward") == len(list(ref.parameters())) - 2, coll
+
+
+# ---- rules ------------------------------------------------------------------------------------------------------
+def _train_graph(model, x):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return capture(model, (x,), lambda m, x: m(x).square().mean(), _sgd(model)).gm
+
+
+NORM_CASES = {
+    "batch_norm": (lambda: BatchNorms(), (4, 3, 4, 4)),
+    "batch_norm_no_stats": (lambda: BatchNorms(False), (4, 3, 4, 4)),
+    "batch_norm_eval": (lambda: BatchNorms().eval(), (4, 3, 4, 4)),
+    "other_norms": (lambda: OtherNorms(), (4, 3, 4, 4)),
+    "recurrent": (lambda: Recurrent(), None),
+}
+
+
+@pytest.mark.parametrize("case", list(NORM_CASES))
+def test_norm_and_recurrent_rules_verify(case):
+    build, shape = NORM_CASES[case]
+    x = torch.randint(0, 10, (6, 3)) if shape is None else torch.randn(shape)
+    report = verify_graph(_train_graph(build(), x))
+    assert report.nodes > 10 and report.factor_checks > 20, str(report)
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
+def test_stack_repeat_unsafe_split_rules():
+    def f(x, v):
+        return (torch.stack([x, 2 * x], 0), torch.stack([x, x], 1), torch.stack([x, x], -1), x.repeat(2, 1),
+                x.repeat(1, 3), x.repeat(2, 1, 1), v.repeat(6), v.repeat(3, 2),
+                *torch.ops.aten.unsafe_split.Tensor(x, 2, 1))
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(6, 4), torch.randn(4))
+    report = verify_graph(gm)
+    assert {"aten.stack.default", "aten.repeat.default", "aten.unsafe_split.Tensor"} <= report.ops
+    assert report.factor_checks > 20 and report.linear_checks > 10, str(report)
+    assert not report.wrong and not report.missing and not report.errors, str(report)
