@@ -66,6 +66,10 @@ class TacticContext:
         """A remark shown by explain(name) (e.g. 'too small to tile on axis zero: replicated')."""
         self.program.notes.setdefault(name, []).append(text)
 
+    def remark(self, tactic: str, text: str) -> None:
+        """A remark shown by summary() under the table (e.g. which linears Megatron left replicated)."""
+        self.program.remarks.setdefault(tactic, []).append(text)
+
     def optimizer_region(self) -> set:
         """Ops of the optimizer update: everything downstream of optimizer state, lr and step."""
         g = self.graph
@@ -95,6 +99,7 @@ class Program:
         self.stages: list = []
         self.model, self.optimizer = model, optimizer
         self.notes: dict = {}
+        self.remarks: dict = {}   # tactic name -> lines summary() prints under its table
         self._exec = None
 
     # -- running (see runtime/) ----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,8 @@ import torch
 from ..errors import PartitionError
 from ..propagate.state import REPLICATED as REP, UNKNOWN
 from .manual import ManualPartition
-from .structure import embedding_tables, find_linear_pairs, is_param_cast, linear_layout, linear_weight
+from .structure import (Linear, embedding_tables, find_linear_pairs, is_param_cast, linear_layout,
+                        linear_regions, linear_weight)
 
 aten = torch.ops.aten
 
@@ -81,7 +83,8 @@ class Megatron:
 
     def seeds(self, ctx) -> list:
         names = set(ctx.value_names())
-        vocab = []
+        vocab, kept, why = [], [], {}
+        lay = linear_layout(ctx.captured)
         if self.plan:
             col, row = [], []
             for glob, kind in self.plan.items():
@@ -94,27 +97,85 @@ class Megatron:
                     raise PartitionError(f"{self.name}: plan entry {glob!r} matches no parameter weight.")
                 {"colwise": col, "rowwise": row, "vocab": vocab}[kind].extend(f"params.{h}" for h in hits)
         else:
-            col, row = find_linear_pairs(ctx.captured)
+            col, row, kept, why = self._found(ctx, lay)
         if not col:
             raise PartitionError(f"{self.name}: found no column-parallel/row-parallel linear pair in this model "
                                  f"(a linear feeding another through activations or attention). Pass "
                                  f"plan={{'<fqn glob>': 'colwise' | 'rowwise'}}.")
         if self.vocab and not self.plan:
             vocab = embedding_tables(ctx.captured)
-        lay = linear_layout(ctx.captured)
+        if not self.plan:
+            self._report(ctx, lay, col + row + vocab, why)
         seeds = []
         for w in col:   # output features; a fused q/k/v output is tiled strided, so each chunk keeps its heads
-            out_dim, chunks = lay.get(w, (0, 1))
-            seeds.append((w, out_dim, chunks))
+            lin = lay.get(w, Linear(w, 0))
+            seeds.append((w, lin.out_dim, lin.chunks))
             bias = w[:-len("weight")] + "bias"
             if bias in names:
-                seeds.append((bias, 0, chunks))
-        seeds += [(w, 1 - lay.get(w, (0, 1))[0]) for w in row] + [(w, 0) for w in vocab]
-        return seeds
+                seeds.append((bias, 0, lin.chunks))
+        seeds += [(w, 1 - lay.get(w, Linear(w, 0)).out_dim) for w in row] + [(w, 0) for w in vocab]
+        return seeds + [(w, REP) for w in kept]
+
+    def _found(self, ctx, lay) -> tuple:
+        """(column-parallel, row-parallel, kept whole, {weight: why}) from the structure search: in each region, a
+        column linear whose heads (or, without heads, output features) the axis cannot divide is kept whole
+        (explicitly replicated, as multi_query does for one shared K/V head); a region left with no column linear
+        keeps its row linears whole too. The reasons go to explain() and summary()."""
+        k = ctx.mesh.shape[self.axis]
+        col, row, kept, why = [], [], [], {}
+        for cols, rows in linear_regions(ctx.captured):
+            ok = []
+            for w in cols:
+                lin = lay[w]
+                feats = ctx.value_meta(w)["shape"][lin.out_dim] // lin.chunks
+                if lin.heads is not None and lin.heads % k:
+                    why[w] = (f"its output has {lin.heads} attention head{'s' if lin.heads > 1 else ''}, not "
+                              f"divisible by axis '{self.axis}' (size {k}): kept whole, each rank slices the heads "
+                              f"it needs (as multi_query does for shared K/V)")
+                    kept.append(w)
+                elif feats % k:
+                    why[w] = f"{feats} output features, not divisible by axis '{self.axis}' (size {k})"
+                else:
+                    ok.append(w)
+            if ok:
+                col += ok
+                row += rows
+            else:
+                for w in rows:
+                    why[w] = f"the linears feeding it ({', '.join(_short(c) for c in cols)}) stay whole"
+        return col, row, kept, why
+
+    def _report(self, ctx, lay, tiled, why) -> None:
+        """One warning and one summary() remark naming the linears left replicated on the axis, with the reason;
+        explain(weight) shows it too."""
+        from ..propagate.state import UNKNOWN as _UNKNOWN
+
+        why = dict(why)
+        g = ctx.graph
+        for w in lay:
+            if w not in why and w not in tiled and ctx.prop.state(self.axis, g.name_to_vid[w]) == _UNKNOWN:
+                why[w] = ("not in a column/row-parallel pair: its output reaches no other linear through "
+                          "activations or attention (an output head, a router, an encoder's last layer)")
+        if not why:
+            return
+        by_reason: dict = {}
+        for w, text in why.items():
+            ctx.note(w, f"{self.name}: left replicated on axis '{self.axis}': {text}")
+            by_reason.setdefault(text, []).append(_short(w))
+        lines = [f"{self.name} left {len(why)} linear weight{'s' if len(why) > 1 else ''} replicated on axis "
+                 f"'{self.axis}':"]
+        for text, ws in by_reason.items():
+            lines.append(f"  {', '.join(ws[:6])}{f' and {len(ws) - 6} more' if len(ws) > 6 else ''}: {text}")
+        ctx.remark(self.name, "\n".join(lines))
+        warnings.warn("partir_torch: " + "\n".join(lines), stacklevel=2)
 
     def apply(self, ctx) -> None:
         ctx.mesh.check_axis(self.axis, self.name)
         ctx.seed_and_propagate(self.axis, self.seeds(ctx), self.name)
+
+
+def _short(name: str) -> str:
+    return name[len("params."):] if name.startswith("params.") else name
 
 
 def megatron(axis: str = "model", plan: dict | None = None, name: str = "MP", vocab: bool = False) -> Megatron:

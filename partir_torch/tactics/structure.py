@@ -4,6 +4,8 @@ their weights' layouts, and embedding tables.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..capture.graphutil import forward_nodes
@@ -78,10 +80,18 @@ def linear_weight(node, graph=None):
     return found[0] if found else None
 
 
+_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+# ops that move a value's dims without touching its elements (between a fused projection's reshape and its select)
+_MOVES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.transpose.int, aten.permute.default} \
+    | _CASTS
+
+
 def _fused_chunks(node) -> int:
-    """Number of equal chunks a linear's output is split into along its features (3 for a fused q/k/v), else 1."""
-    x = node
-    for _ in range(4):
+    """Number of equal chunks a linear's output is split into along its features (3 for a fused q/k/v), else 1:
+    split into equal parts (HF GPT-2's c_attn), or reshaped to (..., c, F/c) and taken apart by select / unbind
+    on the c dim (nn.MultiheadAttention's packed in_proj)."""
+    x, feats = node, node.meta["val"].shape[-1]
+    for _ in range(6):
         users = list(x.users)
         if len(users) != 1:
             return 1
@@ -89,20 +99,80 @@ def _fused_chunks(node) -> int:
         if u.target in (aten.split.Tensor, aten.split_with_sizes.default):
             outs = [o for o in u.meta["val"]]
             return len(outs) if len({tuple(o.shape) for o in outs}) == 1 else 1
-        if u.target not in (aten.add.Tensor, aten.view.default, aten._unsafe_view.default, aten.reshape.default) \
-                and u.target not in _CASTS:
+        if u.target in _RESHAPES:
+            shape = u.meta["val"].shape
+            if len(shape) >= 2 and shape[-1] != feats and shape[-2] * shape[-1] == feats \
+                    and _taken_apart(u, shape[-2]):
+                return shape[-2]
+        if u.target is not aten.add.Tensor and u.target not in _RESHAPES and u.target not in _CASTS:
             return 1
         x = u
     return 1
 
 
+def _taken_apart(node, c: int) -> bool:
+    """Is `node`'s value, past moves of its dims, taken apart into its c parts by select / unbind on a dim of
+    size c?"""
+    x = node
+    for _ in range(6):
+        users, shape = list(x.users), x.meta["val"].shape
+        if len(users) == 1 and users[0].target is aten.unbind.int and shape[users[0].args[1]] == c:
+            return True
+        if len(users) == c and all(u.target is aten.select.int and shape[u.args[1]] == c for u in users):
+            return True
+        if len(users) != 1 or users[0].target not in _MOVES:
+            return False
+        x = users[0]
+    return False
+
+
+def _heads(node, chunks: int) -> int | None:
+    """Attention heads in each chunk of a linear's output: found at the reshape that splits a chunk's f features
+    into (heads, head_dim) (or (batch * heads, head_dim), as nn.MultiheadAttention folds them), following the
+    output through its bias add, reshapes, dim moves and the chunks' split / select; a reshape to (..., 1, f) is
+    one head (multi-query K/V). None: the features never meet a head reshape (an MLP's hidden features)."""
+    import operator
+
+    f = node.meta["val"].shape[-1] // chunks
+    stack, seen = [node], set()
+    while stack:
+        x = stack.pop()
+        for u in x.users:
+            if u in seen or len(seen) > 64:
+                continue
+            seen.add(u)
+            if u.target in _RESHAPES or u.target is aten.unsqueeze.default:
+                ins, out = x.meta["val"].shape, u.meta["val"].shape
+                if len(ins) and ins[-1] == f and len(out) and out[-1] < f and f % out[-1] == 0:
+                    return f // out[-1]
+                if len(ins) and ins[-1] == f and tuple(out) == tuple(ins[:-1]) + (1, f):
+                    return 1
+            if u.target in _RESHAPES or u.target in _MOVES or u.target in (
+                    aten.add.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.select.int,
+                    aten.unbind.int, aten.clone.default, operator.getitem):
+                stack.append(u)
+    return None
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A linear's weight as the forward uses it: which dim holds its output features, how many fused chunks
+    (q/k/v) they form, and how many attention heads each chunk has (None where they are not heads)."""
+
+    weight: str
+    out_dim: int
+    chunks: int = 1
+    heads: int | None = None
+
+
 def linear_layout(captured) -> dict:
-    """weight name -> (output-feature dim, fused chunks) for every linear of the forward."""
+    """weight name -> Linear for every linear of the forward."""
     out = {}
     for n in captured.gm.graph.nodes:
         found = _linear(n)
         if found and found[0] not in out:
-            out[found[0]] = (found[1], _fused_chunks(n))
+            chunks = _fused_chunks(n)
+            out[found[0]] = Linear(found[0], found[1], chunks, _heads(n, chunks))
     return out
 
 
@@ -110,11 +180,21 @@ def find_linear_pairs(captured) -> tuple:
     """(column-parallel weights, row-parallel weights), found by structure: a linear whose output reaches another
     linear's input through head reshapes, activations, gating products and attention (but no residual add, norm
     or reduction) is column-parallel; the one it reaches is row-parallel."""
+    col, row = [], []
+    for c, r in linear_regions(captured):
+        col += c
+        row += r
+    order = {n: i for i, n in enumerate(captured.input_names)}
+    return sorted(set(col), key=order.get), sorted(set(row), key=order.get)
+
+
+def linear_regions(captured) -> list:
+    """[(column-parallel weights, row-parallel weights)] per region: the linears whose outputs meet (q, k, v in
+    attention; gate and up in SwiGLU) and the linears that region feeds (see find_linear_pairs)."""
     gm = captured.gm
     nodes = list(gm.graph.nodes)
-    out = next(n for n in nodes if n.op == "output")
     fwd = forward_nodes(gm) if captured.mode != "forward" else set(nodes)
-    col, row = [], []
+    rows: list = []            # (row weight, region id)
     regions = _Regions()
     region_of: dict = {}       # node -> region id (find() gives the merged region)
     static = _static_nodes(nodes)
@@ -125,8 +205,7 @@ def find_linear_pairs(captured) -> tuple:
         if w is None:
             continue
         if n.args[0] in region_of:
-            row.append(w)
-            col.extend(regions.weights(region_of[n.args[0]]))
+            rows.append((w, region_of[n.args[0]]))
             continue
         # grow the region of this linear's output
         stack = [n]
@@ -146,7 +225,18 @@ def find_linear_pairs(captured) -> tuple:
                     stack.append(u)
     # a region fed by several linears (q, k, v; gate and up): all of them are column-parallel
     order = {n: i for i, n in enumerate(captured.input_names)}
-    return sorted(set(col), key=order.get), sorted(set(row), key=order.get)
+    grouped: dict = {}
+    for w, rid in rows:
+        root = regions.find(rid)
+        grouped.setdefault(root, []).append(w)
+    return [(sorted(set(regions.weights(root)), key=order.get), sorted(set(ws), key=order.get))
+            for root, ws in grouped.items()]
+
+
+def linear_weights(captured) -> list:
+    """Every linear's weight name in the forward, in parameter order."""
+    order = {n: i for i, n in enumerate(captured.input_names)}
+    return sorted(set(linear_layout(captured)), key=order.get)
 
 
 def _static_nodes(nodes) -> set:
@@ -154,7 +244,7 @@ def _static_nodes(nodes) -> set:
     static = set()
     for n in nodes:
         if n.op == "placeholder":
-            if n.meta.get("partir_role") in ("param", "buffer"):
+            if n.meta.get("partir_role") in ("param", "buffer", "const"):
                 static.add(n)
         elif n.op == "call_function" and all(a in static for a in n.all_input_nodes):
             static.add(n)
