@@ -179,6 +179,36 @@ def test_instance_group_layer_norm_data_parallel():
     assert n_grads == len(list(ref.parameters())), coll
 
 
+class HandNorms(nn.Module):
+    """Norms written with torch.var_mean / var / std over dims that include the batch (a hand-made batch norm,
+    a feature standardisation) and over the features only."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(64, 5)
+
+    def forward(self, x):                                                     # (N, 3, 4, 4)
+        h = self.conv(x)
+        var, mean = torch.var_mean(h, dim=(0, 2, 3), keepdim=True, correction=0)
+        h = (h - mean) * torch.rsqrt(var + 1e-5)                              # batch statistics
+        h = h / h.std(dim=(1, 2, 3), keepdim=True)                            # per sample
+        h = F.relu(h).flatten(1)
+        return self.fc(h / torch.sqrt(h.var(0, keepdim=True) + 1.0))          # over the batch, unbiased
+
+
+def test_hand_written_variance_norms_data_parallel():
+    """var / var_mean / std over a tiled batch: two all_reduces each (the mean, then the squared deviations) of the
+    reduced shape; over untiled dims none; the activations are never gathered."""
+    torch.manual_seed(4)
+    prog, ref = _train_both(HandNorms(), pt.Mesh({"batch": 2}), _batches(3, 8, (3, 4, 4), 5, seed=4))
+    _assert_state_equal(prog, ref)
+    coll = _by_phase(prog)
+    assert all(kind == "all_reduce" for kind, _, _ in coll), coll
+    fwd = Counter({b: n for (_, ph, b), n in coll.items() if ph == "forward"})
+    assert fwd == Counter({4: LOSS_REDUCTIONS, 16: 2, 256: 2}), fwd    # var_mean over (N, H, W): C = 4; var(0): 64
+
+
 # ---- recurrent layers -------------------------------------------------------------------------------------------
 class Recurrent(nn.Module):
     def __init__(self):

@@ -12,6 +12,9 @@ plus these few decompositions, chosen so that tiling falls out of the rules inst
   the batch tiled, that tensor is partial(sum) and one all_reduce per norm and pass gives the global statistics
   (SyncBatchNorm's semantics, without gathering the activations). Instance norm reaches batch norm with (N*C)
   channels, so its statistics stay local.
+- var / std (and their _mean forms) -> two passes of sums: over a tiled dim, the mean and then the sum of squared
+  deviations are partial(sum), each completed by one all_reduce of the reduced shape (exact, where one pass of
+  sum and sum of squares would cancel), instead of gathering the operand.
 - mkldnn_rnn_layer (an LSTM layer on CPU, one opaque kernel) and its backward -> matmuls over all time steps and
   per-step cell updates (the backward recomputes the gates and runs backpropagation through time), so the batch
   dim is an ordinary pass-through factor, as in GRU / RNN, which trace to such ops already.
@@ -70,6 +73,37 @@ def _convolution(x, w, bias, stride, padding, dilation, transposed, output_paddi
         return NotImplemented
     out = aten.convolution.default(x, w, None, stride, padding, dilation, transposed, output_padding, groups)
     return aten.add.Tensor(out, aten.view.default(bias, [1, -1] + [1] * (out.dim() - 2)))
+
+
+# ---- variance ----------------------------------------------------------------------------------------------------
+def _moments(x, dim, correction, keepdim):
+    """(var, mean) over `dim` (all dims when None or empty) in two passes of sums, in fp32 for half inputs."""
+    dims = list(range(x.dim())) if dim is None or len(dim) == 0 else [d % max(x.dim(), 1) for d in dim]
+    n = math.prod(x.shape[d] for d in dims)
+    xa = x.to(_acc_dtype(x.dtype))
+    mean = aten.div.Scalar(aten.sum.dim_IntList(xa, dims, True), n)
+    d = aten.sub.Tensor(xa, mean)
+    corr = 1 if correction is None else correction
+    var = aten.div.Scalar(aten.sum.dim_IntList(aten.mul.Tensor(d, d), dims, keepdim), max(n - corr, 0))
+    return var, (mean if keepdim else aten.squeeze.dims(mean, dims))
+
+
+def _var(x, dim=None, *, correction=None, keepdim=False):
+    return _moments(x, dim, correction, keepdim)[0].to(x.dtype)
+
+
+def _var_mean(x, dim=None, *, correction=None, keepdim=False):
+    var, mean = _moments(x, dim, correction, keepdim)
+    return var.to(x.dtype), mean.to(x.dtype)
+
+
+def _std(x, dim=None, *, correction=None, keepdim=False):
+    return aten.sqrt.default(_moments(x, dim, correction, keepdim)[0]).to(x.dtype)
+
+
+def _std_mean(x, dim=None, *, correction=None, keepdim=False):
+    var, mean = _moments(x, dim, correction, keepdim)
+    return aten.sqrt.default(var).to(x.dtype), mean.to(x.dtype)
 
 
 # ---- batch norm ------------------------------------------------------------------------------------------------
@@ -287,6 +321,8 @@ def _mkldnn_lstm_layer_backward(x, w_ih, w_hh, b_ih, b_hh, hx, cx, y, hy, cy, gr
 
 def capture_decompositions() -> dict:
     return {
+        aten.var.correction: _var, aten.var_mean.correction: _var_mean,
+        aten.std.correction: _std, aten.std_mean.correction: _std_mean,
         aten.mkldnn_rnn_layer.default: _mkldnn_lstm_layer,
         aten.mkldnn_rnn_layer_backward.default: _mkldnn_lstm_layer_backward,
         aten.native_batch_norm.default: _native_batch_norm,
