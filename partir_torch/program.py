@@ -145,6 +145,8 @@ class Program:
     # -- shardings -----------------------------------------------------------------------------------------------
     def _vid(self, name: str) -> int:
         vid = self.graph.name_to_vid.get(name)
+        if vid is None:   # an FX node's name, as conflicts and collective records give it
+            vid = next((v for n, v in self.graph.vid.items() if n.name == name), None)
         if vid is None:
             near = closest(name, self.graph.name_to_vid, n=5)
             raise PartitionError(f"no value named {name!r}." + (f" Closest: {', '.join(near)}." if near else ""))
@@ -187,7 +189,42 @@ class Program:
             lines.append(f"  axis '{axis}': {self._why(st, c, s)}")
         for text in self.notes.get(name, ()):
             lines.append(f"  note: {text}")
+        for conflict, via in self._conflicts_of(vid):
+            lines.append(f"  conflict: {conflict}" + (f" (reached from this value's seed through {via})"
+                                                      if via else ""))
         return "\n".join(lines)
+
+    def _conflicts_of(self, vid: int) -> list:
+        """(conflict, value it reached) for the conflicts that involve this value: it is one of the competing
+        values, or a competing value's decision comes (by provenance) from this value's seed."""
+        g = self.graph
+        out = []
+        for conflict in self.prop.conflicts:
+            st = self.prop.axes.get(conflict.axis)
+            for value, _, _ in conflict.states:
+                v = g.name_to_vid.get(value, next((x for n, x in g.vid.items() if n.name == value), None))
+                if v is None or st is None:
+                    continue
+                if g.canon[v] == g.canon[vid]:
+                    out.append((conflict, ""))
+                    break
+                if self._seed_of(st, g.canon[v]) == g.canon[vid]:
+                    out.append((conflict, value))
+                    break
+        return out
+
+    def _seed_of(self, st, c: int) -> int | None:
+        """The canonical value whose seed decided `c` on this axis (following provenance), or None."""
+        seen = set()
+        while c not in seen:
+            seen.add(c)
+            prov = st.prov.get(c)
+            if prov is None:
+                return None
+            if prov.op is None:
+                return c
+            c = self.graph.canon[prov.source]
+        return None
 
     def _why(self, st, c: int, s: int) -> str:
         g = self.graph
@@ -316,8 +353,16 @@ class Program:
             rows.append([s.tactic, s.axis, s.decided, len(s.conflicts), added_s or "-", _fmt_bytes(cur["bytes"]),
                          _fmt_bytes(cur["param"]), _fmt_bytes(cur["opt"])])
             prev = cur
-        return tabulate(rows, headers=["tactic", "axis", "decisions", "conflicts", "collectives added",
-                                       "comm bytes/step", "params/device", "opt state/device"], tablefmt="simple")
+        table = tabulate(rows, headers=["tactic", "axis", "decisions", "conflicts", "collectives added",
+                                        "comm bytes/step", "params/device", "opt state/device"], tablefmt="simple")
+        notes = [text for s in self.stages for text in self.remarks.get(s.tactic, ())]
+        if self.conflicts:
+            shown = "\n".join(f"  {c}" for c in self.conflicts[:3])
+            more = f"\n  ... and {len(self.conflicts) - 3} more (prog.conflicts)" if len(self.conflicts) > 3 else ""
+            notes.append(f"{len(self.conflicts)} conflict{'s' if len(self.conflicts) > 1 else ''} (propagation "
+                         f"stopped there; lowering reshards the values around them; prog.explain(<value or FX node "
+                         f"name>) names the cause):\n{shown}{more}")
+        return "\n".join([table] + notes)
 
     def _stage_stats(self, k: int) -> dict:
         low = self.stage_lowered(k)

@@ -20,7 +20,7 @@ from ..errors import PartitionError
 from ..propagate.state import REPLICATED as REP, UNKNOWN
 from .manual import ManualPartition
 from .structure import (Linear, embedding_tables, find_linear_pairs, is_param_cast, linear_layout,
-                        linear_regions, linear_weight)
+                        linear_regions, linear_weight, source, RESHAPES_AND_CASTS)
 
 aten = torch.ops.aten
 
@@ -236,9 +236,7 @@ class SequenceParallel:
             w = linear_weight(n, None)
             if w not in col_names:
                 continue
-            x = n.args[0]
-            if x.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
-                x = x.args[0]
+            x = source(n.args[0], RESHAPES_AND_CASTS)   # the (B, T, d) activation behind its (B*T, d) view
             shape = x.meta["val"].shape
             if x in seen or len(shape) <= self.seq_dim:
                 continue
