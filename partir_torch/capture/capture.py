@@ -14,6 +14,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_mutation, sync_functional_tensor, to_fun
@@ -48,19 +49,6 @@ class Captured:
     consts: dict = field(default_factory=dict)   # "consts.<i>" -> tensor created inside the step (lifted)
 
 
-class _Bound:
-    """What loss_fn sees as `model`: calls go through functional_call with the traced state."""
-
-    def __init__(self, model, state):
-        self._model, self._state = model, state
-
-    def __call__(self, *args, **kwargs):
-        return functional_call(self._model, self._state, args, kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-
 def _trace_device(model, inputs) -> torch.device:
     for t in list(model.parameters()) + [x for x in inputs if isinstance(x, torch.Tensor)]:
         if t.device.type not in ("meta",):
@@ -89,7 +77,7 @@ def _user_frame(exc: BaseException) -> str:
     our_dir = os.path.dirname(os.path.dirname(__file__))
     found = ""
     for fr in traceback.extract_tb(exc.__traceback__):
-        if not fr.filename.startswith(torch_dir) and not fr.filename.startswith(our_dir) and "<frozen" not in fr.filename:
+        if not fr.filename.startswith(torch_dir) and not fr.filename.startswith(our_dir) and not fr.filename.startswith("<"):
             found = f"{fr.filename}:{fr.lineno} in {fr.name}: {fr.line}"
     return found
 
@@ -106,7 +94,8 @@ def _functional(step):
             for a, fa in zip(args, fargs):
                 sync_functional_tensor(fa)
                 if has_data_mutation(fa):
-                    a.copy_(from_fun(fa))
+                    with torch.no_grad():      # a parameter written in place is refused by name afterwards
+                        a.copy_(from_fun(fa))
         return outs
     return wrapped
 
@@ -158,6 +147,9 @@ def _trace_error(e: BaseException, mode: str, model, example_inputs=()) -> Trace
         advice = (f"A dtype mismatch: the example inputs are {_inputs_text(example_inputs)}; the parameters are "
                   f"{', '.join(dtypes)}. Give the inputs the dtypes the model expects (token ids as torch.long, "
                   f"features in the parameters' dtype).")
+    elif "leaf Variable that requires grad" in full:
+        advice = ("The forward writes into a parameter in place. Parameters change only through the optimizer: "
+                  "compute a new tensor instead (or register the value as a buffer).")
     elif any(k in full for k in _DATA_DEPENDENT):
         advice = ("The step branches on tensor values or has a data-dependent shape (if x.sum() > 0, .item(), "
                   "nonzero, boolean-mask indexing). Rewrite it with torch.where / masks, or move the branch out of "
@@ -229,10 +221,9 @@ def _state_mutations(gm: fx.GraphModule, names: list, roles: list, out_names: li
             continue
         name, role = role_of[node.args[0]]
         if role in ("param", "opt_state"):
-            where = node.meta.get("stack_trace", "").strip().splitlines()[-2:]
-            raise TraceError(f"partition: the step of {type(model).__name__} writes into {name} in place"
-                             + (f" ({' '.join(w.strip() for w in where)})" if where else "")
-                             + ". Parameters change only through the optimizer; compute a new tensor instead.")
+            raise TraceError(f"partition: the step of {type(model).__name__} writes into {name} in place. "
+                             f"Parameters and optimizer state change only through the optimizer: compute a new "
+                             f"tensor instead (or register the value as a buffer).")
         if role == "buffer":
             extra.append(node.args[1])
             out_names.append(name)
@@ -309,8 +300,10 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         state, fargs = {**p, **b}, batch
         for opt in options:
             state, fargs = opt.transform_step(state, fargs)
-        with torch.enable_grad():
-            loss = loss_fn(_Bound(model, state), *fargs)
+        # the module holds the traced state until the backward has run: checkpointed blocks recompute their
+        # forward inside it
+        with torch.enable_grad(), _reparametrize_module(model, state, tie_weights=True):
+            loss = loss_fn(model, *fargs)
             _check_loss(loss, model)
             loss = loss.float()
             # the backward as autograd runs it (AOTAutograd's joint trace): custom autograd.Functions, old-style

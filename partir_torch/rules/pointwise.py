@@ -77,7 +77,7 @@ def cast(src_slot):
 
 # Tensor factories shaped like their operand: the operand's values are not read, but its layout is the result's.
 LIKE = [aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
-        ]
+        aten.fill.Scalar, aten.fill.Tensor]
 # Random draws (dropout's mask) stay whole: every rank draws the whole tensor from the same generator state and
 # keeps its slice, so the step equals the single-device one bit for bit and replicated values agree across ranks
 # (a per-shard draw would give each rank of a replicated axis a different mask).

@@ -122,6 +122,22 @@ def cat_rule(ctx):
     return b.rule([ins for _ in shapes], [res], [(set(range(len(shapes))), ALL_OPS)])
 
 
+def scatter_into(dim_arg, drops_dim):
+    """select_scatter / slice_scatter (x, src, dim, ...): the result is x with one dim's positions replaced by src
+    (a setitem on a fresh tensor, functionalized): that dim is kept whole, the others PASS through x, src and the
+    result alike; linear in x and src together (each rank's scatter of its partial pieces sums to the whole)."""
+    def rule(ctx):
+        shape = ctx.in_shapes[0]
+        dim = ctx.arg(dim_arg, "dim", 0) % max(len(shape), 1)
+        b = RuleBuilder()
+        ids = [(b.new(s),) if s > 1 and d != dim else () for d, s in enumerate(shape)]
+        src = [i for d, i in enumerate(ids) if d != dim] if drops_dim else ids
+        if len(src) != len(ctx.in_shapes[1]):
+            return None
+        return b.rule([ids, src], [ids], [({0, 1}, ALL_OPS)])
+    return rule
+
+
 def pad_rule(ctx):
     """constant_pad_nd(x, pad, value): a padded dim is kept whole, the others PASS; linear (a partial x stays
     partial) only when the padding value is 0 (a value v would be counted once per rank)."""
@@ -164,6 +180,7 @@ def rules() -> dict:
         aten.squeeze.default: squeeze_like,
         aten.slice.Tensor: slice_rule, aten.select.int: along(1),
         aten.split.Tensor: split_rule, aten.split_with_sizes.default: split_rule,
-        aten.cat.default: cat_rule, aten.constant_pad_nd.default: pad_rule, aten.unbind.int: along(1),
+        aten.cat.default: cat_rule, aten.constant_pad_nd.default: pad_rule,
+        aten.select_scatter.default: scatter_into(2, True), aten.slice_scatter.default: scatter_into(2, False), aten.unbind.int: along(1),
         aten.slice_backward.default: along(2), aten.select_backward.default: select_backward,
     }

@@ -1,0 +1,251 @@
+"""Models as users bring them (issue 9, items 1 and 5): stock Hugging Face models called the documented way
+(`model(input_ids=x, labels=y).loss`, default config flags: KV cache on, dropout on), custom autograd.Functions
+(old-style, without setup_context), checkpointed blocks, tensors created inside the forward; and the errors a user
+can cause, each naming what went wrong."""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import partir_torch as pt
+from partir_torch import tactics as T
+from partir_torch.errors import TraceError
+
+
+def train_next_to_eager(prog, ref, batch, loss_fn, steps=2, make_opt=lambda ps: torch.optim.AdamW(ps, lr=1e-3)):
+    """`steps` steps of prog and of eager torch on `ref` (make_opt: the optimizer prog was partitioned with), the
+    generator seeded alike before each (dropout draws agree): losses equal, and every parameter equal after the
+    last step (a missing name fails)."""
+    opt = make_opt(ref.parameters())
+    for i in range(steps):
+        torch.manual_seed(100 + i)
+        loss = prog.train_step(*batch)
+        torch.manual_seed(100 + i)
+        opt.zero_grad()
+        want = loss_fn(ref, *batch)
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+    got = prog.gather_parameters()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)
+
+
+def hf_loss(m, x, y):
+    return m(input_ids=x, labels=y).loss
+
+
+def test_hf_gpt2_default_call_with_labels_bp_mp_z3():
+    """GPT-2 with its defaults (use_cache=True builds a DynamicCache of empty tensors; dropout 0.1; the model's own
+    shifted cross-entropy with padding by -100) under BP + MP + Z3 on 2x2x2: one device's numerics, no conflicts,
+    Megatron's textbook all-reduces and no all-gather of activations or dropout masks."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg).train()
+    assert model.config.use_cache and model.config.resid_pdrop > 0
+    ref = copy.deepcopy(model)
+    x = torch.randint(0, 64, (8, 16))
+    mesh = pt.Mesh({"batch": 2, "fsdp": 2, "model": 2})
+    schedule = [T.data_parallel("batch"), T.data_parallel("fsdp", name="BP-fsdp"), T.megatron("model"),
+                T.zero(3, "fsdp")]
+    prog = pt.partition(model, mesh, schedule, example_inputs=(x, x), loss_fn=hf_loss,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert any(n.startswith("consts.") for n in prog.captured.input_names)   # the cache's tensors, lifted
+    train_next_to_eager(prog, ref, (x, x), hf_loss)
+    assert prog.conflicts == []
+    c = Counter((r.kind, r.axis) for r in prog.collectives())
+    assert c[("all_reduce", "model")] == 2 * 2 * 2
+    assert c[("all_gather", "model")] == 0 and c[("all_gather", "batch")] == 0
+    assert {r.tactic for r in prog.collectives() if r.kind == "all_gather"} == {"Z3"}     # parameters only
+
+
+class OldStyleGelu(torch.autograd.Function):
+    """Written the pre-2.0 way (forward takes ctx, no setup_context), as Bloom's GeLU is: functorch's transforms
+    refuse it; eager autograd runs it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(1.702 * x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(1.702 * x)
+        return g * (s + 1.702 * x * s * (1 - s))
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(OldStyleGelu.apply(self.fc1(x)))
+
+
+class Net(nn.Module):
+    """An old-style autograd.Function, a checkpointed block, a tensor constant and a setitem on a fresh tensor in
+    the forward."""
+
+    def __init__(self, d=16, classes=8):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(d), Block(d)])
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        x = checkpoint(self.blocks[1], x, use_reentrant=False)
+        scale = torch.tensor([1.0, 0.5, 2.0, 1.0] * (x.shape[-1] // 4))   # a constant made in the forward
+        mask = torch.ones_like(x)
+        mask[:, 0] = 0.0                                                    # setitem on a fresh tensor
+        return self.head(x * scale * mask)
+
+
+def net_loss(m, x, y):
+    return F.cross_entropy(m(x), y)
+
+
+def test_custom_function_checkpoint_and_constants_match_one_device():
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randint(0, 8, (8,))
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}), [T.data_parallel("batch"), T.megatron("model")],
+                        example_inputs=(x, y), loss_fn=net_loss,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    train_next_to_eager(prog, ref, (x, y), net_loss, steps=3)
+    assert prog.conflicts == []
+    assert {r.kind for r in prog.collectives() if r.axis == "batch"} == {"all_reduce"}    # gradients only
+    assert prog.sharding("params.blocks.0.fc1.weight").dims[0] == ("model",)
+
+
+def test_buffers_written_by_the_forward_are_state():
+    """A buffer updated in place (a step counter, running statistics) is a state output: it advances on every
+    step, like the eager module's."""
+    class Counted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+            self.register_buffer("ema", torch.zeros(4))
+
+        def forward(self, x):
+            self.calls += 1
+            self.ema.mul_(0.9).add_(0.1 * x.detach().mean(0))
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    model = Counted()
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 4)
+    lf = lambda m, x: m(x).square().mean()
+    prog = pt.partition(model, pt.Mesh({"batch": 4}), [T.data_parallel("batch")], example_inputs=(x,), loss_fn=lf,
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    train_next_to_eager(prog, ref, (x,), lf, steps=3, make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    sd = prog.state_dict()
+    assert int(sd["buffers.calls"]) == 3
+    torch.testing.assert_close(sd["buffers.ema"], ref.ema, rtol=1e-6, atol=1e-7)
+
+
+# -- errors a user can cause ------------------------------------------------------------------------------------------
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.out(self.emb(x))
+
+
+def tiny_loss(m, x):
+    return F.cross_entropy(m(x).flatten(0, 1), x.flatten())
+
+
+def _partition(model=None, **kw):
+    m = model or Tiny()
+    kw.setdefault("example_inputs", (torch.randint(0, 16, (4, 5)),))
+    kw.setdefault("loss_fn", tiny_loss)
+    return pt.partition(m, pt.Mesh({"b": 2}), [T.data_parallel("b")], **kw)
+
+
+@pytest.mark.parametrize("kw, pattern", [
+    (dict(example_inputs=(torch.rand(4, 5) * 16,)), r"(?s)indices.*float32.*inputs\.0 \(4, 5\) torch\.float32.*torch\.long"),
+    (dict(loss_fn=lambda m, x, y: m(x).sum()), r"loss_fn is called as loss_fn\(model, \*example_inputs\).*1 input.*'y'"),
+    (dict(loss_fn=lambda m, x: m(x)), r"shape \(4, 5, 16\); the loss must be a scalar"),
+    (dict(loss_fn=lambda m, x: {"loss": m(x).sum()}), r"loss_fn returned a dict, not a tensor"),
+    (dict(optimizer="Adagrad"), r"Adagrad is not supported\. Supported: .*SGD.*Adam.*AdamW.*To add one"),
+])
+def test_capture_errors_name_the_cause(kw, pattern):
+    m = Tiny()
+    if "optimizer" in kw:
+        kw["optimizer"] = torch.optim.Adagrad(m.parameters())
+    with pytest.raises(pt.PartitionError, match=pattern) as info:
+        _partition(model=m, **kw)
+    assert "branch" not in str(info.value)      # the data-dependence advice only where that is the cause
+
+
+def test_data_dependent_branch_gets_the_branch_advice():
+    class Branchy(Tiny):
+        def forward(self, x):
+            y = self.out(self.emb(x))
+            return y if y.sum() > 0 else -y
+
+    with pytest.raises(TraceError, match=r"(?s)test_stock\.py.*branches on tensor values"):
+        pt.partition(Branchy(), pt.Mesh({"b": 2}), [T.data_parallel("b")],
+                     example_inputs=(torch.randint(0, 16, (4, 5)),), loss_fn=tiny_loss)
+
+
+def test_writing_a_parameter_in_place_is_refused():
+    class Writes(Tiny):
+        def forward(self, x):
+            with torch.no_grad():
+                self.out.bias.mul_(0.5)
+            return super().forward(x)
+
+    with pytest.raises(TraceError, match=r"writes into params\.out\.bias in place"):
+        pt.partition(Writes(), pt.Mesh({"b": 2}), [T.data_parallel("b")],
+                     example_inputs=(torch.randint(0, 16, (4, 5)),), loss_fn=tiny_loss)
+
+
+@pytest.mark.parametrize("bad, pattern", [
+    (lambda x: x.double(), r"inputs\.0 has dtype torch\.float64; the program was captured with torch\.int64"),
+    (lambda x: x[:2], r"inputs\.0 has shape \(2, 5\); the program was captured with \(4, 5\)"),
+    (lambda x: x.to("meta"), r"inputs\.0 is on meta"),
+])
+def test_inputs_are_checked_at_every_call(bad, pattern):
+    x = torch.randint(0, 16, (4, 5))
+    prog = _partition(example_inputs=(x,))
+    prog.loss_and_grads(x)
+    with pytest.raises(pt.PartitionError, match=pattern):
+        prog.loss_and_grads(bad(x))
+
+
+def test_rules_for_ops_stock_models_reach_verify():
+    """Ops that stock models reach and the zoo does not: padding labels by -100 (HF's shifted loss), setitem on a
+    fresh tensor (select_scatter / slice_scatter after functionalization), fill, cat with an empty cache."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from partir_torch.rules.verify import verify_graph
+
+    aten = torch.ops.aten
+
+    def f(x, y, labels, empty):
+        return (F.pad(labels, (0, 1), value=-100), F.pad(x, (1, 2)), F.pad(x, (0, 0, 1, 0), value=0.5),
+                aten.select_scatter(x, y[:, 0], 1, 2), aten.slice_scatter(x, y[:, :2], 1, 1, 3),
+                aten.fill.Scalar(x, 3.0), torch.cat([empty, x], 1))
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(6, 4), torch.randn(6, 4), torch.randint(0, 9, (6, 5)),
+                                         torch.randn(0))
+    report = verify_graph(gm)
+    assert report.nodes >= 7 and report.factor_checks >= 10, str(report)
+    assert not report.wrong and not report.missing and not report.errors, str(report)
