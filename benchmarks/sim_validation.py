@@ -269,7 +269,7 @@ def _write_confidence(conf: dict) -> None:
     path = os.path.join(os.path.dirname(__file__), "..", "partir_torch", "sim", "confidence.py")
     text = open(path).read()
     start, end = text.index("FAMILY_ERROR = {"), text.index("}  # end FAMILY_ERROR") + 1
-    body = "FAMILY_ERROR = {\n" + "".join(f"    {f!r}: {v:.3f},\n" for f, v in sorted(conf.items())) + "}"
+    body = "FAMILY_ERROR = {\n" + "".join(f"    \"{f}\": {v:.3f},\n" for f, v in sorted(conf.items())) + "}"
     open(path, "w").write(text[:start] + body + text[end:])
     print(f"wrote {len(conf)} family errors to {path}")
 

@@ -13,6 +13,32 @@ from __future__ import annotations
 
 # median |error| per family, held out (written by benchmarks/sim_validation.py --write-confidence)
 FAMILY_ERROR = {
+    "a100/all_reduce": 0.004,
+    "a100/attention": 0.167,
+    "a100/fsdp": 0.041,
+    "a100/gemm": 0.175,
+    "a100/hbm": 0.076,
+    "b200/all_reduce": 0.153,
+    "h100/all_gather": 0.005,
+    "h100/all_reduce": 0.034,
+    "h100/all_to_all": 0.084,
+    "h100/attention": 0.202,
+    "h100/dp": 0.142,
+    "h100/fsdp": 0.096,
+    "h100/fsdp+dcn": 0.246,
+    "h100/fsdp+tp": 0.208,
+    "h100/gemm": 0.060,
+    "h100/hbm": 0.195,
+    "h100/tp": 0.365,
+    "h100/zero2": 0.036,
+    "h200/all_reduce": 0.047,
+    "h200/attention": 0.041,
+    "h200/gemm": 0.054,
+    "h200/hbm": 0.076,
+    "v4/fsdp": 0.024,
+    "v5e/fsdp": 0.181,
+    "v5e/fsdp+dcn": 0.868,
+    "v5p/fsdp+tp": 0.266,
 }  # end FAMILY_ERROR
 
 # chip of each preset, and the chips nearest to each (same vendor first, then by generation)

@@ -1,0 +1,88 @@
+"""The simulator's reference table, its split, the confidence column and the per-axis comm streams."""
+import pytest
+import torch
+
+from benchmarks import sim_reference as R
+from benchmarks import sim_validation as V
+from partir_torch.mesh import Mesh
+from partir_torch.sim import collective_time, hardware, simulate_graph
+from partir_torch.sim import confidence as C
+from partir_torch.sim.synthetic import GraphBuilder, synthetic_train_step
+
+
+def test_reference_rows_have_sources_and_the_split_is_disjoint():
+    R.check()
+    assert len(R.ROWS) >= 40 and all(r.source and r.measured > 0 for r in R.ROWS)
+    cal = {r.name for r in R.ROWS if R.split_of(r) == "cal"}
+    val = {r.name for r in R.ROWS if R.split_of(r) == "val"}
+    assert cal and val and not cal & val and cal | val == {r.name for r in R.ROWS}
+    # split by family: no family has rows in both halves
+    fam_halves = {}
+    for r in R.ROWS:
+        fam_halves.setdefault(r.family, set()).add(R.split_of(r))
+    assert all(len(h) == 1 for h in fam_halves.values())
+
+
+def test_fit_sees_only_the_calibration_half(monkeypatch):
+    seen = []
+    real = V.predict
+    monkeypatch.setattr(V, "predict", lambda r, knobs=None: seen.append(r.name) or real(r, knobs))
+    rows = [r for r in R.ROWS if r.kind != "training"]
+    cal = [r for r in rows if R.split_of(r) == "cal"]
+    V.fit(cal, {}, passes=1)
+    assert seen and {R.split_of(next(r for r in rows if r.name == n)) for n in seen} == {"cal"}
+
+
+def test_known_collective_row_within_its_family_error():
+    row = next(r for r in R.ROWS if r.name == "h100 8x all_reduce ring 8 GiB (GTC)")
+    e = abs(V.err(V.predict(row), row.measured))
+    assert e <= C.FAMILY_ERROR[row.family] and e < 0.02
+
+
+def test_kendall_tau():
+    assert V.kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert V.kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0
+    assert V.kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+
+
+def test_strategy_from_tactics():
+    assert C.strategy_of(["BP", "Z3"]) == "fsdp"
+    assert C.strategy_of(["BP", "MP"]) == "tp"
+    assert C.strategy_of(["MP", "Z3", "BP"]) == "fsdp+tp"
+    assert C.strategy_of(["BP-dcn", "BP"]) == "dp"
+    assert C.strategy_of([]) == "single"
+
+
+def test_closest_family_falls_back_to_the_nearest_chip(monkeypatch):
+    monkeypatch.setattr(C, "FAMILY_ERROR", {"h100/fsdp": 0.11, "a100/fsdp": 0.05, "h100/tp": 0.3})
+    assert C.closest_family("h200", "fsdp") == ("h100/fsdp", 0.11)      # same strategy, nearest chip
+    assert C.closest_family("a100-40g", "fsdp") == ("a100/fsdp", 0.05)   # exact family
+    assert C.closest_family("h100", "fsdp+tp") == ("h100/tp", 0.3)       # neighbouring strategy, same chip
+    monkeypatch.setattr(C, "FAMILY_ERROR", {})
+    assert C.closest_family("h100", "fsdp") == ("", None)
+
+
+def test_table_shows_the_closest_family_error():
+    mesh = Mesh({"batch": 2, "model": 4})
+    rep = simulate_graph(synthetic_train_step(mesh, layers=2), mesh, hardware("h100"))
+    fam, e = C.closest_family("h100", "tp")                 # MP on "model" and BP on "batch": tensor parallel
+    assert fam and rep.confidence_family == fam and rep.confidence == e == C.FAMILY_ERROR[fam]
+    head, row = rep.table().splitlines()[0], rep.table().splitlines()[2]
+    assert "confidence" in head and f"±{100 * e:.0f}% ({fam})" in row
+
+
+def test_collectives_on_different_axes_overlap():
+    """Each mesh axis has its own comm stream: a tensor-parallel and a data-parallel collective issued together
+    take the longer of the two, not their sum."""
+    mesh = Mesh({"dp": 2, "tp": 4})
+    hw = hardware("h100")
+    b = GraphBuilder(mesh)
+    x = b.input("x", (4096, 4096), "input", torch.bfloat16)
+    g = b.input("g", (4096, 4096), "input", torch.bfloat16)
+    c1, c2 = b.collective("all_reduce", x, "tp"), b.collective("all_reduce", g, "dp")
+    b.output([b.call(torch.ops.aten.add.Tensor, b.wait(c1), b.wait(c2))])
+    rep = simulate_graph(b.module(), mesh, hw)
+    t_tp = collective_time(hw, "all_reduce", 4096 * 4096 * 2, mesh, "tp")
+    t_dp = collective_time(hw, "all_reduce", 4096 * 4096 * 2, mesh, "dp")
+    assert rep.collectives[0].start_s == rep.collectives[1].start_s == 0.0
+    assert rep.exposed_comm_s == pytest.approx(max(t_tp, t_dp)) and rep.comm_s == pytest.approx(t_tp + t_dp)
