@@ -19,6 +19,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import partir_torch as pt
 from partir_torch.capture import capture
+from partir_torch.rules import default_registry
 from partir_torch.rules.verify import verify_graph
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -282,3 +283,51 @@ def test_stack_repeat_unsafe_split_rules():
     assert {"aten.stack.default", "aten.repeat.default", "aten.unsafe_split.Tensor"} <= report.ops
     assert report.factor_checks > 20 and report.linear_checks > 10, str(report)
     assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
+def test_group_norm_rule_tiles_whole_groups():
+    """native_group_norm and its backward: N and whole groups tile (the int args N, C, HxW and group localised);
+    the channels of one group stay together. Affine and plain, with and without spatial dims."""
+    aten = torch.ops.aten
+
+    def f(x, x2, w, b):
+        out = []
+        for img, wb in ((x, (w, b)), (x, (None, None)), (x2, (w, b))):
+            o, mean, rstd = aten.native_group_norm(img, *wb, img.shape[0], 12, img[0, 0].numel(), 6, 1e-5)
+            out += [o, mean, rstd, *aten.native_group_norm_backward(o.sin(), img, mean, rstd, wb[0], img.shape[0], 12,
+                                                                  img[0, 0].numel(), 6, [True] + [wb[0] is not None] * 2)]
+        return [t for t in out if t is not None]
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(6, 12, 2, 3), torch.randn(6, 12), torch.randn(12), torch.randn(12))
+    report = verify_graph(gm)
+    assert {"aten.native_group_norm.default", "aten.native_group_norm_backward.default"} <= report.ops
+    rule = default_registry().build(next(n for n in gm.graph.nodes if n.target is aten.native_group_norm.default))
+    assert sorted((f.size, f.kind) for f in rule.factors) == [(2, "need_rep"), (6, "pass"), (6, "pass")]
+    assert report.factor_checks >= 30, str(report)
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
+class ChannelGroups(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.gn = nn.GroupNorm(4, 8)
+        self.proj = nn.Conv2d(8, 4, 1)
+        self.fc = nn.Linear(64, 5)
+
+    def forward(self, x):                                        # (N, 3, 4, 4)
+        return self.fc(self.proj(F.relu(self.gn(self.conv(x)))).flatten(1))
+
+
+def test_group_norm_channel_parallel():
+    """Batch on "batch", conv channels on "model" (column- then row-parallel 1x1 conv): the group norm between them
+    works on the rank's whole groups, so "model" needs only the row-parallel conv's all_reduce forward."""
+    torch.manual_seed(5)
+    tactics = DP + [pt.ManualPartition({"params.conv.*": 0, "params.proj.weight": 1}, axis="model")]
+    prog, ref = _train_both(ChannelGroups(), pt.Mesh({"batch": 2, "model": 2}), _batches(3, 4, (3, 4, 4), 5, seed=5),
+                            tactics=tactics)
+    _assert_state_equal(prog, ref)
+    assert prog.sharding("params.gn.weight").dims == (("model",),) and not prog.conflicts
+    model_axis = [(r.kind, r.phase, r.nbytes) for r in prog.collectives() if r.axis == "model"]
+    assert model_axis == [("all_reduce", "forward", 2 * 4 * 4 * 4 * 4)], model_axis     # proj's (N/2, 4, 4, 4) out
+    assert all(r.kind == "all_reduce" for r in prog.collectives())

@@ -128,12 +128,16 @@ def _empty_strided(call: _Call) -> None:
 
 
 def _group_norm(input_slot: int):
-    """native_group_norm(x, w, b, N, C, HxW, group, eps) and its backward carry x's sizes as ints."""
+    """native_group_norm(x, w, b, N, C, HxW, group, eps) and its backward carry x's sizes and the number of groups
+    (tiled when whole groups are) as ints; mean is the forward's result 1 and the backward's operand 2, (N, G)."""
     def row(call: _Call) -> None:
         shape = call.in_local[input_slot]   # (N, C, *spatial)
         call.set("N", int(shape[0]))
         call.set("C", int(shape[1]))
         call.set("HxW", int(math.prod(shape[2:])))
+        mean = call.out_local[1] if input_slot == 0 else call.in_local[2]
+        if mean is not None and len(mean) == 2:
+            call.set("group", int(mean[1]))
     return row
 
 

@@ -42,19 +42,22 @@ def _ln_lead(arg_index):
 
 
 def group_norm_rule(lead_kind):
-    """native_group_norm(x (N, C, *), w, b, N, C, HxW, group, eps) -> (out, mean (N, G), rstd (N, G)).
-    Only N can be tiled (the int arg N is localised by lowering)."""
+    """native_group_norm(x (N, C, *), w (C)?, b (C)?, N, C, HxW, group, eps) -> (out, mean (N, G), rstd (N, G)) and
+    its backward (grad_out, x, mean, rstd, w?, ...) -> (dx, dw, db). C is (G, C/G): whole groups may be tiled
+    (PASS), a group's channels stay together (NEED_REP); N is `lead_kind` (REDUCE in backward, where dw and db sum
+    over it); spatial dims stay whole. The int args N, C, HxW and group are localised by lowering."""
     def rule(ctx):
-        x = ctx.in_shapes[0] if lead_kind == PASS else ctx.in_shapes[1]
+        x = ctx.in_shapes[0]
+        groups = ctx.arg(6 if lead_kind == PASS else 8, "group")
         b = RuleBuilder()
-        n = [(b.new(x[0], lead_kind),)] if x[0] > 1 else [()]
+        n = (b.new(x[0], lead_kind),) if x[0] > 1 else ()
+        g = (b.new(groups),) if groups > 1 else ()
+        cg = (b.new(x[1] // groups, NEED_REP),) if x[1] // groups > 1 else ()
+        x_dims = [n, g + cg] + [()] * (len(x) - 2)
+        by_shape = {(x[0], groups): [n, g], (x[1],): [g + cg], tuple(x): x_dims}
 
         def dims(s):
-            if s is None:
-                return None
-            if len(s) >= 1 and s[0] == x[0] and len(s) in (len(x), 2):
-                return n + [()] * (len(s) - 1)
-            return [()] * len(s)
+            return None if s is None else by_shape.get(tuple(s), [()] * len(s))
 
         return b.rule([dims(s) for s in ctx.in_shapes], [dims(s) for s in ctx.out_shapes])
     return rule
