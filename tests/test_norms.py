@@ -294,8 +294,9 @@ def test_group_norm_rule_tiles_whole_groups():
         out = []
         for img, wb in ((x, (w, b)), (x, (None, None)), (x2, (w, b))):
             o, mean, rstd = aten.native_group_norm(img, *wb, img.shape[0], 12, img[0, 0].numel(), 6, 1e-5)
+            mask = [True] + [wb[0] is not None] * 2
             out += [o, mean, rstd, *aten.native_group_norm_backward(o.sin(), img, mean, rstd, wb[0], img.shape[0], 12,
-                                                                  img[0, 0].numel(), 6, [True] + [wb[0] is not None] * 2)]
+                                                                  img[0, 0].numel(), 6, mask)]
         return [t for t in out if t is not None]
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(6, 12, 2, 3), torch.randn(6, 12), torch.randn(12), torch.randn(12))
