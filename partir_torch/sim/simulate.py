@@ -5,8 +5,8 @@ after another on that axis's stream (NCCL runs each communicator on its own stre
 axes, e.g. tensor-parallel activations and data-parallel gradients, proceed concurrently; that they then share
 links is not modelled). A collective is issued on its stream when its input is ready and the stream is free
 (``issue="ready"``), or when the compute stream reaches it in program order (``issue="program"``, what eager CUDA
-does: ProcessGroupNCCL makes the comm stream wait for all work enqueued before the call). Compute runs on until a ``wait_tensor`` needs the result; the time it then waits
-is exposed communication.
+does: ProcessGroupNCCL makes the comm stream wait for all work enqueued before the call). Compute runs on until a
+``wait_tensor`` needs the result; the time it then waits is exposed communication.
 
 >>> report = simulate_graph(gm, pt.Mesh({"dp": 8}), hardware("h100"))      # doctest: +SKIP
 >>> print(report.table())                                                   # doctest: +SKIP
