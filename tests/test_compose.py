@@ -149,7 +149,8 @@ def _original(prog) -> dict:
 @pytest.mark.parametrize("model_name,preset", CASES, ids=[f"{m}-{p}" for m, p in CASES])
 def test_preset_composes_with_mixed_precision_and_remat(model_name, preset):
     i = CASES.index((model_name, preset))
-    spec = get(model_name)
+    # one block is enough to see how a preset partitions it (the counts per layer are asserted below on two)
+    spec = get(model_name, layers=1) if model_name.split("_")[0] in ("gpt", "llama", "vit", "moe") else get(model_name)
     data = spec.batch(4)
     _, plain = _partition(spec, PRESETS[preset](), data)
     names = sorted(plain.graph.name_to_vid)
