@@ -1,0 +1,671 @@
+"""Coverage sweep (issue 9, item 6): stock models called the stock way, partitioned, compared with one device.
+
+Hugging Face: every architecture of transformers' causal-LM, masked-LM, seq2seq-LM and image-classification auto
+mappings, built from a tiny random config (AutoConfig.for_model + every size field shrunk, recursively into
+sub-configs; no weights are ever downloaded), in train mode with the config's own flags and dropout, called as the
+HF Trainer does: `model(**batch).loss` with `labels` in the batch. Schedule on an emulated 2x2x2 mesh
+{dp, tp, zero}: data_parallel(dp) + data_parallel(zero) + megatron(tp) + zero(3, zero) (HSDP-style, as
+tests/test_hf.py); where megatron reports no linear pair the row falls back to data_parallel + zero(3) (column
+"sched" says BP+Z3). 2 AdamW steps against a deepcopy trained eagerly, torch.manual_seed(step) before each step on
+both sides (so dropout draws agree).
+
+timm (`--suite timm`, run in .venv-timm: torchvision there is a CPU build): >= 10 families with
+data_parallel(dp) + data_parallel(zero) + zero(3, zero) on the same mesh, images 8 x 3 x 32 x 32 (or the smallest
+size the family accepts), cross-entropy on the logits (timm's train script).
+
+Each architecture runs in a worker process with an alarm; the parent restarts the worker when it hangs or dies
+and records a timeout. Rows are appended to a JSON-lines file as they finish (a partial run is still useful).
+
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/hf_coverage.py            # all HF
+    .venv/bin/python benchmarks/hf_coverage.py --mapping causal --limit 20                               # quick
+    .venv/bin/python benchmarks/hf_coverage.py --only gpt2,llama,bert
+    .venv-timm/bin/python benchmarks/hf_coverage.py --suite timm
+    .venv/bin/python benchmarks/hf_coverage.py --report benchmarks/results/hf_coverage.jsonl             # table
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections import Counter
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+MAPPINGS = {   # short name -> transformers.models.auto.modeling_auto mapping
+    "causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "masked": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "image": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+}
+BATCH, SEQ, IMAGE = 8, 16, 32
+STEPS = 2
+RTOL, ATOL = 1e-5, 1e-5          # loss and parameters (fp32; DESIGN §5.2's rtol 1e-5)
+MESH = {"dp": 2, "tp": 2, "zero": 2}
+
+# Architectures that cannot run here (CPU eager, no downloads), each with its reason. Everything else is attempted;
+# an eager failure of the tiny model is recorded as "skip" with the exception, so nothing is dropped silently.
+SKIP = {}
+
+# Harness-side config fixes for architectures whose fields the generic shrink cannot infer.
+OVERRIDES: dict = {
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},   # the stock default lacks them
+    "mamba2": {"head_dim": 16},                              # hidden_size * expand == num_heads * head_dim
+    "efficientnet": {"hidden_dim": 2560},                    # the head width is round_filters(1280) at width 2.0
+    "bit": {"num_groups": 4},                                # group norm over 8-channel stages
+    "mobilevitv2": {"image_size": 64},                       # 32 x 32 pools down to nothing
+}
+
+
+# -- tiny configs --------------------------------------------------------------------------------------------------
+SIZE = {   # field name -> tiny value (ints); matched exactly, then by the patterns below
+    "vocab_size": 128, "hidden_size": 32, "d_model": 32, "n_embd": 32, "embed_dim": 32, "dim": 32,
+    "embedding_size": 32, "word_embed_proj_dim": 32, "d_embed": 32, "n_embed": 32,
+    "intermediate_size": 64, "ffn_dim": 64, "d_ff": 64, "n_inner": 64, "d_inner": 64, "hidden_dim": 64,
+    "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "ffn_hidden_size": 64, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32, "shared_intermediate_size": 32, "expert_intermediate_size": 32,
+    "shared_experts_intermediate_size": 32, "moe_ffn_hidden_size": 32, "pooler_hidden_size": 32,
+    "projection_dim": 32, "pooler_output_size": 32, "projection_size": 32,
+    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4, "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4, "attention_heads": 4, "num_attention_heads_per_layer": 4,
+    "head_dim": 8, "d_kv": 8, "attention_head_size": 8, "dim_head": 8, "kv_channels": 8,
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "qk_head_dim": 16,
+    "kv_lora_rank": 16, "q_lora_rank": 16, "index_head_dim": 8, "index_n_heads": 2, "index_topk": 8,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "top_k": 2, "moe_k": 2,
+    "n_group": 1, "topk_group": 1, "num_expert_group": 1,
+    "n_shared_experts": 1, "num_shared_experts": 1, "moe_num_shared_experts": 1,
+    "first_k_dense_replace": 1, "num_dense_layers": 1,
+    "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128, "max_seq_len": 128,
+    "max_sequence_length": 128, "max_target_positions": 128, "max_source_positions": 128,
+    "model_max_length": 128, "seq_length": 128,
+    "image_size": IMAGE, "kv_lora_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_head_dim": 8, "linear_num_heads": 4,
+    "mamba_d_state": 8, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_chunk_size": 8, "state_size": 8,
+    "time_step_rank": 4, "chunk_size": 8, "d_state": 8, "mamba_expand": 2, "expand": 2, "n_groups": 1,
+    "mamba_n_groups": 1, "attention_hidden_size": 32, "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": 128, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
+    "swa_head_dim": 8, "d_rel": 4, "rel_extent": 32, "rotary_dim": 4, "rotary_emb_dim": 4,
+    "sliding_window": 8, "sliding_window_size": 8, "attention_window": 8, "local_attention": 8,
+    "block_size": 4, "num_random_blocks": 1, "mm_tokens_per_image": 4, "hidden_size_global": 32,
+    "global_hidden_size": 32, "num_codebooks": 2, "codebook_size": 32, "codebook_dim": 8,
+    "output_dim": 16, "out_hidden_size": 32, "num_position_embeddings": 16, "num_mel_bins": 16,
+    "adapter_out_dim": 32, "auxiliary_channels": 8, "bottleneck_dim": 16, "num_hashes": 2,
+    "prompt_length": 4, "num_labels": 2, "type_vocab_size": 2,
+    "window_size": 4,
+}
+LAYER_FIELDS = re.compile(r"^(num_hidden_layers|n_layer|n_layers|num_layers|encoder_layers|decoder_layers|"
+                          r"num_decoder_layers|num_encoder_layers|depth|num_blocks|text_layers|vision_layers|"
+                          r"num_hidden_groups|layers|num_local_encoder_layers|num_local_decoder_layers|"
+                          r"num_global_layers)$")
+HEADS_KV = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num", "num_key_value_groups")
+TOKEN_ID = re.compile(r"(_token_id|_token_index|_id)$")
+LAYERS = 2
+
+
+def _is_layer_list(v, n):
+    return isinstance(v, (list, tuple)) and len(v) == n and n > 1
+
+
+def shrink_dict(d: dict) -> dict:
+    """Shrink a config's dict (recursively into sub-config dicts). Returns the dict (changed in place)."""
+    for k, v in list(d.items()):
+        if isinstance(v, dict) and ("model_type" in v or k.endswith("_config") or k in ("encoder", "decoder")):
+            shrink_dict(v)
+    old_layers = {k: d[k] for k in d if LAYER_FIELDS.match(k) and isinstance(d[k], int) and not isinstance(d[k], bool)}
+    old_heads = d.get("num_attention_heads", d.get("n_head"))
+    # layer-indexed lists: keep one of every distinct kind so hybrid models keep all their block types
+    n_layers = LAYERS
+    for k, v in d.items():
+        for n in set(old_layers.values()):
+            if _is_layer_list(v, n) and all(isinstance(x, (str, int, bool)) or x is None for x in v):
+                kinds = list(dict.fromkeys(v))
+                if all(isinstance(x, str) for x in v):
+                    n_layers = max(n_layers, min(len(kinds), 4))
+    for k, v in list(d.items()):
+        if isinstance(v, bool) or v is None:
+            continue
+        if k in old_layers:
+            d[k] = min(v, n_layers) if v > 0 else v
+        elif k in SIZE and isinstance(v, int):
+            new = SIZE[k]
+            d[k] = new if (v <= 0 and new > 0) is False else v
+            if k in ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "moe_k") and v <= 1:
+                d[k] = v
+        elif k.endswith("vocab_size") and k != "type_vocab_size" and isinstance(v, int) and v > 128:
+            d[k] = 128
+        elif k in HEADS_KV and isinstance(v, int):
+            d[k] = 4 if (old_heads is not None and v >= old_heads) else min(v, 2)
+        elif k in ("hidden_sizes", "embed_dims", "dims", "embed_dim", "hidden_size", "num_channels_list") \
+                and isinstance(v, (list, tuple)) and v and all(isinstance(x, int) for x in v):
+            d[k] = [8 * 2 ** min(i, 3) for i in range(len(v))]
+        elif k in ("depths", "num_layers", "depth", "num_blocks") and isinstance(v, (list, tuple)) \
+                and v and all(isinstance(x, int) for x in v):
+            d[k] = [1] * len(v)
+        elif k in ("num_heads", "num_attention_heads", "heads") and isinstance(v, (list, tuple)) \
+                and v and all(isinstance(x, int) for x in v):
+            d[k] = [1] * len(v)
+        elif k == "image_size" and isinstance(v, (list, tuple)):
+            d[k] = [IMAGE] * len(v)
+    # token ids inside the vocabulary
+    vocab = d.get("vocab_size")
+    if isinstance(vocab, int) and vocab > 0:
+        for k, v in list(d.items()):
+            if not TOKEN_ID.search(k) or k in ("initializer_range",):
+                continue
+            if isinstance(v, int) and not isinstance(v, bool) and v >= vocab:
+                d[k] = vocab - 1 - (hash(k) % 8)
+            elif isinstance(v, list) and all(isinstance(x, int) for x in v):
+                d[k] = [x if x < vocab else vocab - 1 - i for i, x in enumerate(v)]
+    # layer-indexed lists follow the new number of layers
+    for k, v in list(d.items()):
+        for name, n in old_layers.items():
+            new_n = d[name]
+            if _is_layer_list(v, n) and new_n < n:
+                if all(isinstance(x, str) for x in v):
+                    kinds = list(dict.fromkeys(v))
+                    d[k] = (kinds * new_n)[:new_n]
+                else:
+                    d[k] = list(v[:new_n])
+                break
+        if k.endswith("_layers") and k not in old_layers and isinstance(v, list) \
+                and all(isinstance(x, int) for x in v) and v and not _is_layer_list(v, max(old_layers.values(), default=0)):
+            d[k] = [x for x in v if x < LAYERS] or v[:0]       # lists of layer indices (mlp_only_layers, ...)
+    return d
+
+
+def shrink_config(cfg, overrides: dict) -> None:
+    """Shrink a live config object in place (attributes set directly: constructors of composite configs do not
+    round-trip every attribute through to_dict/from_dict), recursively into its sub-configs."""
+    from transformers import PretrainedConfig
+
+    attrs = {k: v for k, v in vars(cfg).items() if not k.startswith("__")}
+    for k, v in attrs.items():
+        if isinstance(v, PretrainedConfig):
+            shrink_config(v, overrides.get(k, {}) if isinstance(overrides.get(k), dict) else {})
+    plain = {k: v for k, v in attrs.items() if not isinstance(v, PretrainedConfig) and not k.startswith("_")}
+    new = shrink_dict(copy.deepcopy(plain))
+    # derived sizes: head_dim left None means hidden_size // heads in most models; set it so both agree
+    if "head_dim" in new and new["head_dim"] is None and "hidden_size" in new:
+        new["head_dim"] = 8
+    # backbone-style output stages follow the new number of stages (recomputed from stage_names)
+    for k in ("out_features", "out_indices", "_out_features", "_out_indices"):
+        if k in attrs and attrs[k] is not None:
+            new[k] = None
+    for k, v in overrides.items():
+        if not isinstance(v, dict) or k in plain:
+            new[k] = v
+    for k, v in new.items():
+        if k not in attrs or attrs[k] != v or k in overrides:
+            try:
+                setattr(cfg, k, v)
+            except Exception:   # properties that cannot be set keep their value
+                pass
+    depths = new.get("depths") or new.get("num_layers")
+    if isinstance(depths, list) and hasattr(cfg, "stage_names"):
+        try:
+            cfg.stage_names = ["stem"] + [f"stage{i}" for i in range(1, len(depths) + 1)]
+            cfg._out_features, cfg._out_indices = [cfg.stage_names[-1]], [len(depths)]
+        except Exception:
+            pass
+
+
+def tiny_config(model_type: str, cls=None, mapping: str = ""):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type)
+    if cls is not None and getattr(cls, "config_class", None) is not None and not isinstance(cfg, cls.config_class):
+        cfg = cls.config_class()     # e.g. a ...ForCausalLM of a multimodal model type takes its text config
+    shrink_config(cfg, OVERRIDES.get(model_type, {}))
+    if mapping == "seq2seq" and getattr(cfg, "decoder_start_token_id", None) is None \
+            and hasattr(cfg, "pad_token_id") and not hasattr(cfg, "audio_config"):
+        cfg.decoder_start_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    return cfg
+
+
+# -- batches -------------------------------------------------------------------------------------------------------
+def forward_params(model) -> set:
+    return set(inspect.signature(model.forward).parameters)
+
+
+def text_batch(model, cfg, mapping: str, g) -> dict:
+    import torch
+
+    vocab = getattr(cfg.get_text_config(), "vocab_size", None) or getattr(cfg, "vocab_size", 128)
+    params = forward_params(model)
+    ids = torch.randint(3, vocab, (BATCH, SEQ), generator=g)
+    batch = {"input_ids": ids}
+    if "attention_mask" in params:
+        batch["attention_mask"] = torch.ones(BATCH, SEQ, dtype=torch.long)
+    if mapping == "masked":     # DataCollatorForLanguageModeling: 15% of the tokens predicted, the rest -100
+        pick = torch.rand(BATCH, SEQ, generator=g) < 0.15
+        pick[:, 1] = True
+        batch["labels"] = torch.where(pick, ids, torch.full_like(ids, -100))
+        mask_id = getattr(cfg, "mask_token_id", None)
+        if isinstance(mask_id, int) and 0 <= mask_id < vocab:
+            batch["input_ids"] = torch.where(pick, torch.full_like(ids, mask_id), ids)
+    elif mapping == "seq2seq":
+        batch["labels"] = torch.randint(3, vocab, (BATCH, SEQ), generator=g)
+    else:
+        batch["labels"] = ids.clone()
+    return batch
+
+
+def image_batch(model, cfg, g) -> dict:
+    import torch
+
+    ch = getattr(cfg, "num_channels", 3) or 3
+    size = getattr(cfg, "image_size", IMAGE)
+    size = size if isinstance(size, int) else IMAGE
+    return {"pixel_values": torch.randn(BATCH, ch, size, size, generator=g),
+            "labels": torch.randint(0, cfg.num_labels, (BATCH,), generator=g)}
+
+
+def audio_batch(model, cfg, mapping, g) -> dict:
+    import torch
+
+    enc = getattr(cfg, "encoder_config", None) or getattr(cfg, "audio_config", None) or cfg
+    bins = getattr(enc, "num_mel_bins", None) or getattr(cfg, "num_mel_bins", 16)
+    frames = 2 * (getattr(enc, "max_source_positions", None) or 16)
+    b = {"input_features": torch.randn(BATCH, bins, frames, generator=g)}
+    vocab = cfg.get_text_config().vocab_size
+    b["labels"] = torch.randint(3, vocab, (BATCH, SEQ), generator=g)
+    return b
+
+
+def make_batch(model, cfg, mapping: str) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    if mapping == "image":
+        return image_batch(model, cfg, g)
+    if getattr(model, "main_input_name", "input_ids") == "input_features":
+        return audio_batch(model, cfg, mapping, g)
+    return text_batch(model, cfg, mapping, g)
+
+
+def model_class(mapping: str, model_type: str):
+    import transformers
+    from transformers.models.auto import modeling_auto as ma
+
+    name = getattr(ma, MAPPINGS[mapping])[model_type]
+    if isinstance(name, (tuple, list)):
+        name = name[0]
+    return name, getattr(transformers, name)
+
+
+# -- one architecture ------------------------------------------------------------------------------------------------
+def first_line(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {msg[0][:300] if msg else ''}"
+
+
+def hf_loss(m, batch):
+    out = m(**batch)
+    return out["loss"] if isinstance(out, dict) else out[0]
+
+
+def compare(prog, ref, batch, loss_fn, steps=STEPS, eps=1e-8) -> dict:
+    """`steps` steps of prog next to eager AdamW on ref; max relative loss error and max parameter error."""
+    import torch
+
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=eps)
+    loss_err, losses = 0.0, []
+    for step in range(steps):
+        torch.manual_seed(step)
+        loss = prog.train_step(batch)
+        torch.manual_seed(step)
+        ref_opt.zero_grad()
+        ref_loss = loss_fn(ref, batch)
+        ref_loss.backward()
+        ref_opt.step()
+        a, b = float(loss.detach()), float(ref_loss.detach())
+        losses.append(b)
+        loss_err = max(loss_err, abs(a - b) / max(abs(b), 1e-12))
+        if not (abs(a - b) <= ATOL * 0.1 + RTOL * abs(b)):
+            loss_err = max(loss_err, abs(a - b) / max(abs(b), 1e-12))
+    got = prog.gather_parameters()
+    param_err, worst, ok = 0.0, "", True
+    for name, p in ref.named_parameters():
+        if name not in got:
+            continue
+        q = got[name].detach().to(p.dtype)
+        err = float((q - p.detach()).abs().max()) if p.numel() else 0.0
+        if not torch.allclose(q, p.detach(), rtol=RTOL, atol=ATOL, equal_nan=True):
+            ok = False
+        if err > param_err:
+            param_err, worst = err, name
+    loss_ok = all(True for _ in losses) and loss_err <= RTOL + 1e-6
+    return {"loss": losses[-1] if losses else None, "loss_err": loss_err, "param_err": param_err,
+            "worst_param": worst, "match": bool(loss_ok and ok)}
+
+
+def partition_and_compare(model, batch, loss_fn, megatron: bool) -> dict:
+    import torch
+    import partir_torch as pt
+    from partir_torch import tactics as T
+
+    ref = copy.deepcopy(model)
+    mesh = pt.Mesh(MESH)
+    base = [T.data_parallel("dp"), T.data_parallel("zero", name="BP-zero")]
+    row = {}
+    prog = None
+    if megatron:
+        try:
+            prog = pt.partition(model, mesh, base + [T.megatron("tp"), T.zero(3, "zero")], example_inputs=(batch,),
+                                loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+            row["sched"] = "BP+MP+Z3"
+        except pt.PartitionError as e:
+            if "found no column-parallel/row-parallel linear pair" not in str(e):
+                raise
+            row["megatron"] = "no structure"
+    if prog is None:
+        prog = pt.partition(model, mesh, base + [T.zero(3, "zero")], example_inputs=(batch,), loss_fn=loss_fn,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        row["sched"] = "BP+Z3"
+    row["conflicts"] = len(prog.conflicts)
+    row["collectives"] = dict(Counter(r.kind for r in prog.collectives()))
+    row.update(compare(prog, ref, batch, loss_fn))
+    return row
+
+
+def run_hf(mapping: str, model_type: str) -> dict:
+    import torch
+
+    row = {"suite": "hf", "mapping": mapping, "arch": model_type}
+    if model_type in SKIP:
+        return {**row, "result": "skip", "reason": SKIP[model_type]}
+    t0 = time.time()
+    stage = "config"
+    try:
+        cls_name, cls = model_class(mapping, model_type)
+        row["class"] = cls_name
+        cfg = tiny_config(model_type, cls, mapping)
+        stage = "build"
+        torch.manual_seed(0)
+        model = cls(cfg).float().train()
+        row["params"] = sum(p.numel() for p in model.parameters())
+        batch = make_batch(model, cfg, mapping)
+        stage = "eager"
+        probe = copy.deepcopy(model)          # the one-device run must work before partir_torch is asked
+        torch.manual_seed(0)
+        loss = hf_loss(probe, batch)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise RuntimeError(f"model(**batch) returned no scalar loss ({type(loss).__name__})")
+        loss.backward()
+        del probe
+    except Exception as e:   # the harness or the model, not partir_torch
+        return {**row, "result": "skip", "reason": f"{stage}: {first_line(e)}", "s": round(time.time() - t0, 1)}
+    if os.environ.get("HF_COVERAGE_EAGER_ONLY"):
+        return {**row, "result": "eager-ok", "s": round(time.time() - t0, 1)}
+    try:
+        row.update(partition_and_compare(model, batch, hf_loss, megatron=True))
+        row["result"] = "pass" if row["match"] else "mismatch"
+    except Exception as e:
+        import partir_torch as pt
+
+        row["result"] = "fail"
+        row["reason"] = first_line(e)
+        row["error_type"] = "PartitionError" if isinstance(e, pt.PartitionError) else "bug"
+        row["where"] = "".join(traceback.format_exception(e)[-3:])[-600:]
+    row["s"] = round(time.time() - t0, 1)
+    return row
+
+
+# -- timm ------------------------------------------------------------------------------------------------------------
+TIMM = {   # family -> (model name, kwargs for create_model, image size)
+    "resnet": ("resnet18", {}, 32),                     # BatchNorm
+    "convnext": ("convnext_atto", {}, 32),
+    "vit": ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 2}, 32),
+    "swin": ("swin_tiny_patch4_window7_224", {"img_size": 32, "window_size": 4, "embed_dim": 24,
+                                              "depths": (1, 1), "num_heads": (2, 4)}, 32),
+    "efficientnet": ("efficientnet_b0", {}, 32),
+    "regnet": ("regnetx_002", {}, 32),
+    "mixer": ("mixer_s32_224", {"img_size": 32, "patch_size": 8, "num_blocks": 2, "embed_dim": 64}, 32),
+    "deit": ("deit_tiny_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 2}, 32),
+    "mobilenetv3": ("mobilenetv3_small_050", {}, 32),
+    "densenet": ("densenet121", {"growth_rate": 8, "block_config": (1, 1, 1, 1)}, 32),
+    "resmlp": ("resmlp_12_224", {"img_size": 32, "patch_size": 8, "depth": 2}, 32),
+    "convmixer": ("convmixer_768_32", {"dim": 32, "depth": 2, "kernel_size": 3, "patch_size": 4}, 32),
+    "levit": ("levit_128s", {"img_size": 32}, 32),
+    "poolformer": ("poolformer_s12", {"layers": (1, 1, 1, 1)}, 32),
+    "ghostnet": ("ghostnet_050", {}, 32),
+}
+
+
+def run_timm(family: str) -> dict:
+    import torch
+    import torch.nn.functional as F
+    import timm
+
+    name, kwargs, size = TIMM[family]
+    row = {"suite": "timm", "mapping": "timm", "arch": family, "class": name}
+    t0 = time.time()
+    stage = "build"
+    try:
+        torch.manual_seed(0)
+        model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs).float().train()
+        row["params"] = sum(p.numel() for p in model.parameters())
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(BATCH, 3, size, size, generator=g)
+        y = torch.randint(0, 10, (BATCH,), generator=g)
+        stage = "eager"
+        probe = copy.deepcopy(model)
+        F.cross_entropy(probe(x), y).backward()
+        del probe
+    except Exception as e:
+        return {**row, "result": "skip", "reason": f"{stage}: {first_line(e)}", "s": round(time.time() - t0, 1)}
+
+    def loss_fn(m, batch):
+        return F.cross_entropy(m(batch["x"]), batch["y"])
+
+    try:
+        row.update(partition_and_compare(model, {"x": x, "y": y}, loss_fn, megatron=False))
+        row["result"] = "pass" if row["match"] else "mismatch"
+    except Exception as e:
+        import partir_torch as pt
+
+        row["result"] = "fail"
+        row["reason"] = first_line(e)
+        row["error_type"] = "PartitionError" if isinstance(e, pt.PartitionError) else "bug"
+        row["where"] = "".join(traceback.format_exception(e)[-3:])[-600:]
+    row["s"] = round(time.time() - t0, 1)
+    return row
+
+
+# -- driver ----------------------------------------------------------------------------------------------------------
+class Alarm(Exception):
+    pass
+
+
+def worker(tasks: list, out: str, timeout: int) -> None:
+    """Run tasks [(suite, mapping, arch)] in this process, one JSON line each to `out`."""
+    import torch
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.disable(logging.WARNING)
+
+    def on_alarm(*_):
+        raise Alarm(f"timeout after {timeout} s")
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    for suite, mapping, arch in tasks:
+        print(f"START {suite} {mapping} {arch}", flush=True)
+        signal.alarm(timeout)
+        try:
+            row = run_timm(arch) if suite == "timm" else run_hf(mapping, arch)
+        except Alarm as e:
+            row = {"suite": suite, "mapping": mapping, "arch": arch, "result": "timeout", "reason": str(e)}
+        except BaseException as e:  # noqa: BLE001 - one row per architecture, whatever happens
+            row = {"suite": suite, "mapping": mapping, "arch": arch, "result": "fail", "reason": first_line(e),
+                   "error_type": "bug"}
+        finally:
+            signal.alarm(0)
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"DONE {arch} {row['result']} {row.get('reason', '')[:150]}", flush=True)
+
+
+def all_tasks(suite: str, mappings: list) -> list:
+    if suite == "timm":
+        return [("timm", "timm", f) for f in TIMM]
+    from transformers.models.auto import modeling_auto as ma
+
+    return [("hf", m, t) for m in mappings for t in getattr(ma, MAPPINGS[m])]
+
+
+def drive(tasks: list, out: str, timeout: int, per_worker: int = 25) -> None:
+    """Run tasks in worker processes (a fresh one every `per_worker` tasks, or after a hang or crash)."""
+    todo = list(tasks)
+    while todo:
+        chunk, todo = todo[:per_worker], todo[per_worker:]
+        while chunk:
+            arg = json.dumps(chunk)
+            p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", arg, "--out", out,
+                                  "--timeout", str(timeout)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, bufsize=1)
+            current, last = None, time.time()
+            done = set()
+            import selectors
+
+            sel = selectors.DefaultSelector()
+            sel.register(p.stdout, selectors.EVENT_READ)
+            while True:
+                if sel.select(timeout=5):
+                    line = p.stdout.readline()
+                    if not line:
+                        break
+                    if line.startswith("START "):
+                        current, last = line.split()[1:4], time.time()
+                    elif line.startswith("DONE "):
+                        done.add(tuple(current))
+                        print(line.rstrip()[5:], flush=True)
+                        current = None
+                elif current and time.time() - last > timeout + 60:
+                    p.kill()
+                    break
+            p.wait()
+            if current is not None:    # hung past the alarm, or crashed: record it and carry on after it
+                suite, mapping, arch = current
+                why = "timeout (worker killed)" if p.returncode in (-9,) else f"worker died (exit {p.returncode})"
+                with open(out, "a") as f:
+                    f.write(json.dumps({"suite": suite, "mapping": mapping, "arch": arch,
+                                        "result": "timeout" if "timeout" in why else "fail", "reason": why,
+                                        "error_type": "bug"}) + "\n")
+                print(f"{arch} {why}", flush=True)
+                done.add(tuple(current))
+            chunk = [t for t in chunk if tuple(t) not in done]
+
+
+# -- report ----------------------------------------------------------------------------------------------------------
+def load(path: str) -> list:
+    rows = {}
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            rows[(r["mapping"], r["arch"])] = r       # the last run of an architecture wins
+    return list(rows.values())
+
+
+def report(rows: list) -> str:
+    from tabulate import tabulate
+
+    table = []
+    for r in rows:
+        coll = r.get("collectives") or {}
+        table.append([r["mapping"], r["arch"], r["result"], r.get("sched", ""),
+                      f"{r['loss_err']:.1e}" if r.get("loss_err") is not None else "",
+                      f"{r['param_err']:.1e}" if r.get("param_err") is not None else "",
+                      r.get("conflicts", ""),
+                      " ".join(f"{k.replace('all_', '').replace('reduce_scatter', 'rs')}={v}"
+                               for k, v in sorted(coll.items())),
+                      (r.get("reason") or "")[:110]])
+    out = [tabulate(table, headers=["mapping", "arch", "result", "sched", "loss err", "param err", "confl",
+                                    "collectives", "reason"])]
+    out.append("")
+    out.append(summary(rows))
+    return "\n".join(out)
+
+
+def summary(rows: list) -> str:
+    lines = []
+    by = {}
+    for r in rows:
+        by.setdefault(r["mapping"], []).append(r)
+    tot = Counter()
+    for m, rs in by.items():
+        c = Counter(r["result"] for r in rs)
+        tot.update(c)
+        ran = len(rs) - c["skip"]
+        pct = 100.0 * c["pass"] / ran if ran else 0.0
+        fb = sum(1 for r in rs if r.get("sched") == "BP+Z3")
+        bugs = sum(1 for r in rs if r["result"] == "fail" and r.get("error_type") != "PartitionError")
+        lines.append(f"{m:8s} {len(rs):4d} archs, {c['skip']:3d} skipped (eager/harness), {ran:4d} run: "
+                     f"{c['pass']:4d} pass, {c['mismatch']:3d} mismatch, {c['fail']:3d} fail ({bugs} not "
+                     f"PartitionError), {c['timeout']:3d} timeout; coverage {pct:5.1f}% (BP+Z3 fallback: {fb})")
+    ran = sum(tot.values()) - tot["skip"]
+    lines.append(f"{'all':8s} {sum(tot.values()):4d} archs, {tot['skip']:3d} skipped, {ran:4d} run: "
+                 f"{tot['pass']:4d} pass; coverage {100.0 * tot['pass'] / max(ran, 1):5.1f}%")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--suite", choices=["hf", "timm"], default="hf")
+    ap.add_argument("--mapping", default="causal,masked,seq2seq,image", help="comma-separated: " + ",".join(MAPPINGS))
+    ap.add_argument("--only", default="", help="comma-separated model types / timm families")
+    ap.add_argument("--limit", type=int, default=0, help="first N architectures per mapping")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per architecture")
+    ap.add_argument("--out", default="", help="JSON lines (appended); default benchmarks/results/<suite>_coverage.jsonl")
+    ap.add_argument("--report", default="", help="print the table of a JSON-lines file and exit")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        worker([tuple(t) for t in json.loads(a.worker)], a.out, a.timeout)
+        return
+    if a.report:
+        print(report(load(a.report)))
+        return
+    out = a.out or os.path.join(RESULTS, f"{a.suite}_coverage.jsonl")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    mappings = a.mapping.split(",")
+    tasks = all_tasks(a.suite, mappings)
+    if a.only:
+        only = set(a.only.split(","))
+        tasks = [t for t in tasks if t[2] in only]
+    if a.limit:
+        per = Counter()
+        keep = []
+        for t in tasks:
+            per[t[1]] += 1
+            if per[t[1]] <= a.limit:
+                keep.append(t)
+        tasks = keep
+    start = time.time()
+    with open(out, "a"):
+        pass
+    before = sum(1 for _ in open(out))
+    drive(tasks, out, a.timeout)
+    rows = [json.loads(l) for l in list(open(out))[before:]]
+    print(report(rows))
+    print(f"{len(tasks)} architectures in {time.time() - start:.0f} s; rows in {out}")
+
+
+if __name__ == "__main__":
+    main()
