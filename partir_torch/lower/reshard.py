@@ -8,7 +8,8 @@
 | replicated -> tiled(d)    | local slice at the rank's coordinate      |
 | tiled(d1) -> tiled(d2)    | all_to_all                                |
 
-Order: un-tile (innermost axis of a dim first), then reduce pending partials, then tile (outermost first).
+Order: un-tile (innermost axis of a dim first), then reduce pending partials (reduce_scatters into the target
+tiling first, all_reduces on the smaller shard after), then tile (outermost first).
 """
 from __future__ import annotations
 
@@ -227,18 +228,26 @@ def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tacti
             stride = _stride_before(cur_dims[d], src_sf, axis, em.mesh)
             x, shape = all_gather(em, x, shape, d, axis, dtype, value, tactic_of(axis), stride)
             cur_dims[d].remove(axis)
-    # 2. pending reductions: reduce_scatter straight into the target tiling where it is the next split of its dim
+    # 2. pending reductions: reduce_scatter straight into the target tiling where it is the next split of its dim,
+    # first; then all_reduce the others on the smaller shard (HSDP: the gradient is reduce-scattered on the shard
+    # axis and only its shard is all-reduced across replicas)
     dst_tiled = dst.tiled_axes()
+    progress = True
+    while progress:
+        progress = False
+        for axis, op in list(pending.items()):
+            d = dst_tiled.get(axis)
+            if (dst.partial_op(axis) != op and d is not None and len(dst.dims[d]) > len(cur_dims[d])
+                    and dst.dims[d][len(cur_dims[d])] == axis and shape[d] % em.mesh.shape[axis] == 0):
+                stride = _stride_before(dst.dims[d], dst_sf, axis, em.mesh)
+                x, shape = reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic_of(axis), stride)
+                cur_dims[d].append(axis)
+                del pending[axis]
+                progress = True
     for axis, op in list(pending.items()):
         if dst.partial_op(axis) == op:
             continue
-        d = dst_tiled.get(axis)
-        if d is not None and dst.dims[d][len(cur_dims[d])] == axis and shape[d] % em.mesh.shape[axis] == 0:
-            stride = _stride_before(dst.dims[d], dst_sf, axis, em.mesh)
-            x, shape = reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic_of(axis), stride)
-            cur_dims[d].append(axis)
-        else:
-            x, shape = all_reduce(em, x, shape, op, axis, dtype, value, tactic_of(axis))
+        x, shape = all_reduce(em, x, shape, op, axis, dtype, value, tactic_of(axis))
         del pending[axis]
     for axis, op in dst.partial:
         if pending.get(axis) != op:

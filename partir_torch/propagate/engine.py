@@ -321,7 +321,7 @@ class Propagator:
             for is_res, j, dims, vid in slots:
                 if is_res and not any(f in fs for fs in dims):
                     c = g.canon[vid]
-                    if st.value[c] == UNKNOWN:
+                    if st.value[c] == UNKNOWN and len(g.tied[c]) == 1:     # state is reduced, never partial
                         self._set(st, c, p, prov)
                         changed.append(c)
         return changed
@@ -340,6 +340,8 @@ class Propagator:
         for j, vid, _ in partial_ops:
             if len(g.users[vid]) != 1 or g.values[vid].meta.get("partir_output"):
                 return []
+        if any(vid is not None and len(g.tied[g.canon[vid]]) > 1 for vid in op.results):
+            return []     # state (a running statistic and its update) keeps one layout: it is never partial
         for slots, ops in op.rule.linear:
             if slots == pslots and PARTIAL_OP[p] in ops:
                 st.assign[i] = p
