@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..capture.graphutil import forward_nodes
 from ..errors import PartitionError
 from ..propagate.state import REPLICATED as REP, UNKNOWN
 from .manual import ManualPartition
 from .structure import (Linear, embedding_tables, find_linear_pairs, is_param_cast, linear_layout,
-                        linear_regions, linear_weight, source, RESHAPES_AND_CASTS)
+                        linear_regions, linear_weight, source)
 
 aten = torch.ops.aten
 
@@ -232,11 +233,14 @@ class SequenceParallel:
             raise PartitionError(f"{self.name}: sequence parallelism needs Megatron-style linear pairs; found none.")
         col_names = set(col)
         seeds, seen = [], set()
+        fwd = forward_nodes(ctx.captured.gm)
         for n in ctx.captured.gm.graph.nodes:
-            w = linear_weight(n, None)
+            w = linear_weight(n, None) if n in fwd else None
             if w not in col_names:
                 continue
-            x = source(n.args[0], RESHAPES_AND_CASTS)   # the (B, T, d) activation behind its (B*T, d) view
+            x = source(n.args[0])   # past casts, then the (B, T, d) activation behind its (B*T, d) view
+            if x.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+                x = source(x.args[0])
             shape = x.meta["val"].shape
             if x in seen or len(shape) <= self.seq_dim:
                 continue

@@ -85,8 +85,6 @@ _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _MOVES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.transpose.int, aten.permute.default} \
     | _CASTS
 
-RESHAPES_AND_CASTS = _RESHAPES | _CASTS
-
 
 def _fused_chunks(node) -> int:
     """Number of equal chunks a linear's output is split into along its features (3 for a fused q/k/v), else 1:
