@@ -12,7 +12,8 @@ from .errors import PartitionError
 
 
 def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimizer=None, registry=None,
-              simulate=None, timeout_s: float = 300.0, bucket_bytes: int = 64 * 2 ** 20) -> Program:
+              simulate=None, timeout_s: float = 300.0, bucket_bytes: int = 64 * 2 ** 20, clip_grad_norm=None,
+              accumulate: int = 1, accumulate_dims: dict | None = None) -> Program:
     """Trace `model`'s step and partition it over `mesh` with the tactics of `schedule`, in order.
 
     >>> prog = partition(model, Mesh({"batch": 2}), [ManualPartition({"inputs.*": 0}, axis="batch")],
@@ -22,6 +23,12 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     timeout_s: on real ranks, how long the start-up check waits for every rank before naming the missing ones.
     bucket_bytes: parameter gathers and gradient reduce-scatters are merged into buckets of up to this many bytes
     (one collective each, as DDP/FSDP do; the bytes are unchanged); 0 keeps one collective per parameter.
+    clip_grad_norm: clip the gradients by their global norm before the update, as torch.nn.utils.clip_grad_norm_
+    (the norm over all shards; prog.last_grad_norm holds the norm before clipping).
+    accumulate: micro-batches per optimizer step. train_step takes the batch of one step (as example_inputs) and
+    runs it as k micro-batches x[j::k] (see capture._micro_batches), their gradients summed, the loss their mean:
+    one gradient reduction per step, one micro-batch's activations alive. accumulate_dims: input index -> batch
+    dim (default 0), or None for an input shared by every micro-batch.
     """
     if not isinstance(mesh, Mesh):
         raise PartitionError(f"partition: mesh must be a pt.Mesh, got {type(mesh).__name__}.")
@@ -32,14 +39,26 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     if options and loss_fn is None:
         raise PartitionError(f"partition: {', '.join(t.name for t in options)} change the training step; "
                              f"pass loss_fn= (they have nothing to act on in a forward-only program).")
+    if clip_grad_norm is not None and optimizer is None:
+        raise PartitionError("partition: clip_grad_norm clips the gradients before the optimizer update; pass "
+                             "optimizer= (with loss_fn=).")
+    if clip_grad_norm is not None and not float(clip_grad_norm) > 0:
+        raise PartitionError(f"partition: clip_grad_norm must be a positive number, got {clip_grad_norm!r}.")
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise PartitionError(f"partition: accumulate must be a positive int (micro-batches per step), got "
+                             f"{accumulate!r}.")
+    if accumulate > 1 and loss_fn is None:
+        raise PartitionError("partition: accumulate sums the gradients of micro-batches; pass loss_fn=.")
     decomps = {}
     for t in tactics:
         decomps.update(getattr(t, "decompositions", dict)())
-    captured = capture(model, example_inputs, loss_fn, optimizer, options, decomps)
+    captured = capture(model, example_inputs, loss_fn, optimizer, options, decomps, clip_grad_norm=clip_grad_norm,
+                       accumulate=accumulate, accumulate_dims=accumulate_dims)
     with no_gc():   # linear time: no full collections over the traced graph's heap while partitioning
         graph = PartGraph(captured.gm, registry or default_registry(), captured.names, captured.ties)
         prog = Program(captured, graph, Propagator(graph, mesh), mesh, tactics, model, optimizer)
         prog.timeout_s, prog.bucket_bytes = timeout_s, bucket_bytes
+        prog.loss_fn, prog.registry, prog.decompositions = loss_fn, registry, decomps
         ctx = TacticContext(prog)
         for t in tactics:
             t.apply(ctx)

@@ -74,7 +74,7 @@ class TacticContext:
         """Ops of the optimizer update: everything downstream of optimizer state, lr and step."""
         g = self.graph
         roots = [g.vid[n] for n in g.gm.graph.nodes if n.op == "placeholder"
-                 and n.meta.get("partir_role") in ("opt_state", "lr", "step")]
+                 and n.meta.get("partir_role") in ("opt_state", "lr", "step")]   # lr: every hparams.<g>.<name>
         region, stack = set(), list(roots)
         seen = set(roots)
         while stack:
@@ -139,8 +139,55 @@ class Program:
         return self.executor.gather_parameters()
 
     def state_dict(self) -> dict:
-        """Parameters, buffers and optimizer state: DTensors on real ranks (placements = their shardings)."""
+        """{"model": {fqn: T}, "optimizer": {"state": {fqn: {"step", "exp_avg", ...}}, "param_groups": [...]}}, the
+        layout of torch.distributed.checkpoint's get_state_dict: T are DTensors on real ranks (placements = the
+        program's shardings; torch.distributed.checkpoint.save/load work on it) and full tensors in emulation."""
         return self.executor.state_dict()
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
+        """Load state_dict()'s layout, resharding DTensors of any placement (or full tensors) to this program's;
+        the optimizer's param groups take the saved hyperparameters and the step count resumes."""
+        self.executor.load_state_dict(state_dict, strict)
+
+    def full_state_dict(self) -> dict:
+        """The consolidated module state (model.state_dict() keys, full tensors): model.load_state_dict(it)."""
+        return self.executor.full_state_dict()
+
+    def export_to(self, model=None, optimizer=None) -> None:
+        """Write parameters, buffers and optimizer state into an eager module and optimizer (default: the ones
+        given to partition)."""
+        self.executor.export_to(model, optimizer)
+
+    def import_from(self, model=None, optimizer=None) -> None:
+        """Take parameters, buffers and optimizer state from an eager module and optimizer (after editing them)."""
+        self.executor.import_from(model, optimizer)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (restored by load_state_dict)."""
+        return self.executor.steps
+
+    @property
+    def last_grad_norm(self):
+        """With partition(..., clip_grad_norm=...): the global gradient norm of the last train_step (before
+        clipping), as torch.nn.utils.clip_grad_norm_ returns it."""
+        return self.executor.last_grad_norm
+
+    def eval_step(self, *batch):
+        """The loss on the live (sharded) state in eval mode (dropout off, batch norm running statistics), at any
+        batch size; no update. The loss-only step is captured once per input shape and cached."""
+        return self.executor.evaluator.eval_step(batch)
+
+    def forward(self, *inputs):
+        """The model's outputs on the live state in eval mode, at any batch size (captured once per shape)."""
+        return self.executor.evaluator.forward(inputs)
+
+    def to_xla(self):
+        """The same plan as a torch-xla SPMD program (xla.XlaProgram: train_step, forward, state_dict, hlo,
+        collectives, compare); needs torch-xla (the .venv-xla environment)."""
+        from .xla import XlaProgram
+
+        return XlaProgram(self)
 
     # -- shardings -----------------------------------------------------------------------------------------------
     def _vid(self, name: str) -> int:

@@ -67,11 +67,12 @@ def test_train_capture_names_state_lr_step():
     assert cap.mode == TRAIN
     fqns = [k for k, _ in model.named_parameters()]
     expected = ([f"params.{k}" for k in fqns] + [f"opt.exp_avg.{k}" for k in fqns]
-                + [f"opt.exp_avg_sq.{k}" for k in fqns] + ["lr", "step", "inputs.0", "inputs.1"])
+                + [f"opt.exp_avg_sq.{k}" for k in fqns]
+                + [f"hparams.0.{h}" for h in ("lr", "weight_decay", "beta1", "beta2")] + ["step", "inputs.0", "inputs.1"])
     assert cap.input_names == expected
     assert cap.output_names == ["loss"] + expected[:3 * len(fqns)]
     roles = dict(zip(cap.input_names, cap.input_roles))
-    assert (roles["lr"], roles["step"], roles["opt.exp_avg.wte.weight"], roles["inputs.1"]) == \
+    assert (roles["hparams.0.lr"], roles["step"], roles["opt.exp_avg.wte.weight"], roles["inputs.1"]) == \
         ("lr", "step", "opt_state", "input")
     # every parameter and optimizer state is tied to its updated output
     tied = {ph.meta["partir_name"] for ph, _ in cap.ties}
@@ -105,8 +106,11 @@ def _train_args(cap, model, batch, state, lr, step):
             args.append(params[name[7:]].detach().clone())
         elif name.startswith("opt."):
             args.append(state[name])
-        elif name == "lr":
+        elif name == "hparams.0.lr":
             args.append(torch.tensor(lr, dtype=torch.float64))
+        elif name.startswith("hparams."):   # weight decay, betas: the optimizer's values, fed like lr
+            _, g, h = name.split(".")
+            args.append(torch.tensor(cap.fopt.hyper_values()[(int(g), h)], dtype=torch.float64))
         elif name == "step":
             args.append(torch.tensor(float(step), dtype=torch.float64))
         else:

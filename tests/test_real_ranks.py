@@ -83,7 +83,9 @@ def _phase_train(spec, batch, mesh):
     losses = [prog.train_step(*batch).item() for _ in range(STEPS)]
     gathered = prog.gather_parameters()
     param_errs = {k: _max_err(gathered[k], w) for k, w in ref_params.items() if k in gathered}
-    sd = prog.state_dict()
+    sd = {f"params.{k}": v for k, v in prog.state_dict()["model"].items()}   # the model's parameters, then
+    sd.update({f"opt.{s}.{k}": v for k, d in prog.state_dict()["optimizer"]["state"].items()    # their state
+               for s, v in d.items() if s != "step"})
     not_dtensor = sorted(n for n, v in sd.items() if not isinstance(v, DTensor))
     wrong_placements, wrong_local, full_errs = [], [], {}
     for n, v in sd.items():

@@ -26,7 +26,7 @@ from .optim import functional_optimizer
 from .tags import collect_tags, install_hooks
 from .tidy import untie_random_templates
 
-FORWARD, LOSS_AND_GRADS, TRAIN = "forward", "loss_and_grads", "train"
+FORWARD, LOSS_AND_GRADS, TRAIN, EVAL = "forward", "loss_and_grads", "train", "eval"
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Captured:
     """The traced step and what its placeholders and outputs mean."""
 
     gm: fx.GraphModule
-    mode: str                        # FORWARD | LOSS_AND_GRADS | TRAIN
+    mode: str                        # FORWARD | LOSS_AND_GRADS | TRAIN | EVAL (the loss only)
     input_names: list                # per placeholder: "params.fc1.weight", "opt.exp_avg.fc1.weight", "lr", "inputs.0"
     input_roles: list                # per placeholder: "param" | "buffer" | "opt_state" | "lr" | "step" | "input"
     output_names: list               # per flat output: "loss", "params.fc1.weight", "grads.fc1.weight", "outputs.0"
@@ -234,18 +234,53 @@ def _state_mutations(gm: fx.GraphModule, names: list, roles: list, out_names: li
     gm.recompile()
 
 
+def _micro_batches(batch, k: int, dims=None) -> list:
+    """k micro-batches of the step's batch: micro-batch j holds samples j, j + k, j + 2k, ... of every input
+    (x.unflatten(d, (B // k, k)).select(d + 1, j), i.e. x[j::k]): the (B // k) factor keeps the batch dim's tiling,
+    so each micro-batch is spread over every rank that splits the batch and no input is gathered. dims: input index
+    -> batch dim, or None for an input every micro-batch sees whole (default: dim 0 of every input)."""
+    if k == 1:
+        return [batch]
+    flat, spec = tree_flatten(tuple(batch))
+    dims = {i: 0 for i in range(len(flat))} if dims is None else {i: dims.get(i, 0) for i in range(len(flat))}
+    for i, x in enumerate(flat):
+        d = dims[i]
+        if d is not None and (x.dim() <= d or x.shape[d] % k):
+            raise PartitionError(f"partition: accumulate={k} splits dim {d} of inputs.{i} (shape "
+                                 f"{tuple(x.shape)}) into {k} micro-batches; {k} does not divide it. Use a batch "
+                                 f"size divisible by {k}, or name the batch dim with accumulate_dims={{{i}: dim}} "
+                                 f"(None: the input is shared by every micro-batch).")
+    return [tree_unflatten([x if dims[i] is None else x.unflatten(dims[i], (x.shape[dims[i]] // k, k))
+                            .select(dims[i] + 1, j) for i, x in enumerate(flat)], spec) for j in range(k)]
+
+
+def _clip_by_global_norm(grads: dict, max_norm: float) -> tuple:
+    """torch.nn.utils.clip_grad_norm_: total = ||(||g||_2 for g)||_2, each g scaled by min(1, max / (total +
+    1e-6)). The total is sqrt of one sum of every gradient's squares (the same number): over a tiled gradient
+    the sum is partial and is reduced on the axes it is tiled on, a replicated one is counted once."""
+    total = None
+    for g in grads.values():
+        sq = g.float().square().sum()
+        total = sq if total is None else total + sq
+    norm = total.sqrt()
+    coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+    return {k: g * coef.to(g.dtype) for k, g in grads.items()}, norm
+
+
 def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None, options=(),
-            decompositions=None) -> Captured:
+            decompositions=None, clip_grad_norm=None, accumulate=1, accumulate_dims=None,
+            eval_loss=False) -> Captured:
     """options: capture-time tactics (MixedPrecision, Remat) that shape the traced step; decompositions: extra
-    ones a tactic needs (see decompositions.py)."""
+    ones a tactic needs (see decompositions.py). clip_grad_norm, accumulate, accumulate_dims: see partition().
+    eval_loss: the loss only, no gradients (mode EVAL)."""
     example_inputs = tuple(example_inputs)
-    mode = FORWARD if loss_fn is None else (LOSS_AND_GRADS if optimizer is None else TRAIN)
+    mode = FORWARD if loss_fn is None else EVAL if eval_loss else (LOSS_AND_GRADS if optimizer is None else TRAIN)
     if loss_fn is not None:
         _check_signature(loss_fn, model, example_inputs)
     device = _trace_device(model, example_inputs)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    trainable = [k for k, p in params.items() if p.requires_grad] if mode != FORWARD else []
+    trainable = [k for k, p in params.items() if p.requires_grad] if mode not in (FORWARD, EVAL) else []
     frozen = [k for k in params if k not in trainable]
     fopt = None
     state_keys: list = []
@@ -271,11 +306,12 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         names.append(f"buffers.{k}"), roles.append("buffer"), flat.append(fbuffers[k])
     for s, k in state_keys:
         names.append(f"opt.{s}.{k}"), roles.append("opt_state"), flat.append(opt_state[s][k])
-    if mode == TRAIN:
+    hyper_keys = fopt.hyper_keys() if mode == TRAIN else []
+    if mode == TRAIN:   # per-group hyperparameters (role "lr": optimizer scalars) and the step count, fed per step
         with fake_mode:
-            flat += [torch.zeros((), dtype=torch.float64, device=device), torch.zeros((), dtype=torch.float64, device=device)]
-        names += ["lr", "step"]
-        roles += ["lr", "step"]
+            flat += [torch.zeros((), dtype=torch.float64, device=device) for _ in range(len(hyper_keys) + 1)]
+        names += [f"hparams.{g}.{h}" for g, h in hyper_keys] + ["step"]
+        roles += ["lr"] * len(hyper_keys) + ["step"]
     n_state = len(flat)
     in_flat, in_spec = tree_flatten(example_inputs)
     for i, x in enumerate(in_flat):
@@ -300,29 +336,48 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         state, fargs = {**p, **b}, batch
         for opt in options:
             state, fargs = opt.transform_step(state, fargs)
-        # the module holds the traced state until the backward has run: checkpointed blocks recompute their
-        # forward inside it
-        with torch.enable_grad(), _reparametrize_module(model, state, tie_weights=True):
-            loss = loss_fn(model, *fargs)
-            _check_loss(loss, model)
-            loss = loss.float()
-            # the backward as autograd runs it (AOTAutograd's joint trace): custom autograd.Functions, old-style
-            # or with setup_context, and library ops with registered autograd are differentiated as in eager
-            got = torch.autograd.grad(loss, [p[k] for k in trainable], allow_unused=True)
-        grads = {k: torch.zeros_like(p[k]) if g is None else g for k, g in zip(trainable, got)}
-        loss = loss.detach()
+        if mode == EVAL:
+            with torch.no_grad(), _reparametrize_module(model, state, tie_weights=True):
+                loss = loss_fn(model, *fargs)
+                _check_loss(loss, model)
+            out_names[:] = ["loss"]
+            return [loss.float()]
+        loss, grads = None, None
+        for micro in _micro_batches(fargs, accumulate, accumulate_dims):
+            # the module holds the traced state until the backward has run: checkpointed blocks recompute their
+            # forward inside it
+            with torch.enable_grad(), _reparametrize_module(model, state, tie_weights=True):
+                part = loss_fn(model, *micro)
+                _check_loss(part, model)
+                part = part.float() if accumulate == 1 else part.float() / accumulate
+                # the backward as autograd runs it (AOTAutograd's joint trace): custom autograd.Functions,
+                # old-style or with setup_context, and library ops with registered autograd are differentiated as
+                # in eager
+                got = torch.autograd.grad(part, [p[k] for k in trainable], allow_unused=True)
+            got = {k: torch.zeros_like(p[k]) if g is None else g for k, g in zip(trainable, got)}
+            # micro-batch gradients summed as eager .backward() accumulates them: partial sums stay partial, so
+            # the gradient reduction happens once per step
+            grads = got if grads is None else {k: grads[k] + got[k] for k in trainable}
+            loss = part.detach() if loss is None else loss + part.detach()
         if mode == LOSS_AND_GRADS:
             out_names[:] = ["loss"] + [f"grads.{k}" for k in trainable]
             return [loss] + [grads[k] for k in trainable]
+        norm = None
+        if clip_grad_norm is not None:
+            grads, norm = _clip_by_global_norm(grads, clip_grad_norm)
         st = {}
         off = nt + nf + nb
         for (s, k), t in zip(state_keys, args[off:off + len(state_keys)]):
             st.setdefault(s, {})[k] = t
-        lr, count = args[off + len(state_keys)], args[off + len(state_keys) + 1]
+        fed = args[off + len(state_keys):off + len(state_keys) + len(hyper_keys)]
+        count = args[off + len(state_keys) + len(hyper_keys)]
         with torch.no_grad():
-            new_p, new_s = fopt.update({k: p[k] for k in trainable}, grads, st, lr, count)
-        out_names[:] = ["loss"] + [f"params.{k}" for k in trainable] + [f"opt.{s}.{k}" for s, k in state_keys]
-        return [loss] + [new_p[k] for k in trainable] + [new_s[s][k] for s, k in state_keys]
+            new_p, new_s = fopt.update({k: p[k] for k in trainable}, grads, st, None, count,
+                                       hparams=dict(zip(hyper_keys, fed)))
+        out_names[:] = ["loss"] + [f"params.{k}" for k in trainable] + [f"opt.{s}.{k}" for s, k in state_keys] \
+            + (["grad_norm"] if norm is not None else [])
+        return [loss] + [new_p[k] for k in trainable] + [new_s[s][k] for s, k in state_keys] \
+            + ([norm] if norm is not None else [])
 
     handles = install_hooks(model)
     for opt in options:

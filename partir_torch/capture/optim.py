@@ -81,6 +81,7 @@ class FunctionalOptimizer:
         else:
             amsgrad = ("max_exp_avg_sq",) if any(g["amsgrad"] for g in groups) else ()
             self.state_names = ("exp_avg", "exp_avg_sq") + amsgrad
+        self._fixed = {gi: self._fixed_of(gi) for gi in sorted(set(self._group.values()))}
 
     # ---------------------------------------------------------------- queries
     @property
@@ -94,6 +95,48 @@ class FunctionalOptimizer:
 
     def _trainable(self) -> list[str]:
         return [f for f in self._group if self._param[f].requires_grad]
+
+    # ------------------------------------------------ per-step hyperparameters
+    def hyper_keys(self) -> list[tuple[int, str]]:
+        """(group index, name) of every hyperparameter fed at each step (placeholders ``hparams.<g>.<name>``):
+        lr always; weight_decay and SGD's momentum unless 0 at capture (0 turns the term off: a structural choice);
+        Adam's beta1 and beta2. Other settings (eps, dampening, nesterov, amsgrad, maximize) are fixed at capture;
+        :meth:`hyper_values` refuses a change to them by name."""
+        keys = []
+        for gi in sorted(set(self._group.values())):
+            g = self._opt.param_groups[gi]
+            names = ["lr"] + (["weight_decay"] if g["weight_decay"] != 0 else [])
+            names += (["momentum"] if g["momentum"] != 0 else []) if self.kind == "sgd" else ["beta1", "beta2"]
+            keys += [(gi, n) for n in names]
+        return keys
+
+    def _fixed_of(self, gi: int) -> dict:
+        g = self._opt.param_groups[gi]
+        names = ("dampening", "nesterov", "maximize") if self.kind == "sgd" else ("eps", "amsgrad", "maximize")
+        fixed = {n: g.get(n) for n in names}
+        for n in ("weight_decay", "momentum"):
+            if n in g and g[n] == 0:
+                fixed[n] = 0
+        return fixed
+
+    def hyper_values(self, opt: torch.optim.Optimizer | None = None) -> dict[tuple[int, str], float]:
+        """Current values of :meth:`hyper_keys`, read from the optimizer's param groups (a scheduler's
+        writes included). Raises if a setting fixed at capture changed."""
+        groups = (opt or self._opt).param_groups
+        out = {}
+        for gi, name in self.hyper_keys():
+            g = groups[gi]
+            out[(gi, name)] = float(g["betas"][0 if name == "beta1" else 1]) if name.startswith("beta") \
+                else float(g[name])
+        for gi, fixed in self._fixed.items():
+            for name, was in fixed.items():
+                if groups[gi].get(name) != was:
+                    raise OptimizerError(
+                        f"train_step: param group {gi}'s {name} changed from {was!r} (at partition) to "
+                        f"{groups[gi].get(name)!r}. It is fixed in the captured step ("
+                        + ("a zero turns its term off" if was == 0 else "only lr, weight_decay, betas and "
+                           "momentum are fed at every step") + "): set it before partition().")
+        return out
 
     def _names_for(self, fqn: str) -> tuple[str, ...]:
         """State names kept for one parameter (depends on its group)."""
@@ -155,14 +198,18 @@ class FunctionalOptimizer:
 
     # ----------------------------------------------------------------- update
     def update(self, params: dict[str, Tensor], grads: dict[str, Tensor | None],
-               state: State, lr: LR, step: Tensor | float) -> tuple[dict[str, Tensor], State]:
+               state: State, lr: LR, step: Tensor | float,
+               hparams: dict[tuple[int, str], Tensor] | None = None) -> tuple[dict[str, Tensor], State]:
         """One pure optimizer step; returns ``(new_params, new_state)``.
 
         ``lr``: either a 0-dim tensor holding param group 0's current lr (other
         groups are scaled by their current ratio ``group_lr / group0_lr``, which
         is what LR schedulers preserve), or a dict ``fqn -> 0-dim tensor``.
         ``step``: 0-dim tensor with the number of THIS update (1 on the first).
-        Hyperparameters other than lr are baked in from each parameter's group.
+        ``hparams``: ``(group, name) -> 0-dim float64 tensor`` for every key of
+        :meth:`hyper_keys` (then ``lr`` is ignored): each group's lr, weight
+        decay and betas / momentum are inputs of the traced step. Without it,
+        hyperparameters other than lr are baked in from each parameter's group.
         """
         step = torch.as_tensor(step).to(torch.float64)
         new_params = dict(params)
@@ -175,9 +222,14 @@ class FunctionalOptimizer:
                 continue
             gi, dtype = self._group[fqn], params[fqn].dtype
             group = self._opt.param_groups[gi]
+            if hparams is not None:   # fed tensors replace the group's values (fixed settings stay)
+                group = {**group, **{n: t.to(torch.float64) for (g, n), t in hparams.items() if g == gi}}
+                if "beta1" in group:
+                    group["betas"] = (group.pop("beta1"), group.pop("beta2"))
             key = (gi, dtype, fqn if isinstance(lr, dict) else None)
             if key not in memo:
-                memo[key] = scalars(group, self._lr_for(fqn, lr), step, dtype)
+                memo[key] = scalars(group, group["lr"] if hparams is not None else self._lr_for(fqn, lr), step,
+                                    dtype)
             st = {n: state[n][fqn] for n in self._names_for(fqn)}
             new_params[fqn], st = apply(group, params[fqn], grad, st, memo[key])
             for n, t in st.items():
@@ -213,24 +265,24 @@ def _sgd(group: dict, param: Tensor, grad: Tensor, st: dict[str, Tensor],
     (lr, first_step), momentum, wd = scalars, group["momentum"], group["weight_decay"]
     if group["maximize"]:
         grad = -grad
-    if wd != 0:
-        grad = grad.add(param, alpha=wd)
-    if momentum != 0:
-        running = st["momentum_buffer"].mul(momentum).add(grad, alpha=1 - group["dampening"])
+    if _nonzero(wd):
+        grad = _add_scaled(grad, param, wd)
+    if _nonzero(momentum):
+        running = st["momentum_buffer"].mul(_cast(momentum, grad.dtype)).add(grad, alpha=1 - group["dampening"])
         buf = torch.where(first_step, grad, running)
         st = {"momentum_buffer": buf}
-        grad = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
+        grad = _add_scaled(grad, buf, momentum) if group["nesterov"] else buf
     return param - lr * grad, st  # torch: param.add_(grad, alpha=-lr) (fused; may differ 1 ulp)
 
 
 def _adam_scalars(group: dict, lr: Tensor, step: Tensor, dtype: torch.dtype) -> tuple:
     """Float64 scalar math of the non-capturable path (Python floats there), cast to dtype."""
-    beta1, beta2 = (float(b) for b in group["betas"])
+    beta1, beta2 = group["betas"]
     bias_correction1 = 1 - torch.pow(beta1, step)
     bias_correction2 = 1 - torch.pow(beta2, step)
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2 ** 0.5
-    decoupled = group.get("decoupled_weight_decay", False) and group["weight_decay"] != 0
+    decoupled = group.get("decoupled_weight_decay", False) and _nonzero(group["weight_decay"])
     decay = (1 - lr * group["weight_decay"]).to(dtype) if decoupled else None  # AdamW
     return decay, bias_correction2_sqrt.to(dtype), (-step_size).to(dtype)
 
@@ -239,17 +291,20 @@ def _adam(group: dict, param: Tensor, grad: Tensor, st: dict[str, Tensor],
           scalars: tuple) -> tuple[Tensor, dict[str, Tensor]]:
     """Mirror of ``torch.optim.adam._single_tensor_adam`` (non-capturable path)."""
     decay, bias_correction2_sqrt, neg_step_size = scalars
-    beta1, beta2 = (float(b) for b in group["betas"])
+    beta1, beta2 = group["betas"]
     wd, eps = group["weight_decay"], group["eps"]
     if group["maximize"]:
         grad = -grad
-    if wd != 0:
+    if _nonzero(wd):
         if decay is not None:
             param = param * decay  # AdamW: param.mul_(1 - lr * wd)
         else:
-            grad = grad.add(param, alpha=wd)
-    exp_avg = torch.lerp(st["exp_avg"], grad, 1 - beta1)
-    exp_avg_sq = st["exp_avg_sq"].mul(beta2).addcmul(grad, grad, value=1 - beta2)
+            grad = _add_scaled(grad, param, wd)
+    exp_avg = torch.lerp(st["exp_avg"], grad, _cast(1 - beta1, grad.dtype))
+    if isinstance(beta2, Tensor):   # addcmul(value=c) is ((c * t1) * t2) + self: the same roundings
+        exp_avg_sq = st["exp_avg_sq"].mul(_cast(beta2, grad.dtype)).addcmul(grad * _cast(1 - beta2, grad.dtype), grad)
+    else:
+        exp_avg_sq = st["exp_avg_sq"].mul(beta2).addcmul(grad, grad, value=1 - beta2)
     new = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if group["amsgrad"]:
         new["max_exp_avg_sq"] = torch.maximum(st["max_exp_avg_sq"], exp_avg_sq)
@@ -258,3 +313,20 @@ def _adam(group: dict, param: Tensor, grad: Tensor, st: dict[str, Tensor],
         denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add(eps)
     # param.addcdiv_(exp_avg, denom, value=-step_size) == param + (v * exp_avg) / denom
     return param + neg_step_size * exp_avg / denom, new
+
+
+# Hyperparameters are Python floats (baked) or 0-dim float64 tensors (fed at every step). The tensor forms below
+# round exactly like torch.optim's float forms on CPU (checked bitwise in tests/test_training.py): add(alpha=)
+# is a fused multiply-add, which addcmul reproduces; a product by a 0-dim tensor cast to the dtype equals the
+# product by the Python float.
+def _nonzero(x) -> bool:
+    return isinstance(x, Tensor) or float(x) != 0
+
+
+def _cast(x, dtype):
+    return x.to(dtype) if isinstance(x, Tensor) else float(x)
+
+
+def _add_scaled(a: Tensor, b: Tensor, alpha) -> Tensor:
+    """a + alpha * b, as a.add(b, alpha=alpha) rounds it."""
+    return torch.addcmul(a, b, alpha.to(a.dtype)) if isinstance(alpha, Tensor) else a.add(b, alpha=alpha)
