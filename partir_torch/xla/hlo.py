@@ -1,0 +1,166 @@
+"""Collectives of a post-partitioning HLO module, mapped back to the mesh axes of a pt.Mesh.
+
+XLA prints a collective as one instruction, e.g.
+
+    %all-gather.3 = f32[64,32]{1,0} all-gather(f32[32,32]{1,0} %p), channel_id=2,
+        replica_groups=[4,2]<=[2,2,2]T(0,2,1), dimensions={0}, use_global_device_ids=true
+
+Replica groups come either listed ({{0,2},{1,3}}) or in the iota form `[G,S]<=[dims]T(perm)`: the device ids
+0..n-1 laid out as `dims`, transposed by `perm`, read as G groups of S. With `use_global_device_ids` (or a
+channel id under SPMD) the ids are devices of the mesh, which are the mesh's ranks in row-major order here (the
+XlaProgram builds its xs.Mesh over device ids 0..n-1), so a group's axes are the mesh axes its members differ on.
+
+Bytes follow the convention of partir's CollectiveRecord (nccl-tests): all_reduce and all_to_all: the operand,
+all_gather: the result, reduce_scatter: the operand; collective_permute: the operand.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from ..mesh import Mesh
+
+# HLO opcode -> the kind names partir's records use
+KINDS = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
+         "all-to-all": "all_to_all", "collective-permute": "collective_permute"}
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "float64", "s32": "int32",
+               "s64": "int64", "pred": "bool", "u8": "uint8", "s8": "int8"}
+
+# `%name = <result shape> <opcode>(<operands>), attrs`; async forms (-start) count once, their -done not at all
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+"
+                    r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+_ARRAY = re.compile(r"\b(?P<dt>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
+# any instruction: its name and result shape (operands may be printed as bare names: look their shapes up)
+_ANY = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\(.*?\)|[a-z]+\d*\[[\d,]*\](?:\{[^}]*\})?)\s")
+_REF = re.compile(r"%([\w.\-]+)")
+
+
+@dataclass(frozen=True)
+class XlaCollective:
+    """One collective of XLA's per-device program; the fields partir's CollectiveRecord has where they apply."""
+
+    kind: str          # all_reduce | all_gather | reduce_scatter | all_to_all | collective_permute
+    axis: str          # mesh axis; several axes joined by '+' (major to minor); '?' if the groups fit no axes
+    group_size: int
+    nbytes: int        # see the module docstring
+    dtype: str
+    node: str          # the HLO instruction's name
+    tactic: str = ""   # XLA's program does not know the tactic; compare() matches by kind and axis
+    groups: tuple = ()
+
+    def __str__(self):
+        return f"{self.kind}[{self.axis}x{self.group_size}] {self.nbytes}B {self.dtype} ({self.node})"
+
+
+def _shape_bytes(text: str) -> tuple[int, str]:
+    """Bytes of an HLO shape (an array or a tuple of arrays) and the dtype of its first array."""
+    total, first = 0, ""
+    for m in _ARRAY.finditer(text):
+        dt = m.group("dt")
+        if dt not in DTYPE_BYTES:
+            continue
+        dims = [int(x) for x in m.group("dims").split(",") if x]
+        total += math.prod(dims) * DTYPE_BYTES[dt]
+        first = first or DTYPE_NAMES.get(dt, dt)
+    return total, first
+
+
+def _balanced(text: str, start: int) -> str:
+    """The text inside the bracket pair that opens at text[start] ('(' or '{')."""
+    close = {"(": ")", "{": "}"}[text[start]]
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == text[start]:
+            depth += 1
+        elif text[i] == close:
+            depth -= 1
+            if depth == 0:
+                return text[start + 1:i]
+    return text[start + 1:]
+
+
+def parse_replica_groups(line: str, n_devices: int) -> list:
+    """The replica groups of a collective's line as lists of device ids (one group of all devices if absent).
+    collective-permute has source_target_pairs instead: each pair is returned as a group."""
+    m = re.search(r"source_target_pairs=\{", line)
+    if m:
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", _balanced(line, m.end() - 1))]
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:   # iota form
+        g, s = int(m.group(1)), int(m.group(2))
+        dims = [int(x) for x in m.group(3).split(",")]
+        perm = [int(x) for x in m.group(4).split(",")] if m.group(4) else list(range(len(dims)))
+        ids = _iota_transposed(dims, perm)
+        return [ids[i * s:(i + 1) * s] for i in range(g)]
+    m = re.search(r"replica_groups=\{", line)
+    if m:
+        body = _balanced(line, m.end() - 1)
+        groups = [[int(x) for x in grp.split(",") if x.strip()] for grp in re.findall(r"\{([\d,\s]*)\}", body)]
+        if groups and any(groups):
+            return groups
+    return [list(range(n_devices))]
+
+
+def _iota_transposed(dims: list, perm: list) -> list:
+    """iota(prod(dims)) reshaped to dims, transposed by perm, flattened."""
+    strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
+    out_dims = [dims[p] for p in perm]
+    out = []
+    for flat in range(math.prod(dims)):
+        idx, rem = [], flat
+        for d in reversed(out_dims):
+            idx.append(rem % d)
+            rem //= d
+        idx.reverse()
+        out.append(sum(idx[k] * strides[perm[k]] for k in range(len(perm))))
+    return out
+
+
+def axes_of_groups(groups: list, mesh: Mesh) -> str:
+    """The mesh axes the members of every group differ on ('+'-joined in mesh order), '?' when the groups are not
+    the sub-meshes of a set of axes (then the group size is not the product of those axes' sizes)."""
+    n = mesh.size
+    varying: set = set()
+    for grp in groups:
+        if any(d >= n for d in grp):
+            return "?"
+        coords = [mesh.coordinate(d) for d in grp]
+        varying |= {a for a in mesh.axes if len({c[a] for c in coords}) > 1}
+    axes = [a for a in mesh.axes if a in varying]
+    if not axes:
+        return "-"          # groups of one device: no communication
+    if any(len(grp) != math.prod(mesh.shape[a] for a in axes) for grp in groups):
+        return "?"
+    return "+".join(axes)
+
+
+def parse_collectives(hlo_text: str, mesh: Mesh) -> list:
+    """XlaCollectives of an HLO module's text, in program order (every computation of the module)."""
+    out = []
+    lines = hlo_text.splitlines()
+    shapes = {m.group("name"): m.group("shape") for m in map(_ANY.match, lines) if m is not None}
+    for line in lines:
+        m = _INSTR.match(line)
+        if m is None:
+            continue
+        kind = KINDS[m.group("op")]
+        res_bytes, dtype = _shape_bytes(m.group("shape"))
+        operands = _balanced(line, m.end() - 1)
+        op_bytes, op_dtype = _shape_bytes(operands)
+        if op_bytes == 0:    # operands printed as names
+            op_bytes, op_dtype = _shape_bytes(" ".join(shapes.get(r, "") for r in _REF.findall(operands)))
+        if m.group("shape").startswith("(") and kind in ("all_gather", "collective_permute") and \
+                "-start(" in line:
+            res_bytes //= 2   # async start returns (operand, result): count the result only
+        nbytes = res_bytes if kind == "all_gather" else op_bytes
+        groups = parse_replica_groups(line, mesh.size)
+        axis = axes_of_groups(groups, mesh)
+        size = len(groups[0]) if kind != "collective_permute" else \
+            math.prod(mesh.shape[a] for a in axis.split("+")) if axis not in ("?", "-") else 0
+        out.append(XlaCollective(kind, axis, size, nbytes, dtype or op_dtype, m.group("name"),
+                                 groups=tuple(tuple(g) for g in groups)))
+    return out

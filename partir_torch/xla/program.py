@@ -1,0 +1,241 @@
+"""XlaProgram: a partitioned step run by torch-xla's SPMD partitioner under partir's decisions.
+
+The captured *global* step graph runs op by op on XLA tensors (lazily traced, compiled once per graph). Every
+input, parameter, buffer and optimizer-state value is placed with `xs.mark_sharding` from its partir Sharding, and
+every value partir decided a layout for gets a sharding constraint (the same call on an intermediate tensor), so
+GSPMD's propagation has nothing left to choose except how to reduce partial values: it carries out partir's plan.
+What XLA cannot express is left to it: partial values (pending reductions, which have no HLO sharding) and strided
+tilings. State stays on the devices between steps.
+
+    xprog = prog.to_xla()                 # PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 for 8 virtual devices
+    loss = xprog.train_step(tokens, targets)
+    print(xprog.compare())                # partir's collectives next to those of XLA's partitioned HLO
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
+from ..errors import PartitionError
+from . import device as xdev
+from .hlo import parse_collectives
+
+STATE_ROLES = ("param", "buffer", "opt_state")
+
+
+def _nll_loss_forward(x, target, weight, reduction, ignore_index):
+    """torch-xla returns total_weight 1 unless reduction is mean; capture divides a sum by it (the mean)."""
+    out, _ = torch.ops.aten.nll_loss_forward.default(x, target, weight, reduction, ignore_index)
+    keep = (target != ignore_index).to(x.dtype)
+    total = (keep * weight[target.clamp(min=0)]).sum() if weight is not None else keep.sum()
+    return out, total
+
+
+# ops whose torch-xla kernel differs from eager torch in a way the captured graph relies on
+XLA_OVERRIDES = {torch.ops.aten.nll_loss_forward.default: _nll_loss_forward}
+
+
+class _Run(fx.Interpreter):
+    """Runs the captured graph on XLA tensors; after each node, its sharding constraint (if any)."""
+
+    def __init__(self, gm, dev, mesh, constraints: dict):
+        super().__init__(gm, garbage_collect_values=True)
+        self.dev, self.mesh, self.constraints = dev, mesh, constraints
+
+    def call_function(self, target, args, kwargs):
+        # factory ops were traced with the capture device: create on the XLA device instead
+        if isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type != "xla":
+            kwargs = {**kwargs, "device": self.dev}
+        return XLA_OVERRIDES.get(target, target)(*args, **kwargs)
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        spec = self.constraints.get(n.name)
+        if spec is not None and isinstance(out, torch.Tensor):
+            _mark(out, self.mesh, spec)
+        return out
+
+
+def _mark(t, mesh, spec):
+    import torch_xla.distributed.spmd as xs
+
+    xs.mark_sharding(t, mesh, spec)
+
+
+class XlaProgram:
+    """The same partitioned program on torch-xla SPMD: train_step / forward / loss_and_grads, state_dict, hlo,
+    collectives, compare. Build it with `prog.to_xla()`."""
+
+    def __init__(self, prog):
+        import torch_xla
+
+        xdev.enable()
+        self.prog, self.cap = prog, prog.captured
+        self.device = torch_xla.device()
+        self.mesh = xdev.xs_mesh(prog.mesh)
+        g = prog.graph
+        self.layouts = {}        # placeholder name -> Sharding
+        for node, name in zip(self._placeholders(), self.cap.input_names):
+            self.layouts[name] = prog.sharding_of_vid(g.vid[node])
+        self.constraints = self._constraints()
+        self.state: dict | None = None
+        self.steps = 0
+        self._modules: dict = {}      # mode -> dump file of its post-partitioning HLO
+
+    def _placeholders(self):
+        return [n for n in self.cap.gm.graph.nodes if n.op == "placeholder"]
+
+    def _constraints(self) -> dict:
+        """FX node name -> partition spec, for every value whose layout XLA can be told: each value's final
+        partir sharding (axes no tactic decided are replicated, as in partir's lowering)."""
+        g, out = self.prog.graph, {}
+        for node in self.cap.gm.graph.nodes:
+            if node.op != "call_function" or node not in g.vid:
+                continue
+            spec = xdev.partition_spec(self.prog.sharding_of_vid(g.vid[node]))
+            if spec is not None:
+                out[node.name] = spec
+        return out
+
+    # -- state -------------------------------------------------------------------------------------------------------
+    def _placed(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """`t` on the XLA devices, laid out as partir lays out the value `name`."""
+        x = t.detach().to(self.device)
+        spec = xdev.partition_spec(self.layouts[name])
+        if spec is None:
+            raise PartitionError(f"to_xla: {name} is laid out {self.layouts[name]} (a strided tiling), which an XLA "
+                                 f"tile assignment cannot express. Tile the dim whole (e.g. without vocab=True / "
+                                 f"packed projections) for the XLA backend.")
+        if any(spec):
+            _mark(x, self.mesh, spec)
+        return x
+
+    def _ensure_state(self):
+        if self.state is not None:
+            return
+        model, cap = self.prog.model, self.cap
+        full = {f"params.{k}": p.detach() for k, p in model.named_parameters()}
+        full.update({f"buffers.{k}": b.detach() for k, b in model.named_buffers()})
+        if cap.fopt is not None:
+            params = dict(model.named_parameters())
+            for s, d in cap.fopt.init_state({k: params[k].detach() for k in cap.trainable}).items():
+                full.update({f"opt.{s}.{k}": t for k, t in d.items()})
+            self.steps = int(cap.fopt.init_step())
+        for t in full.values():
+            if t.device.type == "meta":
+                raise PartitionError("to_xla: the model lives on the meta device, so it cannot run. Build it on a "
+                                     "real device (or model.to_empty(device=...) and initialise) first.")
+        self.state = {name: self._placed(full[name], name)
+                      for name, role in zip(cap.input_names, cap.input_roles) if role in STATE_ROLES}
+
+    def state_dict(self) -> dict:
+        """Parameters, buffers and optimizer state as full CPU tensors, keyed like prog.state_dict()."""
+        self._ensure_state()
+        return {n: t.cpu() for n, t in self.state.items()}
+
+    def gather_parameters(self) -> dict:
+        """Full parameter tensors on the CPU, keyed by FQN."""
+        return {n[len("params."):]: t for n, t in self.state_dict().items() if n.startswith("params.")}
+
+    # -- running -----------------------------------------------------------------------------------------------------
+    def _args(self, batch) -> list:
+        cap, g = self.cap, self.prog.graph
+        flat, _ = tree_flatten(tuple(batch))
+        n_in = sum(1 for r in cap.input_roles if r == "input")
+        if len(flat) != n_in:
+            raise PartitionError(f"the program was captured with {n_in} input tensors; got {len(flat)}.")
+        args, k, hyper = [], 0, None
+        for node, name, role in zip(self._placeholders(), cap.input_names, cap.input_roles):
+            if role in STATE_ROLES:
+                args.append(self.state[name])
+            elif role == "lr":     # hparams.<group>.<name> (lr, betas, ...): read from the optimizer at every step
+                if hyper is None:
+                    hyper = cap.fopt.hyper_values() if hasattr(cap.fopt, "hyper_values") else {}
+                _, g, h = name.split(".") if name.startswith("hparams.") else ("", 0, "lr")
+                value = hyper.get((int(g), h), getattr(cap.fopt, "lr", None))
+                args.append(torch.tensor(value, dtype=torch.float64).to(self.device))
+            elif role == "step":
+                args.append(torch.tensor(float(self.steps + 1), dtype=torch.float64).to(self.device))
+            elif role == "const":
+                args.append(self._placed(cap.consts[name], name))
+            else:
+                x = flat[k]
+                k += 1
+                want = node.meta["val"]
+                if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(want.shape) or x.dtype != want.dtype:
+                    got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+                    raise PartitionError(f"{name} is {got}; the program was captured with {tuple(want.shape)} "
+                                         f"{want.dtype}. Re-partition for new shapes or dtypes.")
+                args.append(self._placed(x, name))
+        return args
+
+    def _run(self, batch, mode: str) -> list:
+        import torch_xla
+
+        self._ensure_state()
+        args = self._args(batch)
+        before = xdev.dumped_modules() if mode not in self._modules and xdev._dump_dir else None
+        outs = _Run(self.cap.gm, self.device, self.mesh, self.constraints).run(*args)
+        for name, t in zip(self.cap.output_names, outs):
+            if name in self.state:       # updated state (tied to its input: same layout, constrained above)
+                self.state[name] = t
+        torch_xla.sync()
+        if before is not None:
+            self._remember_module(mode, before)
+        return list(outs)
+
+    def _remember_module(self, mode: str, before: dict) -> None:
+        """The largest module compiled by this step's sync is the step (small ones move data)."""
+        new = {f: size for f, size in xdev.dumped_modules().items() if f not in before}
+        if new:
+            self._modules[mode] = max(new, key=new.get)
+
+    def train_step(self, *batch) -> torch.Tensor:
+        """One step (forward, backward, optimizer update) on the global batch; returns the loss (CPU tensor)."""
+        if self.cap.mode != TRAIN:
+            raise PartitionError("train_step needs partition(..., loss_fn=..., optimizer=...).")
+        outs = self._run(batch, TRAIN)
+        self.steps += 1
+        return outs[0].cpu()
+
+    def loss_and_grads(self, *batch):
+        if self.cap.mode != LOSS_AND_GRADS:
+            raise PartitionError("loss_and_grads needs partition(..., loss_fn=...) without an optimizer.")
+        outs = self._run(batch, LOSS_AND_GRADS)
+        return outs[0].cpu(), {n[len("grads."):]: t.cpu() for n, t in zip(self.cap.output_names, outs)
+                               if n.startswith("grads.")}
+
+    def forward(self, *inputs):
+        """The model's outputs on the live state (programs captured without a loss_fn)."""
+        if self.cap.mode != FORWARD:
+            raise PartitionError("forward needs a program captured without loss_fn (partition(model, mesh, "
+                                 "schedule, example_inputs)); this one has a loss_fn: use train_step.")
+        outs = self._run(inputs, FORWARD)
+        n = self.cap.out_spec.num_leaves
+        return tree_unflatten([t.cpu() for t in outs[:n]], self.cap.out_spec)
+
+    __call__ = forward
+
+    # -- XLA's program -----------------------------------------------------------------------------------------------
+    def hlo(self) -> str:
+        """The post-partitioning HLO (after XLA's SPMD partitioner) of the step run last; runs nothing itself."""
+        if not self._modules:
+            raise PartitionError("XlaProgram.hlo(): run a step first (train_step / forward / loss_and_grads); the "
+                                 "HLO is the one XLA compiled for it.")
+        mode = self.cap.mode if self.cap.mode in self._modules else next(iter(self._modules))
+        with open(os.path.join(xdev.dump_dir(), self._modules[mode])) as f:
+            return f.read()
+
+    def collectives(self) -> list:
+        """XlaCollectives of the partitioned HLO: kind, mesh axis, bytes, dtype (fields as prog.collectives())."""
+        return parse_collectives(self.hlo(), self.prog.mesh)
+
+    def compare(self, tolerance: float = 0.05):
+        """partir's per-device collectives against XLA's, per kind and axis (count and bytes). See compare.py."""
+        from .compare import compare
+
+        return compare(self.prog, self.collectives(), tolerance)
