@@ -67,6 +67,12 @@ OVERRIDES: dict = {
     "efficientnet": {"hidden_dim": 2560},                    # the head width is round_filters(1280) at width 2.0
     "bit": {"num_groups": 4},                                # group norm over 8-channel stages
     "mobilevitv2": {"image_size": 64},                       # 32 x 32 pools down to nothing
+    "dory": {"n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},   # must sum to the layers
+    "xmod": {"default_language": "en_XX"},                   # the stock config names no default adapter
+    ("causal", "reformer"): {"is_decoder": True, "axial_pos_shape": (4, 4), "axial_pos_embds_dim": (16, 16),
+                             "lsh_attn_chunk_length": 8, "local_attn_chunk_length": 8},
+    ("masked", "reformer"): {"is_decoder": False, "axial_pos_shape": (4, 4), "axial_pos_embds_dim": (16, 16),
+                             "lsh_attn_chunk_length": 8, "local_attn_chunk_length": 8},
 }
 
 
@@ -226,10 +232,18 @@ def shrink_config(cfg, overrides: dict) -> None:
 def tiny_config(model_type: str, cls=None, mapping: str = ""):
     from transformers import AutoConfig
 
+    if model_type == "encoder-decoder":     # the generic pair: a BERT encoder and a BERT decoder (bert2bert)
+        from transformers import EncoderDecoderConfig
+
+        enc, dec = tiny_config("bert"), tiny_config("bert")
+        dec.is_decoder, dec.add_cross_attention = True, True
+        cfg = EncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+        cfg.decoder_start_token_id, cfg.pad_token_id = 2, 0
+        return cfg
     cfg = AutoConfig.for_model(model_type)
     if cls is not None and getattr(cls, "config_class", None) is not None and not isinstance(cfg, cls.config_class):
         cfg = cls.config_class()     # e.g. a ...ForCausalLM of a multimodal model type takes its text config
-    shrink_config(cfg, OVERRIDES.get(model_type, {}))
+    shrink_config(cfg, OVERRIDES.get((mapping, model_type), OVERRIDES.get(model_type, {})))
     if mapping == "seq2seq" and getattr(cfg, "decoder_start_token_id", None) is None \
             and hasattr(cfg, "pad_token_id") and not hasattr(cfg, "audio_config"):
         cfg.decoder_start_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
@@ -290,6 +304,10 @@ def make_batch(model, cfg, mapping: str) -> dict:
     import torch
 
     g = torch.Generator().manual_seed(1)
+    if mapping == "image" and getattr(model, "main_input_name", "") == "input_ids":   # ImageGPT: pixels as tokens
+        b = text_batch(model, cfg, "causal", g)
+        b["labels"] = torch.randint(0, cfg.num_labels, (BATCH,), generator=g)
+        return b
     if mapping == "image":
         return image_batch(model, cfg, g)
     if getattr(model, "main_input_name", "input_ids") == "input_features":
@@ -319,11 +337,16 @@ def hf_loss(m, batch):
 
 
 def compare(prog, ref, batch, loss_fn, steps=STEPS, eps=1e-8) -> dict:
-    """`steps` steps of prog next to eager AdamW on ref; max relative loss error and max parameter error."""
+    """`steps` steps of prog next to eager AdamW on ref: the largest relative loss error and the largest parameter
+    error. Adam divides each gradient by its own magnitude, so an element whose one-device gradient is at fp32
+    rounding level (a key bias under softmax, a channel that ReLU switched off) moves by +-lr on either side
+    whatever its sign; such elements (|g| below 1e-4 of its tensor's largest and 1e-7 of the model's largest
+    gradient, in any step) are left out of the parameter check and counted ("ill")."""
     import torch
 
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=eps)
     loss_err, losses = 0.0, []
+    ill = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in ref.named_parameters()}
     for step in range(steps):
         torch.manual_seed(step)
         loss = prog.train_step(batch)
@@ -331,26 +354,34 @@ def compare(prog, ref, batch, loss_fn, steps=STEPS, eps=1e-8) -> dict:
         ref_opt.zero_grad()
         ref_loss = loss_fn(ref, batch)
         ref_loss.backward()
+        grads = {n: p.grad.detach().abs() for n, p in ref.named_parameters() if p.grad is not None}
+        top = max((float(g.max()) for g in grads.values() if g.numel()), default=0.0)
+        for n, g in grads.items():
+            if g.numel():
+                ill[n] |= (g <= 1e-4 * float(g.max())) & (g <= 1e-7 * top) | (g == 0)
         ref_opt.step()
         a, b = float(loss.detach()), float(ref_loss.detach())
         losses.append(b)
         loss_err = max(loss_err, abs(a - b) / max(abs(b), 1e-12))
-        if not (abs(a - b) <= ATOL * 0.1 + RTOL * abs(b)):
-            loss_err = max(loss_err, abs(a - b) / max(abs(b), 1e-12))
     got = prog.gather_parameters()
-    param_err, worst, ok = 0.0, "", True
+    param_err, raw_err, worst, ok, n_ill = 0.0, 0.0, "", True, 0
     for name, p in ref.named_parameters():
-        if name not in got:
+        if name not in got or not p.numel():
             continue
-        q = got[name].detach().to(p.dtype)
-        err = float((q - p.detach()).abs().max()) if p.numel() else 0.0
-        if not torch.allclose(q, p.detach(), rtol=RTOL, atol=ATOL, equal_nan=True):
-            ok = False
-        if err > param_err:
-            param_err, worst = err, name
-    loss_ok = all(True for _ in losses) and loss_err <= RTOL + 1e-6
+        q, r = got[name].detach().to(p.dtype), p.detach()
+        diff = (q - r).abs()
+        raw_err = max(raw_err, float(diff.max()))
+        keep = ~ill[name]
+        n_ill += int((~keep).sum())
+        if keep.any():
+            err = float(diff[keep].max())
+            if not torch.allclose(q[keep], r[keep], rtol=RTOL, atol=ATOL, equal_nan=True):
+                ok = False
+            if err > param_err:
+                param_err, worst = err, name
+    loss_ok = loss_err <= RTOL + 1e-6
     return {"loss": losses[-1] if losses else None, "loss_err": loss_err, "param_err": param_err,
-            "worst_param": worst, "match": bool(loss_ok and ok)}
+            "raw_param_err": raw_err, "ill": n_ill, "worst_param": worst, "match": bool(loss_ok and ok)}
 
 
 def partition_and_compare(model, batch, loss_fn, megatron: bool) -> dict:
@@ -427,7 +458,7 @@ def run_hf(mapping: str, model_type: str) -> dict:
 
 # -- timm ------------------------------------------------------------------------------------------------------------
 TIMM = {   # family -> (model name, kwargs for create_model, image size)
-    "resnet": ("resnet18", {}, 32),                     # BatchNorm
+    "resnet": ("resnet18", {"layers": (1, 1, 1, 1)}, 32),   # BatchNorm
     "convnext": ("convnext_atto", {}, 32),
     "vit": ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 2}, 32),
     "swin": ("swin_tiny_patch4_window7_224", {"img_size": 32, "window_size": 4, "embed_dim": 24,
@@ -527,7 +558,11 @@ def all_tasks(suite: str, mappings: list) -> list:
         return [("timm", "timm", f) for f in TIMM]
     from transformers.models.auto import modeling_auto as ma
 
-    return [("hf", m, t) for m in mappings for t in getattr(ma, MAPPINGS[m])]
+    per = [[("hf", m, t) for t in getattr(ma, MAPPINGS[m])] for m in mappings]
+    out = []     # round-robin over the mappings, so a partial run covers all of them
+    for i in range(max(map(len, per), default=0)):
+        out += [p[i] for p in per if i < len(p)]
+    return out
 
 
 def drive(tasks: list, out: str, timeout: int, per_worker: int = 25) -> None:
@@ -614,7 +649,7 @@ def summary(rows: list) -> str:
         tot.update(c)
         ran = len(rs) - c["skip"]
         pct = 100.0 * c["pass"] / ran if ran else 0.0
-        fb = sum(1 for r in rs if r.get("sched") == "BP+Z3")
+        fb = sum(1 for r in rs if r.get("megatron") == "no structure")
         bugs = sum(1 for r in rs if r["result"] == "fail" and r.get("error_type") != "PartitionError")
         lines.append(f"{m:8s} {len(rs):4d} archs, {c['skip']:3d} skipped (eager/harness), {ran:4d} run: "
                      f"{c['pass']:4d} pass, {c['mismatch']:3d} mismatch, {c['fail']:3d} fail ({bugs} not "
@@ -633,6 +668,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=0, help="first N architectures per mapping")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per architecture")
     ap.add_argument("--out", default="", help="JSON lines (appended); default benchmarks/results/<suite>_coverage.jsonl")
+    ap.add_argument("--resume", action="store_true", help="skip architectures already in --out")
     ap.add_argument("--report", default="", help="print the table of a JSON-lines file and exit")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -657,9 +693,12 @@ def main() -> None:
             if per[t[1]] <= a.limit:
                 keep.append(t)
         tasks = keep
-    start = time.time()
     with open(out, "a"):
         pass
+    if a.resume:
+        seen = {(r["mapping"], r["arch"]) for r in load(out)}
+        tasks = [t for t in tasks if (t[1], t[2]) not in seen]
+    start = time.time()
     before = sum(1 for _ in open(out))
     drive(tasks, out, a.timeout)
     rows = [json.loads(l) for l in list(open(out))[before:]]
