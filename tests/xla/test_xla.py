@@ -1,0 +1,141 @@
+"""torch-xla SPMD backend (issue 12): partir's plan executed by XLA's SPMD partitioner on 8 virtual CPU devices.
+
+For each program: 3 AdamW steps through `prog.to_xla().train_step` equal eager torch.optim.AdamW on one device
+(losses rtol 1e-5; parameters rtol 1e-5 + atol 1e-6 with eps=1e-5, as tests/test_parity.py explains), and in
+`compare()` every collective kind/axis of partir's lowered program appears in XLA's post-partitioning HLO, the bytes
+per axis agree within 5%, and XLA's extra collectives move at most 5% more bytes.
+
+    GPT  BP+MP+Z3  mesh batch=2 x fsdp=2 x model=2   data_parallel(batch), megatron(model), data_parallel(fsdp),
+                                                      zero(3, fsdp)
+    Llama BP+Z3    mesh batch=8                       data_parallel(batch), zero(3, batch)
+    MoE  EP        mesh expert=4 x model=2            expert_parallel(expert), megatron(model)  (GShard capacity
+                                                      dispatch, 4 experts: one per device of "expert")
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import partir_torch as pt
+from examples.models import get
+from partir_torch.xla.hlo import axes_of_groups, parse_collectives, parse_replica_groups
+
+T = pt.tactics
+LR, EPS, STEPS = 1e-3, 1e-5, 3
+
+PROGRAMS = {
+    "gpt_bp_mp_z3": (get("gpt_sdpa"), {"batch": 2, "fsdp": 2, "model": 2},
+                     lambda: [T.data_parallel("batch"), T.megatron("model"),
+                              T.data_parallel("fsdp", name="BP_fsdp"), T.zero(3, "fsdp")], 4),
+    "llama_bp_z3": (get("llama"), {"batch": 8}, lambda: [T.data_parallel("batch"), T.zero(3, "batch")], 8),
+    "moe_ep": (get("moe", dispatch="capacity"), {"expert": 4, "model": 2},
+               lambda: [T.expert_parallel("expert"), T.megatron("model")], 4),
+}
+
+
+def quiet():
+    """The warnings these runs are expected to give: GSPMD's deprecation notice (printed by XLA's C++ logger, not
+    Python) does not pass through here; partir's own notes on linears Megatron leaves replicated do."""
+    w = warnings.catch_warnings()
+    w.__enter__()
+    warnings.filterwarnings("ignore", message=r"partir_torch: MP left .* replicated")
+    return w
+
+
+def run(name):
+    spec, mesh, schedule, batch_size = PROGRAMS[name]
+    model = spec.build()
+    ref = copy.deepcopy(model)
+    batch = spec.batch(batch_size)
+    w = quiet()
+    try:
+        prog = pt.partition(model, pt.Mesh(mesh), schedule(), example_inputs=batch, loss_fn=spec.loss_fn,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    finally:
+        w.__exit__(None, None, None)
+    xprog = prog.to_xla()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    for step in range(STEPS):
+        got = xprog.train_step(*batch)
+        opt.zero_grad()
+        want = spec.loss_fn(ref, *batch)
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=0, msg=lambda m: f"{name} step {step}: {m}")
+    params = xprog.gather_parameters()
+    assert set(params) == {k for k, _ in ref.named_parameters()}
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {k}: {m}")
+    return prog, xprog
+
+
+@pytest.fixture(scope="module", params=list(PROGRAMS))
+def program(request):
+    return request.param, *run(request.param)
+
+
+def test_three_adamw_steps_equal_one_device_and_xla_runs_partirs_plan(program):
+    name, prog, xprog = program
+    cmp = xprog.compare()
+    print(f"\n{name}\n{cmp.table()}")
+    assert not cmp.missing, f"{name}: partir's collectives missing in XLA's program: {cmp.missing}\n{cmp}"
+    for axis, err in cmp.axis_errors().items():
+        assert err <= 0.05, f"{name}: bytes on axis {axis!r} differ by {100 * err:.1f}%\n{cmp}"
+    assert cmp.extra_bytes <= 0.05 * cmp.partir_bytes, f"{name}: XLA's extra collectives\n{cmp}"
+    assert cmp.ok
+
+
+def test_state_is_placed_as_partir_lays_it_out(program):
+    """Every parameter and optimizer state on the devices carries the sharding of its partir value."""
+    import torch_xla
+
+    name, prog, xprog = program
+    checked = 0
+    for k, t in xprog.state.items():
+        sh = prog.sharding(k)
+        spec = torch_xla._XLAC._get_xla_sharding_spec(t)
+        if sh.tiled_axes():
+            assert spec.startswith("{devices=["), f"{name} {k}: {sh} but XLA holds it as {spec!r}"
+            tiles = [int(x) for x in spec[len("{devices=["):].split("]")[0].split(",")]
+            for d, axes in enumerate(sh.dims):
+                want = 1
+                for a in axes:
+                    want *= prog.mesh.shape[a]
+                assert tiles[d] == want, f"{name} {k}: dim {d} in {want} tiles by {sh}, XLA has {spec!r}"
+            checked += 1
+    assert checked > 0
+
+
+def test_replica_groups_map_to_axes():
+    """Listed and iota replica groups; a group over the last axis, over two axes, and groups fitting no axes."""
+    mesh = pt.Mesh({"a": 2, "b": 2, "c": 2})
+    assert axes_of_groups(parse_replica_groups("replica_groups={{0,1},{2,3},{4,5},{6,7}}", 8), mesh) == "c"
+    assert axes_of_groups(parse_replica_groups("replica_groups=[2,4]<=[8]", 8), mesh) == "b+c"
+    groups = parse_replica_groups("replica_groups=[4,2]<=[2,2,2]T(0,2,1)", 8)
+    assert groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert axes_of_groups(groups, mesh) == "b"
+    assert axes_of_groups([[0, 3], [1, 2], [4, 7], [5, 6]], mesh) == "?"
+
+
+def test_hlo_parser_counts_bytes_and_reads_reduce_scatters():
+    """A hand-written post-partitioning module: an all-gather (result bytes), an all-reduce over two axes whose
+    result each device slices on one of them (a reduce_scatter there and an all_reduce of the slice on the other),
+    an all-to-all (operand bytes)."""
+    hlo = """
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %all-gather.1 = f32[8,8]{1,0} all-gather(%p0), channel_id=1, replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}, use_global_device_ids=true
+  %all-reduce.2 = f32[8,8]{1,0} all-reduce(%all-gather.1), channel_id=2, replica_groups=[1,4]<=[4], use_global_device_ids=true, to_apply=%add
+  %partition-id = u32[] partition-id()
+  %constant.3 = s32[4]{0} constant({0, 4, 0, 4})
+  %dynamic-slice.4 = s32[1]{0} dynamic-slice(%constant.3, %partition-id), dynamic_slice_sizes={1}
+  %reshape.5 = s32[] reshape(%dynamic-slice.4)
+  %constant.6 = s32[] constant(0)
+  %dynamic-slice.7 = f32[4,8]{1,0} dynamic-slice(%all-reduce.2, %reshape.5, %constant.6), dynamic_slice_sizes={4,8}
+  %all-to-all.8 = bf16[4,8]{1,0} all-to-all(%p0), channel_id=3, replica_groups={{0,1},{2,3}}, dimensions={0}
+"""
+    got = [(c.kind, c.axis, c.nbytes) for c in parse_collectives(hlo, pt.Mesh({"x": 2, "y": 2}))]
+    assert got == [("all_gather", "x", 256), ("reduce_scatter", "y", 256), ("all_reduce", "x", 128),
+                   ("all_to_all", "y", 128)]
