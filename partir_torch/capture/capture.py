@@ -254,13 +254,16 @@ def _micro_batches(batch, k: int, dims=None) -> list:
                             .select(dims[i] + 1, j) for i, x in enumerate(flat)], spec) for j in range(k)]
 
 
-def _clip_by_global_norm(grads: dict, max_norm: float) -> tuple:
+def _clip_by_global_norm(grads: dict, max_norm: float, like: dict) -> tuple:
     """torch.nn.utils.clip_grad_norm_: total = ||(||g||_2 for g)||_2, each g scaled by min(1, max / (total +
     1e-6)). The total is sqrt of one sum of every gradient's squares (the same number): over a tiled gradient
-    the sum is partial and is reduced on the axes it is tiled on, a replicated one is counted once."""
+    the sum is partial and is reduced on the axes it is tiled on, a replicated one is counted once. Each square
+    is taken as addcmul(zeros_like(s), g, g) (exactly g * g) with s the parameter's optimizer state (else the
+    parameter): the zeros carry the state's layout and sit in the optimizer region, so a gradient is squared in
+    the layout the update reads it in (a ZeRO shard after its reduce_scatter), not gathered whole for the norm."""
     total = None
-    for g in grads.values():
-        sq = g.float().square().sum()
+    for k, g in grads.items():
+        sq = torch.addcmul(torch.zeros_like(like[k], dtype=torch.float32), g.float(), g.float()).sum()
         total = sq if total is None else total + sq
     norm = total.sqrt()
     coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
@@ -362,13 +365,14 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         if mode == LOSS_AND_GRADS:
             out_names[:] = ["loss"] + [f"grads.{k}" for k in trainable]
             return [loss] + [grads[k] for k in trainable]
-        norm = None
-        if clip_grad_norm is not None:
-            grads, norm = _clip_by_global_norm(grads, clip_grad_norm)
         st = {}
         off = nt + nf + nb
         for (s, k), t in zip(state_keys, args[off:off + len(state_keys)]):
             st.setdefault(s, {})[k] = t
+        norm = None
+        if clip_grad_norm is not None:
+            like = {k: next((st[s][k] for s in st if k in st[s]), p[k]) for k in trainable}
+            grads, norm = _clip_by_global_norm(grads, clip_grad_norm, like)
         fed = args[off + len(state_keys):off + len(state_keys) + len(hyper_keys)]
         count = args[off + len(state_keys) + len(hyper_keys)]
         with torch.no_grad():

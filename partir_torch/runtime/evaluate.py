@@ -101,8 +101,12 @@ class Evaluator:
             prog = Program(cap, graph, Propagator(graph, train.mesh), train.mesh, [_Live()], model, None)
             prog.timeout_s, prog.bucket_bytes = train.timeout_s, train.bucket_bytes
             ctx = TacticContext(prog)
-            for axis in list(train.prop.axis_order) + [a for a in train.mesh.axes if a not in train.prop.axis_order]:
-                seeds = self._seeds(train, cap, axis)
+            # one pass per training stage, seeding what that tactic decided: axes that share a dim compose in the
+            # same order as in training (megatron's "model" before ZeRO's "batch" on a weight's dim 0)
+            stages = [(s.tactic, s.axis) for s in train.stages if s.axis in train.mesh.axes]
+            for k, (tactic, axis) in enumerate(stages):
+                last = all(a != axis for _, a in stages[k + 1:])
+                seeds = self._seeds(train, cap, axis, tactic, last)
                 if seeds:
                     ctx.seed_and_propagate(axis, seeds, LIVE)
             prog.stages.append(prog._snapshot(_Live()))
@@ -115,12 +119,18 @@ class Evaluator:
         return prog, low
 
     @staticmethod
-    def _seeds(train, cap, axis) -> list:
-        """(name, dim[, split factor]) or (name, REPLICATED) on `axis`: state as training keeps it; inputs tiled
-        like training's inputs where the size divides."""
+    def _seeds(train, cap, axis, tactic, last) -> list:
+        """(name, dim[, split factor]) or (name, REPLICATED) on `axis` for the values training's `tactic` decided
+        there (last: also those no tactic decided): state as training keeps it; inputs tiled like training's
+        inputs where the size divides."""
         mesh = train.mesh
         seeds = []
+        st = train.prop.axes.get(axis)
         for name, role in zip(cap.input_names, cap.input_roles):
+            vid = train.graph.name_to_vid.get(name)
+            prov = st.prov.get(train.graph.canon[vid]) if st is not None and vid is not None else None
+            if not (prov.tactic == tactic if prov is not None else last):
+                continue
             if role in ("param", "buffer"):
                 sh = train.sharding(name)
                 d = sh.tiled_axes().get(axis)

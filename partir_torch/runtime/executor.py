@@ -159,6 +159,8 @@ class Executor:
         outs = self.run(batch, local)
         self._keep_state(outs)
         self.steps += 1
+        if self.optimizer is not None:   # the update ran: lr schedulers stepped after it do not warn
+            self.optimizer._opt_called = True
         if "grad_norm" in cap.output_names:
             self.last_grad_norm = self.rt.rank0(outs[cap.output_names.index("grad_norm")])
         return self.rt.rank0(outs[0])
