@@ -340,8 +340,8 @@ def compare(prog, ref, batch, loss_fn, steps=STEPS, eps=1e-8) -> dict:
     """`steps` steps of prog next to eager AdamW on ref: the largest relative loss error and the largest parameter
     error. Adam divides each gradient by its own magnitude, so an element whose one-device gradient is at fp32
     rounding level (a key bias under softmax, a channel that ReLU switched off) moves by +-lr on either side
-    whatever its sign; such elements (|g| below 1e-6 of the model's largest gradient or 1e-5 of its tensor's
-    largest, in any step) are left out of the parameter check and counted ("ill"). Parameters that get no gradient
+    whatever its sign; such elements (0 < |g| below 1e-6 of the model's largest gradient or 1e-5 of its tensor's
+    largest, in any step; exact zeros are checked, both sides must keep them) are left out of the parameter check and counted ("ill"). Parameters that get no gradient
     at all (unused by this call) are checked: torch.optim leaves them untouched (no weight decay either)."""
     import torch
 
@@ -363,7 +363,7 @@ def compare(prog, ref, batch, loss_fn, steps=STEPS, eps=1e-8) -> dict:
                 unused.add(n)
         for n, g in grads.items():
             if g.numel():
-                ill[n] |= g <= max(1e-6 * top, 1e-5 * float(g.max()))
+                ill[n] |= (g > 0) & (g <= max(1e-6 * top, 1e-5 * float(g.max())))
         ref_opt.step()
         a, b = float(loss.detach()), float(ref_loss.detach())
         losses.append(b)
@@ -491,7 +491,7 @@ TIMM = {   # family -> (model name, kwargs for create_model, image size)
     "convmixer": ("timm.models.convmixer.ConvMixer", {"dim": 32, "depth": 2, "kernel_size": 3,
                                                       "patch_size": 4}, 32),
     "levit": ("levit_128s", {"img_size": 32}, 32),
-    "poolformer": ("poolformer_s12", {"layers": (1, 1, 1, 1)}, 32),
+    "poolformer": ("timm.models.metaformer.MetaFormer", {"depths": (1, 1, 1, 1), "dims": (16, 32, 64, 128)}, 32),
     "ghostnet": ("ghostnet_050", {}, 32),
 }
 
