@@ -4,9 +4,13 @@ PY := $(VENV)/bin/python
 # its tests run in a second environment (torch 2.14.1 + torchvision 0.29.1 CPU wheels)
 TIMM_VENV ?= .venv-timm
 TPY := $(TIMM_VENV)/bin/python
+# torch-xla 2.9.0 loads only with torch 2.9.0: the XLA backend's tests run in a third environment (about 7 GB),
+# on 8 virtual CPU devices
+XLA_VENV ?= .venv-xla
+XPY := $(XLA_VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: test demo install install-timm clean
+.PHONY: test demo install install-timm install-xla clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,12 +30,22 @@ $(TIMM_VENV)/.installed: setup.cfg pyproject.toml
 
 install-timm: $(TIMM_VENV)/.installed
 
-test: install install-timm
+$(XLA_VENV)/.installed: setup.cfg pyproject.toml
+	test -x $(XPY) || python3 -m venv $(XLA_VENV)
+	$(XPY) -m pip install -q --upgrade pip setuptools
+	$(XPY) -m pip install -q "torch==2.9.0" "torch-xla==2.9.0" numpy tabulate pytest
+	$(XPY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+install-xla: $(XLA_VENV)/.installed
+
+test: install install-timm install-xla
 	$(PY) -m pytest tests -x -q
 	$(TPY) -m pytest tests/test_coverage.py -x -q -k timm
+	PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 $(XPY) -m pytest tests/xla -x -q
 
 demo: install
 	$(PY) examples/train_gpt.py
 
 clean:
-	rm -rf $(VENV) $(TIMM_VENV)
+	rm -rf $(VENV) $(TIMM_VENV) $(XLA_VENV)

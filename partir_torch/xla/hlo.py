@@ -10,6 +10,12 @@ Replica groups come either listed ({{0,2},{1,3}}) or in the iota form `[G,S]<=[d
 channel id under SPMD) the ids are devices of the mesh, which are the mesh's ranks in row-major order here (the
 XlaProgram builds its xs.Mesh over device ids 0..n-1), so a group's axes are the mesh axes its members differ on.
 
+XLA's CPU pipeline has no reduce-scatter creator (GPU and TPU pipelines turn an all-reduce whose result each device
+only dynamic-slices into a reduce-scatter): `parse_collectives` does the same reading. It evaluates the slice
+offsets per device (partition-id tables and scalar arithmetic) to find the axes the slice varies on: those axes
+are a reduce_scatter of the all-reduce's bytes; the group's other axes an all_reduce of the slice. An all-reduce
+over several axes is read as one all_reduce per axis of the same bytes (how partir lowers such a reduction).
+
 Bytes follow the convention of partir's CollectiveRecord (nccl-tests): all_reduce and all_to_all: the operand,
 all_gather: the result, reduce_scatter: the operand; collective_permute: the operand.
 """
@@ -138,11 +144,86 @@ def axes_of_groups(groups: list, mesh: Mesh) -> str:
     return "+".join(axes)
 
 
+@dataclass
+class _Instr:
+    name: str
+    shape: str
+    op: str
+    operands: list
+    line: str
+
+
+_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>[\w\-]+)\(")
+
+
+def _instructions(lines: list) -> dict:
+    out = {}
+    for line in lines:
+        m = _LINE.match(line)
+        if m is None:
+            continue
+        operands = _balanced(line, m.end() - 1)
+        out[m.group("name")] = _Instr(m.group("name"), m.group("shape"), m.group("op"), _REF.findall(operands), line)
+    return out
+
+
+_SCALAR_OPS = {"add": lambda a, b: a + b, "subtract": lambda a, b: a - b, "multiply": lambda a, b: a * b,
+               "divide": lambda a, b: int(a / b) if b else 0, "maximum": max, "minimum": min}
+
+
+def _eval_index(ins: dict, name: str, pid: int, depth: int = 0):
+    """The value of a scalar integer instruction on partition `pid` (slice offsets are computed from partition-id
+    through constant tables and scalar arithmetic); None when it depends on anything else."""
+    i = ins.get(name)
+    if i is None or depth > 24:
+        return None
+    args = lambda: [_eval_index(ins, o, pid, depth + 1) for o in i.operands]   # noqa: E731
+    if i.op in ("partition-id", "replica-id"):
+        return pid
+    if i.op == "constant":
+        vals = [int(float(v)) for v in re.findall(r"-?\d+(?:\.\d+)?", i.line.split("constant(", 1)[1].split(")")[0])]
+        return vals if "[]" not in i.shape.split("{")[0] else (vals[0] if vals else None)
+    if i.op in ("reshape", "convert", "bitcast", "copy"):
+        v = args()[0]
+        return v[0] if isinstance(v, list) and len(v) == 1 else v
+    if i.op == "dynamic-slice":
+        table, *idx = args()
+        return [table[idx[0]]] if isinstance(table, list) and idx and isinstance(idx[0], int) and \
+            0 <= idx[0] < len(table) else None
+    if i.op in _SCALAR_OPS:
+        a = args()
+        return None if any(not isinstance(v, int) for v in a) else _SCALAR_OPS[i.op](*a)
+    if i.op == "clamp":
+        lo, v, hi = args()
+        return None if None in (lo, v, hi) else max(lo, min(v, hi))
+    return None
+
+
+def _scatter_axes(ins: dict, ar: _Instr, groups: list, mesh: Mesh):
+    """If every user of all-reduce `ar` dynamic-slices it alike, the mesh axes (within the group) along which the
+    slice offsets vary; else None."""
+    users = [i for i in ins.values() if ar.name in i.operands]
+    if not users or any(u.op != "dynamic-slice" or u.operands[0] != ar.name for u in users) or \
+            len({u.shape.split("{")[0] for u in users}) != 1:
+        return None
+    offsets = {}
+    for d in groups[0]:
+        offsets[d] = tuple(_eval_index(ins, o, d) for u in users[:1] for o in u.operands[1:])
+        if any(not isinstance(v, int) for v in offsets[d]):
+            return None
+    coords = {d: mesh.coordinate(d) for d in groups[0]}
+    axes = [a for a in mesh.axes if len({coords[d][a] for d in groups[0]}) > 1 and
+            any(offsets[d] != offsets[e] for d in groups[0] for e in groups[0]
+                if all(coords[d][b] == coords[e][b] for b in mesh.axes if b != a))]
+    return axes or None
+
+
 def parse_collectives(hlo_text: str, mesh: Mesh) -> list:
     """XlaCollectives of an HLO module's text, in program order (every computation of the module)."""
     out = []
     lines = hlo_text.splitlines()
-    shapes = {m.group("name"): m.group("shape") for m in map(_ANY.match, lines) if m is not None}
+    ins = _instructions(lines)
+    shapes = {name: i.shape for name, i in ins.items()}
     for line in lines:
         m = _INSTR.match(line)
         if m is None:
@@ -159,8 +240,24 @@ def parse_collectives(hlo_text: str, mesh: Mesh) -> list:
         nbytes = res_bytes if kind == "all_gather" else op_bytes
         groups = parse_replica_groups(line, mesh.size)
         axis = axes_of_groups(groups, mesh)
+        name = m.group("name")
+        if kind == "all_reduce" and name in ins and axis not in ("?", "-"):
+            scatter = _scatter_axes(ins, ins[name], groups, mesh)
+            if scatter:        # all-reduce + dynamic-slice: reduce_scatter on the slice's axes, then the rest
+                k = math.prod(mesh.shape[a] for a in scatter)
+                out.append(XlaCollective("reduce_scatter", "+".join(scatter), k, nbytes, dtype or op_dtype, name,
+                                         groups=tuple(tuple(g) for g in groups)))
+                for a in (a for a in axis.split("+") if a not in scatter):
+                    out.append(XlaCollective("all_reduce", a, mesh.shape[a], nbytes // k, dtype or op_dtype, name,
+                                             groups=tuple(tuple(g) for g in groups)))
+                continue
+        if kind == "all_reduce" and "+" in axis:   # over several axes at once: one all_reduce per axis, as partir
+            for a in axis.split("+"):               # lowers it (each moves the same bytes)
+                out.append(XlaCollective(kind, a, mesh.shape[a], nbytes, dtype or op_dtype, name,
+                                         groups=tuple(tuple(g) for g in groups)))
+            continue
         size = len(groups[0]) if kind != "collective_permute" else \
             math.prod(mesh.shape[a] for a in axis.split("+")) if axis not in ("?", "-") else 0
-        out.append(XlaCollective(kind, axis, size, nbytes, dtype or op_dtype, m.group("name"),
+        out.append(XlaCollective(kind, axis, size, nbytes, dtype or op_dtype, name,
                                  groups=tuple(tuple(g) for g in groups)))
     return out

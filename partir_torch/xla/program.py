@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
+from ..capture.graphutil import forward_nodes
 from ..errors import PartitionError
 from . import device as xdev
 from .hlo import parse_collectives
@@ -39,12 +40,50 @@ def _nll_loss_forward(x, target, weight, reduction, ignore_index):
 XLA_OVERRIDES = {torch.ops.aten.nll_loss_forward.default: _nll_loss_forward}
 
 
-class _Run(fx.Interpreter):
-    """Runs the captured graph on XLA tensors; after each node, its sharding constraint (if any)."""
+def param_derived(gm) -> set:
+    """Parameter placeholders and the forward nodes computed from parameters alone (transposes, casts): the values
+    partir gathers again at their backward uses (ZeRO-3 does not keep a gathered copy alive from the forward)."""
+    fwd = forward_nodes(gm)
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.meta.get("partir_role") == "param":
+            out.add(n)
+        elif n.op == "call_function" and n in fwd and n.all_input_nodes and all(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
 
-    def __init__(self, gm, dev, mesh, constraints: dict):
+
+class _Run(fx.Interpreter):
+    """Runs the captured graph on XLA tensors; after each node, its sharding constraint (if any). Backward uses of
+    parameter-derived values read them through an optimization barrier: a separate HLO value, so XLA reshards it
+    again there (as partir does) instead of reusing the forward's gathered copy."""
+
+    def __init__(self, gm, dev, mesh, constraints: dict, regather: set = frozenset()):
         super().__init__(gm, garbage_collect_values=True)
         self.dev, self.mesh, self.constraints = dev, mesh, constraints
+        self.regather, self.fwd = regather, forward_nodes(gm) if regather else set()
+        self.copies: dict = {}
+
+    def _backward_copy(self, node, value):
+        if node.name not in self.copies:
+            import torch_xla
+
+            copy = value.clone()
+            torch_xla._XLAC._xla_optimization_barrier_([copy])
+            spec = self.constraints.get(node.name)
+            if spec is not None:
+                _mark(copy, self.mesh, spec)
+            self.copies[node.name] = copy
+        return self.copies[node.name]
+
+    def fetch_args_kwargs_from_env(self, n):
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        if self.regather and n.op == "call_function" and n not in self.fwd:
+            swap = {a.name: a for a in n.all_input_nodes if a in self.regather}
+            if swap:
+                env = {a: self._backward_copy(a, self.env[a]) for a in swap.values()}
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env.get(a, self.env[a]))
+        return args, kwargs
 
     def call_function(self, target, args, kwargs):
         # factory ops were traced with the capture device: create on the XLA device instead
@@ -82,6 +121,7 @@ class XlaProgram:
         for node, name in zip(self._placeholders(), self.cap.input_names):
             self.layouts[name] = prog.sharding_of_vid(g.vid[node])
         self.constraints = self._constraints()
+        self._regather = param_derived(self.cap.gm) if self.cap.mode != FORWARD else frozenset()
         self.state: dict | None = None
         self.steps = 0
         self._modules: dict = {}      # mode -> dump file of its post-partitioning HLO
@@ -179,7 +219,8 @@ class XlaProgram:
         self._ensure_state()
         args = self._args(batch)
         before = xdev.dumped_modules() if mode not in self._modules and xdev._dump_dir else None
-        outs = _Run(self.cap.gm, self.device, self.mesh, self.constraints).run(*args)
+        regather = self._regather if mode != FORWARD else frozenset()
+        outs = _Run(self.cap.gm, self.device, self.mesh, self.constraints, regather).run(*args)
         for name, t in zip(self.cap.output_names, outs):
             if name in self.state:       # updated state (tied to its input: same layout, constrained above)
                 self.state[name] = t
