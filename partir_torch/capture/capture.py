@@ -326,6 +326,9 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     out_names: list = []
     spec_box: list = []
 
+    running_stats = {f"{fqn}.{n}" if fqn else n for fqn, mod in model.named_modules()
+                     if isinstance(mod, torch.nn.modules.batchnorm._NormBase) for n, _ in mod.named_buffers(recurse=False)}
+
     def step(*args):
         p = dict(zip(trainable + frozen, args[:nt + nf]))
         b = dict(zip(buffers, args[nt + nf:nt + nf + nb]))
@@ -336,9 +339,13 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
             spec_box.append(spec)
             out_names[:] = [f"outputs.{i}" for i in range(len(flat_out))]
             return flat_out
-        state, fargs = {**p, **b}, batch
+        # running statistics stay out of the capture tactics' casts (as under autocast, batch norm keeps them fp32:
+        # an update written into a bf16 copy would be lost); other buffers (rope tables) are cast like parameters
+        kept = {k: v for k, v in b.items() if k in running_stats}
+        state, fargs = {**p, **{k: v for k, v in b.items() if k not in kept}}, batch
         for opt in options:
             state, fargs = opt.transform_step(state, fargs)
+        state = {**state, **kept}
         if mode == EVAL:
             with torch.no_grad(), _reparametrize_module(model, state, tie_weights=True):
                 loss = loss_fn(model, *fargs)

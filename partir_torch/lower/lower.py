@@ -292,16 +292,36 @@ def prop_axes(prog, i) -> dict:
     return prog.prop.op_axes.get(i, {})
 
 
+# ops that only unpack a collective's result (a bucket's slices and views, a gathered dim moved back): they move
+# down with their wait, so the collective overlaps everything before the first real use of its result
+_UNPACK = {torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+           torch.ops.aten._unsafe_view.default, torch.ops.aten.permute.default, torch.ops.aten.clone.default}
+
+
 def _sink_waits(graph: fx.Graph) -> None:
-    """Move each wait_tensor down to just before the first node that reads it: the collective is issued where
-    its input is ready and compute runs on until the result is needed."""
+    """Move each wait_tensor, with the ops that only unpack its result, down to just before the first node that
+    really reads it: the collective is issued where its input is ready and compute runs on until the result is
+    needed."""
     wait = torch.ops._c10d_functional.wait_tensor.default
     index = {n: i for i, n in enumerate(graph.nodes)}     # moving a wait keeps the other nodes' order
     for node in list(graph.nodes):
-        if node.target is wait and node.users:
-            first = min(node.users, key=index.__getitem__)
-            if node.next is not first:
-                first.prepend(node)
+        if node.target is not wait or not node.users:
+            continue
+        chain, readers, stack = [node], [], list(node.users)
+        while stack:
+            u = stack.pop()
+            if u.target in _UNPACK and all(a is node or a in chain for a in u.all_input_nodes):
+                if u not in chain:
+                    chain.append(u)
+                    stack.extend(u.users)
+            else:
+                readers.append(u)
+        if not readers:
+            continue
+        first = min(readers, key=index.__getitem__)
+        for n in sorted(chain, key=index.__getitem__):
+            if index[n] < index[first] and n.next is not first:
+                first.prepend(n)
 
 
 def _phases(gm, cap) -> dict:
