@@ -272,7 +272,7 @@ def _sgd(group: dict, param: Tensor, grad: Tensor, st: dict[str, Tensor],
         buf = torch.where(first_step, grad, running)
         st = {"momentum_buffer": buf}
         grad = _add_scaled(grad, buf, momentum) if group["nesterov"] else buf
-    return param - lr * grad, st  # torch: param.add_(grad, alpha=-lr) (fused; may differ 1 ulp)
+    return torch.addcmul(param, grad, -lr), st  # torch: param.add_(grad, alpha=-lr), a fused multiply-add
 
 
 def _adam_scalars(group: dict, lr: Tensor, step: Tensor, dtype: torch.dtype) -> tuple:
