@@ -122,6 +122,19 @@ def test_batch_norm_data_parallel_matches_one_device(stats):
     assert bwd == Counter({**{b: 1 for b in BN_STATS_BYTES}, 432: 1, 1536: 1, 24: 1}), bwd
 
 
+def test_batch_norm_zero3_keeps_running_statistics_with_their_parameter():
+    """ZeRO-3 tiles a norm's weight on the data axis; its running statistics (same module, same shape) are
+    tiled with it, and still equal eager after 3 steps."""
+    torch.manual_seed(0)
+    prog, ref = _train_both(BatchNorms(track_running_stats=True), pt.Mesh({"batch": 4}),
+                            _batches(3, 8, (3, 4, 4), 6), tactics=DP + [pt.tactics.zero(3, "batch")])
+    _assert_state_equal(prog, ref)
+    for k in ("bn2.weight", "bn2.running_mean", "bn2.running_var"):
+        kind = "params" if k.endswith("weight") else "buffers"
+        assert prog.sharding(f"{kind}.{k}").dims == (("batch",),), k
+    assert prog.sharding("buffers.bn2.num_batches_tracked").dims == ()
+
+
 def test_batch_norm_forward_only_and_eval():
     """Forward-only programs: train mode updates the running statistics like eager (one all_reduce per norm);
     eval mode normalises with them and needs no collective. Either returns the whole output: one all_gather."""

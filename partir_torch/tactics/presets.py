@@ -332,6 +332,7 @@ class Zero:
             raise PartitionError(f"{self.name}: ZeRO-{self.stage} shards optimizer state; pass optimizer= to "
                                  f"partition (or use zero(3) to shard parameters only).")
         seeds = []
+        tiled_at: dict = {}     # (module fqn, shape) -> the dim its parameter of that shape is tiled on
         k = ctx.mesh.shape[self.axis]
         for fqn in cap.trainable:
             p = f"params.{fqn}"
@@ -348,6 +349,14 @@ class Zero:
                 continue
             seeds += [(s, d) for s in states]
             seeds.append((p, d) if self.stage == 3 else (p, REP))
+            tiled_at[(fqn.rpartition(".")[0], ctx.graph.shapes[ctx.graph.name_to_vid[p]])] = d
+        if self.stage == 3:   # a module's buffers shaped like its tiled parameter (running statistics) go with it
+            for fqn in cap.buffer_fqns:
+                b = f"buffers.{fqn}"
+                vid = ctx.graph.name_to_vid.get(b)
+                d = tiled_at.get((fqn.rpartition(".")[0], ctx.graph.shapes[vid])) if vid is not None else None
+                if d is not None and ctx.prop.state(self.axis, vid) == UNKNOWN:
+                    seeds.append((b, d))
         region = ctx.optimizer_region() if cap.fopt is not None else set()
         if cap.fopt is None:   # zero(3) without an optimizer: parameters stored tiled, gathered at every use
             region = set()
