@@ -1,6 +1,8 @@
 """Runs a lowered program step after step: state (parameters, buffers, optimizer state) stays as local shards."""
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -48,7 +50,8 @@ class Executor:
                 if any(str(n.target).startswith(("aten.bernoulli", "aten.rand", "aten.native_dropout"))
                        for n in self.lowered.gm.graph.nodes):
                     # random draws must agree on every rank: include the generator state in the plan
-                    code += f"\n# rng {hash(bytes(torch.get_rng_state().numpy()))}"
+                    # (hashlib: Python's hash() of bytes is salted per process)
+                    code += f"\n# rng {hashlib.sha256(bytes(torch.get_rng_state().numpy())).hexdigest()}"
                 self.rt.check_plan(code)
             if self.state is not None:   # runtime re-created (emulation): re-shard the state we hold
                 full = self.state_full()
