@@ -476,6 +476,8 @@ def run_hf(mapping: str, model_type: str) -> dict:
         if float(again.detach()) != float(loss.detach()):
             row["eager_nondeterministic"] = True
         del probe
+    except Alarm:
+        raise
     except Exception as e:   # the harness or the model, not partir_torch
         return {**row, "result": "skip", "reason": f"{stage}: {first_line(e)}", "s": round(time.time() - t0, 1)}
     if os.environ.get("HF_COVERAGE_EAGER_ONLY"):
@@ -485,6 +487,8 @@ def run_hf(mapping: str, model_type: str) -> dict:
         row["result"] = "pass" if row["match"] else "mismatch"
         if not row["match"] and row.get("eager_nondeterministic"):
             row["reason"] = "eager forward differs between two runs under the same torch.manual_seed"
+    except Alarm:
+        raise
     except Exception as e:
         import partir_torch as pt
 
@@ -552,6 +556,8 @@ def run_timm(family: str) -> dict:
         probe = copy.deepcopy(model)
         F.cross_entropy(probe(x), y).backward()
         del probe
+    except Alarm:
+        raise
     except Exception as e:
         return {**row, "result": "skip", "reason": f"{stage}: {first_line(e)}", "s": round(time.time() - t0, 1)}
 
@@ -561,6 +567,8 @@ def run_timm(family: str) -> dict:
     try:
         row.update(partition_and_compare(model, {"x": x, "y": y}, loss_fn, megatron=False))
         row["result"] = "pass" if row["match"] else "mismatch"
+    except Alarm:
+        raise
     except Exception as e:
         import partir_torch as pt
 
@@ -688,9 +696,44 @@ def report(rows: list) -> str:
                       (r.get("reason") or "")[:110]])
     out = [tabulate(table, headers=["mapping", "arch", "result", "sched", "loss err", "param err", "confl",
                                     "collectives", "reason"])]
-    out.append("")
-    out.append(summary(rows))
+    out += ["", groups(rows), "", summary(rows)]
     return "\n".join(out)
+
+
+def cause(r: dict) -> str:
+    """A failure's cause with names and numbers taken out, so rows with one cause group together."""
+    if r["result"] == "mismatch":
+        if "without a gradient" in (r.get("reason") or ""):
+            return "mismatch: parameters unused by the call are updated (weight decay) where torch.optim skips them"
+        if "eager forward differs" in (r.get("reason") or ""):
+            return "mismatch: the eager model is not deterministic under torch.manual_seed (not partir_torch)"
+        return "mismatch: loss differs" if (r.get("loss_err") or 0) > RTOL + 1e-6 else "mismatch: parameters differ"
+    if r["result"] == "timeout":
+        return "timeout"
+    text = r.get("reason") or ""
+    at = re.search(r"\n  at \S+/(\w+\.py):\d+ in (\w+): (.*)", r.get("where") or "")
+    text = re.sub(r"partition: the train step of \w+ could not be traced into one graph: ", "", text)
+    text = re.sub(r"(params|buffers|inputs)\.[\w.]+", r"\1.<name>", text)
+    text = re.sub(r"node %[\w.]+", "node %<n>", text)
+    text = re.sub(r"\b\d+\b", "<n>", text)
+    text = text[:160]
+    if at and "TraceError" in text:
+        text += f"  [{at.group(1)} {at.group(2)}: {at.group(3).strip()[:60]}]"
+    return text
+
+
+def groups(rows: list) -> str:
+    """Failures and mismatches grouped by cause: count and example architectures."""
+    from tabulate import tabulate
+
+    by = {}
+    for r in rows:
+        if r["result"] in ("fail", "mismatch", "timeout"):
+            by.setdefault(cause(r), []).append(r)
+    table = [[len(rs), sum(1 for r in rs if r.get("error_type") == "bug"), c,
+              ", ".join(f"{r['arch']}({r['mapping'][0]})" for r in rs[:6]) + (" ..." if len(rs) > 6 else "")]
+             for c, rs in sorted(by.items(), key=lambda kv: -len(kv[1]))]
+    return tabulate(table, headers=["n", "bugs", "cause", "examples (mapping initial)"])
 
 
 def summary(rows: list) -> str:
