@@ -14,6 +14,7 @@ tilings. State stays on the devices between steps.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.fx as fx
@@ -24,20 +25,16 @@ from ..capture.graphutil import forward_nodes
 from ..errors import PartitionError
 from . import device as xdev
 from .hlo import parse_collectives
+from .kernels import xla_target
 
 STATE_ROLES = ("param", "buffer", "opt_state")
 
 
-def _nll_loss_forward(x, target, weight, reduction, ignore_index):
-    """torch-xla returns total_weight 1 unless reduction is mean; capture divides a sum by it (the mean)."""
-    out, _ = torch.ops.aten.nll_loss_forward.default(x, target, weight, reduction, ignore_index)
-    keep = (target != ignore_index).to(x.dtype)
-    total = (keep * weight[target.clamp(min=0)]).sum() if weight is not None else keep.sum()
-    return out, total
+def _host_op_counts() -> dict:
+    """torch-xla's per-op counters of ops it ran on the host (its CPU fallback): 'aten::<op>' -> calls."""
+    import torch_xla.debug.metrics as met
 
-
-# ops whose torch-xla kernel differs from eager torch in a way the captured graph relies on
-XLA_OVERRIDES = {torch.ops.aten.nll_loss_forward.default: _nll_loss_forward}
+    return {k: met.counter_value(k) for k in met.counter_names() if k.startswith("aten::")}
 
 
 def param_derived(gm) -> set:
@@ -89,7 +86,7 @@ class _Run(fx.Interpreter):
         # factory ops were traced with the capture device: create on the XLA device instead
         if isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type != "xla":
             kwargs = {**kwargs, "device": self.dev}
-        return XLA_OVERRIDES.get(target, target)(*args, **kwargs)
+        return xla_target(target)(*args, **kwargs)
 
     def run_node(self, n):
         out = super().run_node(n)
@@ -125,6 +122,7 @@ class XlaProgram:
         self.state: dict | None = None
         self.steps = 0
         self._modules: dict = {}      # mode -> dump file of its post-partitioning HLO
+        self.host_ops: list = []      # aten ops torch-xla ran on the host (see _check_host_ops)
 
     def _placeholders(self):
         return [n for n in self.cap.gm.graph.nodes if n.op == "placeholder"]
@@ -219,6 +217,7 @@ class XlaProgram:
         self._ensure_state()
         args = self._args(batch)
         before = xdev.dumped_modules() if mode not in self._modules and xdev._dump_dir else None
+        host_before = _host_op_counts()
         regather = self._regather if mode != FORWARD else frozenset()
         outs = _Run(self.cap.gm, self.device, self.mesh, self.constraints, regather).run(*args)
         for name, t in zip(self.cap.output_names, outs):
@@ -227,7 +226,18 @@ class XlaProgram:
         torch_xla.sync()
         if before is not None:
             self._remember_module(mode, before)
+        self._check_host_ops(host_before)
         return list(outs)
+
+    def _check_host_ops(self, before: dict) -> None:
+        """Ops torch-xla ran on the host during this step split it into several XLA programs (hlo() holds one of
+        them): name them once (compare() reports them too); kernels.py is where an XLA form goes."""
+        new = [op for op, n in _host_op_counts().items() if n > before.get(op, 0) and op not in self.host_ops]
+        if new:
+            self.host_ops += new
+            warnings.warn(f"to_xla: torch-xla ran {', '.join(new)} on the host: the step is split into several XLA "
+                          f"programs and hlo()/compare() see the largest only. Give the op an XLA form in "
+                          f"partir_torch/xla/kernels.py.", stacklevel=3)
 
     def _remember_module(self, mode: str, before: dict) -> None:
         """The largest module compiled by this step's sync is the step (small ones move data)."""
@@ -279,4 +289,4 @@ class XlaProgram:
         """partir's per-device collectives against XLA's, per kind and axis (count and bytes). See compare.py."""
         from .compare import compare
 
-        return compare(self.prog, self.collectives(), tolerance)
+        return compare(self.prog, self.collectives(), tolerance, host_ops=self.host_ops)

@@ -1,0 +1,99 @@
+"""Ops of the captured graph that run differently on XLA tensors: one row per op, a short function each.
+
+The captured step was traced on the CPU, so it holds CPU kernels that torch-xla has no lowering for (it would run
+them on the host: the step splits into several XLA programs, and the collectives around them leave the HLO), and
+a few kernels whose torch-xla version returns something else than eager torch.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+aten = torch.ops.aten
+
+
+def nll_loss_forward(x, target, weight, reduction, ignore_index):
+    """torch-xla returns total_weight 1 unless reduction is mean; capture divides a sum by it (the mean)."""
+    out, _ = aten.nll_loss_forward.default(x, target, weight, reduction, ignore_index)
+    keep = (target != ignore_index).to(x.dtype)
+    total = (keep * weight[target.clamp(min=0)]).sum() if weight is not None else keep.sum()
+    return out, total
+
+
+def _scores(q, k, is_causal, attn_mask, scale):
+    """Scaled scores q k^T (B, H, L, S) with the causal (top-left) or given mask; K expanded for grouped heads."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    rep = q.shape[-3] // k.shape[-3]
+    k = k.repeat_interleave(rep, dim=-3) if rep > 1 else k
+    s = (q @ k.transpose(-2, -1)) * scale
+    L, S = q.shape[-2], k.shape[-2]
+    if is_causal:
+        keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    return s, scale, rep
+
+
+def sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """CPU flash attention (output, logsumexp) as matmuls and a softmax: what XLA fuses itself."""
+    if dropout_p:
+        raise NotImplementedError("to_xla: attention dropout has no XLA form here; use dropout_p=0")
+    s, _, rep = _scores(q, k, is_causal, attn_mask, scale)
+    lse = torch.logsumexp(s, dim=-1)                              # (B, H, L)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    v = v.repeat_interleave(rep, dim=-3) if rep > 1 else v
+    return p @ v, lse
+
+
+def sdpa_cpu_backward(grad_out, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
+    """Gradients of sdpa_cpu from its saved output and logsumexp (the flash-attention backward, unfused)."""
+    s, scale, rep = _scores(q, k, is_causal, attn_mask, scale)
+    p = torch.exp(s - lse.unsqueeze(-1))                          # (B, H, L, S)
+    ve = v.repeat_interleave(rep, dim=-3) if rep > 1 else v
+    ke = k.repeat_interleave(rep, dim=-3) if rep > 1 else k
+    dv = p.transpose(-2, -1) @ grad_out
+    dp = grad_out @ ve.transpose(-2, -1)
+    ds = p * (dp - (grad_out * out).sum(-1, keepdim=True))
+    dq = (ds @ ke) * scale
+    dk = (ds.transpose(-2, -1) @ q) * scale
+    if rep > 1:    # sum the expanded heads back onto their group's key/value head
+        dk = dk.unflatten(-3, (k.shape[-3], rep)).sum(-3)
+        dv = dv.unflatten(-3, (v.shape[-3], rep)).sum(-3)
+    return dq, dk, dv
+
+
+def layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask):
+    """native_layer_norm_backward from the saved mean and 1/std (mean, rstd: input's leading dims, then ones)."""
+    dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+    lead = tuple(range(x.dim() - len(normalized_shape)))
+    x_hat = (x - mean) * rstd
+    g = grad_out * weight if weight is not None else grad_out
+    dx = rstd * (g - g.mean(dims, keepdim=True) - x_hat * (g * x_hat).mean(dims, keepdim=True))
+    dw = (grad_out * x_hat).sum(lead) if weight is not None and output_mask[1] else None
+    db = grad_out.sum(lead) if bias is not None and output_mask[2] else None
+    return dx if output_mask[0] else None, dw, db
+
+
+OVERRIDES = {
+    aten.native_layer_norm_backward.default: layer_norm_backward,
+    aten.nll_loss_forward.default: nll_loss_forward,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_cpu,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: sdpa_cpu_backward,
+}
+
+
+def xla_target(target):
+    """The op to run for `target` on XLA: its override, or for a view op its `_copy` form. torch-xla regenerates a
+    view from its base when it is used, which can drop a sharding annotation placed on the view; the copy is a
+    value of its own that keeps it (the captured graph is functional: nothing writes through views)."""
+    if target in OVERRIDES:
+        return OVERRIDES[target]
+    if isinstance(target, torch._ops.OpOverload) and target.is_view and target.namespace == "aten":
+        packet = getattr(aten, target._schema.name.split("::")[1] + "_copy", None)
+        copy = getattr(packet, target._overloadname, None) if packet is not None else None
+        if copy is not None:
+            OVERRIDES[target] = copy
+            return copy
+    return target
