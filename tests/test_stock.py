@@ -249,3 +249,22 @@ def test_rules_for_ops_stock_models_reach_verify():
     report = verify_graph(gm)
     assert report.nodes >= 7 and report.factor_checks >= 10, str(report)
     assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
+def test_parameters_the_loss_does_not_reach_are_skipped_like_torch_optim():
+    """A parameter without a gradient (a decoder's cross-attention norm in a decoder-only call) is skipped by
+    torch.optim: no weight decay, no moments. The program leaves it alone too."""
+    class Partly(Tiny):
+        def __init__(self):
+            super().__init__()
+            self.unused = nn.Linear(8, 8)
+
+    torch.manual_seed(0)
+    model = Partly()
+    ref = copy.deepcopy(model)
+    x = torch.randint(0, 16, (4, 5))
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.5)
+    prog = pt.partition(model, pt.Mesh({"b": 2}), [T.data_parallel("b"), T.zero(3, "b")], example_inputs=(x,),
+                        loss_fn=tiny_loss, optimizer=make(model.parameters()))
+    train_next_to_eager(prog, ref, (x,), tiny_loss, steps=2, make_opt=make)
+    assert torch.equal(prog.gather_parameters()["unused.weight"], model.unused.weight.detach())

@@ -364,6 +364,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
                 # old-style or with setup_context, and library ops with registered autograd are differentiated as
                 # in eager
                 got = torch.autograd.grad(part, [p[k] for k in trainable], allow_unused=True)
+            unused = {k for k, g in zip(trainable, got) if g is None}     # the loss does not reach them
             got = {k: torch.zeros_like(p[k]) if g is None else g for k, g in zip(trainable, got)}
             # micro-batch gradients summed as eager .backward() accumulates them: partial sums stay partial, so
             # the gradient reduction happens once per step
@@ -376,9 +377,11 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         off = nt + nf + nb
         for (s, k), t in zip(state_keys, args[off:off + len(state_keys)]):
             st.setdefault(s, {})[k] = t
+        # parameters the loss does not reach have no gradient: torch.optim skips them (no weight decay, no state)
+        grads = {k: g for k, g in grads.items() if k not in unused}
         norm = None
         if clip_grad_norm is not None:
-            like = {k: next((st[s][k] for s in st if k in st[s]), p[k]) for k in trainable}
+            like = {k: next((st[s][k] for s in st if k in st[s]), p[k]) for k in grads}
             grads, norm = _clip_by_global_norm(grads, clip_grad_norm, like)
         fed = args[off + len(state_keys):off + len(state_keys) + len(hyper_keys)]
         count = args[off + len(state_keys) + len(hyper_keys)]
