@@ -64,6 +64,18 @@ def sdpa_cpu_backward(grad_out, q, k, v, out, lse, dropout_p, is_causal, *, attn
     return dq, dk, dv
 
 
+def layer_norm(x, normalized_shape, weight, bias, eps):
+    """native_layer_norm as reductions over the normalised dims: torch-xla lowers it to XLA's batch-norm op on a
+    (1, rows, features) view, which the SPMD partitioner gathers whole when the rows are tiled."""
+    dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+    mean = x.mean(dims, keepdim=True)
+    rstd = torch.rsqrt((x - mean).square().mean(dims, keepdim=True) + eps)
+    out = (x - mean) * rstd
+    out = out * weight if weight is not None else out
+    out = out + bias if bias is not None else out
+    return out, mean, rstd
+
+
 def layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask):
     """native_layer_norm_backward from the saved mean and 1/std (mean, rstd: input's leading dims, then ones)."""
     dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
@@ -77,6 +89,7 @@ def layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias,
 
 
 OVERRIDES = {
+    aten.native_layer_norm.default: layer_norm,
     aten.native_layer_norm_backward.default: layer_norm_backward,
     aten.nll_loss_forward.default: nll_loss_forward,
     aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_cpu,
