@@ -12,9 +12,9 @@ reduction per step), clips the gradients to a global norm of 1 and reads the lea
 (LambdaLR: linear warmup, then cosine decay). Every --eval-every steps the loss on a held-out batch of another
 size runs on the live sharded state (prog.eval_step, eval mode). Every --ckpt-every steps the program state
 (DTensors on real ranks, in torch.distributed.checkpoint's get_state_dict layout) is saved with
-torch.distributed.checkpoint, next to the scheduler, the step and the random generator (dropout); a run started with the same --ckpt resumes from
-the newest complete checkpoint and continues exactly as if it had never stopped (the data of step s is a
-function of s). At the end the consolidated weights go back into the eager module (prog.export_to).
+torch.distributed.checkpoint, next to the scheduler, the step and the random generator (dropout); a run started
+with the same --ckpt resumes from the newest complete checkpoint and continues exactly as if it had never stopped
+(the data of step s is a function of s). At the end the weights go back into the eager module (prog.export_to).
 """
 from __future__ import annotations
 

@@ -92,7 +92,10 @@ class Evaluator:
         was = model.training
         model.eval()
         try:
-            cap = capture(model, batch, train.loss_fn if kind == "loss" else None, None, (),
+            # the loss runs in the training step's compute dtype (mixed_precision's casts); remat has no backward here
+            options = [t for t in train.tactics if getattr(t, "at_capture", False) and hasattr(t, "param_dtype")]
+            cap = capture(model, batch, train.loss_fn if kind == "loss" else None, None,
+                          options if kind == "loss" else (),
                           getattr(train, "decompositions", None), eval_loss=kind == "loss")
         finally:
             model.train(was)
