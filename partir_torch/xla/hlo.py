@@ -14,7 +14,11 @@ XLA's CPU pipeline has no reduce-scatter creator (GPU and TPU pipelines turn an 
 only dynamic-slices into a reduce-scatter): `parse_collectives` does the same reading. It evaluates the slice
 offsets per device (partition-id tables and scalar arithmetic) to find the axes the slice varies on: those axes
 are a reduce_scatter of the all-reduce's bytes; the group's other axes an all_reduce of the slice. An all-reduce
-over several axes is read as one all_reduce per axis of the same bytes (how partir lowers such a reduction).
+over several axes is read as one all_reduce per axis of the same bytes (how partir lowers such a reduction). Sums of
+all-reduced values over the same groups (reached through reshapes, copies, converts and scalings by a constant,
+each with a single user) are read as one all-reduce of the sum: XLA's all-reduce reassociation, which the GPU and
+TPU pipelines run after the algebraic simplifier, and what partir does by keeping a partial value partial through
+a sum.
 
 Bytes follow the convention of partir's CollectiveRecord (nccl-tests): all_reduce and all_to_all: the operand,
 all_gather: the result, reduce_scatter: the operand; collective_permute: the operand.
@@ -218,12 +222,59 @@ def _scatter_axes(ins: dict, ar: _Instr, groups: list, mesh: Mesh):
     return axes or None
 
 
+_PASS = ("reshape", "bitcast", "copy", "convert")
+
+
+def _source(ins: dict, users: dict, name: str) -> str:
+    """Walk up from an add's operand through single-user reshapes/copies/converts and scalings by a constant."""
+    while name in ins and len(users.get(name, ())) == 1:
+        i = ins[name]
+        if i.op in _PASS:
+            name = i.operands[0]
+        elif i.op == "multiply" and len(i.operands) == 2 and any(
+                ins.get(o) is not None and ins[o].op in ("broadcast", "constant") and
+                (ins[o].op == "constant" or ins.get(ins[o].operands[0], _Instr("", "", "", [], "")).op == "constant")
+                for o in i.operands):
+            name = next(o for o in i.operands if ins.get(o) is None or ins[o].op not in ("broadcast", "constant"))
+        else:
+            break
+    return name
+
+
+def _reassociated(ins: dict) -> dict:
+    """all-reduce name -> the first all-reduce of the sum it is reassociated into (see the module docstring)."""
+    users: dict = {}
+    for i in ins.values():
+        for o in set(i.operands):
+            users.setdefault(o, []).append(i.name)
+    rep: dict = {}            # all-reduce or add name -> representative all-reduce
+    groups = {n: re.search(r"replica_groups=(\S+?)(?:, [a-z_]+=|$)", i.line) for n, i in ins.items()
+              if i.op == "all-reduce"}
+    for n, i in ins.items():
+        if i.op == "all-reduce" and len(users.get(n, ())) == 1:
+            rep[n] = n
+        elif i.op == "add" and len(i.operands) == 2:
+            a, b = (_source(ins, users, o) for o in i.operands)
+            ra, rb = rep.get(a), rep.get(b)
+            if ra is None or rb is None or ra == rb:
+                continue
+            ga, gb = groups.get(ra), groups.get(rb)
+            if ga is None or gb is None or ga.group(1) != gb.group(1):
+                continue
+            for k, v in list(rep.items()):
+                if v == rb:
+                    rep[k] = ra
+            rep[n] = ra
+    return {n: r for n, r in rep.items() if n in groups}
+
+
 def parse_collectives(hlo_text: str, mesh: Mesh) -> list:
     """XlaCollectives of an HLO module's text, in program order (every computation of the module)."""
     out = []
     lines = hlo_text.splitlines()
     ins = _instructions(lines)
     shapes = {name: i.shape for name, i in ins.items()}
+    merged = _reassociated(ins)
     for line in lines:
         m = _INSTR.match(line)
         if m is None:
@@ -241,6 +292,8 @@ def parse_collectives(hlo_text: str, mesh: Mesh) -> list:
         groups = parse_replica_groups(line, mesh.size)
         axis = axes_of_groups(groups, mesh)
         name = m.group("name")
+        if kind == "all_reduce" and merged.get(name, name) != name:
+            continue               # summed into an earlier all-reduce's value: reassociated into that one
         if kind == "all_reduce" and name in ins and axis not in ("?", "-"):
             scatter = _scatter_axes(ins, ins[name], groups, mesh)
             if scatter:        # all-reduce + dynamic-slice: reduce_scatter on the slice's axes, then the rest

@@ -55,9 +55,10 @@ class _Run(fx.Interpreter):
     parameter-derived values read them through an optimization barrier: a separate HLO value, so XLA reshards it
     again there (as partir does) instead of reusing the forward's gathered copy."""
 
-    def __init__(self, gm, dev, mesh, constraints: dict, regather: set = frozenset()):
+    def __init__(self, gm, dev, mesh, constraints: dict, regather: set = frozenset(), op_specs=None):
         super().__init__(gm, garbage_collect_values=True)
         self.dev, self.mesh, self.constraints = dev, mesh, constraints
+        self.operand_specs, self.result_specs = op_specs or ({}, {})
         self.regather, self.fwd = regather, forward_nodes(gm) if regather else set()
         self.copies: dict = {}
 
@@ -75,11 +76,15 @@ class _Run(fx.Interpreter):
 
     def fetch_args_kwargs_from_env(self, n):
         args, kwargs = super().fetch_args_kwargs_from_env(n)
+        env = {}
         if self.regather and n.op == "call_function" and n not in self.fwd:
-            swap = {a.name: a for a in n.all_input_nodes if a in self.regather}
-            if swap:
-                env = {a: self._backward_copy(a, self.env[a]) for a in swap.values()}
-                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env.get(a, self.env[a]))
+            env = {a: self._backward_copy(a, self.env[a]) for a in n.all_input_nodes if a in self.regather}
+        for a, spec in self.operand_specs.get(n.name, {}).items():
+            x = env.get(a, self.env[a]).clone()      # the operand as this op computes with it (partir's reshard)
+            _mark(x, self.mesh, spec)
+            env[a] = x
+        if env:
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env.get(a, self.env[a]))
         return args, kwargs
 
     def call_function(self, target, args, kwargs):
@@ -90,6 +95,10 @@ class _Run(fx.Interpreter):
 
     def run_node(self, n):
         out = super().run_node(n)
+        made = self.result_specs.get(n.name)
+        if made is not None and isinstance(out, torch.Tensor):   # computed in one layout, kept in another:
+            _mark(out, self.mesh, made)                          # partir reshards the result right after the op
+            out = out.clone()
         spec = self.constraints.get(n.name)
         if spec is not None and isinstance(out, torch.Tensor):
             _mark(out, self.mesh, spec)
@@ -118,6 +127,7 @@ class XlaProgram:
         for node, name in zip(self._placeholders(), self.cap.input_names):
             self.layouts[name] = prog.sharding_of_vid(g.vid[node])
         self.constraints = self._constraints()
+        self.op_specs = self._op_specs()
         self._regather = param_derived(self.cap.gm) if self.cap.mode != FORWARD else frozenset()
         self.state: dict | None = None
         self.steps = 0
@@ -138,6 +148,31 @@ class XlaProgram:
             if spec is not None:
                 out[node.name] = spec
         return out
+
+    def _op_specs(self) -> tuple:
+        """Where partir's lowering reshards, from lower.op_layouts (the layouts each op computes under):
+        ({FX node name: {operand node: spec}} for operands the op uses laid out otherwise than their value, and
+        {FX node name: spec} for results the op makes in another layout than their value keeps). Constrained
+        copies there make XLA reshard at the same op, the same way (e.g. a dispatch einsum computed on local token
+        groups and its result exchanged by all_to_all, not the tokens gathered)."""
+        from ..lower.lower import op_layouts
+        from ..propagate.graph import _tensor_operands
+
+        g, operands, results = self.prog.graph, {}, {}
+        spec_of = lambda v: xdev.partition_spec(self.prog.sharding_of_vid(v))   # noqa: E731
+        for i, op in enumerate(g.ops):
+            if op.rule is None or op.node.op != "call_function":
+                continue
+            wants, makes = op_layouts(self.prog, i)
+            for a, v, want in zip(_tensor_operands(op.node), op.operands, wants):
+                spec = xdev.partition_spec(want) if want is not None else None
+                if spec is not None and spec != spec_of(v):
+                    operands.setdefault(op.node.name, {}).setdefault(a, spec)
+            for v, make in zip(op.results, makes):
+                spec = xdev.partition_spec(make) if v is not None and make is not None else None
+                if spec is not None and spec != spec_of(v):
+                    results[g.values[v].name] = spec
+        return operands, results
 
     # -- state -------------------------------------------------------------------------------------------------------
     def _placed(self, t: torch.Tensor, name: str) -> torch.Tensor:
@@ -219,7 +254,7 @@ class XlaProgram:
         before = xdev.dumped_modules() if mode not in self._modules and xdev._dump_dir else None
         host_before = _host_op_counts()
         regather = self._regather if mode != FORWARD else frozenset()
-        outs = _Run(self.cap.gm, self.device, self.mesh, self.constraints, regather).run(*args)
+        outs = _Run(self.cap.gm, self.device, self.mesh, self.constraints, regather, self.op_specs).run(*args)
         for name, t in zip(self.cap.output_names, outs):
             if name in self.state:       # updated state (tied to its input: same layout, constrained above)
                 self.state[name] = t
