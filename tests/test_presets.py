@@ -4,7 +4,6 @@ does not apply."""
 from __future__ import annotations
 
 import copy
-import warnings
 from collections import Counter
 
 import pytest
@@ -14,7 +13,6 @@ import partir_torch as pt
 from partir_torch import tactics as T
 from examples.models import get
 
-warnings.filterwarnings("ignore")
 STEPS = 3
 
 

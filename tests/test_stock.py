@@ -268,3 +268,19 @@ def test_parameters_the_loss_does_not_reach_are_skipped_like_torch_optim():
                         loss_fn=tiny_loss, optimizer=make(model.parameters()))
     train_next_to_eager(prog, ref, (x,), tiny_loss, steps=2, make_opt=make)
     assert torch.equal(prog.gather_parameters()["unused.weight"], model.unused.weight.detach())
+
+
+def test_register_rule_refuses_duplicates_and_bad_specs():
+    reg = pt.rules.RuleRegistry()
+    reg.register(torch.ops.aten.mm.default, "mk,kn->mn")
+    with pytest.raises(pt.PartitionError, match=r"aten\.mm\.default already has a rule; pass override=True"):
+        reg.register(torch.ops.aten.mm.default, "mk,kn->mn")
+    reg.register(torch.ops.aten.mm.default, "mk,kn->mn", override=True)
+    with pytest.raises(pt.PartitionError, match=r"names 3 operand\(s\), but aten\.bmm\.default takes 2 tensor"):
+        reg.register(torch.ops.aten.bmm.default, "bmk,bkn,b->bmn")
+    with pytest.raises(pt.PartitionError, match=r"has no '->'"):
+        reg.register(torch.ops.aten.bmm.default, "bmk,bkn")
+    with pytest.raises(pt.PartitionError, match=r"einsum spec string .* or a callable"):
+        reg.register(torch.ops.aten.bmm.default, 42)
+    with pytest.raises(pt.PartitionError, match=r"already has a rule"):    # built-ins are protected too
+        pt.register_rule(torch.ops.aten.mm.default, "mk,kn->mn")

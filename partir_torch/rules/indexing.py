@@ -123,5 +123,4 @@ def rules() -> dict:
         aten.scatter_add.default: scatter_like(3), aten.index_add.default: scatter_like(3),
         aten.scatter.src: scatter_like(3), aten.scatter.value: scatter_like(3),
         aten.one_hot.default: one_hot,
-        aten.cumsum.default: along_dim(1),
     }

@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from ..errors import PartitionError
 from .factors import OpRule, einsum
 
 aten = torch.ops.aten
@@ -93,13 +94,20 @@ class RuleRegistry:
         for op, rule in (table or {}).items():
             self.register(op, rule)
 
-    def register(self, op, rule) -> None:
+    def register(self, op, rule, override: bool = False) -> None:
+        """Add a rule for `op` (an OpOverload, or a packet: every overload). A second rule for an op is refused
+        unless override=True; an einsum spec must name one operand per tensor argument of the op's schema."""
         if isinstance(op, torch._ops.OpOverloadPacket):
             for name in op.overloads():
-                self._rules[getattr(op, name)] = rule
+                self.register(getattr(op, name), rule, override)
             return
         if not isinstance(rule, (str, Callable)):
-            raise TypeError(f"rule for {op} must be an einsum spec string or a callable, got {rule!r}")
+            raise PartitionError(f"register_rule: the rule for {op} must be an einsum spec string ('mk,kn->mn') or "
+                                 f"a callable (NodeCtx) -> OpRule | None, got {rule!r}.")
+        if op in self._rules and not override:
+            raise PartitionError(f"register_rule: {op} already has a rule; pass override=True to replace it.")
+        if isinstance(rule, str):
+            _check_spec(op, rule)
         self._rules[op] = rule
 
     def __contains__(self, op) -> bool:
@@ -140,6 +148,27 @@ def default_registry() -> RuleRegistry:
     return _DEFAULT
 
 
-def register_rule(op, rule) -> None:
-    """Register a rule for a (user) op in the default registry: `register_rule(torch.ops.mylib.op.default, "mk,kn->mn")`."""
-    default_registry().register(op, rule)
+def register_rule(op, rule, override: bool = False) -> None:
+    """Register a rule for a (user) op in the default registry: `register_rule(torch.ops.mylib.op.default, "mk,kn->mn")`.
+    Replacing a built-in (or earlier) rule needs override=True."""
+    default_registry().register(op, rule, override)
+
+
+def _check_spec(op, spec: str) -> None:
+    """An einsum spec's operands against the op's tensor arguments: 'mk,kn->mn' needs two (a list argument, as
+    cat's, cannot be checked)."""
+    if "->" not in spec:
+        raise PartitionError(f"register_rule: spec {spec!r} for {op} has no '->' (write it as 'mk,kn->mn').")
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return
+    kinds = [str(a.type) for a in schema.arguments]
+    if any("[]" in k and "Tensor" in k for k in kinds):
+        return
+    tensors = [a for a, k in zip(schema.arguments, kinds) if k.startswith("Tensor") or k == "Optional[Tensor]"]
+    required = [a for a, k in zip(schema.arguments, kinds) if k.startswith("Tensor")]
+    n = len(spec.split("->")[0].split(","))
+    if not len(required) <= n <= len(tensors):
+        raise PartitionError(f"register_rule: spec {spec!r} names {n} operand(s), but {op} takes "
+                             f"{len(required)}" + (f" to {len(tensors)}" if len(tensors) > len(required) else "")
+                             + f" tensor argument(s) ({', '.join(a.name for a in tensors)}).")

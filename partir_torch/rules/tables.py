@@ -7,5 +7,9 @@ def all_rules() -> dict:
 
     table: dict = {}
     for mod in (pointwise, matmul, reduction, views, stacking, nn, indexing, conv):
-        table.update(mod.rules())
+        rows = mod.rules()
+        twice = sorted(str(op) for op in rows if op in table)
+        if twice:
+            raise RuntimeError(f"rules.{mod.__name__.rsplit('.', 1)[-1]} registers {', '.join(twice)} again")
+        table.update(rows)
     return table
