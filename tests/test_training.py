@@ -417,6 +417,9 @@ def _phase_dcp(ckpt: str) -> dict:
     c.load_state_dict(sd_c)
     out["same"] = [t.item() for t in _train_steps(c, batch, 2)]
     out["want"] = want
+    b.load_state_dict({"model": full}, strict=False)       # full tensors (every rank), resharded into b's layout
+    got = b.gather_parameters()
+    out["full_load_err"] = max((got[k] - v).abs().max().item() for k, v in params_a.items())
     return out
 
 
@@ -514,6 +517,7 @@ def test_real_ranks_dcp_checkpoint_reshards_and_resumes(ranks):
         assert r["lr_b"] == LR and r["steps_b"] == 2
         assert r["same"] == r["want"], f"rank {rank}: same-schedule resume is not bitwise: {r}"
         torch.testing.assert_close(torch.tensor(r["resharded"]), torch.tensor(r["want"]), rtol=1e-6, atol=0)
+        assert r["full_load_err"] == 0.0, f"rank {rank}: load_state_dict of full tensors"
     assert ranks[0]["dcp"]["full_err"] == 0.0
 
 
