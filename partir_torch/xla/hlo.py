@@ -15,10 +15,10 @@ only dynamic-slices into a reduce-scatter): `parse_collectives` does the same re
 offsets per device (partition-id tables and scalar arithmetic) to find the axes the slice varies on: those axes
 are a reduce_scatter of the all-reduce's bytes; the group's other axes an all_reduce of the slice. An all-reduce
 over several axes is read as one all_reduce per axis of the same bytes (how partir lowers such a reduction). Sums of
-all-reduced values over the same groups (reached through reshapes, copies, converts and scalings by a constant,
-each with a single user) are read as one all-reduce of the sum: XLA's all-reduce reassociation, which the GPU and
-TPU pipelines run after the algebraic simplifier, and what partir does by keeping a partial value partial through
-a sum.
+all-reduced values over the same groups (reached through reshapes, transposes, copies, converts and scalings by a
+constant, each with a single user) are read as one all-reduce of the sum: XLA's all-reduce reassociation, which
+the GPU and TPU pipelines run after the algebraic simplifier, and what partir does by keeping a partial value
+partial through a sum.
 
 Bytes follow the convention of partir's CollectiveRecord (nccl-tests): all_reduce and all_to_all: the operand,
 all_gather: the result, reduce_scatter: the operand; collective_permute: the operand.
@@ -222,7 +222,7 @@ def _scatter_axes(ins: dict, ar: _Instr, groups: list, mesh: Mesh):
     return axes or None
 
 
-_PASS = ("reshape", "bitcast", "copy", "convert")
+_PASS = ("reshape", "bitcast", "copy", "convert", "transpose")
 
 
 def _source(ins: dict, users: dict, name: str) -> str:

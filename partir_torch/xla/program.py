@@ -80,9 +80,7 @@ class _Run(fx.Interpreter):
         if self.regather and n.op == "call_function" and n not in self.fwd:
             env = {a: self._backward_copy(a, self.env[a]) for a in n.all_input_nodes if a in self.regather}
         for a, spec in self.operand_specs.get(n.name, {}).items():
-            x = env.get(a, self.env[a]).clone()      # the operand as this op computes with it (partir's reshard)
-            _mark(x, self.mesh, spec)
-            env[a] = x
+            env[a] = _constrained(env.get(a, self.env[a]), self.mesh, spec)   # as this op uses it (a reshard)
         if env:
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env.get(a, self.env[a]))
         return args, kwargs
@@ -97,8 +95,7 @@ class _Run(fx.Interpreter):
         out = super().run_node(n)
         made = self.result_specs.get(n.name)
         if made is not None and isinstance(out, torch.Tensor):   # computed in one layout, kept in another:
-            _mark(out, self.mesh, made)                          # partir reshards the result right after the op
-            out = out.clone()
+            out = _constrained(out, self.mesh, made)             # partir reshards the result right after the op
         spec = self.constraints.get(n.name)
         if spec is not None and isinstance(out, torch.Tensor):
             _mark(out, self.mesh, spec)
@@ -109,6 +106,16 @@ def _mark(t, mesh, spec):
     import torch_xla.distributed.spmd as xs
 
     xs.mark_sharding(t, mesh, spec)
+
+
+def _constrained(t, mesh, spec):
+    """A copy of `t` under a sharding constraint (a custom-sharding node even when `t` is device data, where
+    mark_sharding would move the data instead)."""
+    import torch_xla.distributed.spmd as xs
+
+    x = t.clone()
+    xs.annotate_custom_sharding(x, mesh, spec)
+    return x
 
 
 class XlaProgram:
