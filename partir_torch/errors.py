@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 
 
 class PartitionError(ValueError):
@@ -40,11 +41,24 @@ class InternalError(PartitionError):
 
 def internal_error(node, stage: str, exc: BaseException) -> InternalError:
     """An InternalError for `exc`, raised while `stage` (lowering, running) handled fx node `node`."""
-    from .capture.graphutil import source_line
-
     where = source_line(node) if node is not None else ""
     what = node.format_node() if node is not None else "?"
     return InternalError(f"partir_torch: internal error while {stage} {what}: {type(exc).__name__}: {exc}"
                          + (f"\n  made by {where}" if where else "")
                          + "\nPlease report this with the model; as a workaround, leave the value whole on the axis "
                            "(ManualPartition with REPLICATED) or register a rule for the op (pt.register_rule).")
+
+
+def source_line(node) -> str:
+    """The user's source line that made `node`: the innermost frame of its stack trace outside torch and
+    partir_torch ('' when the node has none)."""
+    torch_dir = os.path.dirname(__import__("torch").__file__)
+    our_dir = os.path.dirname(__file__)
+    lines = node.meta.get("stack_trace", "").strip().splitlines()
+    found = ""
+    for i, line in enumerate(lines):
+        line = line.strip()
+        if line.startswith("File \"") and torch_dir not in line and our_dir not in line:
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            found = line[len("File "):] + (f": {code}" if code and not code.startswith("File ") else "")
+    return found

@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import partir_torch as pt
 from partir_torch.capture import capture
 from partir_torch.rules import default_registry
-from partir_torch.rules.verify import verify_graph
+from partir_torch.verify import verify_graph
 
 RTOL, ATOL = 1e-5, 1e-6
 DP = [pt.tactics.data_parallel("batch")]

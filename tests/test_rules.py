@@ -1,4 +1,4 @@
-"""Rules are verified numerically (rules/verify.py) on every zoo model's train step; the verifier is shown to catch
+"""Rules are verified numerically (partir_torch/verify.py) on every zoo model's train step; the verifier is shown to catch
 wrong rules; localize_args rewrites shape arguments for local shards."""
 import os
 import sys
@@ -15,10 +15,10 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 from examples.models import VARIANTS, ZOO, get  # noqa: E402
 from partir_torch.capture import capture  # noqa: E402
-from partir_torch.lower.localize import localize_args  # noqa: E402
+from partir_torch.rules.localize import localize_args  # noqa: E402
 from partir_torch.rules import PASS, REDUCE, OpRule, RuleBuilder, default_registry  # noqa: E402
 from partir_torch.rules.pointwise import pointwise  # noqa: E402
-from partir_torch.rules.verify import MISSING, WRONG, verify_graph, verify_node  # noqa: E402
+from partir_torch.verify import MISSING, WRONG, verify_graph, verify_node  # noqa: E402
 
 aten = torch.ops.aten
 MODELS = sorted(set(ZOO) | set(VARIANTS))
@@ -123,7 +123,7 @@ def test_wrong_rule_is_reported(case):
     gm = _trace(fn, torch.randn(6, 12), torch.randn(12, 6))
     assert not verify_graph(gm).findings      # the built-in rule passes
     registry = default_registry().copy()
-    registry.register(op, rule)
+    registry.register(op, rule, override=True)
     report = verify_graph(gm, registry)
     assert report.wrong and all(f.kind == WRONG and f.op == str(op) for f in report.findings), str(report)
     assert all(f.error > 1e-3 for f in report.wrong)
@@ -193,7 +193,7 @@ def test_localize_leaves_split_sizes_and_dims():
 
 def test_verifier_catches_a_missing_localisation(monkeypatch):
     """Without localize_args, view's global sizes do not fit the local shard: the factor check fails."""
-    import partir_torch.rules.verify as verify
+    import partir_torch.verify as verify
 
     gm = _trace(lambda x: x.view(4, 2, 6), torch.randn(8, 6))
     assert not verify_graph(gm).findings

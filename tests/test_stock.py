@@ -235,7 +235,7 @@ def test_rules_for_ops_stock_models_reach_verify():
     fresh tensor (select_scatter / slice_scatter after functionalization), fill, cat with an empty cache."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from partir_torch.rules.verify import verify_graph
+    from partir_torch.verify import verify_graph
 
     aten = torch.ops.aten
 

@@ -1,9 +1,7 @@
 """Small walks over captured graphs shared by the passes (capture rewrites, presets, lowering)."""
 from __future__ import annotations
 
-import os
-
-import torch
+from ..errors import source_line  # noqa: F401  (re-exported for the capture passes)
 
 
 def ancestors(roots) -> set:
@@ -31,18 +29,3 @@ def forward_nodes(gm) -> set:
     nodes = list(gm.graph.nodes)
     loss = nodes[-1].args[0][0]
     return ancestors([loss])
-
-
-def source_line(node: fx.Node) -> str:
-    """The user's source line that made `node`: the innermost frame of its stack trace outside torch and
-    partir_torch ('' when the node has none)."""
-    torch_dir = os.path.dirname(torch.__file__)
-    our_dir = os.path.dirname(os.path.dirname(__file__))
-    lines = node.meta.get("stack_trace", "").strip().splitlines()
-    found = ""
-    for i, line in enumerate(lines):
-        line = line.strip()
-        if line.startswith("File \"") and torch_dir not in line and our_dir not in line:
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            found = line[len("File "):] + (f": {code}" if code and not code.startswith("File ") else "")
-    return found

@@ -14,14 +14,15 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from ..propagate.engine import _stride_of, place_axis
+from ..propagate.engine import place_axis
+from ..rules.factors import stride_of
 from ..propagate.state import PARTIAL_OP
 from ..errors import PartitionError, internal_error
 from ..sharding import Sharding
 from . import indexed
 from ..capture.graphutil import ancestors, descendants
 from .bucket import bucket_collectives
-from .localize import localize_args
+from ..rules.localize import localize_args
 from .records import META_NAME, META_ROLE
 from .reshard import Emitter, reshard
 
@@ -65,14 +66,14 @@ def op_layouts(prog, i: int):
                     for d, fs in enumerate(dims or ()):
                         if f in fs:
                             in_dims[j][d].append(axis)
-                            in_strides[j].append((axis, _stride_of(rule, fs, f) * inner))
+                            in_strides[j].append((axis, stride_of(rule, fs, f) * inner))
                 for j, dims in enumerate(rule.results):
                     if dims is None or out_dims[j] is None:
                         continue
                     where = [d for d, fs in enumerate(dims) if f in fs]
                     if where:
                         out_dims[j][where[0]].append(axis)
-                        out_strides[j].append((axis, _stride_of(rule, dims[where[0]], f) * inner))
+                        out_strides[j].append((axis, stride_of(rule, dims[where[0]], f) * inner))
                     elif factor.kind == "reduce":
                         out_part[j].append((axis, factor.reduce_op))
         for axis in prop.axis_order:

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import ShardingConflictError
 from ..mesh import Mesh
-from ..rules.factors import PASS, REDUCE
+from ..rules.factors import PASS, REDUCE, stride_of
 from .graph import PartGraph, no_gc
 from .state import PARTIAL, PARTIAL_OP, REPLICATED, UNKNOWN, AxisState, Conflict, Provenance, state_str
 
@@ -281,7 +281,7 @@ class Propagator:
             d = where[0]
             c = g.canon[vid]
             s = st.value[c]
-            stride = _stride_of(rule, dims[d], f) * inner
+            stride = stride_of(rule, dims[d], f) * inner
             if s == d and self.strides.get((c, st.axis), 1) != stride:
                 self._conflict(st, i, tactic, [vid, source], f"dim {d} is tiled with another split factor")
                 return []
@@ -373,16 +373,6 @@ def place_axis(axes: list, axis: str, stride_of, mesh) -> None:
     mine, k = stride_of(axis), mesh.shape[axis]
     at = next((j for j, a in enumerate(axes) if stride_of(a) > mine and stride_of(a) % (mine * k) == 0), len(axes))
     axes.insert(at, axis)
-
-
-def _stride_of(rule, fs, f) -> int:
-    """Product of the sizes of the factors before f in a dim's factor list (1 when f is the major factor)."""
-    s = 1
-    for x in fs:
-        if x == f:
-            return s
-        s *= rule.factors[x].size
-    return s
 
 
 def _factor_at(rule, fs, stride: int) -> tuple:

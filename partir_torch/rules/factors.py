@@ -186,3 +186,13 @@ def reshape_factors(b: RuleBuilder, in_shape, out_shape):
         rem_i //= g
         rem_j //= g
     return in_dims, out_dims
+
+
+def stride_of(rule, fs, f) -> int:
+    """Product of the sizes of the factors before f in a dim's factor list (1 when f is the major factor)."""
+    s = 1
+    for x in fs:
+        if x == f:
+            return s
+        s *= rule.factors[x].size
+    return s

@@ -1,4 +1,5 @@
-"""Brute-force numeric verification of tile-mapping rules (DESIGN §5.1; DTensor's strategy_validation idea).
+"""Brute-force numeric verification of tile-mapping rules (DESIGN §5.1; DTensor's strategy_validation idea). It sits
+above rules/ and lower/ (it runs ops with localised arguments and the indexed kernels).
 
 For one node of a captured graph: draw real inputs shaped like its operands, run the op whole (the reference),
 then for every PASS / REDUCE factor f and split count k: cut every dim whose major factor is f into k contiguous
@@ -23,9 +24,10 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..lower.localize import localize_args
-from .factors import BLOCKED, NEED_REP, PASS, REDUCE, OpRule
-from .registry import RuleRegistry, default_registry, result_vals, structural_zero, tensor_operands
+from .lower.indexed import IMPLS
+from .rules.localize import localize_args
+from .rules.factors import BLOCKED, NEED_REP, PASS, REDUCE, OpRule
+from .rules.registry import RuleRegistry, default_registry, result_vals, structural_zero, tensor_operands
 
 WRONG, MISSING, ERROR = "wrong", "missing", "error"
 SPLITS = (2, 3)
@@ -196,8 +198,6 @@ def run_node(node: fx.Node, operands: list, in_local: list | None = None, out_lo
     if in_local is not None:
         args, kwargs = localize_args(node, args, kwargs, in_local, out_local)
     if offset is not None:
-        from ..lower.indexed import IMPLS
-
         return _results(IMPLS[node.target](_Eager(), args, kwargs, torch.tensor(offset[0]), offset[1]))
     return _results(node.target(*args, **kwargs))
 

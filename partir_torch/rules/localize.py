@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..rules.registry import result_vals
+from .registry import result_vals
 
 aten = torch.ops.aten
 
