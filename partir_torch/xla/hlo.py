@@ -18,7 +18,8 @@ over several axes is read as one all_reduce per axis of the same bytes (how part
 all-reduced values over the same groups (reached through reshapes, transposes, copies, converts and scalings by a
 constant, each with a single user) are read as one all-reduce of the sum: XLA's all-reduce reassociation, which
 the GPU and TPU pipelines run after the algebraic simplifier, and what partir does by keeping a partial value
-partial through a sum.
+partial through a sum. Where both summands also pass the same collective-permute, the sum is read as one
+all-reduce then that permute (the permutes stay listed: collective_permute has no partir counterpart).
 
 Bytes follow the convention of partir's CollectiveRecord (nccl-tests): all_reduce and all_to_all: the operand,
 all_gather: the result, reduce_scatter: the operand; collective_permute: the operand.
@@ -225,11 +226,16 @@ def _scatter_axes(ins: dict, ar: _Instr, groups: list, mesh: Mesh):
 _PASS = ("reshape", "bitcast", "copy", "convert", "transpose")
 
 
-def _source(ins: dict, users: dict, name: str) -> str:
-    """Walk up from an add's operand through single-user reshapes/copies/converts and scalings by a constant."""
+def _source(ins: dict, users: dict, name: str) -> tuple:
+    """Walk up from an add's operand through single-user reshapes/transposes/copies/converts, scalings by a
+    constant and collective-permutes; returns (where it stops, the permutations passed)."""
+    perms = []
     while name in ins and len(users.get(name, ())) == 1:
         i = ins[name]
         if i.op in _PASS:
+            name = i.operands[0]
+        elif i.op == "collective-permute":
+            perms.append(re.search(r"source_target_pairs=\{.*?\}\}", i.line).group(0))
             name = i.operands[0]
         elif i.op == "multiply" and len(i.operands) == 2 and any(
                 ins.get(o) is not None and ins[o].op in ("broadcast", "constant") and
@@ -238,7 +244,7 @@ def _source(ins: dict, users: dict, name: str) -> str:
             name = next(o for o in i.operands if ins.get(o) is None or ins[o].op not in ("broadcast", "constant"))
         else:
             break
-    return name
+    return name, tuple(perms)
 
 
 def _reassociated(ins: dict) -> dict:
@@ -254,9 +260,9 @@ def _reassociated(ins: dict) -> dict:
         if i.op == "all-reduce" and len(users.get(n, ())) == 1:
             rep[n] = n
         elif i.op == "add" and len(i.operands) == 2:
-            a, b = (_source(ins, users, o) for o in i.operands)
+            (a, pa), (b, pb) = (_source(ins, users, o) for o in i.operands)
             ra, rb = rep.get(a), rep.get(b)
-            if ra is None or rb is None or ra == rb:
+            if ra is None or rb is None or ra == rb or pa != pb:    # the same permutation on both sides only
                 continue
             ga, gb = groups.get(ra), groups.get(rb)
             if ga is None or gb is None or ga.group(1) != gb.group(1):

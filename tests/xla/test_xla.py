@@ -93,17 +93,10 @@ def test_every_partir_collective_kind_and_axis_is_in_xlas_program(program):
     assert cmp.rows and not cmp.missing, f"{program['name']}: missing in XLA's program: {cmp.missing}\n{cmp}"
 
 
-# Measured gaps (benchmarks/README.md, "torch-xla"): not met yet, so these are expected failures; strict, so that
-# meeting the criterion turns them into failures to remove the mark.
-BYTES_GAP = {
-    "gpt_bp_mp_z3": "batch +13% (35,084 B for partir's 30,984)",
-}
 
 
-def test_bytes_per_axis_within_5_percent_and_no_extra_collectives(program, request):
+def test_bytes_per_axis_within_5_percent_and_no_extra_collectives(program):
     name = program["name"]
-    if name in BYTES_GAP:
-        request.node.add_marker(pytest.mark.xfail(reason=BYTES_GAP[name], strict=True))
     cmp = program["xprog"].compare()
     for axis, err in cmp.axis_errors().items():
         assert err <= 0.05, f"{name}: bytes on axis {axis!r} differ by {100 * err:.1f}%\n{cmp}"
