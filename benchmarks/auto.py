@@ -1,0 +1,162 @@
+"""The automatic tactic against expert schedules on large models (issue 13).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/auto.py                 # all models
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/auto.py llama3-8b moe   # some of them
+
+Models built on `meta` (nothing allocated), AdamW, bf16 compute with fp32 master weights (mixed_precision), mesh
+{"batch": 8, "model": 8} on 8 nodes of 8 H100 ("model" inside a node, on NVLink). For each model the step is
+captured once and partitioned with:
+
+- expert: torchtitan's FSDP + TP + SP recipe, [data_parallel(batch), megatron(model), sequence_parallel(model),
+  zero(3, batch)]; for the MoE, expert parallelism on "model" instead of TP: [data_parallel(batch),
+  expert_parallel(model), zero(3, batch)];
+- auto-model: [data_parallel(batch), automatic("model")];
+- auto-both: [automatic(["batch", "model"])];
+
+each automatic schedule at memory limits of 80 GB and 40 GB. Printed per case: simulated step time of auto and of
+the expert and their ratio, peak memory against the limit, search wall time, candidates estimated and lowered, the
+rank correlation of the fast estimate with the simulator over the lowered candidates, and the plan chosen.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import partir_torch as pt                                             # noqa: E402
+from partir_torch import tactics as T                                 # noqa: E402
+from partir_torch.api import partition                                # noqa: E402
+from partir_torch.capture import capture                              # noqa: E402
+from partir_torch.program import Program, TacticContext               # noqa: E402
+from partir_torch.propagate.engine import Propagator                  # noqa: E402
+from partir_torch.propagate.graph import PartGraph, no_gc             # noqa: E402
+from partir_torch.rules.registry import default_registry              # noqa: E402
+from partir_torch.tactics.schedule import flatten_schedule            # noqa: E402
+
+import sim_models as M                                                # noqa: E402
+
+MESH = {"batch": 8, "model": 8}
+LIMITS = (80e9, 40e9)
+
+
+def models() -> dict:
+    """name -> (build(), global batch, seq): dense models one sequence per batch group, the MoE one per device (its
+    token groups are tiled on both axes under expert parallelism)."""
+    from examples.models.moe import MoELM, MoEConfig
+
+    def dense(**c):
+        return lambda: M.build(M.DecoderConfig(**c))
+
+    def moe():
+        with torch.device("meta"):
+            return MoELM(MoEConfig(vocab=32000, seq=2048, d=2048, heads=16, layers=16, experts=8, top_k=2,
+                                   hidden=8192, dispatch="capacity"))
+    return {
+        "gpt-39b": (dense(vocab=51200, seq=2048, d=8192, heads=64, layers=48), 8, 2048),
+        "llama3-8b": (dense(vocab=128256, seq=8192, d=4096, heads=32, kv_heads=8, layers=32, hidden=14336,
+                            gated=True, tied=False), 8, 8192),
+        "llama3-70b": (dense(vocab=128256, seq=8192, d=8192, heads=64, kv_heads=8, layers=80, hidden=28672,
+                             gated=True, tied=False), 8, 8192),
+        "moe-16x8": (moe, 64, 2048),
+    }
+
+
+def run_schedule(captured, graph, model, opt, mesh, schedule) -> tuple:
+    """partition() on an already captured step (the step is captured once per model and partitioned per
+    schedule; api.partition's loop otherwise)."""
+    tactics = [t for t in flatten_schedule(schedule) if not getattr(t, "at_capture", False)]
+    with no_gc():
+        prog = Program(captured, graph, Propagator(graph, mesh), mesh, tactics, model, opt)
+        prog.timeout_s, prog.bucket_bytes = 300.0, 64 * 2 ** 20
+        prog.loss_fn, prog.registry, prog.decompositions = M.loss_fn, None, {}
+        ctx = TacticContext(prog)
+        for t in tactics:
+            t.apply(ctx)
+            prog.stages.append(prog._snapshot(t))
+    return prog
+
+
+def simulate_last(prog, hw):
+    from partir_torch.sim import simulate_graph
+
+    low = prog.stage_lowered(len(prog.stages) - 1)
+    return simulate_graph(low.gm, prog.mesh, hw)
+
+
+def main(names) -> None:
+    warnings.simplefilter("ignore")
+    hw = pt.sim.hardware("h100", nodes=8)
+    mesh = pt.Mesh(MESH)
+    rows = []
+    print(f"mesh {MESH} on {hw.describe()}; AdamW, bf16 compute / fp32 master (mixed_precision); memory limits "
+          f"{', '.join(f'{x / 1e9:.0f} GB' for x in LIMITS)}; budget 60 s per search", flush=True)
+    for name, (build, batch, seq) in models().items():
+        if names and name not in names:
+            continue
+        model = build()
+        nparams = sum(p.numel() for p in model.parameters())
+        tokens = torch.zeros(batch, seq, dtype=torch.int64, device="meta")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        t0 = time.perf_counter()
+        mp = T.mixed_precision(torch.bfloat16)
+        captured = capture(model, (tokens, tokens), M.loss_fn, opt, [mp], {})
+        with no_gc():
+            graph = PartGraph(captured.gm, default_registry(), captured.names, captured.ties)
+        print(f"\n{name}: {nparams / 1e9:.1f}B parameters, batch {batch} x seq {seq}, {len(graph.values)} values; "
+              f"captured in {time.perf_counter() - t0:.1f} s", flush=True)
+        if hasattr(model, "layers") and hasattr(model.layers[0], "moe"):
+            expert = [T.data_parallel("batch"), T.expert_parallel("model"), T.zero(3, "batch")]
+            expert_name = "BP+Z3[batch] EP[model]"
+        else:
+            expert = [T.data_parallel("batch"), T.megatron("model"), T.sequence_parallel("model"),
+                      T.zero(3, "batch")]
+            expert_name = "BP+Z3[batch] MP+SP[model]"
+        t0 = time.perf_counter()
+        eprog = run_schedule(captured, graph, model, opt, mesh, expert)
+        erep = simulate_last(eprog, hw)
+        print(f"  expert {expert_name}: step {erep.step_time_s * 1e3:.1f} ms, peak "
+              f"{erep.peak_memory_bytes / 1e9:.1f} GB (partition + lowering + simulation "
+              f"{time.perf_counter() - t0:.1f} s)", flush=True)
+        for sched_name, make in (("BP[batch] + auto[model]",
+                                  lambda lim: [T.data_parallel("batch"),
+                                               T.automatic("model", hardware=hw, memory_limit=lim)]),
+                                 ("auto[batch,model]",
+                                  lambda lim: [T.automatic(["batch", "model"], hardware=hw, memory_limit=lim)])):
+            for lim in LIMITS:
+                t0 = time.perf_counter()
+                prog = run_schedule(captured, graph, model, opt, mesh, make(lim))
+                wall = time.perf_counter() - t0
+                rep = prog.search_reports[-1]
+                c = rep.chosen
+                r = c.sim
+                ratio = r.step_time_s / erep.step_time_s
+                rho = "-" if rep.rank_correlation is None else f"{rep.rank_correlation:.2f}"
+                row = [name, sched_name, f"{lim / 1e9:.0f}", f"{r.step_time_s * 1e3:.1f}",
+                       f"{erep.step_time_s * 1e3:.1f}", f"{ratio:.3f}",
+                       f"{r.peak_memory_bytes / 1e9:.1f}", f"{erep.peak_memory_bytes / 1e9:.1f}",
+                       "yes" if r.peak_memory_bytes <= lim else "NO",
+                       f"{rep.seconds['total']:.1f}", rep.evaluated, len(rep.lowered), rho, c.label()]
+                rows.append(row)
+                print("  " + " | ".join(str(x) for x in row), flush=True)
+                print("    " + rep.table(top=4).replace("\n", "\n    "), flush=True)
+    from tabulate import tabulate
+
+    print()
+    print(tabulate(rows, headers=["model", "schedule", "limit GB", "auto ms", "expert ms", "auto/expert",
+                                  "auto GB", "expert GB", "fits", "search s", "estimated", "lowered", "rho",
+                                  "plan"], tablefmt="github"))
+    ok_ratio = all(float(r[5]) <= 1.0 for r in rows)
+    ok_mem = all(r[8] == "yes" for r in rows)
+    ok_time = all(float(r[9]) <= 60 for r in rows)
+    print(f"ratio <= 1.00 in every case: {'met' if ok_ratio else 'missed'}; no memory violation: "
+          f"{'met' if ok_mem else 'missed'}; search <= 60 s: {'met' if ok_time else 'missed'}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

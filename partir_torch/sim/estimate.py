@@ -1,0 +1,352 @@
+"""Fast estimate of a partitioning decision: step time and peak memory read from the propagated decisions alone,
+without lowering (the automatic tactic scores thousands of candidates with it; the few best are then lowered and
+simulated in full, see tactics/auto.py).
+
+From the decisions of every mesh axis (per value: tiled dim / partial / replicated; per op: the factor it tiles)
+the estimate derives, with numpy over all ops and operand slots at once:
+
+- compute: each op's FLOPs divided by the sizes of the axes that tile one of its factors, its bytes from the local
+  shapes of its operands and results; roofline time as sim/compute.py (kernel_time, memory_time);
+- communication: the reshards lowering would insert (lower/reshard.py's table: tiled -> replicated is an
+  all_gather, partial -> replicated an all_reduce, partial -> tiled a reduce_scatter, tiled(d1) -> tiled(d2) an
+  all_to_all), one per (value, wanted layout), a parameter's once per phase; each costed by sim/comm.py's model,
+  tabulated per (kind, axis) and interpolated. Gathers of state (issued at the start, as the simulator does) and
+  gradient reductions overlap compute; every other reshard is exposed;
+- memory: the liveness of every storage over the captured program's order (sim/memory.py's rules: views alias,
+  placeholders live all step), each storage divided by its value's tilings (a partial value every consumer wants
+  tiled is reduce-scattered where it is produced), plus each gathered copy at its use.
+
+step ~= max(compute + exposed communication, busiest axis's communication).
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..propagate.state import PARTIAL, REPLICATED, UNKNOWN
+from ..rules.factors import REDUCE
+from .comm import estimate as comm_estimate
+from .compute import COLLECTIVE, COMPUTE, FREE, WAIT, op_class
+
+KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+_SIZES = np.array([0.0] + [2.0 ** i for i in range(6, 42)])      # collective sizes tabulated (bytes)
+
+
+@dataclass
+class Estimate:
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float
+    comm_s: float
+    peak_bytes: float
+    by_kind: dict             # (kind, axis) -> (count, bytes)
+
+
+class ProgramFacts:
+    """What the estimate needs from one captured program on one hardware, read once (a few hundred ms on a
+    48-layer model): per-op FLOPs and roofline constants, per-slot factor positions, value sizes, liveness."""
+
+    def __init__(self, graph, mesh, hw, captured=None):
+        self.g, self.mesh, self.hw = graph, mesh, hw
+        g = graph
+        nodes = list(g.gm.graph.nodes)
+        index = {n: i for i, n in enumerate(nodes)}
+        self.n_nodes = len(nodes)
+        nv, no = len(g.values), len(g.ops)
+        self.canon = np.asarray(g.canon, dtype=np.int64)
+        self.val_bytes = np.array([math.prod(s) * g.values[v].meta["val"].dtype.itemsize
+                                   for v, s in enumerate(g.shapes)], dtype=np.float64)
+        self.ndim = np.array([len(s) for s in g.shapes], dtype=np.int64)
+        self.shapes = g.shapes
+        role = [g.values[v].meta.get("partir_role") if g.values[v].op == "placeholder" else None for v in range(nv)]
+        self.is_state = np.array([r in ("param", "opt_state", "buffer") for r in role])
+        self.is_placeholder = np.array([g.values[v].op == "placeholder" for v in range(nv)])
+        phases = _phases(g.gm, captured)
+        code = {"forward": 0, "backward": 1}
+        self.op_phase = np.array([code.get(phases.get(op.node), 2) for op in g.ops], dtype=np.int64)
+        self.val_phase = np.full(nv, 0, dtype=np.int64)
+        for v in range(nv):
+            p = g.producer[v]
+            self.val_phase[v] = self.op_phase[p] if p >= 0 else 0
+        # ops: FLOPs, compute class, roofline constants
+        self.op_node_index = np.array([index[op.node] for op in g.ops], dtype=np.int64)
+        flops = np.zeros(no)
+        rate = np.ones(no)            # FLOP/s the op reaches at best (efficiency x peak of its dtype)
+        compute = np.zeros(no, dtype=bool)
+        for i, op in enumerate(g.ops):
+            cls, formula = op_class(op.node.target)
+            if cls != COMPUTE:
+                continue
+            compute[i] = True
+            f, dtype = _flops(op.node, formula)
+            if f > 0:
+                flops[i] = f
+                eff = hw.attn_efficiency if "scaled_dot_product" in str(op.node.target) else hw.mm_efficiency
+                rate[i] = eff * hw.peak_flops(dtype)
+        self.op_flops, self.op_rate, self.op_compute = flops, rate, compute
+        # slots: every tensor operand and result of every op; fdim[s, f] = the dim of slot s that holds factor f
+        maxf = max((len(op.rule.factors) for op in g.ops if op.rule is not None), default=1)
+        self.maxf = maxf
+        s_op, s_val, s_res, s_dims = [], [], [], []
+        reduce = np.zeros((no, maxf), dtype=bool)
+        partial_code = np.full((no, maxf), UNKNOWN, dtype=np.int64)
+        for i, op in enumerate(g.ops):
+            rule = op.rule
+            if rule is not None:
+                for f, fac in enumerate(rule.factors):
+                    if fac.kind == REDUCE:
+                        reduce[i, f] = True
+                        partial_code[i, f] = PARTIAL[fac.reduce_op]
+            for is_res, vids, dims_list in ((False, op.operands, rule.operands if rule else None),
+                                            (True, op.results, rule.results if rule else None)):
+                for j, v in enumerate(vids):
+                    if v is None:
+                        continue
+                    dims = dims_list[j] if dims_list is not None else ()
+                    if dims_list is not None and dims is None:
+                        continue            # an ignored slot (the rule says it does not matter)
+                    s_op.append(i)
+                    s_val.append(v)
+                    s_res.append(is_res)
+                    s_dims.append(dims)
+        ns = len(s_op)
+        fdim = np.full((ns, maxf), -1, dtype=np.int64)
+        for s, dims in enumerate(s_dims):
+            for d, fs in enumerate(dims or ()):
+                for f in fs:
+                    if fdim[s, f] < 0:
+                        fdim[s, f] = d
+        self.s_op = np.asarray(s_op, dtype=np.int64)
+        self.s_val = np.asarray(s_val, dtype=np.int64)
+        self.s_canon = self.canon[self.s_val]
+        self.s_res = np.asarray(s_res, dtype=bool)
+        self.s_bytes = self.val_bytes[self.s_val]
+        self.fdim, self.reduce, self.partial_code = fdim, reduce, partial_code
+        self.s_node = self.op_node_index[self.s_op]
+        self.s_phase = self.op_phase[self.s_op]
+        # collective classes: state gathered ahead of use, gradients reduced while the backward runs
+        self.s_overlap = ~self.s_res & (self.is_state[self.s_val] | ((self.val_phase[self.s_val] == 1)
+                                                                     & (self.s_phase == 2)))
+        self.s_keyphase = np.where(self.is_placeholder[self.s_val], self.s_phase, 0)
+        self._liveness(nodes, index)
+        self._comm_tables()
+
+    # -- liveness over the captured program (sim/memory.py's rules) ----------------------------------------------
+    def _liveness(self, nodes, index) -> None:
+        g = self.g
+        end = len(nodes)
+        sid_of: dict = {}
+        owner, born, last, size = [], [], [], []
+
+        def new(v, nbytes, i):
+            owner.append(v)
+            born.append(i)
+            last.append(i)
+            size.append(nbytes)
+            return len(owner) - 1
+
+        getitem_vid: dict = {}
+        for n in nodes:
+            if n.target is operator.getitem and n in g.vid:
+                getitem_vid[(n.args[0], n.args[1])] = g.vid[n]
+        for i, n in enumerate(nodes):
+            val = n.meta.get("val")
+            if n.op == "placeholder":
+                sid_of[n] = [new(g.vid.get(n, -1), _nbytes(val), 0)]
+                continue
+            if n.op == "output":
+                for a in n.all_input_nodes:
+                    for s in sid_of.get(a, ()):
+                        last[s] = end
+                continue
+            if n.op != "call_function":
+                continue
+            if n.target is operator.getitem:
+                srcs = sid_of.get(n.args[0], ())
+                k = n.args[1]
+                sid_of[n] = [srcs[k]] if isinstance(k, int) and k < len(srcs) else []
+            else:
+                cls, info = op_class(n.target)
+                base = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
+                if (info == "view" or cls == WAIT) and base is not None and sid_of.get(base):
+                    sid_of[n] = [sid_of[base][0]]
+                elif cls == FREE and info != "alloc":
+                    sid_of[n] = []
+                elif isinstance(val, torch.Tensor):
+                    sid_of[n] = [new(g.vid.get(n, -1), _nbytes(val), i)]
+                elif isinstance(val, (tuple, list)):
+                    sid_of[n] = [new(getitem_vid.get((n, k), -1), _nbytes(x), i) for k, x in enumerate(val)]
+                else:
+                    sid_of[n] = []
+            for a in n.all_input_nodes:
+                for s in sid_of.get(a, ()):
+                    last[s] = max(last[s], i)
+        for s, v in enumerate(owner):
+            if born[s] == 0 and v >= 0 and g.values[v].op == "placeholder":
+                last[s] = end
+        self.st_owner = np.asarray(owner, dtype=np.int64)
+        self.st_born = np.asarray(born, dtype=np.int64)
+        self.st_last = np.asarray(last, dtype=np.int64)
+        self.st_size = np.asarray(size, dtype=np.float64)
+
+    def _comm_tables(self) -> None:
+        self.comm_table = {}
+        for axis in self.mesh.axes:
+            for kind in KINDS:
+                if self.mesh.shape[axis] == 1:
+                    self.comm_table[(kind, axis)] = np.zeros(len(_SIZES))
+                    continue
+                self.comm_table[(kind, axis)] = np.array(
+                    [comm_estimate(self.hw, kind, s, self.mesh, axis).time_s if s > 0 else 0.0 for s in _SIZES])
+
+    def comm_time(self, kind: str, axis: str, nbytes: np.ndarray) -> np.ndarray:
+        return np.interp(nbytes, _SIZES, self.comm_table[(kind, axis)])
+
+    # -- decisions as arrays -----------------------------------------------------------------------------------
+    def axis_arrays(self, prop, axis: str) -> tuple:
+        """(value states per canonical vid, op assignments) of `axis` in a Propagator (all unknown if unused)."""
+        st = prop.axes.get(axis)
+        nv, no = len(self.g.values), len(self.g.ops)
+        if st is None:
+            return np.full(nv, UNKNOWN, dtype=np.int64), np.full(no, UNKNOWN, dtype=np.int64)
+        vals = np.asarray(st.value, dtype=np.int64)
+        assign = np.full(no, UNKNOWN, dtype=np.int64)
+        if st.assign:
+            keys = np.fromiter(st.assign.keys(), dtype=np.int64, count=len(st.assign))
+            assign[keys] = np.fromiter(st.assign.values(), dtype=np.int64, count=len(st.assign))
+        return vals, assign
+
+    # -- the estimate ------------------------------------------------------------------------------------------
+    def estimate(self, decisions: dict) -> Estimate:
+        """decisions: axis -> (value states per canonical vid, op assignments), for every mesh axis."""
+        hw = self.hw
+        op_div = np.ones(len(self.g.ops))
+        slot_div = np.ones(len(self.s_op))
+        want, have = {}, {}
+        val_tdiv = {}                      # axis -> per canonical value: k where tiled on the axis
+        for axis, (vals, assign) in decisions.items():
+            k = self.mesh.shape[axis]
+            f = assign[self.s_op]
+            tiled_op = f >= 0
+            fi = np.where(tiled_op, f, 0)
+            wd = np.where(tiled_op, self.fdim[np.arange(len(f)), fi], -1)
+            h = vals[self.s_canon]
+            w = np.where(wd >= 0, wd, REPLICATED)
+            # a reduce factor missing from a result slot makes it partial; a partial pass keeps it partial
+            red = tiled_op & self.s_res & (wd < 0) & self.reduce[self.s_op, fi]
+            w = np.where(red, self.partial_code[self.s_op, fi], w)
+            passing = (f <= -3) & ((h == f) | self.s_res)
+            w = np.where(passing, f, w)
+            want[axis], have[axis] = w, h
+            slot_div *= np.where(wd >= 0, k, 1)
+            op_div *= np.where(assign >= 0, k, 1)
+            val_tdiv[axis] = np.where(vals >= 0, k, 1).astype(np.float64)
+        # compute
+        op_bytes = np.bincount(self.s_op, weights=self.s_bytes / slot_div, minlength=len(self.g.ops))
+        t_mem = op_bytes / (hw.hbm_efficiency * hw.hbm_bw) + hw.kernel_overhead_s
+        t_flop = np.where(self.op_flops > 0, self.op_flops / op_div / self.op_rate + hw.mm_half_time_s, 0.0)
+        compute = float(np.sum(np.where(self.op_compute, np.maximum(t_flop, t_mem), 0.0)))
+        # per value: divisor over all axes
+        all_div = np.ones(len(self.canon))
+        for axis in decisions:
+            all_div *= val_tdiv[axis]
+        # communication
+        exposed, per_axis, by_kind = 0.0, {}, {}
+        temps_at, temps_bytes = [], []
+        eff_div = all_div.copy()
+        for axis, (vals, assign) in decisions.items():
+            k = self.mesh.shape[axis]
+            w, h = want[axis], have[axis]
+            res = self.s_res
+            ag = np.where(res, (w >= 0) & (h < 0) & (h > -3), (h >= 0) & (w == REPLICATED))
+            a2a = (h >= 0) & (w >= 0) & (h != w)
+            ar = np.where(res, (w <= -3) & (h < 0) & (h > -3), (h <= -3) & (w == REPLICATED))
+            rs = np.where(res, (w <= -3) & (h >= 0), (h <= -3) & (w >= 0))
+            other = all_div / val_tdiv[axis]
+            total = 0.0
+            for kind, mask in (("all_gather", ag), ("all_to_all", a2a), ("all_reduce", ar),
+                               ("reduce_scatter", rs)):
+                idx = np.nonzero(mask)[0]
+                if not len(idx):
+                    continue
+                key = (self.s_val[idx] * 64 + (w[idx] + 8)) * 4 + self.s_keyphase[idx]
+                _, first = np.unique(key, return_index=True)
+                idx = idx[first]
+                nbytes = self.val_bytes[self.s_val[idx]] / other[self.s_canon[idx]]
+                t = self.comm_time(kind, axis, nbytes)
+                total += float(t.sum())
+                exposed += float(t[~self.s_overlap[idx]].sum())
+                by_kind[(kind, axis)] = (len(idx), float(nbytes.sum()))
+                if kind in ("all_gather", "all_to_all"):
+                    temps_at.append(self.s_node[idx])
+                    temps_bytes.append(nbytes / np.where(w[idx] >= 0, k, 1))
+            per_axis[axis] = total
+            # partial values every consumer wants tiled are reduce-scattered where they are produced
+            cons = np.full(len(self.canon), float(k))
+            op_slots = ~self.s_res
+            np.minimum.at(cons, self.s_canon[op_slots], np.where(want[axis][op_slots] >= 0, float(k), 1.0))
+            eff_div *= np.where(vals <= -3, cons, 1.0)
+        comm = sum(per_axis.values())
+        step = max(compute + exposed, max(per_axis.values(), default=0.0))
+        # memory: liveness sweep with each storage divided by its value's layout
+        owner = self.st_owner
+        div = np.where(owner >= 0, eff_div[self.canon[np.maximum(owner, 0)]], 1.0)
+        size = self.st_size / div
+        delta = np.zeros(self.n_nodes + 2)
+        np.add.at(delta, self.st_born, size)
+        np.add.at(delta, self.st_last + 1, -size)
+        for at, b in zip(temps_at, temps_bytes):
+            np.add.at(delta, at, b)
+            np.add.at(delta, at + 1, -b)
+        peak = float(np.max(np.cumsum(delta[:self.n_nodes]))) if self.n_nodes else 0.0
+        return Estimate(step, compute, exposed, comm, peak, by_kind)
+
+
+def _nbytes(val) -> float:
+    if isinstance(val, torch.Tensor):
+        return float(math.prod(val.shape) * val.dtype.itemsize)
+    return 0.0
+
+
+def _flops(node, formula) -> tuple:
+    """(FLOPs, dtype) of one compute node on its global shapes (sim/compute.py's CostModel, without timing)."""
+    dtype = None
+    for a in node.all_input_nodes:
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            dtype = v.dtype
+            break
+    if formula is None:
+        return 0, dtype or torch.float32
+    meta = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a   # noqa: E731
+    try:
+        args = torch.fx.node.map_aggregate(node.args, meta)
+        kwargs = torch.fx.node.map_aggregate(node.kwargs, meta)
+        flops = int(formula(*args, out_val=node.meta.get("val"), **kwargs))
+    except Exception:                  # a formula that cannot read these args (as the simulator does)
+        flops = 0
+    return flops, dtype or torch.float32
+
+
+def _phases(gm, captured) -> dict:
+    """node -> "forward" / "backward" (absent: optimizer update), as lowering splits the step."""
+    if captured is None:
+        return {}
+    from ..capture.graphutil import ancestors, descendants
+
+    nodes = list(gm.graph.nodes)
+    if captured.mode == "forward":
+        return {n: "forward" for n in nodes}
+    loss = nodes[-1].args[0][0]
+    fwd = ancestors([loss])
+    phases = {n: "forward" for n in fwd}
+    region = descendants([n for n in nodes if n.op == "placeholder"
+                          and n.meta.get("partir_role") in ("opt_state", "lr", "step")])
+    for n in nodes:
+        if n not in fwd and n not in region and n.op != "output":
+            phases[n] = "backward"
+    return phases

@@ -1,0 +1,346 @@
+"""AutomaticPartition: a tactic that searches the decisions still open on its axes, scored by the simulator.
+
+    schedule = [T.data_parallel("batch"),
+                T.automatic("model", hardware=pt.sim.hardware("h100", nodes=8), memory_limit=80e9)]
+    prog = pt.partition(model, mesh, schedule, ...)
+    print(prog.search_report())          # the candidates it lowered and simulated, and the search statistics
+    print(prog.explain("params.layers.0.mlp.w1.weight"))   # "... decided by Auto, action 'megatron'"
+
+It is a tactic like any other: it sees what earlier tactics decided (frozen), decides its axes, and later tactics
+build on it. The search (PartIR's automatic tactics, TOAST's decision space):
+
+1. The space (search_space.py): equivalence classes of dims tied by propagation (repeated layers tied, one trial
+   propagation per class on a copy of the decisions), the presets as macro-actions, zero(1|3) as completions, and
+   conflicts between actions as choice points.
+2. Every candidate (a compatible set of actions per axis; several axes: their product) is scored by the fast
+   estimate (sim/estimate.py: local FLOPs from sharded shapes, the reshards lowering would insert, liveness memory),
+   in a seeded order until the estimate budget is spent; candidates over the memory limit rank after all others.
+3. The best few by estimate, and always the best preset-only candidate, are replayed on a copy of the decisions,
+   lowered and simulated in full; the fastest within the memory limit wins (none within it: the one with the least
+   peak memory). The report gives the Spearman rank correlation of estimate and simulation over those.
+4. The winner is replayed on the real decisions: an ordinary stage, whose provenance names this tactic, and
+   explain() names the action.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import PartitionError
+from ..propagate.state import UNKNOWN
+from .search_space import Action, TrialContext, axis_candidates, build_axis_space, trial_copy, union
+
+
+@dataclass(eq=False)
+class Candidate:
+    actions: tuple                     # Action objects, in the order they are applied
+    est_step_s: float = 0.0
+    est_peak: float = 0.0
+    sim: object = None                 # SimReport once lowered and simulated
+    preset_only: bool = False
+
+    def label(self) -> str:
+        by_axis: dict = {}
+        for a in self.actions:
+            by_axis.setdefault(a.axis, []).append(a.label)
+        return "; ".join(f"{ax}: {' + '.join(ls)}" for ax, ls in by_axis.items()) or "(all replicated)"
+
+
+@dataclass
+class SearchReport:
+    tactic: str
+    axes: tuple
+    memory_limit: float
+    hardware: str
+    classes: dict = field(default_factory=dict)      # axis -> [(label, tied members, conflicts)]
+    actions: dict = field(default_factory=dict)      # axis -> number of actions
+    trials: int = 0
+    evaluated: int = 0
+    space: int = 0
+    lowered: list = field(default_factory=list)      # Candidates simulated in full, best first
+    chosen: Candidate | None = None
+    rank_correlation: float | None = None
+    seconds: dict = field(default_factory=dict)      # phase -> seconds
+    within_limit: bool = True
+
+    def table(self, top: int = 8) -> str:
+        from tabulate import tabulate
+
+        rows = []
+        for c in self.lowered[:top]:
+            r = c.sim
+            mark = "*" if c is self.chosen else ""
+            rows.append([mark, c.label()[:90], f"{r.step_time_s * 1e3:.1f}", f"{c.est_step_s * 1e3:.1f}",
+                         f"{r.peak_memory_bytes / 1e9:.1f}", f"{c.est_peak / 1e9:.1f}",
+                         f"{r.exposed_comm_s * 1e3:.1f}", "yes" if c.preset_only else ""])
+        head = (f"{self.tactic} on {', '.join(repr(a) for a in self.axes)}: {self.hardware}, memory limit "
+                f"{self.memory_limit / 1e9:.1f} GB")
+        t = tabulate(rows, headers=["", "actions", "step ms", "est ms", "peak GB", "est GB", "exposed comm ms",
+                                    "presets only"], tablefmt="simple")
+        rho = "n/a (fewer than 3 lowered)" if self.rank_correlation is None else f"{self.rank_correlation:.2f}"
+        secs = ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())
+        lines = [head, t,
+                 f"search space: {sum(len(v) for v in self.classes.values())} classes "
+                 f"({self.trials} trial propagations), {sum(self.actions.values())} actions, {self.space} "
+                 f"candidates; {self.evaluated} estimated, {len(self.lowered)} lowered and simulated",
+                 f"rank correlation of estimate and simulation over the lowered candidates (Spearman): {rho}",
+                 f"time: {secs}"]
+        if not self.within_limit:
+            lines.append(f"no candidate within the memory limit: chose the one with the least peak memory")
+        for axis, cls in self.classes.items():
+            shown = "; ".join(f"{label} [{len(members)} tied{f', {c} conflicts' if c else ''}]"
+                              for label, members, c in cls[:10])
+            more = f" ... and {len(cls) - 10} more" if len(cls) > 10 else ""
+            lines.append(f"classes on '{axis}': {shown}{more}")
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.table()
+
+
+@dataclass(frozen=True)
+class AutomaticPartition:
+    """Decide `axes` by search (see the module docstring). hardware: a pt.sim.hardware(...); memory_limit: bytes
+    per device (default: the chip's HBM); budget_s: wall seconds for the search (the estimate gets about a third,
+    lowering the best candidates the rest; at least the best candidate and the best preset-only one are lowered);
+    seed: the order candidates are sampled in when there are more than the budget allows."""
+
+    axes: tuple
+    hardware: object = None
+    memory_limit: float | None = None
+    budget_s: float = 60.0
+    seed: int = 0
+    name: str = "Auto"
+    progress: bool = True
+    max_lowered: int = 8
+
+    def __post_init__(self):
+        axes = (self.axes,) if isinstance(self.axes, str) else tuple(self.axes)
+        if not axes or not all(isinstance(a, str) for a in axes):
+            raise PartitionError(f"automatic: axes must be a mesh axis name or a list of them, got {self.axes!r}.")
+        object.__setattr__(self, "axes", axes)
+        if self.hardware is None:
+            from ..sim import hardware
+
+            object.__setattr__(self, "hardware", hardware("h100"))
+
+    @property
+    def axis(self) -> str:
+        return ",".join(self.axes)
+
+    # -- the tactic ----------------------------------------------------------------------------------------------
+    def apply(self, ctx) -> None:
+        for a in self.axes:
+            ctx.mesh.check_axis(a, self.name)
+        from ..sim.comm import check_mesh
+        from ..sim.estimate import ProgramFacts
+
+        check_mesh(self.hardware, ctx.mesh)
+        hw = self.hardware
+        limit = float(self.memory_limit if self.memory_limit is not None else hw.hbm_bytes)
+        t_start = time.perf_counter()
+        report = SearchReport(self.name, self.axes, limit, hw.describe())
+        bar = _bar(self.progress, f"{self.name} {'+'.join(self.axes)}")
+        try:
+            # 1. the space
+            facts = ProgramFacts(ctx.graph, ctx.mesh, hw, ctx.captured)
+            spaces = {}
+            for axis in self.axes:
+                spaces[axis] = build_axis_space(ctx, axis, self.name, self._presets(ctx, axis),
+                                                on_trial=lambda: bar.update(0))
+                sp = spaces[axis]
+                report.classes[axis] = [(a.label, a.members, a.conflicts) for a in sp.actions if a.kind == "class"]
+                report.actions[axis] = len(sp.actions)
+                report.trials += sp.trials
+            t_space = time.perf_counter()
+            report.seconds["space"] = t_space - t_start
+            # 2. estimates
+            per_axis = {axis: axis_candidates(spaces[axis]) for axis in self.axes}
+            base = {a: facts.axis_arrays(ctx.prop, a) for a in ctx.mesh.axes}
+            unions = {axis: [union(spaces[axis].actions, c, *base[axis]) for c in per_axis[axis]]
+                      for axis in self.axes}
+            combos = list(itertools.product(*[range(len(per_axis[a])) for a in self.axes]))
+            report.space = len(combos)
+            rng = random.Random(self.seed)
+            order = combos[:1] + rng.sample(combos[1:], len(combos) - 1)    # the all-replicated candidate first
+            deadline = t_start + self.budget_s * 0.4
+            bar.reset(total=len(order))
+            bar.set_description(f"{self.name} {'+'.join(self.axes)}: estimating")
+            scored = []
+            for n, combo in enumerate(order):
+                if n > 0 and time.perf_counter() > deadline:
+                    break
+                if not self._divisible(facts, ctx.mesh, [unions[a][i][0] for a, i in zip(self.axes, combo)]):
+                    bar.update(1)
+                    continue
+                dec = dict(base)
+                for axis, i in zip(self.axes, combo):
+                    dec[axis] = unions[axis][i]
+                est = facts.estimate(dec)
+                acts = tuple(spaces[a].actions[j] for a, i in zip(self.axes, combo) for j in per_axis[a][i])
+                scored.append(Candidate(acts, est.step_s, est.peak_bytes,
+                                        preset_only=all(x.kind != "class" for x in acts)))
+                bar.update(1)
+            report.evaluated = len(scored)
+            t_est = time.perf_counter()
+            report.seconds["estimate"] = t_est - t_space
+            # 3. lower and simulate the best few (always the best preset-only candidate too)
+            margin = 0.9 * limit               # the estimate leaves out some temporaries
+            key = lambda c: (c.est_peak > margin, c.est_step_s if c.est_peak <= margin else c.est_peak)  # noqa
+            ranked = sorted(scored, key=key)
+            queue = ranked[:1]
+            best_preset = next((c for c in ranked if c.preset_only), None)
+            if best_preset is not None and best_preset not in queue:
+                queue.append(best_preset)
+            queue += [c for c in ranked[1:] if c not in queue]
+            bar.reset(total=min(len(queue), self.max_lowered))
+            bar.set_description(f"{self.name} {'+'.join(self.axes)}: lowering")
+            lowered = []
+            last = 0.0
+            for c in queue:
+                if len(lowered) >= self.max_lowered:
+                    break
+                now = time.perf_counter()
+                if len(lowered) >= 2 and now + last > t_start + self.budget_s:
+                    break
+                c.sim, c._low = self._simulate(ctx, c.actions)
+                last = time.perf_counter() - now
+                lowered.append(c)
+                bar.update(1)
+            report.seconds["lower+simulate"] = time.perf_counter() - t_est
+        finally:
+            bar.close()
+        ok = [c for c in lowered if c.sim.peak_memory_bytes <= limit]
+        report.within_limit = bool(ok)
+        chosen = min(ok, key=lambda c: c.sim.step_time_s) if ok else \
+            min(lowered, key=lambda c: (c.sim.peak_memory_bytes, c.sim.step_time_s))
+        report.lowered = sorted(lowered, key=lambda c: (c.sim.peak_memory_bytes > limit, c.sim.step_time_s))
+        report.chosen = chosen
+        report.rank_correlation = _spearman([c.est_step_s for c in lowered if c.est_peak <= margin],
+                                            [c.sim.step_time_s for c in lowered if c.est_peak <= margin])
+        # 4. the winner, on the real decisions
+        self._replay(ctx, chosen.actions, label=True)
+        ctx.program.__dict__.setdefault("_stage_lowered", {})[len(ctx.program.stages)] = chosen._low
+        report.seconds["total"] = time.perf_counter() - t_start
+        ctx.program.__dict__.setdefault("search_reports", []).append(report)
+        desc = chosen.label()
+        ctx.remark(self.name, f"{self.name} chose {desc} (simulated step {chosen.sim.step_time_s * 1e3:.1f} ms, "
+                              f"peak {chosen.sim.peak_memory_bytes / 1e9:.1f} GB of {limit / 1e9:.1f} GB); "
+                              f"prog.search_report() for the candidates")
+
+    # -- pieces --------------------------------------------------------------------------------------------------
+    def _presets(self, ctx, axis) -> list:
+        from .experts import expert_parallel
+        from .presets import data_parallel, megatron, sequence_parallel, zero
+
+        n = self.name
+        out = [("data_parallel", "preset", (data_parallel(axis, name=n),)),
+               ("megatron", "preset", (megatron(axis, name=n),)),
+               ("megatron + sequence_parallel", "preset", (megatron(axis, name=n), sequence_parallel(axis, name=n))),
+               ("expert_parallel", "preset", (expert_parallel(axis, name=n),)),
+               ("zero(3)", "zero", (zero(3, axis, name=n),))]
+        if ctx.captured.fopt is not None:
+            out.append(("zero(1)", "zero", (zero(1, axis, name=n),)))
+        return out
+
+    def _divisible(self, facts, mesh, vals_list) -> bool:
+        """Two searched axes tiling one dim of a value: its size must divide by both."""
+        if len(vals_list) < 2:
+            return True
+        for (a, va), (b, vb) in itertools.combinations(zip(self.axes, vals_list), 2):
+            both = np.nonzero((va >= 0) & (va == vb))[0]
+            if len(both):
+                k = mesh.shape[a] * mesh.shape[b]
+                sizes = np.array([facts.shapes[v][va[v]] for v in both[:4096]])
+                if np.any(sizes % k):
+                    return False
+        return True
+
+    def _order(self, actions) -> list:
+        """Replay order: each axis's actions in the order of self.axes, then the completions (ZeRO last, as a
+        schedule would put it)."""
+        main = [a for ax in self.axes for a in actions if a.axis == ax and a.kind != "zero"]
+        return main + [a for ax in self.axes for a in actions if a.axis == ax and a.kind == "zero"]
+
+    def _replay(self, ctx, actions, label=False):
+        import warnings
+
+        for a in self._order(actions):
+            st = ctx.prop.axes.get(a.axis)
+            before = np.asarray(st.value) if st is not None else None
+            with warnings.catch_warnings():
+                if not label:
+                    warnings.simplefilter("ignore")
+                try:
+                    a.apply(ctx, self.name)
+                except PartitionError:
+                    if label:
+                        raise
+                    continue
+            if label:
+                after = np.asarray(ctx.prop.axes[a.axis].value)
+                new = np.nonzero(after != before)[0] if before is not None else np.nonzero(after != UNKNOWN)[0]
+                marks = ctx.program.__dict__.setdefault("auto_actions", {})
+                for c in new.tolist():
+                    marks[(c, a.axis)] = (self.name, a.label)
+
+    def _simulate(self, ctx, actions):
+        from ..lower.fakeprop import annotate_local_vals
+        from ..lower.lower import lower
+        from ..sim import simulate_graph
+
+        prog = ctx.program
+        trial = trial_copy(ctx.prop, self.axes)
+        self._replay(TrialContext(ctx, trial), actions)
+        view = prog._view(trial)
+        low = lower(view, {a: f"partir_{a}" for a in ctx.mesh.axes})
+        annotate_local_vals(low, ctx.captured)
+        recompute = {n.name for n in low.gm.graph.nodes if n.meta.get("partir_recompute")}
+        rep = simulate_graph(low.gm, ctx.mesh, self.hardware, exclude_flops=recompute, stage_name=self.name)
+        return rep, low
+
+
+def automatic(axes, hardware=None, memory_limit: float | None = None, budget_s: float = 60.0, seed: int = 0,
+              name: str = "Auto", progress: bool = True) -> AutomaticPartition:
+    """A tactic that decides `axes` (a mesh axis or a list of them) by search, given everything earlier tactics
+    decided (see AutomaticPartition)."""
+    return AutomaticPartition(axes, hardware, memory_limit, budget_s, seed, name, progress)
+
+
+def _spearman(x, y) -> float | None:
+    if len(x) < 3:
+        return None
+    rx = np.argsort(np.argsort(x)).astype(float)
+    ry = np.argsort(np.argsort(y)).astype(float)
+    if rx.std() == 0 or ry.std() == 0:
+        return None
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def reset(self, total=None):
+        pass
+
+    def set_description(self, s):
+        pass
+
+    def close(self):
+        pass
+
+
+def _bar(enabled: bool, desc: str):
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:            # tqdm comes with transformers; without it the search runs silently
+        return _NoBar()
+    return tqdm(total=0, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
