@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
@@ -254,6 +255,18 @@ def _micro_batches(batch, k: int, dims=None) -> list:
                             .select(dims[i] + 1, j) for i, x in enumerate(flat)], spec) for j in range(k)]
 
 
+def _accumulate_early(gm: fx.GraphModule) -> None:
+    """Each micro-batch gradient sum (tagged in the step) moves to right after the later of its operands: the
+    previous micro-batches' sum and this gradient are freed as the backward goes, and the summed gradient's
+    reduction can start there, as eager .backward() accumulates into .grad."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in list(gm.graph.nodes):
+        if (n.meta.get("custom") or {}).get("partir_accumulate") and n.all_input_nodes:
+            max(n.all_input_nodes, key=order.__getitem__).append(n)
+    gm.graph.lint()
+    gm.recompile()
+
+
 def _clip_by_global_norm(grads: dict, max_norm: float, like: dict) -> tuple:
     """torch.nn.utils.clip_grad_norm_: total = ||(||g||_2 for g)||_2, each g scaled by min(1, max / (total +
     1e-6)). The total is sqrt of one sum of every gradient's squares (the same number): over a tiled gradient
@@ -368,7 +381,11 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
             got = {k: torch.zeros_like(p[k]) if g is None else g for k, g in zip(trainable, got)}
             # micro-batch gradients summed as eager .backward() accumulates them: partial sums stay partial, so
             # the gradient reduction happens once per step
-            grads = got if grads is None else {k: grads[k] + got[k] for k in trainable}
+            if grads is None:
+                grads = got
+            else:   # tagged: _accumulate_early moves each sum next to the gradient it adds
+                with fx_traceback.preserve_node_meta(), fx_traceback.annotate({"partir_accumulate": True}):
+                    grads = {k: grads[k] + got[k] for k in trainable}
             loss = part.detach() if loss is None else loss + part.detach()
         if mode == LOSS_AND_GRADS:
             out_names[:] = ["loss"] + [f"grads.{k}" for k in trainable]
@@ -411,6 +428,8 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     consts = _lift_constants(gm, names, roles)
     untie_random_templates(gm)
     _state_mutations(gm, names, roles, out_names, model)
+    if accumulate > 1:
+        _accumulate_early(gm)
     cap = _annotate(gm, mode, names, roles, out_names, spec_box[0] if spec_box else None, fopt,
                     list(params), trainable, list(buffers), device)
     cap.consts = consts
