@@ -9,7 +9,6 @@ from tabulate import tabulate
 from .errors import PartitionError, closest
 from .propagate.state import PARTIAL_OP, REPLICATED, UNKNOWN, state_str
 from .sharding import Sharding
-from .contract import META_COLLECTIVE, META_RECOMPUTE, META_ROLE, META_SRC, META_TAG
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class TacticContext:
         vid = self.graph.name_to_vid[name]
         node = self.graph.values[vid]
         val = node.meta["val"]
-        return {"shape": tuple(val.shape), "dtype": val.dtype, "role": node.meta.get(META_ROLE, "activation")}
+        return {"shape": tuple(val.shape), "dtype": val.dtype, "role": node.meta.get("partir_role", "activation")}
 
     def seed_and_propagate(self, axis: str, seeds: list, tactic: str, region: set | None = None,
                            closed: bool = False) -> list:
@@ -75,7 +74,7 @@ class TacticContext:
         """Ops of the optimizer update: everything downstream of optimizer state, lr and step."""
         g = self.graph
         roots = [g.vid[n] for n in g.gm.graph.nodes if n.op == "placeholder"
-                 and n.meta.get(META_ROLE) in ("opt_state", "lr", "step")]   # lr: every hparams.<g>.<name>
+                 and n.meta.get("partir_role") in ("opt_state", "lr", "step")]   # lr: every hparams.<g>.<name>
         region, stack = set(), list(roots)
         seen = set(roots)
         while stack:
@@ -328,7 +327,7 @@ class Program:
                 args = ", ".join(f"%{a.name}" if hasattr(a, "name") else repr(a) for a in node.args)
                 rhs = f"{node.target}({args})"
             sh = f"  # {self.sharding_of_vid(vid)}" if vid is not None else ""
-            tag = f"  ({node.meta['partir_tag']})" if node.meta.get(META_TAG) else ""
+            tag = f"  ({node.meta['partir_tag']})" if node.meta.get("partir_tag") else ""
             lines.append(f"{lhs} = {rhs}{sh}{tag}")
         return "\n".join(lines)
 
@@ -351,8 +350,8 @@ class Program:
                 continue
             args = ", ".join(f"%{a.name}" if hasattr(a, "name") else repr(a) for a in node.args)
             line = f"%{node.name}{shape} = {_short(node.target)}({args})"
-            rec = node.meta.get(META_COLLECTIVE)
-            origin = src.get(node.meta.get(META_SRC, ""))
+            rec = node.meta.get("partir_collective")
+            origin = src.get(node.meta.get("partir_src", ""))
             if rec is not None:
                 op = f"({rec.reduce_op})" if rec.reduce_op else ""
                 line += f"  # {rec.kind}{op} on '{rec.axis}' (x{rec.group_size}) {_fmt_bytes(rec.nbytes)} " \
@@ -395,7 +394,7 @@ class Program:
         reports = []
         for k, name in [(-1, "replicated")] + [(k, s.tactic) for k, s in enumerate(self.stages)]:
             low = self.stage_lowered(k)
-            recompute = {n.name for n in low.gm.graph.nodes if n.meta.get(META_RECOMPUTE)}
+            recompute = {n.name for n in low.gm.graph.nodes if n.meta.get("partir_recompute")}
             reports.append(simulate_graph(low.gm, self.mesh, hw, axis_map=axis_map, stage_name=name, issue=issue,
                                           exclude_flops=recompute))
         final = reports[-1]
