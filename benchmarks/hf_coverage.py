@@ -69,6 +69,11 @@ OVERRIDES: dict = {
     "mobilevitv2": {"image_size": 64},                       # 32 x 32 pools down to nothing
     "dory": {"n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},   # must sum to the layers
     "xmod": {"default_language": "en_XX"},                   # the stock config names no default adapter
+    # hybrids whose first two layers would all be recurrent (no attention layer: the default cache then fails)
+    "bamba": {"attn_layer_indices": [1]},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    "esm": {"vocab_size": 33, "pad_token_id": 1, "mask_token_id": 32},   # the stock config has no vocabulary
     ("causal", "reformer"): {"is_decoder": True, "axial_pos_shape": (4, 4), "axial_pos_embds_dim": (16, 16),
                              "lsh_attn_chunk_length": 8, "local_attn_chunk_length": 8},
     ("masked", "reformer"): {"is_decoder": False, "axial_pos_shape": (4, 4), "axial_pos_embds_dim": (16, 16),
