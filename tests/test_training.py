@@ -557,3 +557,51 @@ def test_example_killed_and_resumed_equals_uninterrupted():
         assert len(want) == 7 and want[-1].startswith("done")
         assert _log(killed) == want[:3]
         assert _log(resumed) == want[2:]
+
+
+def test_state_dict_has_get_state_dicts_layout_and_values():
+    """prog.state_dict() next to torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer) of the
+    eager module after the same step: the same keys at every level, the same values (step count included)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    spec = get("gpt")
+    batch = spec.batch(4)
+    model = spec.build()
+    ref = copy.deepcopy(model)
+    ref_opt = _gpt_two_groups(ref)
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}), [T.data_parallel("batch"), T.megatron("model"),
+                                                                     T.zero(3, "batch")],
+                        example_inputs=batch, loss_fn=spec.loss_fn, optimizer=_gpt_two_groups(model))
+    prog.train_step(*batch)
+    spec.loss_fn(ref, *batch).backward()
+    ref_opt.step()
+    want_model, want_opt = get_state_dict(ref, ref_opt)
+    sd = prog.state_dict()
+    assert list(sd) == ["model", "optimizer"] and list(sd["model"]) == list(want_model)
+    _close(sd["model"], {k: v.detach() for k, v in want_model.items()}, "model")
+    assert list(sd["optimizer"]["state"]) == list(want_opt["state"])
+    for k, want in want_opt["state"].items():
+        got = sd["optimizer"]["state"][k]
+        assert sorted(got) == sorted(want), k
+        assert float(got["step"]) == float(want["step"]) == 1.0
+        torch.testing.assert_close(got["exp_avg"], want["exp_avg"], rtol=1e-5, atol=1e-8)
+    assert sd["optimizer"]["param_groups"] == want_opt["param_groups"]
+
+
+def test_import_from_gives_loss_and_grads_at_the_new_weights():
+    """Without an optimizer the program keeps its own copy of the weights: after an eager edit, import_from makes
+    loss_and_grads use the edited ones (it returned gradients at stale weights before)."""
+    spec = get("mlp")
+    batch = spec.batch(4)
+    model = spec.build()
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=batch,
+                        loss_fn=spec.loss_fn)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    prog.import_from(model)
+    loss, grads = prog.loss_and_grads(*batch)
+    want = spec.loss_fn(model, *batch)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=LOSS_RTOL, atol=0)
+    _close(grads, {k: p.grad for k, p in model.named_parameters()}, "grads after import_from")
