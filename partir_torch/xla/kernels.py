@@ -26,7 +26,7 @@ def _scores(q, k, is_causal, attn_mask, scale):
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     rep = q.shape[-3] // k.shape[-3]
     k = k.repeat_interleave(rep, dim=-3) if rep > 1 else k
-    s = (q @ k.transpose(-2, -1)) * scale
+    s = torch.einsum("...ld,...sd->...ls", q, k) * scale
     L, S = q.shape[-2], k.shape[-2]
     if is_causal:
         keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
@@ -37,14 +37,15 @@ def _scores(q, k, is_causal, attn_mask, scale):
 
 
 def sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-    """CPU flash attention (output, logsumexp) as matmuls and a softmax: what XLA fuses itself."""
+    """CPU flash attention (output, logsumexp) as batched dots and a softmax. Einsums keep (B, H) as two batch dims
+    (a 4-d matmul would fold them into one, which XLA cannot reshape when both are tiled)."""
     if dropout_p:
         raise NotImplementedError("to_xla: attention dropout has no XLA form here; use dropout_p=0")
     s, _, rep = _scores(q, k, is_causal, attn_mask, scale)
     lse = torch.logsumexp(s, dim=-1)                              # (B, H, L)
     p = torch.exp(s - lse.unsqueeze(-1))
     v = v.repeat_interleave(rep, dim=-3) if rep > 1 else v
-    return p @ v, lse
+    return torch.einsum("...ls,...sd->...ld", p, v), lse
 
 
 def sdpa_cpu_backward(grad_out, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
@@ -53,11 +54,11 @@ def sdpa_cpu_backward(grad_out, q, k, v, out, lse, dropout_p, is_causal, *, attn
     p = torch.exp(s - lse.unsqueeze(-1))                          # (B, H, L, S)
     ve = v.repeat_interleave(rep, dim=-3) if rep > 1 else v
     ke = k.repeat_interleave(rep, dim=-3) if rep > 1 else k
-    dv = p.transpose(-2, -1) @ grad_out
-    dp = grad_out @ ve.transpose(-2, -1)
+    dv = torch.einsum("...ls,...ld->...sd", p, grad_out)
+    dp = torch.einsum("...ld,...sd->...ls", grad_out, ve)
     ds = p * (dp - (grad_out * out).sum(-1, keepdim=True))
-    dq = (ds @ ke) * scale
-    dk = (ds.transpose(-2, -1) @ q) * scale
+    dq = torch.einsum("...ls,...sd->...ld", ds, ke) * scale
+    dk = torch.einsum("...ls,...ld->...sd", ds, q) * scale
     if rep > 1:    # sum the expanded heads back onto their group's key/value head
         dk = dk.unflatten(-3, (k.shape[-3], rep)).sum(-3)
         dv = dv.unflatten(-3, (v.shape[-3], rep)).sum(-3)
