@@ -155,3 +155,12 @@ def test_hlo_parser_counts_bytes_and_reads_reduce_scatters():
     got = [(c.kind, c.axis, c.nbytes) for c in parse_collectives(hlo, pt.Mesh({"x": 2, "y": 2}))]
     assert got == [("all_gather", "x", 256), ("reduce_scatter", "y", 256), ("all_reduce", "x", 128),
                    ("all_to_all", "y", 128)]
+
+
+def test_a_mesh_of_another_size_than_the_devices_is_refused_by_name():
+    spec = get("mlp")
+    model = spec.build()
+    prog = pt.partition(model, pt.Mesh({"batch": 4}), [T.data_parallel("batch")], example_inputs=spec.batch(4),
+                        loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    with pytest.raises(pt.PartitionError, match=r"has 4 devices but XLA sees 8.*CPU_NUM_DEVICES=4"):
+        prog.to_xla()

@@ -1,0 +1,57 @@
+"""The XLA forms of CPU-only kernels (partir_torch/xla/kernels.py) equal the aten kernels they replace, on CPU
+tensors: flash attention forward and backward (causal, grouped heads, an additive mask), layer norm forward and
+backward, nll_loss's total weight."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from partir_torch.xla import kernels
+
+aten = torch.ops.aten
+
+
+@pytest.mark.parametrize("causal,heads_kv,masked", [(True, 4, False), (False, 2, False), (False, 4, True)])
+def test_attention_forms_equal_the_cpu_flash_kernels(causal, heads_kv, masked):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, generator=g)
+    k, v = (torch.randn(2, heads_kv, 6, 8, generator=g) for _ in range(2))
+    mask = None
+    if masked:       # an additive float mask (the CPU kernel takes the query's dtype): -inf where a key is hidden
+        keep = (torch.rand(6, 6, generator=g) > 0.3).fill_diagonal_(True)
+        mask = torch.zeros(6, 6).masked_fill(~keep, float("-inf"))
+    kr, vr = (t.repeat_interleave(4 // heads_kv, dim=1) for t in (k, v))   # the aten kernel wants equal heads
+    want_out, want_lse = aten._scaled_dot_product_flash_attention_for_cpu(q, kr, vr, 0.0, causal, attn_mask=mask)
+    out, lse = kernels.sdpa_cpu(q, k, v, 0.0, causal, attn_mask=mask)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse.reshape(lse.shape), rtol=1e-5, atol=1e-6)
+    dout = torch.randn(out.shape, generator=g)
+    want = aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, kr, vr, want_out, want_lse, 0.0,
+                                                                     causal, attn_mask=mask)
+    dq, dk, dv = kernels.sdpa_cpu_backward(dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask)
+    rep = 4 // heads_kv
+    torch.testing.assert_close(dq, want[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dk, want[1].unflatten(1, (heads_kv, rep)).sum(2), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dv, want[2].unflatten(1, (heads_kv, rep)).sum(2), rtol=1e-4, atol=1e-5)
+
+
+def test_layer_norm_forms_equal_aten():
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(3, 5, 8, generator=g), torch.randn(8, generator=g), torch.randn(8, generator=g)
+    want = aten.native_layer_norm(x, [8], w, b, 1e-5)
+    got = kernels.layer_norm(x, [8], w, b, 1e-5)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+    dy = torch.randn(x.shape, generator=g)
+    want_b = aten.native_layer_norm_backward(dy, x, [8], want[1], want[2], w, b, [True, True, True])
+    got_b = kernels.layer_norm_backward(dy, x, [8], want[1], want[2], w, b, [True, True, True])
+    for a, e in zip(got_b, want_b):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_nll_loss_total_weight_counts_the_targets_not_ignored():
+    logp = torch.randn(6, 5).log_softmax(-1)
+    target = torch.tensor([0, 1, -100, 3, 4, -100])
+    out, total = kernels.nll_loss_forward(logp, target, None, 2, -100)   # reduction sum
+    assert float(total) == 4.0
+    torch.testing.assert_close(out, aten.nll_loss_forward(logp, target, None, 2, -100)[0])
