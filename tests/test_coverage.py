@@ -13,8 +13,8 @@ from benchmarks import hf_coverage as H
 # (mapping, model type): architectures the sweep lists as passing, a few of each mapping, chosen fast
 HF_SAMPLE = [
     ("causal", "gpt2"), ("causal", "llama"), ("causal", "apertus"), ("causal", "arcee"),
-    ("masked", "bert"), ("masked", "distilbert"), ("masked", "roberta"),
-    ("seq2seq", "t5"), ("seq2seq", "mt5"),
+    ("masked", "bert"), ("masked", "distilbert"), ("masked", "camembert"),
+    ("seq2seq", "t5"), ("seq2seq", "blenderbot-small"),
     ("image", "vit"), ("image", "deit"), ("image", "convnext"),
 ]
 TIMM_SAMPLE = ["vit", "swin", "mixer", "densenet"]     # densenet: BatchNorm with running statistics
