@@ -710,6 +710,12 @@ def report(rows: list) -> str:
     return "\n".join(out)
 
 
+def source(r: dict) -> str:
+    """The user's source line a trace error names (file: code), or ''."""
+    at = re.search(r"\n  at \S+/(\w+)\.py:\d+ in \w+: (.*)", r.get("where") or "")
+    return f"{at.group(1).replace('modeling_', '')}: {at.group(2).strip()[:50]}" if at else ""
+
+
 def cause(r: dict) -> str:
     """A failure's cause with names and numbers taken out, so rows with one cause group together."""
     if r["result"] == "mismatch":
@@ -721,29 +727,27 @@ def cause(r: dict) -> str:
     if r["result"] == "timeout":
         return "timeout (240-300 s on the shared 2-core machine)"
     text = r.get("reason") or ""
-    at = re.search(r"\n  at \S+/(\w+\.py):\d+ in (\w+): (.*)", r.get("where") or "")
     text = re.sub(r"partition: the train step of \w+ could not be traced into one graph: ", "", text)
     text = re.sub(r"(params|buffers|inputs)\.[\w.]+", r"\1.<name>", text)
-    text = re.sub(r"node %[\w.]+", "node %<n>", text)
+    text = re.sub(r"%[\w.]+", "%<n>", text)
     text = re.sub(r"\b\d+\b", "<n>", text)
-    text = text[:160]
-    if at and "TraceError" in text:
-        text += f"  [{at.group(1)} {at.group(2)}: {at.group(3).strip()[:60]}]"
-    return text
+    return text[:150]
 
 
 def groups(rows: list) -> str:
-    """Failures and mismatches grouped by cause: count and example architectures."""
+    """Failures and mismatches grouped by cause: count and example architectures (with the source line)."""
     from tabulate import tabulate
 
     by = {}
     for r in rows:
         if r["result"] in ("fail", "mismatch", "timeout"):
             by.setdefault(cause(r), []).append(r)
-    table = [[len(rs), sum(1 for r in rs if r.get("error_type") == "bug"), c,
-              ", ".join(f"{r['arch']}({r['mapping'][0]})" for r in rs[:6]) + (" ..." if len(rs) > 6 else "")]
-             for c, rs in sorted(by.items(), key=lambda kv: -len(kv[1]))]
-    return tabulate(table, headers=["n", "bugs", "cause", "examples (mapping initial)"])
+    table = []
+    for c, rs in sorted(by.items(), key=lambda kv: -len(kv[1])):
+        ex = [f"{r['arch']}({r['mapping'][0]})" + (f" [{source(r)}]" if source(r) else "") for r in rs[:5]]
+        table.append([len(rs), sum(1 for r in rs if r["result"] == "fail" and r.get("error_type") == "bug"), c,
+                      "; ".join(ex) + (f"; +{len(rs) - 5}" if len(rs) > 5 else "")])
+    return tabulate(table, headers=["n", "bugs", "cause", "examples (mapping initial) [user source line]"])
 
 
 def summary(rows: list) -> str:
