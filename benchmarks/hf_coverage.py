@@ -73,6 +73,10 @@ OVERRIDES: dict = {
     "bamba": {"attn_layer_indices": [1]},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    "cvt": {"depth": (1, 2, 3)},                             # stage i indexes its drop-path list at i
+    "hgnet_v2": {"stem_channels": (3, 16, 16), "stage_in_channels": (16, 32, 64, 128),
+                 "stage_mid_channels": (16, 16, 32, 32), "stage_out_channels": (32, 64, 128, 64),
+                 "stage_numb_of_layers": (2, 2, 2, 2), "stage_num_blocks": (1, 1, 1, 1)},   # hidden_sizes[-1] out
     "esm": {"vocab_size": 33, "pad_token_id": 1, "mask_token_id": 32},   # the stock config has no vocabulary
     ("causal", "reformer"): {"is_decoder": True, "axial_pos_shape": (4, 4), "axial_pos_embds_dim": (16, 16),
                              "lsh_attn_chunk_length": 8, "local_attn_chunk_length": 8},
