@@ -251,6 +251,8 @@ def axis_candidates(space: AxisSpace, max_size: int = 3) -> list:
                     grow(nxt, pos + 1)
 
     grow((), 0)
+    # among candidates with one union of decisions, keep the one of fewest actions, presets before classes
+    sets.sort(key=lambda s: (len(s), sum(acts[i].kind == "class" for i in s)))
     out, seen = [], set()
     for s in sets:
         for z in [None] + zeros:

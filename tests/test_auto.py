@@ -1,0 +1,175 @@
+"""The automatic tactic (issue 13): a search over the decisions still open on its axes, scored by the simulator.
+
+Search tests use zoo GPTs built on `meta` (sizes where the H100 costs mean something, nothing allocated); the
+numerics test uses the zoo's small GPT on an emulated 2x2 mesh against eager training on one device.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import partir_torch as pt
+from examples.models import get
+
+T = pt.tactics
+HW = pt.sim.hardware("h100", nodes=1)          # 8 GPUs on NVLink
+
+
+def meta_gpt(B: int, **cfg):
+    spec = get("gpt", attention="sdpa", **cfg)
+    model = spec.build(device="meta")
+    batch = tuple(torch.zeros(B, cfg["seq"], dtype=torch.int64, device="meta") for _ in range(2))
+    return spec, model, batch
+
+
+def partition(spec, model, batch, mesh, schedule):
+    return pt.partition(model, pt.Mesh(mesh), schedule, example_inputs=batch, loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def axis_dims(prog, name, axis):
+    """The dims of a named value that `axis` tiles."""
+    return [d for d, axes in enumerate(prog.sharding(name).dims) if axis in axes]
+
+
+# -- Megatron on "model" after manual BP, when the MLP weights cannot stay replicated --------------------------------
+WIDE = dict(d=2048, heads=16, layers=2, seq=64, vocab=512)     # 101M parameters: 1.6 GB of fp32 AdamW state
+
+
+@pytest.fixture(scope="module")
+def megatron_prog():
+    spec, model, batch = meta_gpt(4, **WIDE)
+    bp = pt.ManualPartition({"inputs.*": 0}, axis="batch", name="BP")
+    return partition(spec, model, batch, {"batch": 2, "model": 4},
+                     [bp, T.automatic("model", hardware=HW, memory_limit=1.0e9, budget_s=6, progress=False)])
+
+
+def test_search_recovers_megatron_when_memory_forbids_replicated_mlp(megatron_prog):
+    prog = megatron_prog
+    rep = prog.search_reports[-1]
+    # replicated MLP weights (BP alone) would need the whole 1.6 GB of state on every device
+    assert rep.chosen.sim.peak_memory_bytes <= 1.0e9
+    for layer in (0, 1):
+        assert axis_dims(prog, f"params.layers.{layer}.mlp.w1.weight", "model") == [0]    # column-parallel
+        assert axis_dims(prog, f"params.layers.{layer}.mlp.w2.weight", "model") == [1]    # row-parallel
+        assert axis_dims(prog, f"params.layers.{layer}.attn.wq.weight", "model") == [0]
+    # the hidden activation is tiled, not gathered: Megatron's all-reduces are on activations of width d
+    why = prog.explain("params.layers.0.mlp.w1.weight")
+    assert "decided by Auto (automatic), action 'megatron" in why, why
+    assert [s.tactic for s in prog.stages] == ["BP", "Auto"]
+    assert "Auto" in prog.summary()
+
+
+def test_search_respects_earlier_tactics(megatron_prog):
+    """Every decision BP made (stage 0) is unchanged after the search, with BP's provenance."""
+    prog = megatron_prog
+    before = prog.stages[0].shardings
+    after = prog.stages[1].shardings
+    changed = [n for n, sh in before.items() if [("batch" in a) for a in sh.dims] != [("batch" in a) for a in
+                                                                                       after[n].dims]]
+    assert not changed, changed[:5]
+    assert "tiled(dim 0) by tactic BP: seeded" in prog.explain("inputs.0")
+
+
+def test_search_report_has_candidates_and_statistics(megatron_prog):
+    rep = megatron_prog.search_reports[-1]
+    text = megatron_prog.search_report()
+    assert rep.evaluated == rep.space > 10          # a small space: every candidate estimated
+    assert len(rep.lowered) >= 2 and rep.chosen in rep.lowered
+    assert any(c.preset_only for c in rep.lowered)  # the best preset combination is always simulated
+    best_preset = min(c.sim.step_time_s for c in rep.lowered if c.preset_only and
+                      c.sim.peak_memory_bytes <= rep.memory_limit)
+    assert rep.chosen.sim.step_time_s <= best_preset * 1.01
+    for word in ("step ms", "est ms", "peak GB", "exposed comm ms", "candidates", "estimated",
+                 "lowered and simulated", "rank correlation", "classes on 'model'"):
+        assert word in text, word
+
+
+# -- ZeRO-3 when the limit forbids replicated parameters ----------------------------------------------------------
+def test_search_chooses_zero3_when_parameters_cannot_be_replicated():
+    spec, model, batch = meta_gpt(64, d=2048, heads=16, layers=2, seq=16, vocab=512)   # 1.6 GB of state
+    limit = 0.7e9        # ZeRO-1 still holds fp32 parameters and gradients whole (0.8 GB): over the limit
+    prog = partition(spec, model, batch, {"batch": 8},
+                     [T.data_parallel("batch"), T.automatic("batch", hardware=HW, memory_limit=limit, budget_s=4,
+                                                            progress=False)])
+    rep = prog.search_reports[-1]
+    assert rep.chosen.sim.peak_memory_bytes <= limit
+    assert "zero(3)" in rep.chosen.label()
+    for name in ("params.layers.0.mlp.w1.weight", "params.layers.1.attn.wq.weight", "params.wte.weight"):
+        assert len(axis_dims(prog, name, "batch")) == 1, prog.explain(name)
+        assert "opt" not in name and "action 'zero(3)'" in prog.explain(name)
+
+
+# -- composition: a manual seed before, manual tactics after -------------------------------------------------------
+def test_search_keeps_a_manual_seed_on_its_own_axis():
+    spec, model, batch = meta_gpt(4, **{**WIDE, "d": 512, "heads": 8})
+    manual = pt.ManualPartition({"params.layers.*.mlp.w1.weight": 1}, axis="model", name="M")
+    prog = partition(spec, model, batch, {"batch": 2, "model": 4},
+                     [T.data_parallel("batch"), manual,
+                      T.automatic("model", hardware=HW, budget_s=3, progress=False)])
+    for layer in (0, 1):
+        name = f"params.layers.{layer}.mlp.w1.weight"
+        assert axis_dims(prog, name, "model") == [1]
+        assert "by tactic M: seeded" in prog.explain(name)
+
+
+def test_search_composes_before_manual_tactics():
+    spec, model, batch = meta_gpt(8, **{**WIDE, "d": 512, "heads": 8})
+    prog = partition(spec, model, batch, {"batch": 2, "model": 4},
+                     [T.automatic("model", hardware=HW, budget_s=3, progress=False),
+                      T.data_parallel("batch"), T.zero(3, "batch")])
+    assert [s.tactic for s in prog.stages] == ["Auto", "BP", "Z3"]
+    auto = prog.stages[0].shardings
+    final = prog.stages[2].shardings
+    assert all([("model" in a) for a in auto[n].dims] == [("model" in a) for a in final[n].dims] for n in auto)
+    assert axis_dims(prog, "params.layers.0.mlp.w2.weight", "batch"), prog.explain("params.layers.0.mlp.w2.weight")
+    assert axis_dims(prog, "inputs.0", "batch") == [0]
+
+
+# -- determinism -------------------------------------------------------------------------------------------------
+def test_same_seed_same_plan():
+    spec, model, batch = meta_gpt(8, d=256, heads=4, layers=2, seq=64, vocab=512)
+
+    def plan(seed):
+        prog = partition(spec, model, batch, {"batch": 2, "model": 4},
+                         [T.automatic(["batch", "model"], hardware=HW, budget_s=1, seed=seed, progress=False)])
+        rep = prog.search_reports[-1]
+        return rep, {n: str(s) for n, s in prog.stages[-1].shardings.items()}
+
+    (r1, s1), (r2, s2) = plan(0), plan(0)
+    assert r1.evaluated < r1.space                 # the budget samples the space: the seed decides which part
+    assert r1.chosen.label() == r2.chosen.label() and s1 == s2
+    assert [c.label() for c in r1.lowered] == [c.label() for c in r2.lowered]
+
+
+# -- numerics: the chosen program equals one device ----------------------------------------------------------------
+def test_chosen_program_matches_one_device():
+    spec = get("gpt")
+    model = spec.build()
+    batch = spec.batch(4)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-5)
+    losses = []
+    for _ in range(2):
+        ref_opt.zero_grad()
+        loss = spec.loss_fn(ref, *batch)
+        loss.backward()
+        ref_opt.step()
+        losses.append(loss.detach())
+    # a limit below the replicated state (a few hundred KB) makes the search shard the "model" axis
+    replicated = 16 * sum(p.numel() for p in model.parameters())
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}),
+                        [T.data_parallel("batch"),
+                         T.automatic("model", hardware=pt.sim.hardware("h100", nodes=1, gpus_per_node=4),
+                                     memory_limit=0.9 * replicated, budget_s=3, progress=False)],
+                        example_inputs=batch, loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5))
+    assert any(axis_dims(prog, n, "model") for n in prog.graph.name_to_vid if n.startswith("params."))
+    for want in losses:
+        got = prog.train_step(*batch)
+        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=0)
+    got = prog.gather_parameters()
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(got[k], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
