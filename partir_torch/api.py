@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .capture import capture
 from .mesh import Mesh
+from .options import Options
 from .program import Program, TacticContext
 from .propagate.engine import Propagator
 from .propagate.graph import PartGraph, no_gc
@@ -12,7 +13,8 @@ from .errors import PartitionError
 
 
 def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimizer=None, registry=None,
-              simulate=None, timeout_s: float = 300.0, bucket_bytes: int = 64 * 2 ** 20, clip_grad_norm=None,
+              simulate=None, timeout_s: float = Options.timeout_s, bucket_bytes: int = Options.bucket_bytes,
+              clip_grad_norm=None,
               accumulate: int = 1, accumulate_dims: dict | None = None) -> Program:
     """Trace `model`'s step and partition it over `mesh` with the tactics of `schedule`, in order.
 
@@ -56,8 +58,8 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
                        accumulate=accumulate, accumulate_dims=accumulate_dims)
     with no_gc():   # linear time: no full collections over the traced graph's heap while partitioning
         graph = PartGraph(captured.gm, registry or default_registry(), captured.names, captured.ties)
-        prog = Program(captured, graph, Propagator(graph, mesh), mesh, tactics, model, optimizer)
-        prog.timeout_s, prog.bucket_bytes = timeout_s, bucket_bytes
+        prog = Program(captured, graph, Propagator(graph, mesh), mesh, tactics, model, optimizer,
+                       Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s))
         prog.loss_fn, prog.registry, prog.decompositions = loss_fn, registry, decomps
         ctx = TacticContext(prog)
         for t in tactics:

@@ -9,6 +9,9 @@ from tabulate import tabulate
 from .errors import PartitionError, closest
 from .propagate.state import PARTIAL_OP, REPLICATED, UNKNOWN, state_str
 from .sharding import Sharding
+from .contract import META_COLLECTIVE, META_RECOMPUTE, META_ROLE, META_SRC, META_TAG
+from .options import Options
+from .propagate.decisions import Decisions, value_sharding
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ class TacticContext:
         vid = self.graph.name_to_vid[name]
         node = self.graph.values[vid]
         val = node.meta["val"]
-        return {"shape": tuple(val.shape), "dtype": val.dtype, "role": node.meta.get("partir_role", "activation")}
+        return {"shape": tuple(val.shape), "dtype": val.dtype, "role": node.meta.get(META_ROLE, "activation")}
 
     def seed_and_propagate(self, axis: str, seeds: list, tactic: str, region: set | None = None,
                            closed: bool = False) -> list:
@@ -74,7 +77,7 @@ class TacticContext:
         """Ops of the optimizer update: everything downstream of optimizer state, lr and step."""
         g = self.graph
         roots = [g.vid[n] for n in g.gm.graph.nodes if n.op == "placeholder"
-                 and n.meta.get("partir_role") in ("opt_state", "lr", "step")]   # lr: every hparams.<g>.<name>
+                 and n.meta.get(META_ROLE) in ("opt_state", "lr", "step")]   # lr: every hparams.<g>.<name>
         region, stack = set(), list(roots)
         seen = set(roots)
         while stack:
@@ -93,14 +96,29 @@ class TacticContext:
 class Program:
     """A partitioned step. `print(prog)` shows the graph with shardings; see DESIGN §2 for the API."""
 
-    def __init__(self, captured, graph, prop, mesh, tactics, model=None, optimizer=None):
+    def __init__(self, captured, graph, prop, mesh, tactics, model=None, optimizer=None, options: Options = None):
         self.captured, self.graph, self.prop, self.mesh = captured, graph, prop, mesh
         self.tactics = tactics
+        self.options = options or Options()
         self.stages: list = []
         self.model, self.optimizer = model, optimizer
         self.notes: dict = {}
         self.remarks: dict = {}   # tactic name -> lines summary() prints under its table
         self._exec = None
+        self._stage_lowered: dict = {}     # stage index -> Lowered (see stage_lowered)
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.options.bucket_bytes
+
+    @property
+    def timeout_s(self) -> float:
+        return self.options.timeout_s
+
+    @property
+    def decisions(self) -> Decisions:
+        """What the whole schedule decided (an immutable snapshot; stages[k].decisions after tactic k)."""
+        return Decisions(self.prop)
 
     # -- running (see runtime/) ----------------------------------------------------------------------------------
     @property
@@ -200,19 +218,7 @@ class Program:
         return vid
 
     def sharding_of_vid(self, vid: int) -> Sharding:
-        c = self.graph.canon[vid]
-        ndim = len(self.graph.shapes[vid])
-        dims = [list(self.prop.dim_axes.get((c, d), ())) for d in range(ndim)]
-        partial, rep, strides = [], [], []
-        for axis, st in self.prop.axes.items():
-            s = st.value[c]
-            if s in PARTIAL_OP:
-                partial.append((axis, PARTIAL_OP[s]))
-            elif s == REPLICATED:
-                rep.append(axis)
-            elif s >= 0 and (c, axis) in self.prop.strides:
-                strides.append((axis, self.prop.strides[(c, axis)]))
-        return Sharding(dims=dims, partial=partial, replicated=rep, strides=strides)
+        return value_sharding(self.prop, vid)
 
     def sharding(self, name: str) -> Sharding:
         """The sharding of a named value after the last tactic (e.g. "params.layers.0.attn.wq.weight")."""
@@ -327,7 +333,7 @@ class Program:
                 args = ", ".join(f"%{a.name}" if hasattr(a, "name") else repr(a) for a in node.args)
                 rhs = f"{node.target}({args})"
             sh = f"  # {self.sharding_of_vid(vid)}" if vid is not None else ""
-            tag = f"  ({node.meta['partir_tag']})" if node.meta.get("partir_tag") else ""
+            tag = f"  ({node.meta['partir_tag']})" if node.meta.get(META_TAG) else ""
             lines.append(f"{lhs} = {rhs}{sh}{tag}")
         return "\n".join(lines)
 
@@ -350,8 +356,8 @@ class Program:
                 continue
             args = ", ".join(f"%{a.name}" if hasattr(a, "name") else repr(a) for a in node.args)
             line = f"%{node.name}{shape} = {_short(node.target)}({args})"
-            rec = node.meta.get("partir_collective")
-            origin = src.get(node.meta.get("partir_src", ""))
+            rec = node.meta.get(META_COLLECTIVE)
+            origin = src.get(node.meta.get(META_SRC, ""))
             if rec is not None:
                 op = f"({rec.reduce_op})" if rec.reduce_op else ""
                 line += f"  # {rec.kind}{op} on '{rec.axis}' (x{rec.group_size}) {_fmt_bytes(rec.nbytes)} " \
@@ -374,14 +380,15 @@ class Program:
 
     def stage_lowered(self, k: int):
         """The per-device program after tactic k (k = -1: before any tactic, everything replicated)."""
-        cache = self.__dict__.setdefault("_stage_lowered", {})
+        cache = self._stage_lowered
         if k not in cache:
             from .lower.fakeprop import annotate_local_vals
-            from .lower.lower import lower
+            from .lower.lower import Lowerer
             from .propagate.engine import Propagator
 
             prop = Propagator(self.graph, self.mesh) if k < 0 else self.stages[k].prop
-            low = lower(self._view(prop), {a: f"partir_{a}" for a in self.mesh.axes})
+            low = Lowerer(self.graph, Decisions(prop), self.mesh, self.captured,
+                          {a: f"partir_{a}" for a in self.mesh.axes}, self.options).run()
             annotate_local_vals(low, self.captured)
             cache[k] = low
         return cache[k]
@@ -394,7 +401,7 @@ class Program:
         reports = []
         for k, name in [(-1, "replicated")] + [(k, s.tactic) for k, s in enumerate(self.stages)]:
             low = self.stage_lowered(k)
-            recompute = {n.name for n in low.gm.graph.nodes if n.meta.get("partir_recompute")}
+            recompute = {n.name for n in low.gm.graph.nodes if n.meta.get(META_RECOMPUTE)}
             reports.append(simulate_graph(low.gm, self.mesh, hw, axis_map=axis_map, stage_name=name, issue=issue,
                                           exclude_flops=recompute))
         final = reports[-1]

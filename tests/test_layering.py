@@ -12,7 +12,7 @@ import partir_torch
 ROOT = os.path.dirname(partir_torch.__file__)
 
 
-BASE = {"errors", "mesh", "sharding"}
+BASE = {"errors", "mesh", "sharding", "contract", "options"}
 
 
 def _unit(module: str) -> str:

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_mutation, sync_functional_tensor, to_fun
 
+from ..contract import META_ACCUMULATE, META_NAME, META_OUTPUT, META_ROLE, META_TAG, META_TAGS, stamp_phases
 from ..errors import PartitionError, TraceError
 from .decompositions import capture_decompositions
 from .graphutil import forward_nodes, source_line
@@ -261,7 +262,7 @@ def _accumulate_early(gm: fx.GraphModule) -> None:
     reduction can start there, as eager .backward() accumulates into .grad."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for n in list(gm.graph.nodes):
-        if (n.meta.get("custom") or {}).get("partir_accumulate") and n.all_input_nodes:
+        if (n.meta.get("custom") or {}).get(META_ACCUMULATE) and n.all_input_nodes:
             max(n.all_input_nodes, key=order.__getitem__).append(n)
     gm.graph.lint()
     gm.recompile()
@@ -384,7 +385,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
             if grads is None:
                 grads = got
             else:   # tagged: _accumulate_early moves each sum next to the gradient it adds
-                with fx_traceback.preserve_node_meta(), fx_traceback.annotate({"partir_accumulate": True}):
+                with fx_traceback.preserve_node_meta(), fx_traceback.annotate({META_ACCUMULATE: True}):
                     grads = {k: grads[k] + got[k] for k in trainable}
             loss = part.detach() if loss is None else loss + part.detach()
         if mode == LOSS_AND_GRADS:
@@ -435,6 +436,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     cap.consts = consts
     for opt in options:
         opt.rewrite(cap)
+    stamp_phases(cap.gm, forward_only=mode in (FORWARD, EVAL))
     return cap
 
 
@@ -460,7 +462,7 @@ def _split_param_views(gm) -> None:
             continue
         with gm.graph.inserting_before(min(late, key=index.__getitem__)):
             dup = gm.graph.call_function(n.target, n.args, n.kwargs)
-            dup.meta.update({k: v for k, v in n.meta.items() if k not in ("partir_tag", "partir_tags")})
+            dup.meta.update({k: v for k, v in n.meta.items() if k not in (META_TAG, META_TAGS)})
         for u in late:
             u.replace_input_with(n, dup)
     gm.graph.lint()
@@ -473,13 +475,13 @@ def _annotate(gm, mode, names, roles, out_names, out_spec, fopt, param_fqns, tra
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     named = {}
     for node, name, role in zip(placeholders, names, roles):
-        node.meta["partir_name"], node.meta["partir_role"] = name, role
+        node.meta[META_NAME], node.meta[META_ROLE] = name, role
         named[name] = node
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outs = list(out_node.args[0])
     for node in outs:
         if isinstance(node, fx.Node):
-            node.meta["partir_output"] = True
+            node.meta[META_OUTPUT] = True
     ties = [(named[name], node) for name, node in zip(out_names, outs)
             if name in named and isinstance(node, fx.Node) and node is not named[name]]
     for name, node in collect_tags(gm).items():

@@ -8,6 +8,7 @@ Tuple outputs are tagged `<fqn>:out.<i>`.
 from __future__ import annotations
 
 import torch
+from ..contract import META_TAG, META_TAGS
 
 
 def _tracing_graph():
@@ -22,8 +23,8 @@ def _tag(graph, t: torch.Tensor, name: str) -> None:
             return
         v = node.meta.get("val")
         if isinstance(v, torch.Tensor) and tuple(v.shape) == shape and v.dtype == dtype:
-            node.meta.setdefault("partir_tag", name)
-            node.meta.setdefault("partir_tags", []).append(name)
+            node.meta.setdefault(META_TAG, name)
+            node.meta.setdefault(META_TAGS, []).append(name)
             return
 
 
@@ -53,6 +54,6 @@ def collect_tags(gm) -> dict:
     """name -> node for every tag left on the captured graph."""
     names = {}
     for node in gm.graph.nodes:
-        for name in node.meta.get("partir_tags", ()):
+        for name in node.meta.get(META_TAGS, ()):
             names.setdefault(name, node)
     return names

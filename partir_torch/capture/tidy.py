@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from ..contract import RANDOM_OPS
 
 aten = torch.ops.aten
 
 # random draws whose tensor operand is only a template (shape, dtype, device): dropout as nn.Dropout traces it,
 # bernoulli_(empty_like(x), p)
-_TEMPLATE_RANDOM = {aten.bernoulli.p, aten.rand_like.default, aten.randn_like.default}
+_TEMPLATE_RANDOM = RANDOM_OPS & {aten.bernoulli.p, aten.rand_like.default, aten.randn_like.default}
 # factories shaped like their operand -> the factory with a static shape (value argument index, else None)
 _LIKE = {aten.empty_like.default: (aten.empty.memory_format, None), aten.zeros_like.default: (aten.zeros.default, None),
          aten.ones_like.default: (aten.ones.default, None), aten.full_like.default: (aten.full.default, 1)}

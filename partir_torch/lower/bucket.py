@@ -15,13 +15,11 @@ import torch
 import torch.fx as fx
 
 from .records import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, META_COLLECTIVE, CollectiveRecord
+from ..contract import META_IN_SHAPE, META_LOCAL_SHAPE
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-CAP = 64 * 2 ** 20
-
-
-def bucket_collectives(graph: fx.Graph, records: list, cap: int = CAP) -> list:
+def bucket_collectives(graph: fx.Graph, records: list, cap: int) -> list:
     """Merge buckets in place; returns the new record list (program order)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     runs: dict = {}
@@ -56,7 +54,7 @@ def bucket_collectives(graph: fx.Graph, records: list, cap: int = CAP) -> list:
 def _plain(node, rec) -> bool:
     """A dim-0 collective whose result goes straight to one wait (no interleaving, no moved dims)."""
     users = list(node.users)
-    shaped = node.meta.get("partir_in_shape") is not None or rec.kind == ALL_REDUCE
+    shaped = node.meta.get(META_IN_SHAPE) is not None or rec.kind == ALL_REDUCE
     return rec.dim in (0, -1) and len(users) == 1 and users[0].target is c10d.wait_tensor.default and shaped
 
 
@@ -104,13 +102,13 @@ def _merge(graph, run, order) -> CollectiveRecord:
         off = 0
         for (node, rec), flat in zip(run, flats):
             if first.kind == ALL_REDUCE:
-                shape = list(node.meta["partir_local_shape"])
+                shape = list(node.meta[META_LOCAL_SHAPE])
                 part = graph.call_function(aten.slice.Tensor, (wait, 0, off, off + _numel(shape)))
                 out = graph.call_function(aten.view.default, (part, shape))
                 off += _numel(shape)
                 next(iter(node.users)).replace_all_uses_with(out)
                 continue
-            shape = list(node.meta["partir_in_shape"])
+            shape = list(node.meta[META_IN_SHAPE])
             n = _numel(shape) if first.kind == ALL_GATHER else _numel(shape) // k
             if first.kind == ALL_GATHER:
                 part = graph.call_function(aten.slice.Tensor, (rows, 1, off, off + n))

@@ -10,10 +10,8 @@ REDUCE_SCATTER = "reduce_scatter"
 ALL_TO_ALL = "all_to_all"
 KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
 
-# node.meta keys on the lowered, per-device GraphModule
-META_COLLECTIVE = "partir_collective"   # CollectiveRecord, on the collective node (its wait_tensor follows)
-META_ROLE = "partir_role"               # placeholders: "param" | "buffer" | "opt_state" | "input" | "lr" | "coord"
-META_NAME = "partir_name"               # placeholders: the named value ("params.w1.weight"); outputs: list of names
+# node.meta keys (re-exported for the simulator and the runtimes)
+from ..contract import META_COLLECTIVE, META_NAME, META_ROLE  # noqa: E402,F401
 
 
 @dataclass(frozen=True)

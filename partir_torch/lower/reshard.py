@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from ..sharding import Sharding
 from .records import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, CollectiveRecord
+from ..contract import META_COLLECTIVE, META_IN_SHAPE, META_LOCAL_SHAPE
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -35,17 +36,16 @@ class Emitter:
 
     def call(self, target, *args, meta_shape=None, dtype=None, kwargs=None):
         node = self.graph.call_function(target, tuple(args), dict(kwargs or {}))
-        node.meta["partir_local_shape"] = meta_shape
-        node.meta["partir_dtype"] = dtype
+        node.meta[META_LOCAL_SHAPE] = meta_shape
         return node
 
     def collective(self, target, args, kind, axis, shape, dtype, nbytes, value, tactic, reduce_op="", dim=-1,
                    in_shape=None):
         c = self.call(target, *args, meta_shape=shape, dtype=dtype)
-        c.meta["partir_in_shape"] = tuple(in_shape) if in_shape is not None else None
+        c.meta[META_IN_SHAPE] = tuple(in_shape) if in_shape is not None else None
         rec = CollectiveRecord(kind, axis, self.mesh.shape[axis], int(nbytes), str(dtype).replace("torch.", ""),
                                tactic, value, c.name, reduce_op, dim, self.phase)
-        c.meta["partir_collective"] = rec
+        c.meta[META_COLLECTIVE] = rec
         self.records.append(rec)
         return self.call(c10d.wait_tensor.default, c, meta_shape=shape, dtype=dtype)
 
@@ -59,7 +59,7 @@ def _move_first(em, x, shape, d, dtype):
 
 def _contiguous(em, x, shape, dtype):
     node = em.graph.call_function(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
-    node.meta["partir_local_shape"], node.meta["partir_dtype"] = shape, dtype
+    node.meta[META_LOCAL_SHAPE] = shape
     return node
 
 

@@ -16,6 +16,8 @@ from collections import deque
 
 import torch
 
+from .. import contract
+from ..contract import META_NO_PARTIAL_PASS, META_OUTPUT
 from ..errors import ShardingConflictError
 from ..mesh import Mesh
 from ..rules.factors import PASS, REDUCE, stride_of
@@ -25,9 +27,7 @@ from .state import PARTIAL, PARTIAL_OP, REPLICATED, UNKNOWN, AxisState, Conflict
 
 aten = torch.ops.aten
 # ops that only re-view their operand: where a closed region ends in one, the region is cut back to its source
-VIEW_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
-                      aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
-                      aten.squeeze.dims, aten.clone.default, aten.expand.default, aten.alias.default})
+VIEW_OPS = contract.VIEW_OPS | {aten.clone.default, aten.alias.default}
 
 
 class Propagator:
@@ -163,7 +163,7 @@ class Propagator:
                 continue
             c = g.canon[op.results[0]]
             if c not in keep or any(u in st.assign for v in g.tied[c] for u in g.users[v]) or \
-                    any(g.values[v].meta.get("partir_output") for v in g.tied[c]):
+                    any(g.values[v].meta.get(META_OUTPUT) for v in g.tied[c]):
                 continue
             f = st.assign.pop(i)
             st.assign_tactic.pop(i)
@@ -335,10 +335,10 @@ class Propagator:
         if len(kinds) != 1:
             return []
         p = kinds.pop()
-        if op.node.meta.get("partir_no_partial_pass"):
+        if op.node.meta.get(META_NO_PARTIAL_PASS):
             return []
         for j, vid, _ in partial_ops:
-            if len(g.users[vid]) != 1 or g.values[vid].meta.get("partir_output"):
+            if len(g.users[vid]) != 1 or g.values[vid].meta.get(META_OUTPUT):
                 return []
         if any(vid is not None and len(g.tied[g.canon[vid]]) > 1 for vid in op.results):
             return []     # state (a running statistic and its update) keeps one layout: it is never partial

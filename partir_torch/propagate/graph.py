@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from ..rules.factors import OpRule
 from ..rules.registry import RuleRegistry, result_vals
+from ..contract import META_TAG
 
 
 @contextlib.contextmanager
@@ -128,5 +129,5 @@ class PartGraph:
             if v in self.vid_names:
                 return self.vid_names[v]
         node = self.values[vid]
-        tag = node.meta.get("partir_tag")
+        tag = node.meta.get(META_TAG)
         return f"{node.name} ({tag})" if tag else node.name

@@ -101,8 +101,8 @@ class Evaluator:
             model.train(was)
         with no_gc():
             graph = PartGraph(cap.gm, getattr(train, "registry", None) or default_registry(), cap.names, cap.ties)
-            prog = Program(cap, graph, Propagator(graph, train.mesh), train.mesh, [_Live()], model, None)
-            prog.timeout_s, prog.bucket_bytes = train.timeout_s, train.bucket_bytes
+            prog = Program(cap, graph, Propagator(graph, train.mesh), train.mesh, [_Live()], model, None,
+                           train.options)
             ctx = TacticContext(prog)
             # one pass per training stage, seeding what that tactic decided: axes that share a dim compose in the
             # same order as in training (megatron's "model" before ZeRO's "batch" on a weight's dim 0)

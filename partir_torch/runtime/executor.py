@@ -12,6 +12,7 @@ from ..lower.lower import lower
 from .distributed import DistributedRuntime, real_ranks_active
 from .emulate import EmulatedRuntime
 from .state import group_hyper, model_keys, optimizer_fqns, to_global
+from ..contract import META_SRC
 
 STATE_ROLES = ("param", "buffer", "opt_state")
 
@@ -39,7 +40,7 @@ class Executor:
     def ensure(self):
         if self.rt is None or not self.rt.valid():
             mesh = self.prog.mesh
-            self.rt = DistributedRuntime(mesh, getattr(self.prog, "timeout_s", 300.0)) if real_ranks_active() \
+            self.rt = DistributedRuntime(mesh, self.prog.options.timeout_s) if real_ranks_active() \
                 else EmulatedRuntime(mesh)
             self.lowered = lower(self.prog, self.rt.groups)
             if isinstance(self.rt, DistributedRuntime):
@@ -150,7 +151,7 @@ class Executor:
             if fr.filename.startswith("<eval_with_key>") and 0 < fr.lineno <= len(lines):
                 name = lines[fr.lineno - 1].strip().split(" = ")[0]
                 node = next((n for n in gm.graph.nodes if n.name == name), None)
-                src = node.meta.get("partir_src") if node is not None else None
+                src = node.meta.get(META_SRC) if node is not None else None
                 orig = next((n for n in self.prog.captured.gm.graph.nodes if n.name == src), None)
                 return orig or node
         return None

@@ -8,8 +8,8 @@ stay alive until its wait_tensor (the communication reads them asynchronously).
 Breakdown at the peak:
 - parameters / optimizer_state / buffers / inputs: placeholders by ``partir_role`` (and the updated values the
   output returns under ``params.*`` / ``opt.*`` / ``buffers.*`` names);
-- gradients: nodes tagged ``meta["partir_kind"] == "grad"``; without tags, values produced in backward that are
-  still alive when the optimizer update starts (its first node that reads optimizer state or the learning rate);
+- gradients: values produced in backward that are still alive when the optimizer update starts (its first node
+  that reads optimizer state or the learning rate);
 - activations: values produced in forward (up to the loss) and used in backward;
 - temporaries: everything else.
 """
@@ -146,18 +146,15 @@ def _categorize(nodes, inputs, sid_of, born, last, owner) -> list:
                         named[s] = cat
     fwd_end = _loss_index(flat_out, names, len(nodes), sid_of, born)
     opt_start = _optimizer_start(nodes, inputs)
-    tagged = any(n.meta.get("partir_kind") for n in nodes)
     cats = []
     for s, node in enumerate(owner):
         if node.op == "placeholder":
             cats.append(_ROLE_CATEGORY.get(node.meta.get(META_ROLE), "inputs"))
         elif s in named:
             cats.append(named[s])
-        elif node.meta.get("partir_kind") == "grad":
-            cats.append("gradients")
         elif born[s] <= fwd_end < last[s]:
             cats.append("activations")
-        elif not tagged and fwd_end < born[s] < opt_start <= last[s]:
+        elif fwd_end < born[s] < opt_start <= last[s]:
             cats.append("gradients")
         else:
             cats.append("temporaries")

@@ -10,6 +10,7 @@ from ..errors import PartitionError
 from ..propagate.state import UNKNOWN
 from .presets import DataParallel
 from .structure import expert_weights, forward_uses
+from ..contract import META_ROLE
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class ExpertParallel:
             trial.seed(axis, v, 0, self.name)
         region = set(trial.run(axis, self.name, vids, closed=True))
         assign = trial.axes[axis].assign
-        inputs = [n for n in g.gm.graph.nodes if n.op == "placeholder" and n.meta.get("partir_role") == "input"]
+        inputs = [n for n in g.gm.graph.nodes if n.op == "placeholder" and n.meta.get(META_ROLE) == "input"]
         from_inputs = descendants(inputs)
         boundary = []
         for c in region:

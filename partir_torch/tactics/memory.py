@@ -15,6 +15,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import PartitionError
+from ..contract import (META_NO_PARTIAL_PASS, META_RECOMPUTE, META_RECOMPUTE_OF, META_REMAT, META_ROLE, META_TAG,
+    META_TAGS, RANDOM_OPS)
 
 aten = torch.ops.aten
 
@@ -58,7 +60,7 @@ class MixedPrecision:
             if n.target is aten._to_copy.default and n.kwargs.get("dtype") == torch.float32:
                 src = n.args[0].meta.get("val")
                 if isinstance(src, torch.Tensor) and src.dtype == self.param_dtype:
-                    n.meta["partir_no_partial_pass"] = True
+                    n.meta[META_NO_PARTIAL_PASS] = True
 
     def apply(self, ctx) -> None:
         pass
@@ -89,14 +91,14 @@ def split_param_casts(gm) -> None:
     changed = False
     for n in nodes:
         if n not in fwd or n.target is not aten._to_copy.default or n.args[0].op != "placeholder" \
-                or n.args[0].meta.get("partir_role") != "param":
+                or n.args[0].meta.get(META_ROLE) != "param":
             continue
         late = [u for u in n.users if u not in fwd and u.op != "output"]
         if not late or len(late) == len(n.users):
             continue
         with gm.graph.inserting_before(min(late, key=index.__getitem__)):
             dup = gm.graph.call_function(n.target, n.args, n.kwargs)
-        dup.meta.update({k: v for k, v in n.meta.items() if k not in ("partir_tag", "partir_tags")})
+        dup.meta.update({k: v for k, v in n.meta.items() if k not in (META_TAG, META_TAGS)})
         for u in late:
             u.replace_input_with(n, dup)
         changed = True
@@ -105,8 +107,7 @@ def split_param_casts(gm) -> None:
         gm.recompile()
 
 
-_RANDOM = {aten.native_dropout.default, aten.rand.default, aten.randn.default, aten.rand_like.default,
-           aten.randn_like.default, aten.bernoulli.default, aten.bernoulli.p}
+_RANDOM = RANDOM_OPS
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ class Remat:
                     return
                 for n in list(g.nodes)[first:]:
                     if n.op == "call_function":   # hooks of enclosing modules run later: the outermost match wins
-                        n.meta["partir_remat"] = fqn
+                        n.meta[META_REMAT] = fqn
 
             handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
         return handles
@@ -158,13 +159,13 @@ class Remat:
         nodes, fwd = _forward_of(gm)
         groups: dict = {}
         for n in nodes:
-            fqn = n.meta.get("partir_remat")
+            fqn = n.meta.get(META_REMAT)
             if fqn and n in fwd:
                 groups.setdefault(fqn, []).append(n)
         order = {n: i for i, n in enumerate(nodes)}
         for fqn, members in groups.items():
             inside = set(members)
-            kept = {n for n in members if f"{fqn}:out" in n.meta.get("partir_tags", ()) or n.target in _RANDOM
+            kept = {n for n in members if f"{fqn}:out" in n.meta.get(META_TAGS, ()) or n.target in _RANDOM
                     or any(u not in inside and u in fwd for u in n.users)}
             kept |= {u for n in members if n.target in _RANDOM for u in n.users if u in inside
                      and u.target is __import__("operator").getitem}
@@ -184,10 +185,10 @@ class Remat:
             with gm.graph.inserting_before(first_use):
                 for n in sorted(need, key=order.get):
                     c = gm.graph.node_copy(n, lambda a: clones.get(a, a))
-                    c.meta.pop("partir_tags", None)
-                    c.meta.pop("partir_tag", None)
-                    c.meta["partir_recompute"] = fqn
-                    c.meta["partir_recompute_of"] = n.name
+                    c.meta.pop(META_TAGS, None)
+                    c.meta.pop(META_TAG, None)
+                    c.meta[META_RECOMPUTE] = fqn
+                    c.meta[META_RECOMPUTE_OF] = n.name
                     clones[n] = c
             for n, us in late.items():
                 for u in us:

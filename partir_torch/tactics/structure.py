@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..capture.graphutil import forward_nodes
+from ..contract import META_NAME, META_ROLE
 
 aten = torch.ops.aten
 
@@ -51,7 +52,7 @@ def param_source(node) -> tuple | None:
         elif node.target not in _CASTS:
             return None
         node = node.args[0]
-    if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.meta.get("partir_role") == "param":
+    if isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.meta.get(META_ROLE) == "param":
         return node, flips % 2 == 1
     return None
 
@@ -72,7 +73,7 @@ def _linear(node):
     if found is None or len(found[0].meta["val"].shape) != 2:
         return None
     w, transposed = found
-    return w.meta["partir_name"], 0 if transposed else 1
+    return w.meta[META_NAME], 0 if transposed else 1
 
 
 def linear_weight(node, graph=None):
@@ -244,7 +245,7 @@ def _static_nodes(nodes) -> set:
     static = set()
     for n in nodes:
         if n.op == "placeholder":
-            if n.meta.get("partir_role") in ("param", "buffer", "const"):
+            if n.meta.get(META_ROLE) in ("param", "buffer", "const"):
                 static.add(n)
         elif n.op == "call_function" and all(a in static for a in n.all_input_nodes):
             static.add(n)
@@ -314,8 +315,8 @@ def embedding_tables(captured) -> list:
     for n in captured.gm.graph.nodes:
         if n.target is aten.embedding.default:
             found = param_source(n.args[0])
-            if found and not found[1] and found[0].meta["partir_name"] not in out:
-                out.append(found[0].meta["partir_name"])
+            if found and not found[1] and found[0].meta[META_NAME] not in out:
+                out.append(found[0].meta[META_NAME])
     return out
 
 
@@ -345,12 +346,12 @@ def expert_weights(captured) -> list:
     fwd = forward_nodes(gm)
     out = []
     for n in gm.graph.nodes:
-        if n.op != "placeholder" or n.meta.get("partir_role") != "param":
+        if n.op != "placeholder" or n.meta.get(META_ROLE) != "param":
             continue
         val = n.meta.get("val")
         if val is None or val.dim() != 3 or val.shape[0] <= 1:
             continue
         uses = {u.target for u in forward_uses(n, fwd)}
         if uses & _EXPERT_USES and not uses & {aten.convolution.default}:
-            out.append(n.meta["partir_name"])
+            out.append(n.meta[META_NAME])
     return out

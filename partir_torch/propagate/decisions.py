@@ -1,0 +1,143 @@
+"""Decisions: what a schedule (or one stage of it) decided, as an immutable, typed snapshot.
+
+This is the contract between propagation and everything downstream (lowering, the simulator's estimates,
+explain(), the torch-xla backend, checkpoint resharding): they read decisions through these queries, never the
+propagator's working tables.
+
+Per value and mesh axis, one AxisDecision:
+
+| kind       | meaning                                                   | fields             |
+|------------|-----------------------------------------------------------|--------------------|
+| UNKNOWN    | nothing decided (lowered as replicated)                   |                    |
+| REPLICATED | explicitly whole (a REPLICATED seed); never tiled later   |                    |
+| TILED      | the axis tiles dim `dim` (minor part of (stride, n/stride)) | dim, stride      |
+| PARTIAL    | a pending reduction over the axis                         | op: sum / max / min |
+
+Per op: which axes tile each of its rule's factors (`op_factor_axes`), the inner split of a strided factor
+(`op_inner`), and the reduction an op passes a partial value through (`op_partial`).
+
+    d = prog.decisions                       # after the last tactic; prog.stages[k].decisions after tactic k
+    d.state("model", vid)                    # AxisDecision(kind=TILED, dim=0, stride=1, tactic='MP')
+    d.sharding(vid)                          # the public Sharding
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from ..sharding import Sharding
+from .state import PARTIAL_OP, REPLICATED, UNKNOWN
+
+
+def value_sharding(prop, vid: int) -> Sharding:
+    """The Sharding of a value from a propagator's tables (Decisions.sharding; Program reads its live
+    propagator with it while tactics still run)."""
+    g = prop.g
+    c = g.canon[vid]
+    dims = [list(prop.dim_axes.get((c, d), ())) for d in range(len(g.shapes[vid]))]
+    partial, rep, strides = [], [], []
+    for axis, st in prop.axes.items():
+        s = st.value[c]
+        if s in PARTIAL_OP:
+            partial.append((axis, PARTIAL_OP[s]))
+        elif s == REPLICATED:
+            rep.append(axis)
+        elif s >= 0 and (c, axis) in prop.strides:
+            strides.append((axis, prop.strides[(c, axis)]))
+    return Sharding(dims=dims, partial=partial, replicated=rep, strides=strides)
+
+
+class Kind(Enum):
+    UNKNOWN = "unknown"
+    REPLICATED = "replicated"
+    TILED = "tiled"
+    PARTIAL = "partial"
+
+
+@dataclass(frozen=True)
+class AxisDecision:
+    """One value's state on one mesh axis."""
+
+    kind: Kind
+    dim: int | None = None       # TILED: the tensor dim
+    stride: int = 1              # TILED: the axis tiles the minor part of the dim seen as (stride, n / stride)
+    op: str | None = None        # PARTIAL: "sum" | "max" | "min"
+    tactic: str = "-"            # the tactic that decided it ("-" for UNKNOWN)
+
+    @property
+    def is_tiled(self) -> bool:
+        return self.kind is Kind.TILED
+
+    @property
+    def is_partial(self) -> bool:
+        return self.kind is Kind.PARTIAL
+
+    def __str__(self):
+        if self.kind is Kind.TILED:
+            return f"tiled(dim {self.dim}" + (f", stride {self.stride})" if self.stride > 1 else ")")
+        return f"partial({self.op})" if self.kind is Kind.PARTIAL else self.kind.value
+
+
+class Decisions:
+    """An immutable snapshot of a propagator's decisions (built by Propagator.decisions())."""
+
+    def __init__(self, prop):
+        # a private copy: later tactics keep propagating on the original
+        self._p = prop.snapshot()
+        self.graph, self.mesh = prop.g, prop.mesh
+
+    # -- values ------------------------------------------------------------------------------------------------
+    @property
+    def axes(self) -> tuple:
+        """Mesh axes in the order tactics first decided on them."""
+        return tuple(self._p.axis_order)
+
+    def state(self, axis: str, vid: int) -> AxisDecision:
+        p = self._p
+        c = self.graph.canon[vid]
+        st = p.axes.get(axis)
+        s = UNKNOWN if st is None else st.value[c]
+        prov = st.prov.get(c) if st is not None else None
+        tactic = prov.tactic if prov is not None else "-"
+        if s >= 0:
+            return AxisDecision(Kind.TILED, dim=s, stride=p.strides.get((c, axis), 1), tactic=tactic)
+        if s == REPLICATED:
+            return AxisDecision(Kind.REPLICATED, tactic=tactic)
+        if s in PARTIAL_OP:
+            return AxisDecision(Kind.PARTIAL, op=PARTIAL_OP[s], tactic=tactic)
+        return AxisDecision(Kind.UNKNOWN)
+
+    def tactic_of(self, vid: int, axis: str) -> str:
+        """The tactic whose decision on `axis` this value carries ("-" when none)."""
+        return self.state(axis, vid).tactic
+
+    def dim_axes(self, vid: int, dim: int) -> tuple:
+        """Axes tiling one dim of a value, major to minor."""
+        return tuple(self._p.dim_axes.get((self.graph.canon[vid], dim), ()))
+
+    def local_dim(self, vid: int, dim: int) -> int:
+        return self._p.local_dim(vid, dim)
+
+    def sharding(self, vid: int) -> Sharding:
+        """The public Sharding of a value: tiled dims (axes major to minor), partial axes, explicitly replicated
+        axes and strided splits."""
+        return value_sharding(self._p, vid)
+
+    # -- ops ---------------------------------------------------------------------------------------------------
+    def op_factor_axes(self, i: int) -> dict:
+        """Rule factor id -> the axes tiling it (in order) for op i."""
+        return {f: tuple(axes) for f, axes in self._p.op_axes.get(i, {}).items()}
+
+    def op_inner(self, i: int, axis: str) -> int:
+        """Inner split factor when op i tiles a factor strided on `axis` (1 when not)."""
+        return self._p.op_inner.get((i, axis), 1)
+
+    def op_partial(self, i: int, axis: str) -> str | None:
+        """The reduction op i passes a partial operand through on `axis` ("sum" / "max" / "min"), else None."""
+        st = self._p.axes.get(axis)
+        a = st.assign.get(i) if st is not None else None
+        return PARTIAL_OP[a] if a is not None and a < 0 else None
+
+    @property
+    def conflicts(self) -> list:
+        return self._p.conflicts
