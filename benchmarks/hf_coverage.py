@@ -73,6 +73,7 @@ OVERRIDES: dict = {
     "bamba": {"attn_layer_indices": [1]},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    "deepseek_v2": {"num_experts_per_tok": 2, "n_group": 1, "topk_group": 1},   # None in the stock config
     "cvt": {"depth": (1, 2, 3)},                             # stage i indexes its drop-path list at i
     "hgnet_v2": {"stem_channels": (3, 16, 16), "stage_in_channels": (16, 32, 64, 128),
                  "stage_mid_channels": (16, 16, 32, 32), "stage_out_channels": (32, 64, 128, 64),
@@ -109,7 +110,7 @@ SIZE = {   # field name -> tiny value (ints); matched exactly, then by the patte
     "model_max_length": 128, "seq_length": 128,
     "image_size": IMAGE, "kv_lora_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_head_dim": 8, "linear_num_heads": 4,
-    "mamba_d_state": 8, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_chunk_size": 8, "state_size": 8,
+    "mamba_d_state": 8, "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_chunk_size": 8, "state_size": 8,
     "time_step_rank": 4, "chunk_size": 8, "d_state": 8, "mamba_expand": 2, "expand": 2, "n_groups": 1,
     "mamba_n_groups": 1, "attention_hidden_size": 32, "hidden_size_per_layer_input": 8,
     "vocab_size_per_layer_input": 128, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
