@@ -33,6 +33,7 @@ import partir_torch as pt                                             # noqa: E4
 from partir_torch import tactics as T                                 # noqa: E402
 from partir_torch.api import partition                                # noqa: E402
 from partir_torch.capture import capture                              # noqa: E402
+from partir_torch.options import Options                              # noqa: E402
 from partir_torch.program import Program, TacticContext               # noqa: E402
 from partir_torch.propagate.engine import Propagator                  # noqa: E402
 from partir_torch.propagate.graph import PartGraph, no_gc             # noqa: E402
@@ -70,10 +71,9 @@ def models() -> dict:
 def run_schedule(captured, graph, model, opt, mesh, schedule) -> tuple:
     """partition() on an already captured step (the step is captured once per model and partitioned per
     schedule; api.partition's loop otherwise)."""
-    tactics = [t for t in flatten_schedule(schedule) if not getattr(t, "at_capture", False)]
+    tactics = flatten_schedule(schedule)
     with no_gc():
-        prog = Program(captured, graph, Propagator(graph, mesh), mesh, tactics, model, opt)
-        prog.timeout_s, prog.bucket_bytes = 300.0, 64 * 2 ** 20
+        prog = Program(captured, graph, Propagator(graph, mesh), mesh, tactics, model, opt, Options())
         prog.loss_fn, prog.registry, prog.decompositions = M.loss_fn, None, {}
         ctx = TacticContext(prog)
         for t in tactics:

@@ -59,6 +59,7 @@ class SearchReport:
     hardware: str
     classes: dict = field(default_factory=dict)      # axis -> [(label, tied members, conflicts)]
     actions: dict = field(default_factory=dict)      # axis -> number of actions
+    choice_points: dict = field(default_factory=dict)  # axis -> pairs of actions that exclude each other
     trials: int = 0
     evaluated: int = 0
     space: int = 0
@@ -86,8 +87,9 @@ class SearchReport:
         secs = ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())
         lines = [head, t,
                  f"search space: {sum(len(v) for v in self.classes.values())} classes "
-                 f"({self.trials} trial propagations), {sum(self.actions.values())} actions, {self.space} "
-                 f"candidates; {self.evaluated} estimated, {len(self.lowered)} lowered and simulated",
+                 f"({self.trials} trial propagations), {sum(self.actions.values())} actions, "
+                 f"{sum(self.choice_points.values())} conflicting pairs (choice points), {self.space} candidates; "
+                 f"{self.evaluated} estimated, {len(self.lowered)} lowered and simulated",
                  f"rank correlation of estimate and simulation over the lowered candidates (Spearman): {rho}",
                  f"time: {secs}"]
         if not self.within_limit:
@@ -149,14 +151,16 @@ class AutomaticPartition:
         bar = _bar(self.progress, f"{self.name} {'+'.join(self.axes)}")
         try:
             # 1. the space
+            bar.set_description(f"{self.name} {'+'.join(self.axes)}: trial propagations")
             facts = ProgramFacts(ctx.graph, ctx.mesh, hw, ctx.captured)
             spaces = {}
             for axis in self.axes:
                 spaces[axis] = build_axis_space(ctx, axis, self.name, self._presets(ctx, axis),
-                                                on_trial=lambda: bar.update(0))
+                                                on_trial=lambda: bar.update(1))
                 sp = spaces[axis]
                 report.classes[axis] = [(a.label, a.members, a.conflicts) for a in sp.actions if a.kind == "class"]
                 report.actions[axis] = len(sp.actions)
+                report.choice_points[axis] = int((~sp.compatible).sum() // 2)
                 report.trials += sp.trials
             t_space = time.perf_counter()
             report.seconds["space"] = t_space - t_start
