@@ -8,6 +8,7 @@ from .program import Program, TacticContext
 from .propagate.engine import Propagator
 from .propagate.graph import PartGraph, no_gc
 from .rules.registry import default_registry
+from .tactics.base import CaptureRewrite, Tactic, decompositions_of
 from .tactics.schedule import flatten_schedule
 from .errors import PartitionError
 
@@ -15,7 +16,7 @@ from .errors import PartitionError
 def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimizer=None, registry=None,
               simulate=None, timeout_s: float = Options.timeout_s, bucket_bytes: int = Options.bucket_bytes,
               clip_grad_norm=None,
-              accumulate: int = 1, accumulate_dims: dict | None = None) -> Program:
+              accumulate: int = 1, accumulate_dims: dict | None = None, compile: bool = False) -> Program:
     """Trace `model`'s step and partition it over `mesh` with the tactics of `schedule`, in order.
 
     >>> prog = partition(model, Mesh({"batch": 2}), [ManualPartition({"inputs.*": 0}, axis="batch")],
@@ -31,13 +32,15 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     runs it as k micro-batches x[j::k] (see capture._micro_batches), their gradients summed, the loss their mean:
     one gradient reduction per step, one micro-batch's activations alive. accumulate_dims: input index -> batch
     dim (default 0), or None for an input shared by every micro-batch.
+    compile: run the per-device program compiled by TorchInductor, its functional collectives kept (real ranks:
+    the whole step; emulated ranks: each run of local ops between two collectives). See runtime/compiled.py.
     """
     if not isinstance(mesh, Mesh):
         raise PartitionError(f"partition: mesh must be a pt.Mesh, got {type(mesh).__name__}.")
     if optimizer is not None and loss_fn is None:
         raise PartitionError("partition: an optimizer needs a loss_fn (the step it updates from).")
     tactics = flatten_schedule(schedule)
-    options = [t for t in tactics if getattr(t, "at_capture", False)]
+    options = [t for t in tactics if isinstance(t, CaptureRewrite)]
     if options and loss_fn is None:
         raise PartitionError(f"partition: {', '.join(t.name for t in options)} change the training step; "
                              f"pass loss_fn= (they have nothing to act on in a forward-only program).")
@@ -53,17 +56,18 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
         raise PartitionError("partition: accumulate sums the gradients of micro-batches; pass loss_fn=.")
     decomps = {}
     for t in tactics:
-        decomps.update(getattr(t, "decompositions", dict)())
+        decomps.update(decompositions_of(t))
     captured = capture(model, example_inputs, loss_fn, optimizer, options, decomps, clip_grad_norm=clip_grad_norm,
                        accumulate=accumulate, accumulate_dims=accumulate_dims)
     with no_gc():   # linear time: no full collections over the traced graph's heap while partitioning
         graph = PartGraph(captured.gm, registry or default_registry(), captured.names, captured.ties)
         prog = Program(captured, graph, Propagator(graph, mesh), mesh, tactics, model, optimizer,
-                       Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s))
+                       Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile))
         prog.loss_fn, prog.registry, prog.decompositions = loss_fn, registry, decomps
         ctx = TacticContext(prog)
         for t in tactics:
-            t.apply(ctx)
+            if isinstance(t, Tactic):
+                t.apply(ctx)
             prog.stages.append(prog._snapshot(t))
     if simulate is not None:
         print(prog.simulate(simulate).table())

@@ -76,7 +76,7 @@ def nodes(prog, target):
 def adam_grad(prog, fqn):
     """The gradient the AdamW update reads: exp_avg' = lerp(exp_avg, grad, 1 - beta1)."""
     ph = prog.captured.names[f"opt.exp_avg.{fqn}"]
-    (lerp,) = [u for u in ph.users if u.target == aten.lerp.Scalar]
+    (lerp,) = [u for u in ph.users if u.target in (aten.lerp.Scalar, aten.lerp.Tensor)]
     return lerp.args[1]
 
 
@@ -239,7 +239,7 @@ def test_bp_then_zero3_update_runs_on_shards(bp_z3):
     prog = bp_z3
     for fqn in ("layers.0.attn.wq.weight", "layers.1.mlp.w1.bias"):
         ph = prog.captured.names[f"opt.exp_avg.{fqn}"]
-        (lerp,) = [u for u in ph.users if u.target == aten.lerp.Scalar]
+        (lerp,) = [u for u in ph.users if u.target in (aten.lerp.Scalar, aten.lerp.Tensor)]
         assert node_sharding(prog, lerp).dims[0] == ("batch",)
         assert node_sharding(prog, lerp.args[1]).partial == (("batch", "sum"),)
         i = prog.graph.vid[lerp]

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..capture import capture
 from ..errors import PartitionError
 from ..propagate.state import REPLICATED
+from ..tactics.base import CaptureRewrite
 
 LIVE = "live"
 
@@ -93,7 +94,7 @@ class Evaluator:
         model.eval()
         try:
             # the loss runs in the training step's compute dtype (mixed_precision's casts); remat has no backward here
-            options = [t for t in train.tactics if getattr(t, "at_capture", False) and hasattr(t, "param_dtype")]
+            options = [t for t in train.tactics if isinstance(t, CaptureRewrite) and hasattr(t, "param_dtype")]
             cap = capture(model, batch, train.loss_fn if kind == "loss" else None, None,
                           options if kind == "loss" else (),
                           getattr(train, "decompositions", None), eval_loss=kind == "loss")

@@ -9,6 +9,7 @@ from typing import Callable
 from ..errors import PartitionError, SelectorError, closest
 from ..sharding import REPLICATED
 from ..propagate.state import REPLICATED as REP_STATE
+from .base import SeedTactic
 
 
 def _matcher(sel):
@@ -23,7 +24,7 @@ def _matcher(sel):
 
 
 @dataclass(frozen=True)
-class ManualPartition:
+class ManualPartition(SeedTactic):
     """Tile (or replicate) the named values matching each selector on `axis`, then propagate.
 
     >>> ManualPartition({"inputs.*": 0}, axis="batch", name="BP")                # batch dim of every input
@@ -78,7 +79,3 @@ class ManualPartition:
                                          f"for axis '{self.axis}'. Use a dim in 0..{len(shape) - 1} or REPLICATED.")
                 out.append((name, t % len(shape)))
         return out
-
-    def apply(self, ctx) -> None:
-        ctx.mesh.check_axis(self.axis, self.name)
-        ctx.seed_and_propagate(self.axis, self.seeds(ctx), self.name)

@@ -31,7 +31,6 @@ class MixedPrecision:
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype = torch.float32
     name: str = "MixedPrecision"
-    at_capture = True
     axis = ""
 
     def __post_init__(self):
@@ -62,8 +61,6 @@ class MixedPrecision:
                 if isinstance(src, torch.Tensor) and src.dtype == self.param_dtype:
                     n.meta[META_NO_PARTIAL_PASS] = True
 
-    def apply(self, ctx) -> None:
-        pass
 
 
 def mixed_precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) -> MixedPrecision:
@@ -120,7 +117,6 @@ class Remat:
 
     selector: str
     name: str = "Remat"
-    at_capture = True
     axis = ""
 
     def install(self, model) -> list:
@@ -197,8 +193,6 @@ class Remat:
         gm.graph.lint()
         gm.recompile()
 
-    def apply(self, ctx) -> None:
-        pass
 
 
 def remat(selector: str) -> Remat:

@@ -20,6 +20,7 @@ from ..capture.graphutil import forward_nodes
 from ..errors import PartitionError
 from ..propagate.state import REPLICATED as REP, UNKNOWN
 from .manual import ManualPartition
+from .base import SeedTactic
 from .structure import (Linear, embedding_tables, find_linear_pairs, is_param_cast, linear_layout,
                         linear_regions, linear_weight, source)
 
@@ -27,7 +28,7 @@ aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
-class DataParallel:
+class DataParallel(SeedTactic):
     """BP: tile the batch dim of every input on `axis`. By default the batch dim is dim 0 of each input whose
     dim 0 has the batch size (the dim-0 size most inputs share); other inputs (a graph's edge list (2, E), a
     shared mask) stay whole. dims: {input index: dim or None} overrides per input."""
@@ -54,10 +55,6 @@ class DataParallel:
             raise PartitionError(f"{self.name}: no input has a batch dim to tile on axis '{self.axis}'.")
         return out
 
-    def apply(self, ctx) -> None:
-        ctx.mesh.check_axis(self.axis, self.name)
-        ctx.seed_and_propagate(self.axis, self.seeds(ctx), self.name)
-
 
 def data_parallel(axis: str = "batch", dims: dict | None = None, name: str = "BP") -> DataParallel:
     """Tile the batch dim of every input on `axis` (see DataParallel)."""
@@ -66,7 +63,7 @@ def data_parallel(axis: str = "batch", dims: dict | None = None, name: str = "BP
 
 # -- Megatron ------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Megatron:
+class Megatron(SeedTactic):
     """Megatron tensor parallelism on `axis`. plan: {FQN glob: "colwise" | "rowwise" | "vocab"} overrides
     detection. vocab=True also tiles the embedding tables on the vocabulary (a tied output projection then
     produces vocabulary-tiled logits and the cross-entropy runs vocabulary-parallel)."""
@@ -169,10 +166,6 @@ class Megatron:
             lines.append(f"  {', '.join(ws[:6])}{f' and {len(ws) - 6} more' if len(ws) > 6 else ''}: {text}")
         ctx.remark(self.name, "\n".join(lines))
         warnings.warn("partir_torch: " + "\n".join(lines), stacklevel=2)
-
-    def apply(self, ctx) -> None:
-        ctx.mesh.check_axis(self.axis, self.name)
-        ctx.seed_and_propagate(self.axis, self.seeds(ctx), self.name)
 
 
 def _short(name: str) -> str:

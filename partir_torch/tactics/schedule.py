@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..errors import PartitionError
+from .base import CaptureRewrite, Tactic
 
 
 def flatten_schedule(schedule) -> list:
@@ -11,11 +12,12 @@ def flatten_schedule(schedule) -> list:
     for t in schedule:
         if isinstance(t, (list, tuple)):
             out += flatten_schedule(t)
-        elif hasattr(t, "apply"):
+        elif isinstance(t, (Tactic, CaptureRewrite)):
             out.append(t)
         else:
-            raise PartitionError(f"schedule entry {t!r} is not a tactic (an object with apply(ctx), e.g. "
-                                 f"pt.ManualPartition or a pt.tactics preset).")
+            raise PartitionError(f"schedule entry {t!r} is not a tactic (an object with name, axis and apply(ctx), "
+                                 f"e.g. pt.ManualPartition or a pt.tactics preset) nor a capture rewrite "
+                                 f"(mixed_precision, remat).")
     names = [t.name for t in out]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
