@@ -6,8 +6,10 @@ user's own --xla_dump_to) and turns SPMD on. `import partir_torch.xla` calls it.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import tempfile
 
 from ..errors import PartitionError
@@ -30,10 +32,11 @@ def enable() -> str | None:
     started = torch_xla._XLAC._xla_runtime_is_initialized()
     if m is None and not started:
         path = tempfile.mkdtemp(prefix="partir_xla_hlo_")
+        atexit.register(shutil.rmtree, path, True)     # ours: XLA also dumps each kernel's LLVM IR there
         flags = f"{flags} --xla_dump_to={path} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re={DUMP_PASS}".strip()
         os.environ["XLA_FLAGS"] = flags
         m = re.search(r"--xla_dump_to=(\S+)", flags)
-    if m is not None and (f"--xla_dump_hlo_pass_re" in flags or not started):
+    if m is not None and ("--xla_dump_hlo_pass_re" in flags or not started):
         _dump_dir = m.group(1)
     if os.environ.get("XLA_USE_SPMD") != "1":    # use_spmd() warns when called twice
         xr.use_spmd()
