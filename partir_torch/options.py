@@ -11,14 +11,18 @@ class Options:
     """bucket_bytes: parameter gathers and gradient reduce-scatters / all-reduces are merged into buckets of up to
     this many bytes (one collective each, as DDP/FSDP do; the bytes are unchanged); 0 keeps one collective per
     value. timeout_s: on real ranks, how long the start-up check waits for every rank before naming the missing
-    ones."""
+    ones. compile: the per-device program runs compiled by TorchInductor (runtime/compiled.py; eager otherwise, with
+    the optimizer update as fused kernels, lower/fuse.py)."""
 
     bucket_bytes: int = 64 * 2 ** 20
     timeout_s: float = 300.0
+    compile: bool = False
 
     def __post_init__(self):
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
             raise PartitionError(f"partition: bucket_bytes must be an int >= 0 (0: no buckets), got "
                                  f"{self.bucket_bytes!r}.")
+        if not isinstance(self.compile, bool):
+            raise PartitionError(f"partition: compile must be True or False, got {self.compile!r}.")
         if not self.timeout_s > 0:
             raise PartitionError(f"partition: timeout_s must be a positive number of seconds, got {self.timeout_s!r}.")

@@ -22,7 +22,7 @@ class DistributedRuntime:
 
     kind = "distributed"
 
-    def __init__(self, mesh: Mesh, timeout_s: float = 300.0):
+    def __init__(self, mesh: Mesh, timeout_s: float = 300.0, compile: bool = False):
         from torch.distributed.device_mesh import init_device_mesh
 
         if dist.get_world_size() != mesh.size:
@@ -37,6 +37,8 @@ class DistributedRuntime:
         self.device = torch.device(dev, torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
         self.device_mesh = init_device_mesh(dev, tuple(mesh.shape.values()), mesh_dim_names=mesh.axes)
         self.groups = {a: self.device_mesh.get_group(a).group_name for a in mesh.axes}
+        self.compile = compile
+        self._compiled: dict = {}
 
     def valid(self) -> bool:
         return dist.is_initialized()
@@ -76,7 +78,14 @@ class DistributedRuntime:
         return [torch.tensor(self.coord[a], dtype=torch.int64, device=self.device) for a in self.mesh.axes]
 
     def run(self, gm, args):
-        return gm(*args)
+        if not self.compile:
+            return gm(*args)
+        fn = self._compiled.get(id(gm))
+        if fn is None or fn[0] is not gm:   # the whole per-device step, collectives kept (runtime/compiled.py)
+            from .compiled import compile_program
+
+            fn = self._compiled[id(gm)] = (gm, compile_program(gm, args))
+        return fn[1](*args)
 
     def dtensor(self, t, sh: Sharding, shape):
         from torch.distributed.tensor import DTensor

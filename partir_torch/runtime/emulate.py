@@ -1,5 +1,7 @@
-"""Emulated ranks: every rank of the mesh in one process (LocalTensorMode over a `fake` process group).
-Same per-device program, same numerics as real ranks."""
+"""Emulated ranks through a tensor subclass: every rank of the mesh in one process (LocalTensorMode over a `fake`
+process group). Same per-device program, same numerics as real ranks. The default emulator is interpret.py (plain
+tensors per rank, far less overhead per op); this one stays as a cross-check in the tests. It runs eager only:
+Dynamo/Inductor do not trace LocalTensor subclasses (compile=True is refused here)."""
 from __future__ import annotations
 
 import torch
@@ -27,8 +29,12 @@ class EmulatedRuntime:
 
     kind = "emulated"
 
-    def __init__(self, mesh: Mesh):
+    def __init__(self, mesh: Mesh, compile: bool = False):
         from torch.distributed._local_tensor import LocalTensorMode
+
+        if compile:
+            raise NotImplementedError("EmulatedRuntime (LocalTensorMode) runs eager only; the interpreted "
+                                      "emulator (runtime/interpret.py) compiles each segment.")
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = mesh

@@ -10,7 +10,7 @@ from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
 from ..errors import PartitionError, internal_error
 from ..lower.lower import lower
 from .distributed import DistributedRuntime, real_ranks_active
-from .emulate import EmulatedRuntime
+from .interpret import InterpretedRuntime
 from .state import group_hyper, model_keys, optimizer_fqns, to_global
 from ..contract import META_SRC
 
@@ -18,6 +18,10 @@ STATE_ROLES = ("param", "buffer", "opt_state")
 
 
 class Executor:
+    # emulated ranks: plain tensors per rank, collectives computed over them (interpret.py); tests swap in
+    # emulate.EmulatedRuntime (LocalTensorMode) as a cross-check
+    emulator = InterpretedRuntime
+
     def __init__(self, prog, model, optimizer):
         self.prog, self.model, self.optimizer = prog, model, optimizer
         self.rt = None
@@ -40,8 +44,9 @@ class Executor:
     def ensure(self):
         if self.rt is None or not self.rt.valid():
             mesh = self.prog.mesh
-            self.rt = DistributedRuntime(mesh, self.prog.options.timeout_s) if real_ranks_active() \
-                else EmulatedRuntime(mesh)
+            compile_ = getattr(self.prog.options, "compile", False)
+            self.rt = DistributedRuntime(mesh, self.prog.options.timeout_s, compile=compile_) if \
+                real_ranks_active() else self.emulator(mesh, compile=compile_)
             self.lowered = lower(self.prog, self.rt.groups)
             if isinstance(self.rt, DistributedRuntime):
                 # group names differ between ranks (each rank numbers its own groups): hash the axis names instead
@@ -146,6 +151,11 @@ class Executor:
         """The captured node whose per-device op raised `exc` (from the generated code's line), else None."""
         import traceback
 
+        name = getattr(exc, "partir_node", None)   # emulated: the interpreter names the node of its segment
+        if name is not None:
+            node = next((n for n in gm.graph.nodes if n.name == name), None)
+            src = node.meta.get(META_SRC) if node is not None else None
+            return next((n for n in self.prog.captured.gm.graph.nodes if n.name == src), None) or node
         lines = gm.code.splitlines()
         for fr in reversed(traceback.extract_tb(exc.__traceback__)):
             if fr.filename.startswith("<eval_with_key>") and 0 < fr.lineno <= len(lines):
