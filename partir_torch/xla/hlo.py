@@ -45,8 +45,7 @@ DTYPE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "f64": "f
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+"
                     r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
 _ARRAY = re.compile(r"\b(?P<dt>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
-# any instruction: its name and result shape (operands may be printed as bare names: look their shapes up)
-_ANY = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\(.*?\)|[a-z]+\d*\[[\d,]*\](?:\{[^}]*\})?)\s")
+# operand references (operands may be printed as bare names: their shapes are looked up)
 _REF = re.compile(r"%([\w.\-]+)")
 
 
@@ -204,10 +203,18 @@ def _eval_index(ins: dict, name: str, pid: int, depth: int = 0):
     return None
 
 
-def _scatter_axes(ins: dict, ar: _Instr, groups: list, mesh: Mesh):
+def _users(ins: dict) -> dict:
+    out: dict = {}
+    for i in ins.values():
+        for o in set(i.operands):
+            out.setdefault(o, []).append(i.name)
+    return out
+
+
+def _scatter_axes(ins: dict, users_of: dict, ar: _Instr, groups: list, mesh: Mesh):
     """If every user of all-reduce `ar` dynamic-slices it alike, the mesh axes (within the group) along which the
     slice offsets vary; else None."""
-    users = [i for i in ins.values() if ar.name in i.operands]
+    users = [ins[u] for u in users_of.get(ar.name, ())]
     if not users or any(u.op != "dynamic-slice" or u.operands[0] != ar.name for u in users) or \
             len({u.shape.split("{")[0] for u in users}) != 1:
         return None
@@ -247,12 +254,8 @@ def _source(ins: dict, users: dict, name: str) -> tuple:
     return name, tuple(perms)
 
 
-def _reassociated(ins: dict) -> dict:
+def _reassociated(ins: dict, users: dict) -> dict:
     """all-reduce name -> the first all-reduce of the sum it is reassociated into (see the module docstring)."""
-    users: dict = {}
-    for i in ins.values():
-        for o in set(i.operands):
-            users.setdefault(o, []).append(i.name)
     rep: dict = {}            # all-reduce or add name -> representative all-reduce
     groups = {n: re.search(r"replica_groups=(\S+?)(?:, [a-z_]+=|$)", i.line) for n, i in ins.items()
               if i.op == "all-reduce"}
@@ -280,7 +283,8 @@ def parse_collectives(hlo_text: str, mesh: Mesh) -> list:
     lines = hlo_text.splitlines()
     ins = _instructions(lines)
     shapes = {name: i.shape for name, i in ins.items()}
-    merged = _reassociated(ins)
+    users = _users(ins)
+    merged = _reassociated(ins, users)
     for line in lines:
         m = _INSTR.match(line)
         if m is None:
@@ -301,7 +305,7 @@ def parse_collectives(hlo_text: str, mesh: Mesh) -> list:
         if kind == "all_reduce" and merged.get(name, name) != name:
             continue               # summed into an earlier all-reduce's value: reassociated into that one
         if kind == "all_reduce" and name in ins and axis not in ("?", "-"):
-            scatter = _scatter_axes(ins, ins[name], groups, mesh)
+            scatter = _scatter_axes(ins, users, ins[name], groups, mesh)
             if scatter:        # all-reduce + dynamic-slice: reduce_scatter on the slice's axes, then the rest
                 k = math.prod(mesh.shape[a] for a in scatter)
                 out.append(XlaCollective("reduce_scatter", "+".join(scatter), k, nbytes, dtype or op_dtype, name,

@@ -1,11 +1,17 @@
 """XlaProgram: a partitioned step run by torch-xla's SPMD partitioner under partir's decisions.
 
-The captured *global* step graph runs op by op on XLA tensors (lazily traced, compiled once per graph). Every
-input, parameter, buffer and optimizer-state value is placed with `xs.mark_sharding` from its partir Sharding, and
-every value partir decided a layout for gets a sharding constraint (the same call on an intermediate tensor), so
-GSPMD's propagation has nothing left to choose except how to reduce partial values: it carries out partir's plan.
-What XLA cannot express is left to it: partial values (pending reductions, which have no HLO sharding) and strided
-tilings. State stays on the devices between steps.
+The captured *global* step graph runs op by op on XLA tensors (lazily traced, compiled once per graph):
+
+- every input, parameter, buffer and optimizer-state value is placed with `xs.mark_sharding` from its partir
+  Sharding, and every value computed gets its Sharding as a constraint (the same call on an intermediate tensor);
+- where partir's lowering reshards, i.e. an op uses an operand (or makes a result) in another layout than the
+  value keeps (lower.op_layouts), a copy constrained to the op's layout makes XLA reshard at that op, that way;
+- backward uses of parameters go through an optimization barrier, so ZeRO-3 gathers them again (as partir does)
+  instead of reusing the forward's gathered copy;
+- CPU-only kernels of the capture run as XLA ops (kernels.py), so the step stays one XLA program.
+
+GSPMD is then left to choose little more than how to reduce partial values (pending reductions have no HLO
+sharding; neither have strided tilings). State stays on the devices between steps.
 
     xprog = prog.to_xla()                 # PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 for 8 virtual devices
     loss = xprog.train_step(tokens, targets)
@@ -213,7 +219,8 @@ class XlaProgram:
                       for name, role in zip(cap.input_names, cap.input_roles) if role in STATE_ROLES}
 
     def state_dict(self) -> dict:
-        """Parameters, buffers and optimizer state as full CPU tensors, keyed like prog.state_dict()."""
+        """Parameters, buffers and optimizer state as full CPU tensors, keyed by named value ("params.<fqn>",
+        "buffers.<fqn>", "opt.<state>.<fqn>")."""
         self._ensure_state()
         return {n: t.cpu() for n, t in self.state.items()}
 
@@ -223,7 +230,7 @@ class XlaProgram:
 
     # -- running -----------------------------------------------------------------------------------------------------
     def _args(self, batch) -> list:
-        cap, g = self.cap, self.prog.graph
+        cap = self.cap
         flat, _ = tree_flatten(tuple(batch))
         n_in = sum(1 for r in cap.input_roles if r == "input")
         if len(flat) != n_in:
@@ -315,7 +322,8 @@ class XlaProgram:
 
     # -- XLA's program -----------------------------------------------------------------------------------------------
     def hlo(self) -> str:
-        """The post-partitioning HLO (after XLA's SPMD partitioner) of the step run last; runs nothing itself."""
+        """The post-partitioning HLO (after XLA's SPMD partitioner) of the step, as XLA compiled it at the first
+        call (train_step, or forward / loss_and_grads); runs nothing itself."""
         if not self._modules:
             raise PartitionError("XlaProgram.hlo(): run a step first (train_step / forward / loss_and_grads); the "
                                  "HLO is the one XLA compiled for it.")

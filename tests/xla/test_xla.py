@@ -165,3 +165,23 @@ def test_forward_program_equals_the_model():
     torch.testing.assert_close(xprog.forward(tokens), model(tokens).detach(), rtol=1e-5, atol=1e-5)
     with pytest.raises(pt.PartitionError, match="train_step needs"):
         xprog.train_step(tokens)
+
+
+def test_hlo_parser_reads_summed_all_reduces_as_one():
+    """Two all-reduces over the same groups summed through a reshape and a scaling by a constant are one all-reduce
+    (XLA's reassociation; partir keeps the partial through the sum); one over other groups stays apart."""
+    hlo = """
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p1 = f32[32]{0} parameter(1)
+  %all-reduce.1 = f32[4,8]{1,0} all-reduce(%p0), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%add
+  %all-reduce.2 = f32[32]{0} all-reduce(%p1), channel_id=2, replica_groups={{0,1},{2,3}}, to_apply=%add
+  %reshape.3 = f32[4,8]{1,0} reshape(%all-reduce.2)
+  %constant.4 = f32[] constant(1)
+  %broadcast.5 = f32[4,8]{1,0} broadcast(%constant.4), dimensions={}
+  %multiply.6 = f32[4,8]{1,0} multiply(%reshape.3, %broadcast.5)
+  %add.7 = f32[4,8]{1,0} add(%all-reduce.1, %multiply.6)
+  %all-reduce.8 = f32[4,8]{1,0} all-reduce(%p0), channel_id=3, replica_groups={{0,2},{1,3}}, to_apply=%add
+  ROOT %add.9 = f32[4,8]{1,0} add(%add.7, %all-reduce.8)
+"""
+    got = [(c.kind, c.axis, c.nbytes) for c in parse_collectives(hlo, pt.Mesh({"x": 2, "y": 2}))]
+    assert got == [("all_reduce", "y", 128), ("all_reduce", "x", 128)]
