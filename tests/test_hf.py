@@ -13,6 +13,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 import partir_torch as pt
 from partir_torch import tactics as T
 
+from harness import adamw, train_next_to_eager
+
 
 
 def gpt2():
@@ -35,23 +37,6 @@ def loss_fn(m, x):
     return m(input_ids=x, labels=x).loss
 
 
-def train_like_single_device(prog, ref, tokens, steps, eps, param_atol):
-    """`steps` AdamW steps of prog next to eager AdamW on ref: losses (rtol 1e-5) and the parameters after the
-    last step equal (a tied lm_head.weight is the embedding and is not gathered separately)."""
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=eps)
-    for _ in range(steps):
-        loss = prog.train_step(tokens)
-        ref_opt.zero_grad()
-        ref_loss = loss_fn(ref, tokens)
-        ref_loss.backward()
-        ref_opt.step()
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
-    got = prog.gather_parameters()
-    for name, p in ref.named_parameters():
-        if name in got:
-            torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=param_atol, msg=name)
-
-
 @pytest.mark.parametrize("build", [gpt2, llama], ids=["GPT2LMHeadModel", "LlamaForCausalLM"])
 def test_bp_mp_z3_on_2x2x2_matches_single_device(build):
     torch.manual_seed(0)
@@ -61,9 +46,10 @@ def test_bp_mp_z3_on_2x2x2_matches_single_device(build):
     mesh = pt.Mesh({"batch": 2, "fsdp": 2, "model": 2})
     schedule = [T.data_parallel("batch"), T.data_parallel("fsdp", name="BP-fsdp"), T.megatron("model"),
                 T.zero(3, "fsdp")]
+    # eps 1e-5: a key bias's gradient is zero in exact arithmetic, which eps 1e-8 would turn into +-lr steps
     prog = pt.partition(model, mesh, schedule, example_inputs=(tokens,), loss_fn=loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-    train_like_single_device(prog, ref, tokens, steps=3, eps=1e-8, param_atol=1e-5)
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5))
+    train_next_to_eager(prog, ref, [(tokens,)] * 3, loss_fn, make_opt=adamw(eps=1e-5))
     # Megatron found the projections by structure (fused c_attn with Conv1D weights in GPT-2; q/k/v/o and the
     # gated MLP in Llama): 2 all-reduces per layer forward and 2 backward, and no all-gather on "model"
     c = Counter((r.kind, r.axis) for r in prog.collectives())
@@ -96,7 +82,7 @@ def test_mixtral_bp_mp_z3_matches_single_device_and_refuses_expert_parallel():
     schedule = [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")]
     prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}), schedule, example_inputs=(tokens,),
                         loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5))
-    train_like_single_device(prog, ref, tokens, steps=2, eps=1e-5, param_atol=1e-6)
+    train_next_to_eager(prog, ref, [(tokens,)] * 2, loss_fn, make_opt=adamw(eps=1e-5))
     assert prog.conflicts == []
     # the per-token expert weights (tokens x 2I x D) are tiled with the tokens; their gradient is accumulated into
     # zeros (index_put), so each rank scatters its own tokens and the expert gradients are reduced like any other

@@ -28,6 +28,7 @@ from ..rules.localize import localize_args
 from ..sharding import Sharding
 from . import indexed
 from .bucket import bucket_collectives
+from .fuse import fuse_optimizer
 from .reshard import Emitter, reshard
 
 
@@ -158,6 +159,8 @@ class Lowerer:
         cap = self.options.bucket_bytes
         records = bucket_collectives(self.new, self.em.records, cap) if cap else self.em.records
         _sink_waits(self.new)
+        if not self.options.compile:   # eager: the optimizer update as fused kernels (Inductor fuses its own)
+            fuse_optimizer(self.new, self.cap)
         gm = fx.GraphModule(torch.nn.Module(), self.new)
         in_layouts = [self.layout[self.g.vid[n]] if n in self.g.vid else None for n in self.placeholders]
         return Lowered(gm, records, in_layouts, self.out_layouts, list(self.mesh.axes),
@@ -319,10 +322,15 @@ _UNPACK = {torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.a
 def _sink_waits(graph: fx.Graph) -> None:
     """Move each wait_tensor, with the ops that only unpack its result, down to just before the first node that
     really reads it: the collective is issued where its input is ready and compute runs on until the result is
-    needed."""
+    needed. The new order is a topological sort by priority (a node's position, or for a moved node its first
+    reader's), so it is valid whatever the moves."""
+    import heapq
+
     wait = torch.ops._c10d_functional.wait_tensor.default
-    index = {n: i for i, n in enumerate(graph.nodes)}     # moving a wait keeps the other nodes' order
-    for node in list(graph.nodes):
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    prio = {n: float(i) for i, n in enumerate(nodes)}
+    for node in nodes:
         if node.target is not wait or not node.users:
             continue
         chain, readers, stack = [node], [], list(node.users)
@@ -334,12 +342,26 @@ def _sink_waits(graph: fx.Graph) -> None:
                     stack.extend(u.users)
             else:
                 readers.append(u)
-        if not readers:
-            continue
-        first = min(readers, key=index.__getitem__)
-        for n in sorted(chain, key=index.__getitem__):
-            if index[n] < index[first] and n.next is not first:
-                first.prepend(n)
+        if readers:
+            first = index[min(readers, key=index.__getitem__)]
+            chain.sort(key=index.__getitem__)
+            for k, n in enumerate(chain):     # just before the first reader, in their own order
+                prio[n] = first - 0.5 + k / (2 * len(chain) + 2)
+    indeg = {n: len(n.all_input_nodes) for n in nodes}
+    ready = [(prio[n], index[n], n) for n in nodes if indeg[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, _, n = heapq.heappop(ready)
+        order.append(n)
+        for u in n.users:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, (prio[u], index[u], u))
+    assert len(order) == len(nodes), "the per-device graph has a cycle"
+    for prev, n in zip(order, order[1:]):
+        if prev.next is not n:
+            prev.append(n)
 
 
 def _strip(sh: Sharding) -> Sharding:

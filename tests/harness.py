@@ -1,0 +1,55 @@
+"""One way every parity test trains a partitioned program next to eager torch (DESIGN §5.2).
+
+    train_next_to_eager(prog, ref, [batch] * 3, loss_fn, make_opt=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+
+Each step: the generator is seeded alike on both sides (dropout draws agree), prog.train_step(*batch) runs, the
+eager module `ref` (a deepcopy of the model taken before partition) runs loss_fn + backward + optimizer.step(), and
+the losses must agree; after the last step every parameter (prog.gather_parameters(), whose names must be exactly
+ref's) and, with buffers=True, every floating buffer must agree. fp32 tolerances: rtol 1e-5 on losses, rtol 1e-5
+with atol 1e-6 on parameters (atol covers Adam's first steps, where an element's update is +-lr whatever the size
+of its gradient); a test states a looser one only where its numerics are not fp32 (bf16)."""
+from __future__ import annotations
+
+import torch
+
+LOSS_RTOL = 1e-5
+PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-6
+
+
+def adamw(lr=1e-3, eps=1e-8):
+    return lambda params: torch.optim.AdamW(params, lr=lr, eps=eps)
+
+
+def train_next_to_eager(prog, ref, batches, loss_fn, make_opt=adamw(), *, seed=100, buffers=False,
+                        loss_rtol=LOSS_RTOL, param_rtol=PARAM_RTOL, param_atol=PARAM_ATOL, what=""):
+    """Returns the per-step (partitioned, eager) losses."""
+    opt = make_opt(ref.parameters())
+    losses = []
+    for i, batch in enumerate(batches):
+        torch.manual_seed(seed + i)
+        got = prog.train_step(*batch)
+        torch.manual_seed(seed + i)
+        opt.zero_grad()
+        want = loss_fn(ref, *batch)
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=loss_rtol, atol=0,
+                                   msg=lambda m: f"{what} loss of step {i}: {m}")
+        losses.append((got.detach(), want.detach()))
+    assert_parameters_equal(prog, ref, param_rtol, param_atol, what)
+    if buffers:
+        full = prog.full_state_dict()
+        for k, b in ref.named_buffers():
+            if b.is_floating_point():
+                torch.testing.assert_close(full[k], b, rtol=param_rtol, atol=param_atol, msg=lambda m: f"{what} {k}: {m}")
+            else:
+                assert torch.equal(full[k], b), f"{what} {k}: {full[k]} != {b}"
+    return losses
+
+
+def assert_parameters_equal(prog, ref, rtol=PARAM_RTOL, atol=PARAM_ATOL, what=""):
+    got = prog.gather_parameters()
+    want = dict(ref.named_parameters())
+    assert set(got) == set(want), f"{what}: parameter names differ: {sorted(set(got) ^ set(want))}"
+    for k, w in want.items():
+        torch.testing.assert_close(got[k], w.detach(), rtol=rtol, atol=atol, msg=lambda m: f"{what} {k}: {m}")
