@@ -96,6 +96,13 @@ class Megatron(SeedTactic):
                 {"colwise": col, "rowwise": row, "vocab": vocab}[kind].extend(f"params.{h}" for h in hits)
         else:
             col, row, kept, why = self._found(ctx, lay)
+            # a weight shared between layers (ALBERT) can sit in a column slot in one and a row slot in another:
+            # it cannot be both, so it stays whole there
+            both = set(col) & set(row)
+            for w in both:
+                why[w] = "it is shared between a column-parallel and a row-parallel use (layers sharing weights)"
+            col, row = [w for w in col if w not in both], [w for w in row if w not in both]
+            kept = list(dict.fromkeys(kept + sorted(both)))
         if not col:
             raise PartitionError(f"{self.name}: found no column-parallel/row-parallel linear pair in this model "
                                  f"(a linear feeding another through activations or attention). Pass "
