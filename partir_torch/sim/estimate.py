@@ -274,7 +274,8 @@ class ProgramFacts:
                 if not len(idx):
                     continue
                 key = (self.s_val[idx] * 64 + (w[idx] + 8)) * 4 + self.s_keyphase[idx]
-                _, first = np.unique(key, return_index=True)
+                _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+                uses = idx
                 idx = idx[first]
                 nbytes = self.val_bytes[self.s_val[idx]] / other[self.s_canon[idx]]
                 t = self.comm_time(kind, axis, nbytes)
@@ -282,7 +283,13 @@ class ProgramFacts:
                 exposed += float(t[~self.s_overlap[idx]].sum())
                 by_kind[(kind, axis)] = (len(idx), float(nbytes.sum()))
                 if kind in ("all_gather", "all_to_all"):
-                    temps_at.append(self.s_node[idx])
+                    # one resharded copy per (value, layout[, phase]) is shared by its uses: it lives from the
+                    # first to the last of them (an activation gathered for the forward is kept for the backward)
+                    lo = np.full(len(idx), self.n_nodes, dtype=np.int64)
+                    hi = np.zeros(len(idx), dtype=np.int64)
+                    np.minimum.at(lo, inverse, self.s_node[uses])
+                    np.maximum.at(hi, inverse, self.s_node[uses])
+                    temps_at.append((lo, hi))
                     temps_bytes.append(nbytes / np.where(w[idx] >= 0, k, 1))
             per_axis[axis] = total
             # partial values every consumer wants tiled are reduce-scattered where they are produced
@@ -299,9 +306,9 @@ class ProgramFacts:
         delta = np.zeros(self.n_nodes + 2)
         np.add.at(delta, self.st_born, size)
         np.add.at(delta, self.st_last + 1, -size)
-        for at, b in zip(temps_at, temps_bytes):
-            np.add.at(delta, at, b)
-            np.add.at(delta, at + 1, -b)
+        for (lo, hi), b in zip(temps_at, temps_bytes):
+            np.add.at(delta, lo, b)
+            np.add.at(delta, hi + 1, -b)
         peak = float(np.max(np.cumsum(delta[:self.n_nodes]))) if self.n_nodes else 0.0
         return Estimate(step, compute, exposed, comm, peak, by_kind)
 

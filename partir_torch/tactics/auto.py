@@ -208,7 +208,7 @@ class AutomaticPartition:
             if best_preset is not None and best_preset not in queue:
                 queue.append(best_preset)
             queue += [c for c in ranked[1:] if c not in queue]
-            queue = queue[:n_low]
+            queue = queue[:max(n_low, 2 if best_preset is not None and best_preset is not ranked[0] else 1)]
             bar.reset(total=len(queue))
             bar.set_description(f"{self.name} {'+'.join(self.axes)}: lowering")
             lowered = []
@@ -254,15 +254,15 @@ class AutomaticPartition:
     # seconds per value of the captured graph, measured on a 2-core machine (benchmarks/auto.py): one fast estimate,
     # and one lowering + local shapes + simulation. The budget is turned into counts with them, so that the search
     # is deterministic for a seed (a wall-clock cut-off would depend on the machine's load).
-    EST_S_PER_VALUE = 1.0e-6
-    LOWER_S_PER_VALUE = 6.0e-4
+    EST_S_PER_VALUE = 1.2e-6
+    LOWER_S_PER_VALUE = 7.0e-4
 
     def _counts(self, n_values: int) -> tuple:
-        """(candidates to estimate, candidates to lower) within budget_s: about a third of it for the estimates,
-        half for lowering (at least 2 lowered: the best estimate and the best preset-only candidate)."""
-        n_est = max(1, int(0.3 * self.budget_s / (self.EST_S_PER_VALUE * n_values)))
-        n_low = int(0.5 * self.budget_s / (self.LOWER_S_PER_VALUE * n_values))
-        return n_est, max(2, min(self.max_lowered, n_low))
+        """(candidates to estimate, candidates to lower) within budget_s: a fifth of it for the estimates, 60%
+        for lowering (at least the best estimate and the best preset-only candidate are lowered, see apply)."""
+        n_est = max(1, int(0.2 * self.budget_s / (self.EST_S_PER_VALUE * n_values)))
+        n_low = int(0.6 * self.budget_s / (self.LOWER_S_PER_VALUE * n_values))
+        return n_est, max(1, min(self.max_lowered, n_low))
 
     def _divisible(self, facts, mesh, vals_list) -> bool:
         """Two searched axes tiling one dim of a value: its size must divide by both."""
