@@ -196,7 +196,7 @@ class InterpretedRuntime:
         ranks = range(self.n)
         for kind, s in plan.steps:
             if kind == "collective":
-                env[s] = self._collective(s, env)
+                env[s] = self._collective(s, env[plan._resolve(s.args[0])].ts)
                 continue
             ins = [env[n].ts for n in s.inputs]
             rng = torch.get_rng_state() if s.random else None
@@ -219,10 +219,9 @@ class InterpretedRuntime:
                 res.append(PerRank([o] * self.n))
         return res
 
-    def _collective(self, node, env) -> PerRank:
-        """The collective over each group of its axis, from every rank's operand (exact, in rank order)."""
+    def _collective(self, node, x: list) -> PerRank:
+        """The collective over each group of its axis, from every rank's operand x (exact, in rank order)."""
         t = node.target
-        x = env[node.args[0]].ts
         out = [None] * self.n
         axis = self._axis_of[node.args[-1]]
         for grp in self._rank_groups[axis]:

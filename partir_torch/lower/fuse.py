@@ -1,0 +1,250 @@
+"""The optimizer update of the per-device program as fused multi-tensor kernels (eager programs).
+
+Capture traces Adam/AdamW op by op (capture/optim.py: about a dozen elementwise passes per parameter). Here each
+parameter's update is found in the lowered program (the optimizer-phase ops between its parameter, its moments,
+its gradient and the group's hyperparameters, and nothing else), and the updates of one param group and dtype are
+replaced by one node, `partir::adam_update`, over the lists of local shards:
+
+    new_params, new_exp_avgs, new_exp_avg_sqs, new_max = adam_update(params, grads, exp_avgs, exp_avg_sqs, ...)
+
+Its kernels are torch.optim's: `torch._foreach_*` in the order of `_multi_tensor_adam` (the foreach
+implementation; on CPU bitwise equal to the single-tensor update the capture mirrors), or `aten._fused_adamw_` /
+`_fused_adam_` when the user's optimizer was built with fused=True (then the numerics are torch.optim's fused
+ones). The simulator costs the node as one memory-bound kernel: one read of parameter, gradient and moments, one
+write of parameter and moments (sim/compute.py).
+
+An update that does not match (an unknown optimizer, an op outside the pattern, an intermediate read elsewhere)
+stays op by op. Compiled programs (partition(..., compile=True)) keep the ops: Inductor fuses them itself.
+"""
+from __future__ import annotations
+
+import heapq
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from ..contract import META_NAME, META_PHASE, META_ROLE, META_SRC, Phase, Role
+
+aten = torch.ops.aten
+
+# the ops capture/optim.py's Adam/AdamW emits (tensor and float64 scalar math)
+_ADAM_OPS = {aten.mul.Tensor, aten.mul.Scalar, aten.lerp.Tensor, aten.lerp.Scalar, aten.addcmul.default,
+             aten.sqrt.default, aten.div.Tensor, aten.add.Tensor, aten.add.Scalar, aten.rsub.Scalar, aten.neg.default,
+             aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, aten._to_copy.default,
+             aten.maximum.default, aten.sub.Tensor, aten.sub.Scalar}
+
+
+@torch.library.custom_op("partir::adam_update", mutates_args=())
+def adam_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+                max_exp_avg_sqs: list[Tensor], step: Tensor, lr: Tensor, beta1: Tensor, beta2: Tensor,
+                weight_decay: Optional[Tensor], eps: float, amsgrad: bool, maximize: bool, decoupled: bool,
+                fused: bool) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+    """One Adam/AdamW step over lists of tensors of one dtype, out of place. Hyperparameters are 0-dim float64
+    tensors (fed at every step); the scalar math is capture/optim.py's _adam_scalars, rounded to the dtype."""
+    dtype = params[0].dtype
+    step64, lr64, b1, b2 = step.double(), lr.double(), beta1.double(), beta2.double()
+    if fused:
+        return _fused(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step64, lr64, b1, b2, weight_decay,
+                      eps, amsgrad, maximize, decoupled)
+    bc1 = 1 - torch.pow(b1, step64)
+    bc2 = 1 - torch.pow(b2, step64)
+    f = lambda t: t.to(dtype).item()  # noqa: E731 - a float64 scalar rounded as the dtype (torch.optim's floats)
+    if maximize:
+        grads = torch._foreach_neg(grads)
+    if weight_decay is not None and decoupled:
+        params = torch._foreach_mul(params, f(1 - lr64 * weight_decay.double()))
+    elif weight_decay is not None:
+        grads = torch._foreach_add(grads, params, alpha=f(weight_decay.double()))
+    m = torch._foreach_lerp(exp_avgs, grads, f(1 - b1))
+    v = torch._foreach_mul(exp_avg_sqs, f(b2))
+    torch._foreach_addcmul_(v, grads, grads, f(1 - b2))
+    mx = torch._foreach_maximum(max_exp_avg_sqs, v) if amsgrad else []
+    denom = torch._foreach_sqrt(mx if amsgrad else v)
+    torch._foreach_div_(denom, f(bc2 ** 0.5))
+    torch._foreach_add_(denom, eps)
+    new = torch._foreach_addcdiv(params, m, denom, f(-(lr64 / bc1)))
+    return new, m, v, mx
+
+
+def _fused(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, lr, b1, b2, weight_decay, eps, amsgrad,
+           maximize, decoupled):
+    """aten._fused_adamw_ / _fused_adam_ (torch.optim's fused=True kernels), on copies: the program is
+    functional, the step's inputs stay as they were."""
+    p = [t.clone() for t in params]
+    m = [t.clone() for t in exp_avgs]
+    v = [t.clone() for t in exp_avg_sqs]
+    mx = [t.clone() for t in max_exp_avg_sqs] if amsgrad else []
+    steps = [step.float() for _ in p]
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    kernel(p, list(grads), m, v, mx, steps, lr=lr.item(), beta1=b1.item(), beta2=b2.item(),
+           weight_decay=0.0 if weight_decay is None else weight_decay.item(), eps=eps, amsgrad=amsgrad,
+           maximize=maximize)
+    return p, m, v, mx
+
+
+@adam_update.register_fake
+def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, lr, beta1, beta2, weight_decay, eps, amsgrad,
+      maximize, decoupled, fused):
+    like = lambda ts: [torch.empty_like(t) for t in ts]  # noqa: E731
+    return like(params), like(exp_avgs), like(exp_avg_sqs), like(max_exp_avg_sqs) if amsgrad else []
+
+
+FUSED_UPDATE = torch.ops.partir.adam_update.default
+
+
+# -- the pass ----------------------------------------------------------------------------------------------------
+def fuse_optimizer(graph: fx.Graph, captured) -> int:
+    """Replace each Adam/AdamW param group's per-parameter updates in `graph` (a lowered program) with one
+    partir::adam_update node. Returns the number of parameters fused."""
+    fopt = getattr(captured, "fopt", None)
+    if fopt is None or fopt.kind not in ("adam", "adamw"):
+        return 0
+    cap_nodes = {n.name: n for n in captured.gm.graph.nodes}
+    phase = {}
+    for n in graph.nodes:
+        src = cap_nodes.get(n.meta.get(META_SRC))
+        phase[n] = src.meta.get(META_PHASE) if src is not None else None
+    by_src = {}
+    for n in graph.nodes:
+        if n.op == "call_function" and META_SRC in n.meta:
+            by_src.setdefault(n.meta[META_SRC], n)
+    placeholders = {n.meta.get(META_NAME): n for n in graph.nodes if n.op == "placeholder"}
+    cap_out = next(n for n in captured.gm.graph.nodes if n.op == "output").args[0]
+    result_of = {}   # output name -> lowered node of the update's result
+    for name, o in zip(captured.output_names, cap_out):
+        if isinstance(o, fx.Node) and o.op != "placeholder" and o.name in by_src:
+            result_of[name] = by_src[o.name]
+    step = next((n for n in placeholders.values() if n.meta.get(META_ROLE) == Role.STEP), None)
+    if step is None:
+        return 0
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    groups: dict = {}
+    for fqn in fopt._trainable():
+        found = _match(fqn, fopt, placeholders, result_of, phase, index)
+        if found is not None:
+            key = (fopt._group[fqn], captured.names[f"params.{fqn}"].meta["val"].dtype)
+            groups.setdefault(key, []).append(found)
+    n_fused = 0
+    for (gi, _), members in groups.items():
+        if _emit(graph, fopt, gi, members, placeholders, step):
+            n_fused += len(members)
+    if n_fused:
+        _stable_toposort(graph)
+    return n_fused
+
+
+def _match(fqn, fopt, placeholders, result_of, phase, index):
+    """The lowered nodes of one parameter's update, or None when they are not exactly Adam's pattern."""
+    names = fopt._names_for(fqn)
+    outs = [f"params.{fqn}"] + [f"opt.{s}.{fqn}" for s in names]
+    if any(o not in result_of or o not in placeholders for o in outs):
+        return None
+    results = [result_of[o] for o in outs]
+    cone, leaves, stack = set(), set(), list(results)
+    while stack:
+        n = stack.pop()
+        if n in cone:
+            continue
+        if n.op == "call_function" and phase.get(n) == Phase.OPTIMIZER:
+            if n.target not in _ADAM_OPS:
+                return None
+            cone.add(n)
+            stack.extend(n.all_input_nodes)
+        else:
+            leaves.add(n)
+    state = {placeholders[o] for o in outs}
+    hyper = {n for n in leaves if n.op == "placeholder" and n.meta.get(META_ROLE) in (Role.LR, Role.STEP)}
+    grads = leaves - state - hyper
+    if len(grads) != 1 or not state <= leaves:
+        return None
+    (grad,) = grads
+    if fopt._opt.param_groups[fopt._group[fqn]]["maximize"]:
+        # `grad = -grad` reads no optimizer input, so capture stamped it backward: the update negates itself
+        if grad.target is not aten.neg.default or any(u not in cone for u in grad.users):
+            return None
+        cone.add(grad)
+        grad = grad.args[0]
+    if grad.op == "placeholder":
+        return None
+    # tensor intermediates (those that read a state, the gradient or another tensor intermediate) belong to this
+    # update alone: nothing outside reads them
+    tensorish = set(state) | {grad}
+    for n in sorted(cone, key=index.__getitem__):
+        if any(a in tensorish for a in n.all_input_nodes):
+            tensorish.add(n)
+    for n in tensorish & cone:
+        if n not in results and any(u not in cone for u in n.users):
+            return None
+    return {"fqn": fqn, "results": results, "state": [placeholders[o] for o in outs], "grad": grad,
+            "cone": cone, "hyper": hyper}
+
+
+def _emit(graph, fopt, gi, members, placeholders, step) -> bool:
+    group = fopt._opt.param_groups[gi]
+    hp = lambda h: placeholders.get(f"hparams.{gi}.{h}")  # noqa: E731
+    lr, b1, b2, wd = hp("lr"), hp("beta1"), hp("beta2"), hp("weight_decay")
+    if lr is None or b1 is None or b2 is None or (wd is None) != (group["weight_decay"] == 0):
+        return False
+    amsgrad = bool(group["amsgrad"])
+    cols = [[m["state"][k] for m in members] for k in range(1 + 2 + amsgrad)]
+    grads = [m["grad"] for m in members]
+    first = min((n for m in members for n in m["cone"]), key=_index_of(graph))
+    with graph.inserting_before(first):
+        node = graph.call_function(FUSED_UPDATE, (cols[0], grads, cols[1], cols[2], cols[3] if amsgrad else [],
+                                                  step, lr, b1, b2, wd, float(group["eps"]), amsgrad,
+                                                  bool(group["maximize"]), fopt.kind == "adamw",
+                                                  bool(fopt._opt.defaults.get("fused") or False)))
+        node.meta[META_SRC] = members[0]["results"][0].meta.get(META_SRC)
+        outs = []
+        for k in range(1 + 2 + amsgrad):
+            lst = graph.call_function(operator.getitem, (node, k))
+            outs.append([graph.call_function(operator.getitem, (lst, i)) for i in range(len(members))])
+    for i, m in enumerate(members):
+        for k, r in enumerate(m["results"]):
+            r.replace_all_uses_with(outs[k][i])
+    dead = set().union(*(m["cone"] for m in members))
+    changed = True
+    while changed:
+        changed = False
+        for n in reversed(list(graph.nodes)):
+            if n in dead and not n.users:
+                graph.erase_node(n)
+                dead.discard(n)
+                changed = True
+    return True
+
+
+def _index_of(graph):
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    return index.__getitem__
+
+
+def _stable_toposort(graph: fx.Graph) -> None:
+    """Reorder so that every node follows its inputs, keeping the current order wherever it already does (a
+    fused update sits where its first op was, or after its last input)."""
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    pending = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [(index[n], n.name, n) for n in nodes if pending[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, _, n = heapq.heappop(ready)
+        order.append(n)
+        for u in n.users:
+            pending[u] -= 1
+            if pending[u] == 0:
+                heapq.heappush(ready, (index[u], u.name, u))
+    if len(order) != len(nodes):
+        raise RuntimeError("fuse_optimizer: the program has a cycle after fusion")
+    if order == nodes:
+        return
+    prev = order[0]
+    if prev is not nodes[0]:
+        nodes[0].prepend(prev)
+    for n in order[1:]:
+        prev.append(n)
+        prev = n

@@ -1,0 +1,231 @@
+"""Fast programs (issue 14): the interpreted emulator against LocalTensorMode, the fused optimizer update against
+torch.optim's foreach and fused implementations, the simulator's cost of the fused update, and compile=True."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+import partir_torch as pt
+from examples.models import get
+from partir_torch.lower.fuse import FUSED_UPDATE
+from partir_torch.lower.reshard import Emitter, reshard
+from partir_torch.runtime import executor
+from partir_torch.runtime.emulate import EmulatedRuntime
+from partir_torch.runtime.interpret import InterpretedRuntime
+from partir_torch.runtime.layout import shard_of
+from partir_torch.sharding import Sharding as S
+
+T = pt.tactics
+SCHEDULE = lambda: [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")]  # noqa: E731
+
+
+def _gpt():
+    torch.manual_seed(0)
+    spec = get("gpt_sdpa", vocab=64, seq=16, d=32, heads=4, layers=2)
+    return spec, spec.build(), spec.batch(4)
+
+
+def _train(make_runtime, steps=3, **kw):
+    spec, model, batch = _gpt()
+    old = executor.Executor.emulator
+    executor.Executor.emulator = staticmethod(make_runtime)
+    try:
+        prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}), SCHEDULE(), example_inputs=batch,
+                            loss_fn=spec.loss_fn, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                            **kw)
+        losses = [prog.train_step(*batch) for _ in range(steps)]
+        return losses, prog.gather_parameters(), prog
+    finally:
+        executor.Executor.emulator = old
+
+
+def test_interpreter_equals_local_tensor_mode():
+    """The same lowered program, run by the interpreter and through LocalTensorMode: bitwise the same step (same
+    kernels per rank, collectives summed in rank order by both). SGD: its update stays op by op (the fused Adam
+    node reads its hyperparameters with .item(), which LocalTensors refuse)."""
+    got, p_got, _ = _train(lambda mesh, compile=False: InterpretedRuntime(mesh))
+    want, p_want, _ = _train(lambda mesh, compile=False: EmulatedRuntime(mesh))
+    assert got[0] != got[-1]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for k in p_want:
+        torch.testing.assert_close(p_got[k], p_want[k], rtol=0, atol=0)
+
+
+# the reshard cases of test_reshard.py (every collective and local slice), through the interpreter
+from test_reshard import CASES  # noqa: E402
+
+
+@pytest.mark.parametrize("src,dst,kinds", CASES, ids=[f"{s}->{d}" for s, d, _ in CASES])
+def test_interpreter_collectives_are_exact(src, dst, kinds):
+    mesh = pt.Mesh({"a": 2, "b": 2})
+    rt = InterpretedRuntime(mesh)
+    full = torch.randn(4, 6, 8)
+    g = fx.Graph()
+    x = g.placeholder("x")
+    coords = {a: g.placeholder(f"c_{a}") for a in mesh.axes}
+    em = Emitter(g, mesh, rt.groups, coords)
+    g.output((reshard(em, x, src.local_shape(full.shape, mesh), full.dtype, src, dst, "x", lambda a: "t"),))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    whole = S(src.dims, strides=src.strides)
+    op = dict(src.partial)
+    if "sum" in op.values():      # uneven parts that sum to the value
+        inp = rt.per_rank(lambda r, c: shard_of(full, whole, mesh, c) * (0.25 + 0.5 * c["b"]))
+    elif "max" in op.values():
+        inp = rt.per_rank(lambda r, c: shard_of(full, whole, mesh, c) - 3.0 * c["a"])
+    else:
+        inp = rt.shard(full, src)
+    (out,) = rt.run(gm, [inp] + rt.coords())
+    assert [r.kind for r in em.records] == kinds
+    torch.testing.assert_close(rt.full(out, dst, full.shape), full)
+
+
+# -- fused optimizer ---------------------------------------------------------------------------------------------
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _loss(m, x, y):
+    return F.mse_loss(m(x), y)
+
+
+OPTS = {
+    "adamw": lambda ps, **k: torch.optim.AdamW(ps, lr=1e-2, **k),
+    "adam_wd_amsgrad": lambda ps, **k: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, **k),
+    "adamw_maximize_no_wd": lambda ps, **k: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.0, maximize=True, **k),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTS))
+def test_fused_update_equals_torch_foreach(name):
+    """Eager programs update with partir::adam_update (torch._foreach_* kernels): bitwise torch.optim's foreach
+    step, with the parameters sharded (Z3) so that every rank updates its own shards."""
+    torch.manual_seed(0)
+    model, x, y = MLP(), torch.randn(8, 16), torch.randn(8, 8)
+    ref = copy.deepcopy(model)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                        example_inputs=(x, y), loss_fn=_loss, optimizer=OPTS[name](model.parameters()))
+    targets = [n.target for n in prog.lowered.gm.graph.nodes]
+    if "maximize" not in name:   # (maximize: -grad is linear, so it runs before the reduce-scatter: left op by op)
+        assert targets.count(FUSED_UPDATE) == 1      # one param group, one dtype: one fused node for 4 parameters
+        assert torch.ops.aten.lerp.Tensor not in targets
+    opt = OPTS[name](ref.parameters(), foreach=True)
+    for _ in range(3):
+        prog.train_step(x, y)
+        opt.zero_grad()
+        _loss(ref, x, y).backward()
+        opt.step()
+    got = prog.gather_parameters()
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(got[k], p.detach(), rtol=1e-6, atol=1e-7)   # only the gradients' sum order
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+@pytest.mark.parametrize("kind", ["adamw", "adam_amsgrad"])
+def test_adam_update_kernel_is_torch_optims(fused, kind):
+    """partir::adam_update over a list of tensors equals torch.optim's foreach step (fused=False) or fused step
+    (fused=True) bitwise, 3 steps, hyperparameters as the program feeds them (0-dim float64 tensors)."""
+    torch.manual_seed(0)
+    params = [torch.randn(37, 5), torch.randn(64)]
+    grads = [[torch.randn_like(p) for p in params] for _ in range(3)]
+    ref = [p.clone().requires_grad_() for p in params]
+    amsgrad = kind == "adam_amsgrad"
+    cls = torch.optim.Adam if amsgrad else torch.optim.AdamW
+    opt = cls(ref, lr=3e-3, betas=(0.8, 0.95), weight_decay=0.1, eps=1e-6, amsgrad=amsgrad,
+              **({"fused": True} if fused else {"foreach": True}))
+    f64 = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    p, m, v = params, [torch.zeros_like(t) for t in params], [torch.zeros_like(t) for t in params]
+    mx = [torch.zeros_like(t) for t in params] if amsgrad else []
+    for k, g in enumerate(grads):
+        for r, gr in zip(ref, g):
+            r.grad = gr.clone()
+        opt.step()
+        p, m, v, mx2 = torch.ops.partir.adam_update(p, g, m, v, mx, f64(k + 1.0), f64(3e-3), f64(0.8), f64(0.95),
+                                                    f64(0.1), 1e-6, amsgrad, False, not amsgrad, fused)
+        mx = mx2 if amsgrad else mx
+    for got, want in zip(p, ref):
+        assert torch.equal(got, want.detach()), (got - want).abs().max()
+    for got, want in zip(m, ref):
+        assert torch.equal(got, opt.state[want]["exp_avg"])
+
+
+def test_fused_optimizer_program_runs_the_fused_kernel():
+    """An optimizer built with fused=True: the program's update node asks for aten._fused_adamw_ and the
+    parameters follow torch.optim's fused run."""
+    torch.manual_seed(0)
+    model, x, y = MLP(), torch.randn(8, 16), torch.randn(8, 8)
+    ref = copy.deepcopy(model)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=(x, y),
+                        loss_fn=_loss, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+    node = next(n for n in prog.lowered.gm.graph.nodes if n.target is FUSED_UPDATE)
+    assert node.args[-1] is True
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for _ in range(3):
+        prog.train_step(x, y)
+        opt.zero_grad()
+        _loss(ref, x, y).backward()
+        opt.step()
+    got = prog.gather_parameters()
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(got[k], p.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_unfused_and_fused_programs_agree_and_the_simulator_costs_one_kernel():
+    """compile=True keeps the op-by-op update (Inductor fuses it): its lowered program has no fused node. The
+    simulator costs the fused node as one memory-bound kernel over 7 passes of the parameter bytes."""
+    from partir_torch.lower.fakeprop import annotate_local_vals
+    from partir_torch.sim.compute import CostModel, memory_time, op_class, val_bytes, val_sig
+    from partir_torch.lower.lower import Lowerer
+    from partir_torch.options import Options
+    from partir_torch.propagate.decisions import Decisions
+
+    torch.manual_seed(0)
+    model, x, y = MLP(), torch.randn(8, 16), torch.randn(8, 8)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                        example_inputs=(x, y), loss_fn=_loss, optimizer=torch.optim.AdamW(model.parameters()),
+                        compile=True)
+    groups = {"batch": "g"}
+    unfused = Lowerer(prog.graph, Decisions(prog.prop), prog.mesh, prog.captured, groups, prog.options).run()
+    assert FUSED_UPDATE not in [n.target for n in unfused.gm.graph.nodes]
+    low = Lowerer(prog.graph, Decisions(prog.prop), prog.mesh, prog.captured, groups, Options()).run()
+    annotate_local_vals(low, prog.captured)
+    node = next(n for n in low.gm.graph.nodes if n.target is FUSED_UPDATE)
+    hw = pt.sim.hardware("h100")
+    param_bytes = sum(p.numel() * 4 // 2 for p in model.parameters())     # Z3 on 2 ranks: local shards
+    sigs = {n: val_sig(n.meta.get("val")) for n in low.gm.graph.nodes}
+    nbytes = {n: val_bytes(n.meta.get("val")) for n in low.gm.graph.nodes}
+    cls, formula = op_class(node.target)
+    _, secs, _ = CostModel(hw).cost(node, node.target, formula, sigs, nbytes)
+    scalars = sum(nbytes[a] for a in node.all_input_nodes if nbytes[a] <= 8)
+    assert secs == pytest.approx(memory_time(hw, 7 * param_bytes + scalars))
+
+
+def test_compile_emulated_equals_eager():
+    """compile=True in emulation: each segment between collectives compiled by Inductor; the step equals the
+    eager program's within fp32 reassociation."""
+    pytest.importorskip("torch._inductor")
+    torch.manual_seed(0)
+    model, x, y = MLP(), torch.randn(8, 16), torch.randn(8, 8)
+    progs = {}
+    for c in (False, True):
+        m = copy.deepcopy(model)
+        progs[c] = pt.partition(m, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                                example_inputs=(x, y), loss_fn=_loss,
+                                optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2), compile=c)
+    for _ in range(3):
+        losses = {c: p.train_step(x, y) for c, p in progs.items()}
+        torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-7)
+    a, b = progs[True].gather_parameters(), progs[False].gather_parameters()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    assert progs[True].executor.rt.compile
