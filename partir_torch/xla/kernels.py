@@ -89,7 +89,44 @@ def layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias,
     return dx if output_mask[0] else None, dw, db
 
 
+def group_norm(x, weight, bias, N, C, HxW, group, eps):
+    """native_group_norm as reductions per (sample, group): torch-xla lowers it to XLA's batch-norm op on a
+    (1, N * groups, ...) view, which the SPMD partitioner gathers whole when the samples are tiled."""
+    xg = x.reshape(N, group, -1)
+    mean = xg.mean(-1)
+    rstd = torch.rsqrt((xg - mean.unsqueeze(-1)).square().mean(-1) + eps)      # (N, G)
+    out = ((xg - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).reshape(N, C, -1)
+    out = out * weight.reshape(1, C, 1) if weight is not None else out
+    out = out + bias.reshape(1, C, 1) if bias is not None else out
+    return out.reshape(x.shape), mean, rstd
+
+
+def group_norm_backward(grad_out, x, mean, rstd, weight, N, C, HxW, group, output_mask):
+    """native_group_norm_backward from the saved per-(sample, group) mean and 1/std."""
+    shape = x.shape
+    xg = x.reshape(N, group, -1)                                  # (N, G, C/G * HxW)
+    x_hat = (xg - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    dy = grad_out.reshape(N, C, -1)                               # (N, C, HxW)
+    g = dy * weight.reshape(1, C, 1) if weight is not None else dy
+    g = g.reshape(N, group, -1)
+    dx = rstd.unsqueeze(-1) * (g - g.mean(-1, keepdim=True) - x_hat * (g * x_hat).mean(-1, keepdim=True))
+    dw = (dy * x_hat.reshape(N, C, -1)).sum((0, 2)) if weight is not None and output_mask[1] else None
+    db = dy.sum((0, 2)) if output_mask[2] else None
+    return dx.reshape(shape) if output_mask[0] else None, dw, db
+
+
+def upsample_nearest2d_backward(grad_output, output_size, input_size, scales_h=None, scales_w=None):
+    """Nearest 2-d upsampling's backward for whole scale factors: each input pixel sums its sh x sw copies."""
+    (n, c, h, w), (oh, ow) = input_size, output_size
+    if oh % h or ow % w:
+        return aten.upsample_nearest2d_backward.default(grad_output, output_size, input_size, scales_h, scales_w)
+    return grad_output.reshape(n, c, h, oh // h, w, ow // w).sum((3, 5))
+
+
 OVERRIDES = {
+    aten.native_group_norm.default: group_norm,
+    aten.native_group_norm_backward.default: group_norm_backward,
+    aten.upsample_nearest2d_backward.default: upsample_nearest2d_backward,
     aten.native_layer_norm.default: layer_norm,
     aten.native_layer_norm_backward.default: layer_norm_backward,
     aten.nll_loss_forward.default: nll_loss_forward,

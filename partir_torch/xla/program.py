@@ -174,7 +174,7 @@ class XlaProgram:
         g, operands, results = self.prog.graph, {}, {}
         spec_of = lambda v: xdev.partition_spec(self.prog.sharding_of_vid(v))   # noqa: E731
         for i, op in enumerate(g.ops):
-            if op.rule is None or op.node.op != "call_function":
+            if op.node.op != "call_function":      # ops without a rule too: partir makes their operands whole
                 continue
             wants, makes = op_layouts(self.prog, i)
             for a, v, want in zip(_tensor_operands(op.node), op.operands, wants):

@@ -1,6 +1,6 @@
 """The XLA forms of CPU-only kernels (partir_torch/xla/kernels.py) equal the aten kernels they replace, on CPU
 tensors: flash attention forward and backward (causal, grouped heads, an additive mask), layer norm forward and
-backward, nll_loss's total weight."""
+backward, group norm forward and backward, nearest upsampling backward, nll_loss's total weight."""
 from __future__ import annotations
 
 import pytest
@@ -47,6 +47,23 @@ def test_layer_norm_forms_equal_aten():
     got_b = kernels.layer_norm_backward(dy, x, [8], want[1], want[2], w, b, [True, True, True])
     for a, e in zip(got_b, want_b):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_group_norm_and_upsampling_forms_equal_aten():
+    g = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(2, 8, 4, 4, generator=g), torch.randn(8, generator=g), torch.randn(8, generator=g)
+    want_f = aten.native_group_norm(x, w, b, 2, 8, 16, 4, 1e-5)
+    for a, e in zip(kernels.group_norm(x, w, b, 2, 8, 16, 4, 1e-5), want_f):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    _, mean, rstd = want_f
+    dy = torch.randn(x.shape, generator=g)
+    want = aten.native_group_norm_backward(dy, x, mean, rstd, w, 2, 8, 16, 4, [True, True, True])
+    got = kernels.group_norm_backward(dy, x, mean, rstd, w, 2, 8, 16, 4, [True, True, True])
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    dup = torch.randn(2, 8, 8, 12, generator=g)
+    torch.testing.assert_close(kernels.upsample_nearest2d_backward(dup, [8, 12], [2, 8, 4, 4], 2.0, 3.0),
+                               aten.upsample_nearest2d_backward(dup, [8, 12], [2, 8, 4, 4], 2.0, 3.0))
 
 
 def test_nll_loss_total_weight_counts_the_targets_not_ignored():
