@@ -1,36 +1,35 @@
-"""Step time and bytes communicated: partir_torch vs the hand-written PyTorch equivalent, on 4 real gloo ranks.
+"""Step time and bytes communicated: partir_torch (eager and compiled) vs hand-written DTensor TP + FSDP2 (eager
+and compiled per block), on 4 real gloo ranks; and the cost of emulating the ranks in one process.
 
-    python benchmarks/step_time.py [--steps 20] [--warmup 3] [--d 256] [--layers 2] [--seq 64] [--batch 8]
+    python benchmarks/step_time.py [--steps 10] [--warmup 2] [--models llama,gpt] [--no-compile]
 
-One run, side by side, on the 2x2 mesh {batch: 2, model: 2} (4 CPU processes, gloo, one thread each):
+One run. Both models, mesh {batch: 2, model: 2}, schedule BP+MP+Z3, AdamW, fp32, 4 CPU processes on gloo with
+one thread each; the steps of all implementations of a model are timed interleaved (A, B, C, D, A, B, ...):
 
-  BP+MP+Z3   partir_torch: data_parallel("batch"), megatron("model"), zero(3, "batch")
-             hand-written: parallelize_module(ColwiseParallel on attn.wq/wk/wv and mlp.w1, RowwiseParallel on attn.wo
-             and mlp.w2, PrepareModuleInput on attn and mlp so that q/k/v share one input all-reduce in backward,
-             as torchtitan does) on the "model" sub-mesh, then fully_shard (FSDP2) of every block and of the root
-             on the "batch" sub-mesh; each rank feeds its rows of the batch
-  MP         partir_torch: megatron("model") on the same mesh ("batch" carries no tactic: both batch rows of the
-             mesh compute the same thing); hand-written: the same parallelize_module plan, no FSDP
+  partir eager      data_parallel("batch"), megatron("model"), zero(3, "batch"); the per-device program op by op,
+                    its AdamW update as fused multi-tensor kernels (lower/fuse.py)
+  partir compiled   the same program, partition(..., compile=True): the whole per-device step compiled by Inductor
+                    with its functional collectives
+  DTensor eager     parallelize_module (Colwise on the q/k/v and up/gate projections, Rowwise on the output and
+                    down projections, PrepareModuleInput on attention and MLP: torchtitan's plan without sequence
+                    parallelism) on "model", then fully_shard (FSDP2) of every block and the root on "batch";
+                    torch.optim.AdamW (foreach)
+  DTensor compiled  the same with torch.compile on each block before fully_shard (torchtitan's apply_compile)
 
-The GPT is examples.models gpt_sdpa with a larger width. The hand-written model runs the zoo's Attention with its
-head count divided by the tensor-parallel degree and `view(B, T, -1, head_dim)` (torchtitan's way of writing
-attention for TP), because ColwiseParallel returns local (B, T, d/2) projections.
+Models: llama = the zoo's Llama-style decoder (RMSNorm, SwiGLU, GQA with rope) d=256, 4 layers, 4 heads (2 kv
+heads), vocab 4096, batch 16 x 128; gpt = the zoo's GPT (gpt_sdpa) d=512, 8 layers, 8 heads, vocab 4096, batch
+8 x 128 (--gpt-batch).
 
-Bytes are counted the same way for both, by a TorchDispatchMode that sees every collective op the step issues
-(c10d functional ops from partir_torch and DTensor, c10d ops from FSDP2), in the nccl-tests convention that
-CollectiveRecord.nbytes uses: the full array an all_reduce reduces, an all_gather produces or a reduce_scatter
-consumes. Per rank, per step (every rank issues the same collectives here).
+Bound: the same step (eager, foreach AdamW) of the whole model in one process with one thread, halved: 4 ranks on
+2 cores can at best split that work in two.
 
-Analytic count (the textbook volume of each strategy) per rank and step, L layers, width d, global batch B, sequence T, dp = tp = 2, fp32:
+Emulation (in this process, after the ranks exit): partir's emulated step of the 4 ranks (runtime/interpret.py)
+against the sum of the 4 ranks' local steps run as plain eager programs (the same per-device GraphModule called
+once per rank, its collectives on a `fake` process group, which moves no data), interleaved.
 
-  MP        4 L all_reduces of (B/dp') T d 4 bytes      (Megatron: 2 in forward, 2 in backward per layer;
-                                                         dp' = dp under BP, 1 for MP alone)
-  Z3        P + P_bwd + P                               (all_gather every parameter for the forward, all_gather
-                                                         again those the backward reads, reduce_scatter every
-                                                         gradient; P = bytes of the tp-local parameters; P_bwd =
-                                                         tp-local bytes of the matrices and LayerNorm weights:
-                                                         linear biases, LayerNorm biases and the position table
-                                                         are not read by the backward)
+Bytes are counted by one TorchDispatchMode that sees every collective op the step issues (c10d functional ops from
+partir_torch and DTensor, c10d ops from FSDP2), in the nccl-tests convention (the full array an all_reduce reduces,
+an all_gather produces or a reduce_scatter consumes), per rank and step.
 """
 from __future__ import annotations
 
@@ -76,6 +75,10 @@ _COUNTED = {
     funcol.reduce_scatter_tensor.default: ("reduce_scatter", lambda a, r: _nbytes(a[0])),
     funcol.reduce_scatter_tensor_coalesced.default: ("reduce_scatter", lambda a, r: _nbytes(a[0])),
     funcol.all_to_all_single.default: ("all_to_all", lambda a, r: _nbytes(a[0])),
+    # Inductor's forms of the same collectives (in place / out variants)
+    funcol.all_reduce_.default: ("all_reduce", lambda a, r: _nbytes(a[0])),
+    funcol.all_reduce_coalesced_.default: ("all_reduce", lambda a, r: _nbytes(a[0])),
+    funcol.all_gather_into_tensor_out.default: ("all_gather", lambda a, r: _nbytes(r)),
     c10d.allreduce_.default: ("all_reduce", lambda a, r: _nbytes(a[0])),
     c10d._allgather_base_.default: ("all_gather", lambda a, r: _nbytes(a[0])),
     c10d.allgather_into_tensor_coalesced_.default: ("all_gather", lambda a, r: _nbytes(a[0])),
@@ -107,15 +110,17 @@ class CountCollectives(TorchDispatchMode):
         return sum(b for _, b in self.by_kind.values())
 
 
-# -- the model -----------------------------------------------------------------------------------------------------
-def model_spec(args):
+# -- the models -----------------------------------------------------------------------------------------------------
+def model_spec(name, args):
     from examples.models import get
 
-    return get("gpt_sdpa", vocab=args.vocab, seq=args.seq, d=args.d, heads=args.heads, layers=args.layers)
+    if name == "llama":
+        return get("llama", vocab=4096, seq=128, d=256, heads=4, kv_heads=2, layers=4), args.llama_batch
+    return get("gpt_sdpa", vocab=4096, seq=128, d=512, heads=8, layers=8), args.gpt_batch
 
 
-def _tp_attention_forward(self, x):
-    """The zoo's Attention.forward with local heads: view(B, T, -1, head_dim) (ColwiseParallel outputs d/tp)."""
+def _tp_gpt_attention(self, x):
+    """The zoo GPT's Attention.forward with local heads: view(B, T, -1, head_dim) (ColwiseParallel outputs d/tp)."""
     B, T, _ = x.shape
     q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H/tp, T, hd)
     k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H/tp, T, hd)
@@ -125,56 +130,63 @@ def _tp_attention_forward(self, x):
     return self.wo(y)
 
 
-def hand_written(model, device_mesh, fsdp: bool):
-    """Megatron via parallelize_module on the "model" sub-mesh (+ FSDP2 on "batch")."""
+def hand_written(name, model, device_mesh, compile_blocks: bool):
+    """Megatron via parallelize_module on the "model" sub-mesh, then FSDP2 on "batch" (torchtitan's order: TP,
+    compile each block, FSDP)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    parallelize_module)
 
-    # PrepareModuleInput makes the block input one Replicate DTensor shared by wq/wk/wv, so their three input
-    # gradients are summed as Partial and all-reduced once (torchtitan's plan, without sequence parallelism)
-    shared_input = lambda: PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),))  # noqa: E731
-    plan = {"attn": shared_input(), "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
-            "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel(),
-            "mlp": shared_input(), "mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel()}
+    def shared(n_extra=0):   # one Replicate block input shared by the projections: one input all-reduce
+        return PrepareModuleInput(input_layouts=(Replicate(),) + (None,) * n_extra,
+                                  desired_input_layouts=(Replicate(),) + (None,) * n_extra)
+
     for block in model.layers:
-        attn = block.attn
-        attn.head_dim = attn.wq.out_features // attn.heads
-        attn.forward = types.MethodType(_tp_attention_forward, attn)
+        if name == "llama":
+            plan = {"attention": shared(2), "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                    "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+                    "feed_forward": shared(), "feed_forward.w1": ColwiseParallel(),
+                    "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+            block.attention.heads //= TP
+            block.attention.kv_heads //= TP
+        else:
+            plan = {"attn": shared(), "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
+                    "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel(),
+                    "mlp": shared(), "mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel()}
+            block.attn.head_dim = block.attn.wq.out_features // block.attn.heads
+            block.attn.forward = types.MethodType(_tp_gpt_attention, block.attn)
         parallelize_module(block, device_mesh["model"], plan)
-    if fsdp:
-        for block in model.layers:
-            fully_shard(block, mesh=device_mesh["batch"])
-        fully_shard(model, mesh=device_mesh["batch"])
+        if compile_blocks:
+            block.compile()
+    for block in model.layers:
+        fully_shard(block, mesh=device_mesh["batch"])
+    fully_shard(model, mesh=device_mesh["batch"])
     return model
 
 
-# -- the strategies, timed side by side ------------------------------------------------------------------------
-def make_partir(spec, batch, schedule_name):
-    """(step() -> loss tensor, global loss of a step's result, bytes recorded by prog.collectives())."""
+def make_partir(spec, batch, compile_: bool):
+    """(step() -> loss tensor, global loss of a step's result)."""
     import partir_torch as pt
 
     T = pt.tactics
-    schedules = {"BP+MP+Z3": [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")],
-                 "MP": [T.megatron("model")]}
     model = spec.build()
-    prog = pt.partition(model, pt.Mesh({"batch": DP, "model": TP}), schedules[schedule_name], example_inputs=batch,
-                        loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-    return (lambda: prog.train_step(*batch)), (lambda loss: loss.item()), sum(r.nbytes for r in prog.collectives())
+    prog = pt.partition(model, pt.Mesh({"batch": DP, "model": TP}),
+                        [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")], example_inputs=batch,
+                        loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        compile=compile_)
+    return (lambda: prog.train_step(*batch)), (lambda loss: loss.item())
 
 
-def make_hand_written(spec, batch, schedule_name):
+def make_hand_written(name, spec, batch, compile_: bool):
     from torch.distributed.device_mesh import init_device_mesh
 
     device_mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("batch", "model"))
-    fsdp = schedule_name == "BP+MP+Z3"
-    model = hand_written(spec.build(), device_mesh, fsdp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if fsdp:   # each rank feeds its rows of the global batch (replicated over "model")
-        b = device_mesh.get_local_rank("batch")
-        per = batch[0].shape[0] // DP
-        batch = tuple(t[b * per:(b + 1) * per] for t in batch)
+    model = hand_written(name, spec.build(), device_mesh, compile_)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    b = device_mesh.get_local_rank("batch")     # each rank feeds its rows (replicated over "model")
+    per = batch[0].shape[0] // DP
+    batch = tuple(t[b * per:(b + 1) * per] for t in batch)
 
     def step():
         opt.zero_grad()
@@ -183,31 +195,35 @@ def make_hand_written(spec, batch, schedule_name):
         opt.step()
         return loss
 
-    def global_loss(loss):   # the mean over the global batch (called outside the timed and counted steps)
+    def global_loss(loss):   # the mean over the global batch (outside the timed and counted steps)
         loss = loss.detach().clone()
-        if fsdp:
-            dist.all_reduce(loss, group=device_mesh.get_group("batch"))
-            loss /= DP
-        return loss.item()
+        dist.all_reduce(loss, group=device_mesh.get_group("batch"))
+        return (loss / DP).item()
 
-    return step, global_loss, None
+    return step, global_loss
 
 
-IMPLS = {"partir_torch": make_partir, "hand-written": make_hand_written}
+IMPLS = ("partir eager", "partir compiled", "DTensor eager", "DTensor compiled")
 
 
-def measure(spec, batch, args, schedule_name) -> dict:
-    """Build every implementation, then time their steps interleaved (A, B, A, B, ...) so that load changes on the
-    machine hit both alike; finally count the collectives of one more step of each."""
+def measure(name, args) -> dict:
+    """Build every implementation (a compiled one compiles in its first steps), then time their steps interleaved
+    so that load changes on the machine hit all alike; finally count the collectives of one more step of each."""
+    spec, bsz = model_spec(name, args)
+    batch = spec.batch(bsz)
     built, out = {}, {}
-    for impl, make in IMPLS.items():
+    for impl in IMPLS:
+        if "compiled" in impl and not args.compile:
+            continue
+        t0 = time.perf_counter()
         try:
-            step, global_loss, recorded = make(spec, batch, schedule_name)
+            step, global_loss = make_partir(spec, batch, "compiled" in impl) if impl.startswith("partir") else \
+                make_hand_written(name, spec, batch, "compiled" in impl)
             loss = global_loss(step())
             built[impl] = step
-            out[impl] = {"loss": loss, "recorded": recorded, "times": []}
+            out[impl] = {"loss": loss, "times": [], "first": time.perf_counter() - t0}
         except Exception as e:  # noqa: BLE001 - reported in the table
-            out[impl] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
+            out[impl] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
                          "trace": traceback.format_exc()}
         dist.barrier()
     for _ in range(args.warmup - 1):
@@ -232,49 +248,79 @@ def measure(spec, batch, args, schedule_name) -> dict:
 def _worker(rank, port, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
-    spec = model_spec(args)
-    batch = spec.batch(args.batch)
-    results = {}
-    for sched in ("BP+MP+Z3", "MP"):
-        for impl, r in measure(spec, batch, args, sched).items():
-            results[(sched, impl)] = r
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=args.timeout))
+    results = {name: measure(name, args) for name in args.models}
     if rank == 0:
         queue.put(results)
     dist.destroy_process_group()
 
 
-# -- analytic count ---------------------------------------------------------------------------------------------
-def analytic_bytes(spec, args) -> dict:
-    """Per rank and step, full-array bytes (see the module docstring for the formulas)."""
+# -- in this process: the one-process bound and the cost of emulation --------------------------------------------------
+def emulation_and_bound(name, args) -> dict:
+    """Median seconds of: the whole step in one process (eager, foreach AdamW); partir's emulated step of the 4
+    ranks; the 4 ranks' local steps as plain eager programs (collectives on a fake process group), summed."""
+    import copy
+
+    import partir_torch as pt
+    from partir_torch.lower.lower import lower
+    from partir_torch.runtime.emulate import _ensure_world
+
+    T = pt.tactics
+    spec, bsz = model_spec(name, args)
+    batch = spec.batch(bsz)
     model = spec.build()
-    tp_tiled = ("attn.wq.", "attn.wk.", "attn.wv.", "mlp.w1.", "attn.wo.weight", "mlp.w2.weight")
-    p_local = p_bwd = 0
-    for name, p in model.named_parameters():
-        local = p.numel() * F32 // (TP if any(s in name for s in tp_tiled) else 1)
-        p_local += local
-        if name.endswith("weight") and name != "wpe.weight":    # matrices and LayerNorm weights
-            p_bwd += local
-    act = lambda dp: args.batch // dp * args.seq * args.d * F32   # noqa: E731
-    return {"BP+MP+Z3": 4 * args.layers * act(DP) + 2 * p_local + p_bwd,
-            "MP": 4 * args.layers * act(1)}
+    one = copy.deepcopy(model)
+    one_opt = torch.optim.AdamW(one.parameters(), lr=1e-3, foreach=True)
+    prog = pt.partition(model, pt.Mesh({"batch": DP, "model": TP}),
+                        [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")], example_inputs=batch,
+                        loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    prog.train_step(*batch)
+    ex = prog.executor
+    # the same per-device program on a fake process group: one plain eager call per rank
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _ensure_world(WORLD)
+    dm = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("batch", "model"))
+    low = lower(prog, {a: dm.get_group(a).group_name for a in ("batch", "model")})
+    per_rank = [[a.ts[r] for a in ex._args(batch, False)] for r in range(WORLD)]
+
+    def one_step():
+        one_opt.zero_grad()
+        spec.loss_fn(one, *batch).backward()
+        one_opt.step()
+
+    def local_steps():
+        for r in range(WORLD):
+            low.gm(*per_rank[r])
+
+    runs = {"one process": one_step, "emulated": lambda: prog.train_step(*batch), "local sum": local_steps}
+    times = {k: [] for k in runs}
+    for f in runs.values():
+        f()
+    for _ in range(args.steps):
+        for k, f in runs.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    dist.destroy_process_group()
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--d", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--timeout", type=float, default=600)
-    ap.add_argument("--verbose", action="store_true", help="print the traceback of a strategy that failed")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--models", default="llama,gpt")
+    ap.add_argument("--llama-batch", type=int, default=16)
+    ap.add_argument("--gpt-batch", type=int, default=8)
+    ap.add_argument("--no-compile", dest="compile", action="store_false")
+    ap.add_argument("--timeout", type=float, default=3000)
+    ap.add_argument("--verbose", action="store_true", help="print the traceback of an implementation that failed")
     args = ap.parse_args(argv)
+    args.models = args.models.split(",")
     from tabulate import tabulate
 
+    torch.set_num_threads(1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -282,43 +328,49 @@ def main(argv=None):
     t0 = time.perf_counter()
     ctx = mp.start_processes(_worker, args=(port, args, queue), nprocs=WORLD, join=False, start_method="spawn")
     results = queue.get(timeout=args.timeout)
-    ctx.join(timeout=60)
-    spec = model_spec(args)
-    n_params = sum(p.numel() for p in spec.build().parameters())
-    minimum = analytic_bytes(spec, args)
+    ctx.join(timeout=120)
+    t_ranks = time.perf_counter() - t0
+    local = {name: emulation_and_bound(name, args) for name in args.models}
 
-    print(f"GPT (gpt_sdpa): d={args.d}, heads={args.heads}, layers={args.layers}, seq={args.seq}, "
-          f"vocab={args.vocab}, global batch={args.batch}, {n_params:,} parameters, fp32")
-    print(f"4 gloo ranks on 127.0.0.1, mesh batch=2 x model=2, 1 thread per rank; median of {args.steps} steps "
-          f"after {args.warmup} warm-up; bytes per rank per step (full-array convention)\n")
+    print(f"4 gloo ranks on 127.0.0.1, mesh batch=2 x model=2, BP+MP+Z3, AdamW, fp32, 1 thread per rank; median of "
+          f"{args.steps} interleaved steps after {args.warmup} warm-up; bytes per rank per step (full-array "
+          f"convention); bound = one-process step / 2\n")
     rows = []
-    for sched in ("BP+MP+Z3", "MP"):
-        base = results[(sched, "hand-written")]
-        for impl in ("partir_torch", "hand-written"):
-            r = results[(sched, impl)]
+    for name in args.models:
+        spec, bsz = model_spec(name, args)
+        n_params = sum(p.numel() for p in spec.build().parameters())
+        res, bound = results[name], local[name]["one process"] / 2
+        peer = {k: res[k]["secs"] for k in ("DTensor eager", "DTensor compiled") if "secs" in res.get(k, {})}
+        for impl in IMPLS:
+            r = res.get(impl)
+            if r is None:
+                continue
+            label = f"{name} ({n_params / 1e6:.1f}M, batch {bsz}x128)"
             if "error" in r:
-                rows.append([sched, impl, "failed", "", "", "", "", "", r["error"]])
+                rows.append([label, impl, "failed", "", "", "", "", "", r["error"]])
                 continue
             kinds = ", ".join(f"{k} x{n}" for k, (n, _) in sorted(r["by_kind"].items()))
-            t_ratio = f"{r['secs'] / base['secs']:.2f}" if "error" not in base else "n/a"
-            rows.append([sched, impl, f"{r['loss']:.6f}", f"{r['secs'] * 1e3:.1f}", t_ratio,
-                         f"{r['bytes'] / 1e6:.3f}", f"{minimum[sched] / 1e6:.3f}", f"{r['bytes'] / minimum[sched]:.3f}",
-                         kinds])
-    print(tabulate(rows, headers=["strategy", "implementation", "step-1 loss", "ms/step", "time vs hand-written",
-                                  "MB/step", "analytic MB", "bytes / analytic", "collectives per step"],
-                   disable_numparse=True))
-    print("\nanalytic: MP 4L all_reduces of (B/dp) T d 4 bytes; Z3 all_gather P (forward) + P_bwd (backward) + "
-          "reduce_scatter P (see the module docstring).\nFSDP2 does not reshard the root module after forward, so "
-          "the hand-written run keeps wte, wpe and ln_f gathered between forward and backward (memory for bytes); "
-          "partir_torch also gathers the LayerNorm biases for backward\n(aten.native_layer_norm_backward takes them "
-          "as operands) and all-reduces 2 loss scalars.")
-    for (sched, impl), r in results.items():
-        if impl == "partir_torch" and "error" not in r and r["recorded"] != r["bytes"]:
-            print(f"note: {sched} partir_torch counted {r['bytes']} B but prog.collectives() records "
-                  f"{r['recorded']} B")
-        if "error" in r and args.verbose:
-            print(f"\n{sched} {impl} failed:\n{r['trace']}")
-    print(f"\n(total wall time {time.perf_counter() - t0:.0f} s)")
+            ratio = lambda k: f"{r['secs'] / peer[k]:.2f}" if k in peer else "n/a"  # noqa: E731
+            rows.append([label, impl, f"{r['loss']:.6f}", f"{r['secs'] * 1e3:.0f}", ratio("DTensor eager"),
+                         ratio("DTensor compiled"), f"{r['secs'] / bound:.2f}", f"{r['bytes'] / 1e6:.3f}",
+                         f"{r['first']:.0f}", kinds])
+    print(tabulate(rows, headers=["model", "implementation", "step-1 loss", "ms/step", "vs DTensor eager",
+                                  "vs DTensor compiled", "vs bound", "MB/step", "build+1st step s",
+                                  "collectives per step"], disable_numparse=True))
+    print("\nemulation (this process, 1 thread): partir's emulated step of the 4 ranks vs the 4 local steps as "
+          "plain eager programs, summed")
+    rows = []
+    for name in args.models:
+        t = local[name]
+        rows.append([name, f"{t['one process'] * 1e3:.0f}", f"{t['emulated'] * 1e3:.0f}",
+                     f"{t['local sum'] * 1e3:.0f}", f"{t['emulated'] / t['local sum']:.2f}"])
+    print(tabulate(rows, headers=["model", "one-process step ms", "emulated step ms", "sum of local steps ms",
+                                  "emulated / local sum"], disable_numparse=True))
+    for name in args.models:
+        for impl, r in results[name].items():
+            if "error" in r and args.verbose:
+                print(f"\n{name} {impl} failed:\n{r['trace']}")
+    print(f"\n(ranks {t_ranks:.0f} s, total wall time {time.perf_counter() - t0:.0f} s)")
 
 
 if __name__ == "__main__":
