@@ -229,3 +229,55 @@ def test_compile_emulated_equals_eager():
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
     assert progs[True].executor.rt.compile
+
+
+def _compiled_rank(rank, port, queue):
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
+        torch.manual_seed(0)
+        model, x, y = MLP(), torch.randn(8, 16), torch.randn(8, 8)
+        progs = {}
+        for c in (False, True):
+            m = copy.deepcopy(model)
+            progs[c] = pt.partition(m, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                                    example_inputs=(x, y), loss_fn=_loss,
+                                    optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2), compile=c)
+        losses = {c: [p.train_step(x, y).item() for _ in range(3)] for c, p in progs.items()}
+        params = {c: p.gather_parameters() for c, p in progs.items()}
+        err = max((params[True][k] - params[False][k]).abs().max().item() for k in params[False])
+        queue.put((rank, {"losses": losses, "err": err, "compiled": progs[True].executor.rt.compile}))
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        queue.put((rank, {"error": traceback.format_exc()}))
+
+
+def test_compile_on_real_ranks_equals_eager():
+    """compile=True on 2 gloo ranks: the whole per-device step (its functional collectives included) compiled by
+    Inductor; losses and parameters equal the eager program's within fp32 reassociation."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").Queue()
+    ctx = mp.start_processes(_compiled_rank, args=(port, queue), nprocs=2, join=False, start_method="spawn")
+    out = dict(queue.get(timeout=600) for _ in range(2))
+    ctx.join(timeout=60)
+    for rank, r in out.items():
+        assert "error" not in r, r["error"]
+        assert r["compiled"]
+        for a, b in zip(r["losses"][True], r["losses"][False]):
+            assert a == pytest.approx(b, rel=1e-5)
+        assert r["losses"][True][0] != r["losses"][True][-1]
+        assert r["err"] < 1e-5
