@@ -16,7 +16,8 @@ the estimate derives, with numpy over all ops and operand slots at once:
   placeholders live all step), each storage divided by its value's tilings (a partial value every consumer wants
   tiled is reduce-scattered where it is produced), plus each gathered copy at its use.
 
-step ~= max(compute + exposed communication, busiest axis's communication).
+step ~= max(compute + exposed communication, busiest axis's communication + the optimizer update, which waits for
+the last gradient reduction).
 """
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ class ProgramFacts:
     """What the estimate needs from one captured program on one hardware, read once (a few hundred ms on a
     48-layer model): per-op FLOPs and roofline constants, per-slot factor positions, value sizes, liveness."""
 
-    def __init__(self, graph, mesh, hw, captured=None):
-        self.g, self.mesh, self.hw = graph, mesh, hw
+    def __init__(self, graph, mesh, hw, captured=None, bucket_bytes: int = 64 * 2 ** 20):
+        self.g, self.mesh, self.hw, self.bucket_bytes = graph, mesh, hw, bucket_bytes
         g = graph
         nodes = list(g.gm.graph.nodes)
         index = {n: i for i, n in enumerate(nodes)}
@@ -249,7 +250,9 @@ class ProgramFacts:
         op_bytes = np.bincount(self.s_op, weights=self.s_bytes / slot_div, minlength=len(self.g.ops))
         t_mem = op_bytes / (hw.hbm_efficiency * hw.hbm_bw) + hw.kernel_overhead_s
         t_flop = np.where(self.op_flops > 0, self.op_flops / op_div / self.op_rate + hw.mm_half_time_s, 0.0)
-        compute = float(np.sum(np.where(self.op_compute, np.maximum(t_flop, t_mem), 0.0)))
+        t_op = np.where(self.op_compute, np.maximum(t_flop, t_mem), 0.0)
+        compute = float(np.sum(t_op))
+        update = float(np.sum(t_op[self.op_phase == 2]))      # the optimizer update waits for the gradients
         # per value: divisor over all axes
         all_div = np.ones(len(self.canon))
         for axis in decisions:
@@ -278,9 +281,19 @@ class ProgramFacts:
                 uses = idx
                 idx = idx[first]
                 nbytes = self.val_bytes[self.s_val[idx]] / other[self.s_canon[idx]]
-                t = self.comm_time(kind, axis, nbytes)
-                total += float(t.sum())
-                exposed += float(t[~self.s_overlap[idx]].sum())
+                over = self.s_overlap[idx]
+                t_exp = self.comm_time(kind, axis, nbytes[~over])
+                # state gathers and gradient reductions are bucketed by lowering (lower/bucket.py): one collective
+                # per bucket_bytes per phase
+                t_over = 0.0
+                for ph in (0, 1, 2):
+                    b = nbytes[over & (self.s_phase[idx] == ph)].sum()
+                    if b > 0:
+                        nb = max(1, math.ceil(b / self.bucket_bytes)) if self.bucket_bytes else int(
+                            np.sum(over & (self.s_phase[idx] == ph)))
+                        t_over += nb * float(self.comm_time(kind, axis, np.array([b / nb]))[0])
+                total += float(t_exp.sum()) + t_over
+                exposed += float(t_exp.sum())
                 by_kind[(kind, axis)] = (len(idx), float(nbytes.sum()))
                 if kind in ("all_gather", "all_to_all"):
                     # one resharded copy per (value, layout[, phase]) is shared by its uses: it lives from the
@@ -298,7 +311,7 @@ class ProgramFacts:
             np.minimum.at(cons, self.s_canon[op_slots], np.where(want[axis][op_slots] >= 0, float(k), 1.0))
             eff_div *= np.where(vals <= -3, cons, 1.0)
         comm = sum(per_axis.values())
-        step = max(compute + exposed, max(per_axis.values(), default=0.0))
+        step = max(compute + exposed, max(per_axis.values(), default=0.0) + update)
         # memory: liveness sweep with each storage divided by its value's layout
         owner = self.st_owner
         div = np.where(owner >= 0, eff_div[self.canon[np.maximum(owner, 0)]], 1.0)

@@ -68,6 +68,7 @@ class SearchReport:
     rank_correlation: float | None = None
     seconds: dict = field(default_factory=dict)      # phase -> seconds
     within_limit: bool = True
+    cut_by_time: bool = False   # a safety cap on wall time cut the estimates or the lowerings (load-dependent)
 
     def table(self, top: int = 8) -> str:
         from tabulate import tabulate
@@ -92,6 +93,9 @@ class SearchReport:
                  f"{self.evaluated} estimated, {len(self.lowered)} lowered and simulated",
                  f"rank correlation of estimate and simulation over the lowered candidates (Spearman): {rho}",
                  f"time: {secs}"]
+        if self.cut_by_time:
+            lines.append("the machine was slower than the budget's counts assume: a wall-time cap cut the search "
+                         "short (this plan may differ from an unloaded run with the same seed)")
         if not self.within_limit:
             lines.append(f"no candidate within the memory limit: chose the one with the least peak memory")
         for axis, cls in self.classes.items():
@@ -152,7 +156,8 @@ class AutomaticPartition:
         try:
             # 1. the space
             bar.set_description(f"{self.name} {'+'.join(self.axes)}: trial propagations")
-            facts = ProgramFacts(ctx.graph, ctx.mesh, hw, ctx.captured)
+            facts = ProgramFacts(ctx.graph, ctx.mesh, hw, ctx.captured,
+                                 getattr(ctx.program, "bucket_bytes", 64 * 2 ** 20))
             spaces = {}
             for axis in self.axes:
                 spaces[axis] = build_axis_space(ctx, axis, self.name, self._presets(ctx, axis),
@@ -183,7 +188,11 @@ class AutomaticPartition:
             bar.reset(total=len(order))
             bar.set_description(f"{self.name} {'+'.join(self.axes)}: estimating")
             scored = []
+            cap = t_start + 0.5 * self.budget_s + 3.0   # a safety net for an overloaded machine (see _counts)
             for combo in order:
+                if time.perf_counter() > cap and scored:
+                    report.cut_by_time = True
+                    break
                 if not self._divisible(facts, ctx.mesh, [unions[a][i][0] for a, i in zip(self.axes, combo)]):
                     bar.update(1)
                     continue
@@ -212,8 +221,15 @@ class AutomaticPartition:
             bar.reset(total=len(queue))
             bar.set_description(f"{self.name} {'+'.join(self.axes)}: lowering")
             lowered = []
+            must = 2 if best_preset is not None and best_preset is not ranked[0] else 1
+            last = 0.0
             for c in queue:
+                now = time.perf_counter()
+                if len(lowered) >= must and now + last > t_start + self.budget_s:
+                    report.cut_by_time = True
+                    break
                 c.sim, c._low = self._simulate(ctx, c.actions)
+                last = time.perf_counter() - now
                 lowered.append(c)
                 bar.update(1)
             report.seconds["lower+simulate"] = time.perf_counter() - t_est
@@ -254,13 +270,13 @@ class AutomaticPartition:
     # seconds per value of the captured graph, measured on a 2-core machine (benchmarks/auto.py): one fast estimate,
     # and one lowering + local shapes + simulation. The budget is turned into counts with them, so that the search
     # is deterministic for a seed (a wall-clock cut-off would depend on the machine's load).
-    EST_S_PER_VALUE = 1.2e-6
-    LOWER_S_PER_VALUE = 7.0e-4
+    EST_S_PER_VALUE = 1.5e-6
+    LOWER_S_PER_VALUE = 1.0e-3
 
     def _counts(self, n_values: int) -> tuple:
-        """(candidates to estimate, candidates to lower) within budget_s: a fifth of it for the estimates, 60%
+        """(candidates to estimate, candidates to lower) within budget_s: a quarter of it for the estimates, 60%
         for lowering (at least the best estimate and the best preset-only candidate are lowered, see apply)."""
-        n_est = max(1, int(0.2 * self.budget_s / (self.EST_S_PER_VALUE * n_values)))
+        n_est = max(1, int(0.25 * self.budget_s / (self.EST_S_PER_VALUE * n_values)))
         n_low = int(0.6 * self.budget_s / (self.LOWER_S_PER_VALUE * n_values))
         return n_est, max(1, min(self.max_lowered, n_low))
 
