@@ -36,7 +36,9 @@ def enable() -> str | None:
         flags = f"{flags} --xla_dump_to={path} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re={DUMP_PASS}".strip()
         os.environ["XLA_FLAGS"] = flags
         m = re.search(r"--xla_dump_to=(\S+)", flags)
-    if m is not None and ("--xla_dump_hlo_pass_re" in flags or not started):
+    elif m is not None and not started and "--xla_dump_hlo_pass_re" not in flags:   # the user's directory
+        os.environ["XLA_FLAGS"] = flags = f"{flags} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re={DUMP_PASS}"
+    if m is not None and "--xla_dump_hlo_pass_re" in flags:
         _dump_dir = m.group(1)
     if os.environ.get("XLA_USE_SPMD") != "1":    # use_spmd() warns when called twice
         xr.use_spmd()
