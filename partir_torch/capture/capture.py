@@ -191,23 +191,26 @@ def _lift_constants(gm: fx.GraphModule, names: list, roles: list) -> dict:
     """Tensors created inside the step and kept as attributes by make_fx (torch.tensor(...), an HF cache's empty
     tensors) become placeholders `consts.<i>` (role "const"): ordinary values with rules, fed at every call."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    consts = {}
+    consts, lifted = {}, {}          # name -> tensor; attribute -> its placeholder (one per attribute)
     for node in list(gm.graph.nodes):
         if node.op != "get_attr":
             continue
         t = getattr(gm, node.target, None)
         if not isinstance(t, torch.Tensor):
             continue
-        name = f"consts.{len(consts)}"
-        with gm.graph.inserting_after(placeholders[-1]):
-            ph = gm.graph.placeholder(name.replace(".", "_"))
-        ph.meta.update(node.meta)
-        placeholders.append(ph)
-        node.replace_all_uses_with(ph)
+        if node.target not in lifted:
+            name = f"consts.{len(consts)}"
+            with gm.graph.inserting_after(placeholders[-1]):
+                ph = gm.graph.placeholder(name.replace(".", "_"))
+            ph.meta.update(node.meta)
+            placeholders.append(ph)
+            lifted[node.target] = ph
+            consts[name] = t.detach()
+            names.append(name), roles.append("const")
+        node.replace_all_uses_with(lifted[node.target])
         gm.graph.erase_node(node)
-        delattr(gm, node.target)
-        consts[name] = t.detach()
-        names.append(name), roles.append("const")
+    for target in lifted:
+        delattr(gm, target)
     return consts
 
 
@@ -304,7 +307,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     if mode == TRAIN:
         fopt = functional_optimizer(optimizer, {id(p): k for k, p in params.items()})
 
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)   # tensors the model or loss_fn close over: constants
     fake = lambda t: _fakify(fake_mode, t, device)
     fparams = {k: fake(p.detach()) for k, p in params.items()}
     for k in trainable:

@@ -116,12 +116,20 @@ def _per_channel(t, ndim):
     return aten.view.default(t, [1, -1] + [1] * (ndim - 2))   # (C,) -> (1, C, 1, ...)
 
 
+def _stat_dtype(x):
+    """Batch norm's sums accumulate as eager's kernels do: in double on CPU (at::acc_type<float, /*cuda=*/false>),
+    in float on GPUs. The backward's dx is a difference of nearly equal terms wherever the next layer is
+    insensitive to this one's scale, and fp32 sums there move it by tens of percent."""
+    return torch.float64 if x.device.type == "cpu" and x.dtype == torch.float32 else x.dtype
+
+
 def _stacked_sums(a, b, dims, n):
     """(sum(a) / n, sum(b) / n) over `dims`, through one (2, C) tensor: with the batch tiled both sums are
     partial(sum), and since the stacked tensor has two consumers it is all-reduced once, where it is made."""
-    s = aten.cat.default([aten.unsqueeze.default(aten.sum.dim_IntList(a, dims), 0),
-                          aten.unsqueeze.default(aten.sum.dim_IntList(b, dims), 0)])
-    s = aten.div.Scalar(s, n)
+    acc = _stat_dtype(a)
+    s = aten.cat.default([aten.unsqueeze.default(aten.sum.dim_IntList(a, dims, dtype=acc), 0),
+                          aten.unsqueeze.default(aten.sum.dim_IntList(b, dims, dtype=acc), 0)])
+    s = aten.div.Scalar(s, n).to(a.dtype)
     return aten.select.int(s, 0, 0), aten.select.int(s, 0, 1)
 
 
@@ -134,9 +142,10 @@ def _bn_train(x, weight, bias, running_mean, running_var, momentum, eps):
     red = [0] + list(range(2, x.dim()))
     n = x.numel() // x.shape[1]
     xa = x.to(_acc_dtype(x.dtype))
-    mean = aten.div.Scalar(aten.sum.dim_IntList(xa, red), n)                              # (C,)
+    acc = _stat_dtype(xa)
+    mean = aten.div.Scalar(aten.sum.dim_IntList(xa, red, dtype=acc), n).to(xa.dtype)      # (C,)
     xc = aten.sub.Tensor(xa, _per_channel(mean, x.dim()))                                # (N, C, *)
-    var = aten.div.Scalar(aten.sum.dim_IntList(aten.mul.Tensor(xc, xc), red), n)         # biased, (C,)
+    var = aten.div.Scalar(aten.sum.dim_IntList(aten.mul.Tensor(xc, xc), red, dtype=acc), n).to(xa.dtype)
     rstd = aten.rsqrt.default(aten.add.Scalar(var, eps))
     out = _affine(aten.mul.Tensor(xc, _per_channel(rstd, x.dim())), weight, bias)
     new_mean = new_var = None
@@ -212,7 +221,9 @@ def _bn_backward(grad_out, x, weight, running_mean, running_var, save_mean, save
         proj = aten.mul.Tensor(xc, _per_channel(aten.mul.Tensor(dmean, aten.mul.Tensor(invstd, invstd)), x.dim()))
         dx = aten.sub.Tensor(aten.sub.Tensor(dy, proj), _per_channel(gmean, x.dim()))
     else:
-        gsum, dot = aten.sum.dim_IntList(dy, red), aten.sum.dim_IntList(dyxc, red)
+        acc64 = _stat_dtype(dy)
+        gsum = aten.sum.dim_IntList(dy, red, dtype=acc64).to(dy.dtype)
+        dot = aten.sum.dim_IntList(dyxc, red, dtype=acc64).to(dy.dtype)
         dx = dy
     scale = invstd if weight is None else aten.mul.Tensor(invstd, weight.to(acc))
     grad_input = aten.mul.Tensor(dx, _per_channel(scale, x.dim())).to(x.dtype) if output_mask[0] else None
