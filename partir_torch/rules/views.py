@@ -56,9 +56,12 @@ def squeeze_like(ctx):
     b = RuleBuilder()
     shape = ctx.in_shapes[0]
     ins = b.dims(shape)
-    nz = iter([d for d in ins if d])
-    outs = [next(nz) if s != 1 else () for s in ctx.out_shapes[0]]
-    return b.rule([ins], [outs], MOVES)
+    kept = [d for d, n in zip(ins, shape) if n != 1]      # the non-1 dims (a size-0 dim has no factor either)
+    out = ctx.out_shapes[0]
+    if len(kept) != sum(1 for n in out if n != 1):
+        return None
+    nz = iter(kept)
+    return b.rule([ins], [[next(nz) if n != 1 else () for n in out]], MOVES)
 
 
 def along(dim_arg, like_result=False):
