@@ -12,6 +12,8 @@ captured once and partitioned with:
   expert_parallel(model), zero(3, batch)];
 - auto-model: [data_parallel(batch), automatic("model")];
 - auto-both: [automatic(["batch", "model"])];
+- llama3-70b+remat: Llama3-70B again with every layer checkpointed (remat("layers.*"), at capture, for the expert and
+  the searches alike);
 
 each automatic schedule at memory limits of 80 GB and 40 GB. Printed per case: simulated step time of auto and of
 the expert and their ratio, peak memory against the limit, search wall time, candidates estimated and lowered, the
@@ -64,6 +66,10 @@ def models() -> dict:
                             gated=True, tied=False), 8, 8192),
         "llama3-70b": (dense(vocab=128256, seq=8192, d=8192, heads=64, kv_heads=8, layers=80, hidden=28672,
                              gated=True, tied=False), 8, 8192),
+        # the same with every layer checkpointed (torchtitan's 70B recipe uses full activation checkpointing):
+        # without it no plan of these two axes holds the activations of seq 8192 (the expert needs 104 GB)
+        "llama3-70b+remat": (dense(vocab=128256, seq=8192, d=8192, heads=64, kv_heads=8, layers=80, hidden=28672,
+                                   gated=True, tied=False), 8, 8192),
         "moe-16x8": (moe, 64, 2048),
     }
 
@@ -104,8 +110,8 @@ def main(names) -> None:
         tokens = torch.zeros(batch, seq, dtype=torch.int64, device="meta")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         t0 = time.perf_counter()
-        mp = T.mixed_precision(torch.bfloat16)
-        captured = capture(model, (tokens, tokens), M.loss_fn, opt, [mp], {})
+        rewrites = [T.mixed_precision(torch.bfloat16)] + ([T.remat("layers.*")] if name.endswith("+remat") else [])
+        captured = capture(model, (tokens, tokens), M.loss_fn, opt, rewrites, {})
         with no_gc():
             graph = PartGraph(captured.gm, default_registry(), captured.names, captured.ties)
         print(f"\n{name}: {nparams / 1e9:.1f}B parameters, batch {batch} x seq {seq}, {len(graph.values)} values; "

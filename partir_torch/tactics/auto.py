@@ -217,11 +217,11 @@ class AutomaticPartition:
             if best_preset is not None and best_preset not in queue:
                 queue.append(best_preset)
             queue += [c for c in ranked[1:] if c not in queue]
-            queue = queue[:max(n_low, 2 if best_preset is not None and best_preset is not ranked[0] else 1)]
+            queue = queue[:n_low]
             bar.reset(total=len(queue))
             bar.set_description(f"{self.name} {'+'.join(self.axes)}: lowering")
             lowered = []
-            must = 2 if best_preset is not None and best_preset is not ranked[0] else 1
+            must = 2                                   # the best estimate, and the best preset-only one or the next
             last = 0.0
             for c in queue:
                 now = time.perf_counter()
@@ -271,14 +271,14 @@ class AutomaticPartition:
     # and one lowering + local shapes + simulation. The budget is turned into counts with them, so that the search
     # is deterministic for a seed (a wall-clock cut-off would depend on the machine's load).
     EST_S_PER_VALUE = 1.5e-6
-    LOWER_S_PER_VALUE = 1.0e-3
+    LOWER_S_PER_VALUE = 4.0e-4
 
     def _counts(self, n_values: int) -> tuple:
         """(candidates to estimate, candidates to lower) within budget_s: a quarter of it for the estimates, 60%
-        for lowering (at least the best estimate and the best preset-only candidate are lowered, see apply)."""
+        for lowering (at least two: the best estimate and the best preset-only candidate, or the second best)."""
         n_est = max(1, int(0.25 * self.budget_s / (self.EST_S_PER_VALUE * n_values)))
         n_low = int(0.6 * self.budget_s / (self.LOWER_S_PER_VALUE * n_values))
-        return n_est, max(1, min(self.max_lowered, n_low))
+        return n_est, max(2, min(self.max_lowered, n_low))
 
     def _divisible(self, facts, mesh, vals_list) -> bool:
         """Two searched axes tiling one dim of a value: its size must divide by both."""
