@@ -72,12 +72,3 @@ def test_breakdown_finds_activations_gradients_and_updated_params():
     assert cat["w1_1"] == "parameters" and cat["lr_1"] == "inputs"
     assert mem.breakdown["parameters"] >= 2 * (128 * 256 * 4)
     assert sum(mem.breakdown.values()) == mem.peak_bytes
-
-
-def test_grad_tags_override_the_heuristic():
-    gm = _train_step_graph()
-    for n in gm.graph.nodes:
-        if n.name == "mm_3":
-            n.meta["partir_kind"] = "grad"
-    cat = analyze_memory(list(gm.graph.nodes)).categories
-    assert cat["mm_3"] == "gradients" and cat["mm_4"] == "temporaries"
