@@ -43,6 +43,7 @@ class Candidate:
     est_peak: float = 0.0
     sim: object = None                 # SimReport once lowered and simulated
     preset_only: bool = False
+    low: object = field(default=None, repr=False)   # its lowered program (lower.Lowered)
 
     def label(self) -> str:
         by_axis: dict = {}
@@ -228,7 +229,7 @@ class AutomaticPartition:
                 if len(lowered) >= must and now + last > t_start + self.budget_s:
                     report.cut_by_time = True
                     break
-                c.sim, c._low = self._simulate(ctx, c.actions)
+                c.sim, c.low = self._simulate(ctx, c.actions)
                 last = time.perf_counter() - now
                 lowered.append(c)
                 bar.update(1)
@@ -244,7 +245,7 @@ class AutomaticPartition:
         report.rank_correlation = _spearman([c.est_step_s for c in lowered], [c.sim.step_time_s for c in lowered])
         # 4. the winner, on the real decisions
         self._replay(ctx, chosen.actions, label=True)
-        ctx.program.__dict__.setdefault("_stage_lowered", {})[len(ctx.program.stages)] = chosen._low
+        ctx.program.__dict__.setdefault("_stage_lowered", {})[len(ctx.program.stages)] = chosen.low
         report.seconds["total"] = time.perf_counter() - t_start
         ctx.program.__dict__.setdefault("search_reports", []).append(report)
         desc = chosen.label()
