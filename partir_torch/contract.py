@@ -94,6 +94,7 @@ RANDOM_OPS = frozenset({aten.native_dropout.default, aten.rand.default, aten.ran
 
 # -- phases --------------------------------------------------------------------------------------------------------
 def _reach(roots, step) -> set:
+    """Every node reachable from the roots by `step` (inputs or users), the roots included."""
     seen, stack = set(), list(roots)
     while stack:
         n = stack.pop()

@@ -1,6 +1,7 @@
 """Small walks over captured graphs shared by the passes (capture rewrites, presets, lowering)."""
 from __future__ import annotations
 
+from ..contract import _reach
 from ..errors import source_line  # noqa: F401  (re-exported for the capture passes)
 
 
@@ -12,16 +13,6 @@ def ancestors(roots) -> set:
 def descendants(roots) -> set:
     """Every node that depends on the roots, the roots included."""
     return _reach(roots, lambda n: n.users)
-
-
-def _reach(roots, step) -> set:
-    seen, stack = set(), list(roots)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(step(n))
-    return seen
 
 
 def forward_nodes(gm) -> set:

@@ -18,7 +18,6 @@ stays op by op. Compiled programs (partition(..., compile=True)) keep the ops: I
 """
 from __future__ import annotations
 
-import heapq
 import operator
 from typing import Optional
 
@@ -27,6 +26,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from ..contract import META_NAME, META_PHASE, META_ROLE, META_SRC, Phase, Role
+from .order import reorder
 
 aten = torch.ops.aten
 
@@ -132,7 +132,7 @@ def fuse_optimizer(graph: fx.Graph, captured) -> int:
         if _emit(graph, fopt, gi, members, placeholders, step):
             n_fused += len(members)
     if n_fused:
-        _stable_toposort(graph)
+        reorder(graph)     # every node after its inputs; the current order kept wherever it is valid
     return n_fused
 
 
@@ -220,31 +220,3 @@ def _emit(graph, fopt, gi, members, placeholders, step) -> bool:
 def _index_of(graph):
     index = {n: i for i, n in enumerate(graph.nodes)}
     return index.__getitem__
-
-
-def _stable_toposort(graph: fx.Graph) -> None:
-    """Reorder so that every node follows its inputs, keeping the current order wherever it already does (a
-    fused update sits where its first op was, or after its last input)."""
-    nodes = list(graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    pending = {n: len(set(n.all_input_nodes)) for n in nodes}
-    ready = [(index[n], n.name, n) for n in nodes if pending[n] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, _, n = heapq.heappop(ready)
-        order.append(n)
-        for u in n.users:
-            pending[u] -= 1
-            if pending[u] == 0:
-                heapq.heappush(ready, (index[u], u.name, u))
-    if len(order) != len(nodes):
-        raise RuntimeError("fuse_optimizer: the program has a cycle after fusion")
-    if order == nodes:
-        return
-    prev = order[0]
-    if prev is not nodes[0]:
-        nodes[0].prepend(prev)
-    for n in order[1:]:
-        prev.append(n)
-        prev = n

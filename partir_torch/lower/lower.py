@@ -28,6 +28,7 @@ from ..rules.localize import localize_args
 from ..sharding import Sharding
 from . import indexed
 from .bucket import bucket_collectives
+from .order import reorder
 from .fuse import fuse_optimizer
 from .reshard import Emitter, reshard
 
@@ -324,8 +325,6 @@ def _sink_waits(graph: fx.Graph) -> None:
     really reads it: the collective is issued where its input is ready and compute runs on until the result is
     needed. The new order is a topological sort by priority (a node's position, or for a moved node its first
     reader's), so it is valid whatever the moves."""
-    import heapq
-
     wait = torch.ops._c10d_functional.wait_tensor.default
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -347,21 +346,7 @@ def _sink_waits(graph: fx.Graph) -> None:
             chain.sort(key=index.__getitem__)
             for k, n in enumerate(chain):     # just before the first reader, in their own order
                 prio[n] = first - 0.5 + k / (2 * len(chain) + 2)
-    indeg = {n: len(n.all_input_nodes) for n in nodes}
-    ready = [(prio[n], index[n], n) for n in nodes if indeg[n] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, _, n = heapq.heappop(ready)
-        order.append(n)
-        for u in n.users:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(ready, (prio[u], index[u], u))
-    assert len(order) == len(nodes), "the per-device graph has a cycle"
-    for prev, n in zip(order, order[1:]):
-        if prev.next is not n:
-            prev.append(n)
+    reorder(graph, prio)
 
 
 def _strip(sh: Sharding) -> Sharding:

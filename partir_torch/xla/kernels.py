@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+from ..errors import PartitionError
 
 aten = torch.ops.aten
 
@@ -40,7 +41,7 @@ def sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=N
     """CPU flash attention (output, logsumexp) as batched dots and a softmax. Einsums keep (B, H) as two batch dims
     (a 4-d matmul would fold them into one, which XLA cannot reshape when both are tiled)."""
     if dropout_p:
-        raise NotImplementedError("to_xla: attention dropout has no XLA form here; use dropout_p=0")
+        raise PartitionError("to_xla: attention dropout has no XLA form here; use dropout_p=0 for the XLA program")
     s, _, rep = _scores(q, k, is_causal, attn_mask, scale)
     lse = torch.logsumexp(s, dim=-1)                              # (B, H, L)
     p = torch.exp(s - lse.unsqueeze(-1))
