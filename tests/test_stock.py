@@ -224,13 +224,13 @@ def test_rules_for_ops_stock_models_reach_verify():
 
     aten = torch.ops.aten
 
-    def f(x, y, labels, empty):
+    def f(x, y, labels, empty, none):
         return (F.pad(labels, (0, 1), value=-100), F.pad(x, (1, 2)), F.pad(x, (0, 0, 1, 0), value=0.5),
                 aten.select_scatter(x, y[:, 0], 1, 2), aten.slice_scatter(x, y[:, :2], 1, 1, 3),
-                aten.fill.Scalar(x, 3.0), torch.cat([empty, x], 1))
+                aten.fill.Scalar(x, 3.0), torch.cat([empty, x], 1), none.squeeze(1), none.unsqueeze(0))
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(6, 4), torch.randn(6, 4), torch.randint(0, 9, (6, 5)),
-                                         torch.randn(0))
+                                         torch.randn(0), torch.randn(0, 1, 3))   # an empty expert slot
     report = verify_graph(gm)
     assert report.nodes >= 7 and report.factor_checks >= 10, str(report)
     assert not report.wrong and not report.missing and not report.errors, str(report)
@@ -269,3 +269,25 @@ def test_register_rule_refuses_duplicates_and_bad_specs():
         reg.register(torch.ops.aten.bmm.default, 42)
     with pytest.raises(pt.PartitionError, match=r"already has a rule"):    # built-ins are protected too
         pt.register_rule(torch.ops.aten.mm.default, "mk,kn->mn")
+
+
+def test_tensors_the_model_closes_over_are_constants():
+    """A plain tensor attribute (not a buffer) and a tensor the loss closes over are lifted as constants."""
+    class Scaled(Tiny):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.linspace(0.5, 1.5, 16)         # a plain attribute, not registered
+
+        def forward(self, x):
+            return super().forward(x) * self.scale
+
+    torch.manual_seed(0)
+    model = Scaled()
+    ref = copy.deepcopy(model)
+    weights = torch.rand(16)
+    lf = lambda m, x: F.cross_entropy(m(x).flatten(0, 1), x.flatten(), weight=weights)
+    x = torch.randint(0, 16, (4, 5))
+    prog = pt.partition(model, pt.Mesh({"b": 2}), [T.data_parallel("b")], example_inputs=(x,), loss_fn=lf,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert sum(n.startswith("consts.") for n in prog.captured.input_names) >= 2
+    train_next_to_eager(prog, ref, [(x,)] * 2, lf)
