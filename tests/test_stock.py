@@ -291,3 +291,17 @@ def test_tensors_the_model_closes_over_are_constants():
                         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert sum(n.startswith("consts.") for n in prog.captured.input_names) >= 2
     train_next_to_eager(prog, ref, [(x,)] * 2, lf)
+
+
+def test_a_parameter_read_behind_the_steps_back_is_refused():
+    class Cached(Tiny):
+        def __init__(self):
+            super().__init__()
+            self.frozen_view = self.out.weight.data        # a cached alias of a parameter's storage
+
+        def forward(self, x):
+            return super().forward(x) + self.emb(x) @ self.frozen_view.t() * 0
+
+    with pytest.raises(TraceError, match=r"reads params\.out\.weight outside the module's parameters"):
+        pt.partition(Cached(), pt.Mesh({"b": 2}), [T.data_parallel("b")],
+                     example_inputs=(torch.randint(0, 16, (4, 5)),), loss_fn=tiny_loss)

@@ -187,6 +187,21 @@ def _check_indices(gm: fx.GraphModule, model) -> None:
                                "Pass the batch's ids as x.long().")
 
 
+def _refuse_state_constants(consts: dict, model) -> None:
+    """A constant sharing memory with a parameter is a parameter read behind the traced step's back (through .data,
+    or a copy cached on the module): baking it in would freeze it silently. (A buffer read through an alias, as HF's
+    original_inv_freq, is a true constant: buffers change only where the forward writes them.)"""
+    owners = {t.untyped_storage().data_ptr(): f"params.{k}" for k, t in model.named_parameters()
+              if t.device.type != "meta" and t.numel()}
+    for name, t in consts.items():
+        if t.device.type != "meta" and t.numel() and t.untyped_storage().data_ptr() in owners:
+            raise TraceError(f"partition: the step of {type(model).__name__} reads "
+                             f"{owners[t.untyped_storage().data_ptr()]} outside the module's parameters (through "
+                             f".data, .detach() of a cached copy, or a tensor captured before the call), so it would "
+                             f"be frozen into the program as {name}. Read the parameter through the module in the "
+                             f"forward instead.")
+
+
 def _lift_constants(gm: fx.GraphModule, names: list, roles: list) -> dict:
     """Tensors created inside the step and kept as attributes by make_fx (torch.tensor(...), an HF cache's empty
     tensors) become placeholders `consts.<i>` (role "const"): ordinary values with rules, fed at every call."""
@@ -430,6 +445,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
             h.remove()
     _check_indices(gm, model)
     consts = _lift_constants(gm, names, roles)
+    _refuse_state_constants(consts, model)
     untie_random_templates(gm)
     _state_mutations(gm, names, roles, out_names, model)
     if accumulate > 1:
