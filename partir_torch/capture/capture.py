@@ -23,7 +23,7 @@ from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_m
 from ..contract import META_ACCUMULATE, META_NAME, META_OUTPUT, META_ROLE, META_TAG, META_TAGS, stamp_phases
 from ..errors import PartitionError, TraceError
 from .decompositions import capture_decompositions
-from .graphutil import forward_nodes, source_line
+from .graphutil import forward_nodes, source_line, split_for_backward
 from .optim import functional_optimizer
 from .tags import collect_tags, install_hooks
 from .tidy import untie_random_templates
@@ -476,14 +476,7 @@ def _split_param_views(gm) -> None:
             continue
         if not all(a.op == "placeholder" or a.target in _VIEWS for a in n.all_input_nodes):
             continue
-        late = [u for u in n.users if u not in fwd and u.op != "output"]
-        if not late or len(late) == len(n.users):
-            continue
-        with gm.graph.inserting_before(min(late, key=index.__getitem__)):
-            dup = gm.graph.call_function(n.target, n.args, n.kwargs)
-            dup.meta.update({k: v for k, v in n.meta.items() if k not in (META_TAG, META_TAGS)})
-        for u in late:
-            u.replace_input_with(n, dup)
+        split_for_backward(gm, n, fwd, index)
     gm.graph.lint()
     gm.recompile()
 

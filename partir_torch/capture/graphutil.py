@@ -1,7 +1,7 @@
 """Small walks over captured graphs shared by the passes (capture rewrites, presets, lowering)."""
 from __future__ import annotations
 
-from ..contract import _reach
+from ..contract import META_TAG, META_TAGS, _reach
 from ..errors import source_line  # noqa: F401  (re-exported for the capture passes)
 
 
@@ -20,3 +20,18 @@ def forward_nodes(gm) -> set:
     nodes = list(gm.graph.nodes)
     loss = nodes[-1].args[0][0]
     return ancestors([loss])
+
+
+def split_for_backward(gm, n, fwd: set, index: dict) -> bool:
+    """Give the backward its own copy of forward node `n` (a parameter's view or cast) when both phases use it: a
+    tiled parameter is then gathered once per phase and the gathered copy does not live from forward to
+    backward (ZeRO-3's memory saving). Returns whether it split."""
+    late = [u for u in n.users if u not in fwd and u.op != "output"]
+    if not late or len(late) == len(n.users):
+        return False
+    with gm.graph.inserting_before(min(late, key=index.__getitem__)):
+        dup = gm.graph.call_function(n.target, n.args, n.kwargs)
+    dup.meta.update({k: v for k, v in n.meta.items() if k not in (META_TAG, META_TAGS)})
+    for u in late:
+        u.replace_input_with(n, dup)
+    return True

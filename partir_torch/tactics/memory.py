@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..errors import PartitionError
+from ..capture.graphutil import split_for_backward
 from ..contract import (META_NO_PARTIAL_PASS, META_RECOMPUTE, META_RECOMPUTE_OF, META_REMAT, META_ROLE, META_TAG,
     META_TAGS, RANDOM_OPS)
+from ..errors import PartitionError
 
 aten = torch.ops.aten
 
@@ -90,15 +91,7 @@ def split_param_casts(gm) -> None:
         if n not in fwd or n.target is not aten._to_copy.default or n.args[0].op != "placeholder" \
                 or n.args[0].meta.get(META_ROLE) != "param":
             continue
-        late = [u for u in n.users if u not in fwd and u.op != "output"]
-        if not late or len(late) == len(n.users):
-            continue
-        with gm.graph.inserting_before(min(late, key=index.__getitem__)):
-            dup = gm.graph.call_function(n.target, n.args, n.kwargs)
-        dup.meta.update({k: v for k, v in n.meta.items() if k not in (META_TAG, META_TAGS)})
-        for u in late:
-            u.replace_input_with(n, dup)
-        changed = True
+        changed |= split_for_backward(gm, n, fwd, index)
     if changed:
         gm.graph.lint()
         gm.recompile()
