@@ -159,90 +159,20 @@ class AutomaticPartition:
             bar.set_description(f"{self.name} {'+'.join(self.axes)}: trial propagations")
             facts = ProgramFacts(ctx.graph, ctx.mesh, hw, ctx.captured,
                                  getattr(ctx.program, "bucket_bytes", 64 * 2 ** 20))
-            spaces = {}
-            for axis in self.axes:
-                spaces[axis] = build_axis_space(ctx, axis, self.name, self._presets(ctx, axis),
-                                                on_trial=lambda: bar.update(1))
-                sp = spaces[axis]
-                report.classes[axis] = [(a.label, a.members, a.conflicts) for a in sp.actions if a.kind == "class"]
-                report.actions[axis] = len(sp.actions)
-                report.choice_points[axis] = int((~sp.compatible).sum() // 2)
-                report.trials += sp.trials
+            spaces = self._spaces(ctx, report, bar)
             t_space = time.perf_counter()
             report.seconds["space"] = t_space - t_start
             # 2. estimates
-            per_axis = {axis: axis_candidates(spaces[axis]) for axis in self.axes}
-            base = {a: facts.axis_arrays(ctx.prop, a) for a in ctx.mesh.axes}
-            unions = {axis: [union(spaces[axis].actions, c, *base[axis]) for c in per_axis[axis]]
-                      for axis in self.axes}
-            combos = list(itertools.product(*[range(len(per_axis[a])) for a in self.axes]))
-            report.space = len(combos)
-            # the all-replicated candidate, then every combination of presets (macro-actions), then the rest in an
-            # order drawn from the seed
-            is_preset = lambda combo: all(spaces[a].actions[j].kind != "class"  # noqa: E731
-                                          for a, i in zip(self.axes, combo) for j in per_axis[a][i])
-            first = [c for c in combos if is_preset(c)]
-            rest = [c for c in combos if not is_preset(c)]
-            order = first + random.Random(self.seed).sample(rest, len(rest))
             n_est, n_low = self._counts(len(ctx.graph.values))
-            order = order[:n_est]
-            bar.reset(total=len(order))
-            bar.set_description(f"{self.name} {'+'.join(self.axes)}: estimating")
-            scored = []
-            cap = t_start + 0.5 * self.budget_s + 3.0   # a safety net for an overloaded machine (see _counts)
-            for combo in order:
-                if time.perf_counter() > cap and scored:
-                    report.cut_by_time = True
-                    break
-                if not self._divisible(facts, ctx.mesh, [unions[a][i][0] for a, i in zip(self.axes, combo)]):
-                    bar.update(1)
-                    continue
-                dec = dict(base)
-                for axis, i in zip(self.axes, combo):
-                    dec[axis] = unions[axis][i]
-                est = facts.estimate(dec)
-                acts = tuple(spaces[a].actions[j] for a, i in zip(self.axes, combo) for j in per_axis[a][i])
-                scored.append(Candidate(acts, est.step_s, est.peak_bytes,
-                                        preset_only=all(x.kind != "class" for x in acts)))
-                bar.update(1)
-            report.evaluated = len(scored)
+            scored = self._estimates(ctx, facts, spaces, n_est, report, bar, t_start)
             t_est = time.perf_counter()
             report.seconds["estimate"] = t_est - t_space
             # 3. lower and simulate the best few (always the best preset-only candidate too)
-            margin = 0.9 * limit               # the estimate leaves out some temporaries
-            key = lambda c: (c.est_peak > margin, _score(c, c.est_step_s) if c.est_peak <= margin  # noqa: E731
-                             else c.est_peak)
-            ranked = sorted(scored, key=key)
-            queue = ranked[:1]
-            best_preset = next((c for c in ranked if c.preset_only), None)
-            if best_preset is not None and best_preset not in queue:
-                queue.append(best_preset)
-            queue += [c for c in ranked[1:] if c not in queue]
-            queue = queue[:n_low]
-            bar.reset(total=len(queue))
-            bar.set_description(f"{self.name} {'+'.join(self.axes)}: lowering")
-            lowered = []
-            must = 2                                   # the best estimate, and the best preset-only one or the next
-            last = 0.0
-            for c in queue:
-                now = time.perf_counter()
-                if len(lowered) >= must and now + last > t_start + self.budget_s:
-                    report.cut_by_time = True
-                    break
-                c.sim, c.low = self._simulate(ctx, c.actions)
-                last = time.perf_counter() - now
-                lowered.append(c)
-                bar.update(1)
+            lowered = self._lower_best(ctx, scored, limit, n_low, report, bar, t_start)
             report.seconds["lower+simulate"] = time.perf_counter() - t_est
         finally:
             bar.close()
-        ok = [c for c in lowered if c.sim.peak_memory_bytes <= limit]
-        report.within_limit = bool(ok)
-        chosen = min(ok, key=lambda c: _score(c, c.sim.step_time_s)) if ok else \
-            min(lowered, key=lambda c: (c.sim.peak_memory_bytes, c.sim.step_time_s))
-        report.lowered = sorted(lowered, key=lambda c: (c.sim.peak_memory_bytes > limit, c.sim.step_time_s))
-        report.chosen = chosen
-        report.rank_correlation = _spearman([c.est_step_s for c in lowered], [c.sim.step_time_s for c in lowered])
+        chosen = self._choose(lowered, limit, report)
         # 4. the winner, on the real decisions
         self._replay(ctx, chosen.actions, label=True)
         ctx.program.__dict__.setdefault("_stage_lowered", {})[len(ctx.program.stages)] = chosen.low
@@ -252,6 +182,98 @@ class AutomaticPartition:
         ctx.remark(self.name, f"{self.name} chose {desc} (simulated step {chosen.sim.step_time_s * 1e3:.1f} ms, "
                               f"peak {chosen.sim.peak_memory_bytes / 1e9:.1f} GB of {limit / 1e9:.1f} GB); "
                               f"prog.search_report() for the candidates")
+
+    # -- the search's phases -------------------------------------------------------------------------------------
+    def _spaces(self, ctx, report: SearchReport, bar) -> dict:
+        """1. Per axis: its classes (one trial propagation each), the presets and completions, the choice points."""
+        spaces = {}
+        for axis in self.axes:
+            spaces[axis] = build_axis_space(ctx, axis, self.name, self._presets(ctx, axis),
+                                            on_trial=lambda: bar.update(1))
+            sp = spaces[axis]
+            report.classes[axis] = [(a.label, a.members, a.conflicts) for a in sp.actions if a.kind == "class"]
+            report.actions[axis] = len(sp.actions)
+            report.choice_points[axis] = int((~sp.compatible).sum() // 2)
+            report.trials += sp.trials
+        return spaces
+
+    def _estimates(self, ctx, facts, spaces: dict, n_est: int, report: SearchReport, bar, t_start: float) -> list:
+        """2. The fast estimate of up to n_est candidates: the all-replicated one, then every combination of presets
+        (macro-actions), then the rest in an order drawn from the seed. Returns the scored Candidates."""
+        per_axis = {axis: axis_candidates(spaces[axis]) for axis in self.axes}
+        base = {a: facts.axis_arrays(ctx.prop, a) for a in ctx.mesh.axes}
+        unions = {axis: [union(spaces[axis].actions, c, *base[axis]) for c in per_axis[axis]]
+                  for axis in self.axes}
+        combos = list(itertools.product(*[range(len(per_axis[a])) for a in self.axes]))
+        report.space = len(combos)
+        is_preset = lambda combo: all(spaces[a].actions[j].kind != "class"  # noqa: E731
+                                      for a, i in zip(self.axes, combo) for j in per_axis[a][i])
+        first = [c for c in combos if is_preset(c)]
+        rest = [c for c in combos if not is_preset(c)]
+        order = first + random.Random(self.seed).sample(rest, len(rest))
+        order = order[:n_est]
+        bar.reset(total=len(order))
+        bar.set_description(f"{self.name} {'+'.join(self.axes)}: estimating")
+        scored = []
+        cap = t_start + 0.5 * self.budget_s + 3.0   # a safety net for an overloaded machine (see _counts)
+        for combo in order:
+            if time.perf_counter() > cap and scored:
+                report.cut_by_time = True
+                break
+            if not self._divisible(facts, ctx.mesh, [unions[a][i][0] for a, i in zip(self.axes, combo)]):
+                bar.update(1)
+                continue
+            dec = dict(base)
+            for axis, i in zip(self.axes, combo):
+                dec[axis] = unions[axis][i]
+            est = facts.estimate(dec)
+            acts = tuple(spaces[a].actions[j] for a, i in zip(self.axes, combo) for j in per_axis[a][i])
+            scored.append(Candidate(acts, est.step_s, est.peak_bytes,
+                                    preset_only=all(x.kind != "class" for x in acts)))
+            bar.update(1)
+        report.evaluated = len(scored)
+        return scored
+
+    def _lower_best(self, ctx, scored: list, limit: float, n_low: int, report: SearchReport, bar,
+                    t_start: float) -> list:
+        """3. Lower and simulate the best n_low by estimate (always the best preset-only candidate too)."""
+        margin = 0.9 * limit               # the estimate leaves out some temporaries
+        key = lambda c: (c.est_peak > margin, _score(c, c.est_step_s) if c.est_peak <= margin  # noqa: E731
+                         else c.est_peak)
+        ranked = sorted(scored, key=key)
+        queue = ranked[:1]
+        best_preset = next((c for c in ranked if c.preset_only), None)
+        if best_preset is not None and best_preset not in queue:
+            queue.append(best_preset)
+        queue += [c for c in ranked[1:] if c not in queue]
+        queue = queue[:n_low]
+        bar.reset(total=len(queue))
+        bar.set_description(f"{self.name} {'+'.join(self.axes)}: lowering")
+        lowered = []
+        must = 2                                   # the best estimate, and the best preset-only one or the next
+        last = 0.0
+        for c in queue:
+            now = time.perf_counter()
+            if len(lowered) >= must and now + last > t_start + self.budget_s:
+                report.cut_by_time = True
+                break
+            c.sim, c.low = self._simulate(ctx, c.actions)
+            last = time.perf_counter() - now
+            lowered.append(c)
+            bar.update(1)
+        return lowered
+
+    def _choose(self, lowered: list, limit: float, report: SearchReport) -> Candidate:
+        """The fastest lowered candidate within the memory limit (none within it: the one with the least peak
+        memory); fills the report's ranking."""
+        ok = [c for c in lowered if c.sim.peak_memory_bytes <= limit]
+        report.within_limit = bool(ok)
+        chosen = min(ok, key=lambda c: _score(c, c.sim.step_time_s)) if ok else \
+            min(lowered, key=lambda c: (c.sim.peak_memory_bytes, c.sim.step_time_s))
+        report.lowered = sorted(lowered, key=lambda c: (c.sim.peak_memory_bytes > limit, c.sim.step_time_s))
+        report.chosen = chosen
+        report.rank_correlation = _spearman([c.est_step_s for c in lowered], [c.sim.step_time_s for c in lowered])
+        return chosen
 
     # -- pieces --------------------------------------------------------------------------------------------------
     def _presets(self, ctx, axis) -> list:
