@@ -302,96 +302,124 @@ def _clip_by_global_norm(grads: dict, max_norm: float, like: dict) -> tuple:
     return {k: g * coef.to(g.dtype) for k, g in grads.items()}, norm
 
 
-def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None, options=(),
-            decompositions=None, clip_grad_norm=None, accumulate=1, accumulate_dims=None,
-            eval_loss=False) -> Captured:
-    """options: capture-time tactics (MixedPrecision, Remat) that shape the traced step; decompositions: extra
-    ones a tactic needs (see decompositions.py). clip_grad_norm, accumulate, accumulate_dims: see partition().
-    eval_loss: the loss only, no gradients (mode EVAL)."""
-    example_inputs = tuple(example_inputs)
-    mode = FORWARD if loss_fn is None else EVAL if eval_loss else (LOSS_AND_GRADS if optimizer is None else TRAIN)
-    if loss_fn is not None:
-        _check_signature(loss_fn, model, example_inputs)
-    device = _trace_device(model, example_inputs)
+@dataclass
+class _Layout:
+    """The placeholders of the traced step, in order: trainable and frozen parameters, buffers, optimizer state,
+    per-group hyperparameters and the step count (TRAIN), then the flattened example inputs."""
+
+    mode: str
+    trainable: list
+    frozen: list
+    buffers: list
+    state_keys: list                 # (state name, parameter fqn) per optimizer-state placeholder
+    hyper_keys: list                 # (group, hyperparameter) per "hparams.<g>.<name>" placeholder
+    fopt: object
+    names: list = field(default_factory=list)
+    roles: list = field(default_factory=list)
+    flat: list = field(default_factory=list)
+    n_state: int = 0                 # placeholders before the inputs
+    in_spec: object = None
+
+    def add(self, name: str, role: str, value) -> None:
+        self.names.append(name), self.roles.append(role), self.flat.append(value)
+
+
+def _layout(model, example_inputs, optimizer, mode, fake_mode, device) -> _Layout:
+    """Fake placeholders for the module's state, the optimizer's state and hyperparameters, and the inputs."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     trainable = [k for k, p in params.items() if p.requires_grad] if mode not in (FORWARD, EVAL) else []
-    frozen = [k for k in params if k not in trainable]
-    fopt = None
-    state_keys: list = []
-    if mode == TRAIN:
-        fopt = functional_optimizer(optimizer, {id(p): k for k, p in params.items()})
-
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)   # tensors the model or loss_fn close over: constants
+    fopt = functional_optimizer(optimizer, {id(p): k for k, p in params.items()}) if mode == TRAIN else None
     fake = lambda t: _fakify(fake_mode, t, device)
     fparams = {k: fake(p.detach()) for k, p in params.items()}
     for k in trainable:
         fparams[k].requires_grad_(True)
-    fbuffers = {k: fake(b) for k, b in buffers.items()}
     opt_state: dict = {}
+    state_keys: list = []
     if fopt is not None:
         with fake_mode:
             opt_state = fopt.init_state({k: fparams[k] for k in trainable})
         state_keys = [(s, k) for s in fopt.state_names for k in trainable if k in opt_state.get(s, {})]
-
-    names, roles, flat = [], [], []
-    for k in trainable + frozen:
-        names.append(f"params.{k}"), roles.append("param"), flat.append(fparams[k])
-    for k in buffers:
-        names.append(f"buffers.{k}"), roles.append("buffer"), flat.append(fbuffers[k])
+    lay = _Layout(mode, trainable, [k for k in params if k not in trainable], list(buffers), state_keys,
+                  fopt.hyper_keys() if mode == TRAIN else [], fopt)
+    for k in lay.trainable + lay.frozen:
+        lay.add(f"params.{k}", "param", fparams[k])
+    for k, b in buffers.items():
+        lay.add(f"buffers.{k}", "buffer", fake(b))
     for s, k in state_keys:
-        names.append(f"opt.{s}.{k}"), roles.append("opt_state"), flat.append(opt_state[s][k])
-    hyper_keys = fopt.hyper_keys() if mode == TRAIN else []
+        lay.add(f"opt.{s}.{k}", "opt_state", opt_state[s][k])
     if mode == TRAIN:   # per-group hyperparameters (role "lr": optimizer scalars) and the step count, fed per step
         with fake_mode:
-            flat += [torch.zeros((), dtype=torch.float64, device=device) for _ in range(len(hyper_keys) + 1)]
-        names += [f"hparams.{g}.{h}" for g, h in hyper_keys] + ["step"]
-        roles += ["lr"] * len(hyper_keys) + ["step"]
-    n_state = len(flat)
-    in_flat, in_spec = tree_flatten(example_inputs)
+            for g, h in lay.hyper_keys:
+                lay.add(f"hparams.{g}.{h}", "lr", torch.zeros((), dtype=torch.float64, device=device))
+            lay.add("step", "step", torch.zeros((), dtype=torch.float64, device=device))
+    lay.n_state = len(lay.flat)
+    in_flat, lay.in_spec = tree_flatten(example_inputs)
     for i, x in enumerate(in_flat):
         if not isinstance(x, torch.Tensor):
             raise TraceError(f"partition: example_inputs leaf {i} is a {type(x).__name__}, not a tensor. Pass "
                              f"tensors only (close over constants in loss_fn).")
-        names.append(f"inputs.{i}"), roles.append("input"), flat.append(fake(x))
-    nt, nf, nb = len(trainable), len(frozen), len(buffers)
-    out_names: list = []
-    spec_box: list = []
+        lay.add(f"inputs.{i}", "input", fake(x))
+    return lay
 
-    running_stats = {f"{fqn}.{n}" if fqn else n for fqn, mod in model.named_modules()
-                     if isinstance(mod, torch.nn.modules.batchnorm._NormBase) for n, _ in mod.named_buffers(recurse=False)}
 
-    def step(*args):
-        p = dict(zip(trainable + frozen, args[:nt + nf]))
-        b = dict(zip(buffers, args[nt + nf:nt + nf + nb]))
-        batch = tree_unflatten(list(args[n_state:]), in_spec)
-        if mode == FORWARD:
-            out = functional_call(model, {**p, **b}, tuple(batch))
-            flat_out, spec = tree_flatten(out)
-            spec_box.append(spec)
-            out_names[:] = [f"outputs.{i}" for i in range(len(flat_out))]
-            return flat_out
+class _Step:
+    """The function make_fx traces: flat placeholders in, flat outputs out (their names in `out_names`)."""
+
+    def __init__(self, model, lay: _Layout, loss_fn, options, clip_grad_norm, accumulate, accumulate_dims):
+        self.model, self.lay, self.loss_fn, self.options = model, lay, loss_fn, options
+        self.clip_grad_norm, self.accumulate, self.accumulate_dims = clip_grad_norm, accumulate, accumulate_dims
+        self.out_names: list = []
+        self.out_spec = None
+        self.running_stats = {f"{fqn}.{n}" if fqn else n for fqn, mod in model.named_modules()
+                              if isinstance(mod, torch.nn.modules.batchnorm._NormBase)
+                              for n, _ in mod.named_buffers(recurse=False)}
+
+    def __call__(self, *args):
+        lay = self.lay
+        nt, nf, nb = len(lay.trainable), len(lay.frozen), len(lay.buffers)
+        p = dict(zip(lay.trainable + lay.frozen, args[:nt + nf]))
+        b = dict(zip(lay.buffers, args[nt + nf:nt + nf + nb]))
+        batch = tree_unflatten(list(args[lay.n_state:]), lay.in_spec)
+        if lay.mode == FORWARD:
+            return self._forward(p, b, batch)
         # running statistics stay out of the capture tactics' casts (as under autocast, batch norm keeps them fp32:
         # an update written into a bf16 copy would be lost); other buffers (rope tables) are cast like parameters
-        kept = {k: v for k, v in b.items() if k in running_stats}
+        kept = {k: v for k, v in b.items() if k in self.running_stats}
         state, fargs = {**p, **{k: v for k, v in b.items() if k not in kept}}, batch
-        for opt in options:
+        for opt in self.options:
             state, fargs = opt.transform_step(state, fargs)
         state = {**state, **kept}
-        if mode == EVAL:
-            with torch.no_grad(), _reparametrize_module(model, state, tie_weights=True):
-                loss = loss_fn(model, *fargs)
-                _check_loss(loss, model)
-            out_names[:] = ["loss"]
+        if lay.mode == EVAL:
+            with torch.no_grad(), _reparametrize_module(self.model, state, tie_weights=True):
+                loss = self.loss_fn(self.model, *fargs)
+                _check_loss(loss, self.model)
+            self.out_names[:] = ["loss"]
             return [loss.float()]
-        loss, grads = None, None
-        for micro in _micro_batches(fargs, accumulate, accumulate_dims):
+        loss, grads, unused = self._loss_and_grads(p, state, fargs)
+        if lay.mode == LOSS_AND_GRADS:
+            self.out_names[:] = ["loss"] + [f"grads.{k}" for k in lay.trainable]
+            return [loss] + [grads[k] for k in lay.trainable]
+        # parameters the loss does not reach have no gradient: torch.optim skips them (no weight decay, no state)
+        grads = {k: g for k, g in grads.items() if k not in unused}
+        return self._update(p, grads, loss, args[nt + nf + nb:lay.n_state])
+
+    def _forward(self, p, b, batch):
+        out = functional_call(self.model, {**p, **b}, tuple(batch))
+        flat_out, self.out_spec = tree_flatten(out)
+        self.out_names[:] = [f"outputs.{i}" for i in range(len(flat_out))]
+        return flat_out
+
+    def _loss_and_grads(self, p, state, fargs):
+        trainable, k_acc = self.lay.trainable, self.accumulate
+        loss, grads, unused = None, None, set()
+        for micro in _micro_batches(fargs, k_acc, self.accumulate_dims):
             # the module holds the traced state until the backward has run: checkpointed blocks recompute their
             # forward inside it
-            with torch.enable_grad(), _reparametrize_module(model, state, tie_weights=True):
-                part = loss_fn(model, *micro)
-                _check_loss(part, model)
-                part = part.float() if accumulate == 1 else part.float() / accumulate
+            with torch.enable_grad(), _reparametrize_module(self.model, state, tie_weights=True):
+                part = self.loss_fn(self.model, *micro)
+                _check_loss(part, self.model)
+                part = part.float() if k_acc == 1 else part.float() / k_acc
                 # the backward as autograd runs it (AOTAutograd's joint trace): custom autograd.Functions,
                 # old-style or with setup_context, and library ops with registered autograd are differentiated as
                 # in eager
@@ -406,36 +434,49 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
                 with fx_traceback.preserve_node_meta(), fx_traceback.annotate({META_ACCUMULATE: True}):
                     grads = {k: grads[k] + got[k] for k in trainable}
             loss = part.detach() if loss is None else loss + part.detach()
-        if mode == LOSS_AND_GRADS:
-            out_names[:] = ["loss"] + [f"grads.{k}" for k in trainable]
-            return [loss] + [grads[k] for k in trainable]
-        st = {}
-        off = nt + nf + nb
-        for (s, k), t in zip(state_keys, args[off:off + len(state_keys)]):
+        return loss, grads, unused
+
+    def _update(self, p, grads, loss, rest):
+        """The optimizer step: rest = the optimizer-state placeholders, the hyperparameters, the step count."""
+        lay = self.lay
+        n_s, n_h = len(lay.state_keys), len(lay.hyper_keys)
+        st: dict = {}
+        for (s, k), t in zip(lay.state_keys, rest[:n_s]):
             st.setdefault(s, {})[k] = t
-        # parameters the loss does not reach have no gradient: torch.optim skips them (no weight decay, no state)
-        grads = {k: g for k, g in grads.items() if k not in unused}
         norm = None
-        if clip_grad_norm is not None:
+        if self.clip_grad_norm is not None:
             like = {k: next((st[s][k] for s in st if k in st[s]), p[k]) for k in grads}
-            grads, norm = _clip_by_global_norm(grads, clip_grad_norm, like)
-        fed = args[off + len(state_keys):off + len(state_keys) + len(hyper_keys)]
-        count = args[off + len(state_keys) + len(hyper_keys)]
+            grads, norm = _clip_by_global_norm(grads, self.clip_grad_norm, like)
         with torch.no_grad():
-            new_p, new_s = fopt.update({k: p[k] for k in trainable}, grads, st, None, count,
-                                       hparams=dict(zip(hyper_keys, fed)))
-        out_names[:] = ["loss"] + [f"params.{k}" for k in trainable] + [f"opt.{s}.{k}" for s, k in state_keys] \
-            + (["grad_norm"] if norm is not None else [])
-        return [loss] + [new_p[k] for k in trainable] + [new_s[s][k] for s, k in state_keys] \
+            new_p, new_s = lay.fopt.update({k: p[k] for k in lay.trainable}, grads, st, None, rest[n_s + n_h],
+                                           hparams=dict(zip(lay.hyper_keys, rest[n_s:n_s + n_h])))
+        self.out_names[:] = ["loss"] + [f"params.{k}" for k in lay.trainable] \
+            + [f"opt.{s}.{k}" for s, k in lay.state_keys] + (["grad_norm"] if norm is not None else [])
+        return [loss] + [new_p[k] for k in lay.trainable] + [new_s[s][k] for s, k in lay.state_keys] \
             + ([norm] if norm is not None else [])
 
+
+def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None, options=(),
+            decompositions=None, clip_grad_norm=None, accumulate=1, accumulate_dims=None,
+            eval_loss=False) -> Captured:
+    """options: capture-time tactics (MixedPrecision, Remat) that shape the traced step; decompositions: extra
+    ones a tactic needs (see decompositions.py). clip_grad_norm, accumulate, accumulate_dims: see partition().
+    eval_loss: the loss only, no gradients (mode EVAL)."""
+    example_inputs = tuple(example_inputs)
+    mode = FORWARD if loss_fn is None else EVAL if eval_loss else (LOSS_AND_GRADS if optimizer is None else TRAIN)
+    if loss_fn is not None:
+        _check_signature(loss_fn, model, example_inputs)
+    device = _trace_device(model, example_inputs)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)   # tensors the model or loss_fn close over: constants
+    lay = _layout(model, example_inputs, optimizer, mode, fake_mode, device)
+    step = _Step(model, lay, loss_fn, options, clip_grad_norm, accumulate, accumulate_dims)
     handles = install_hooks(model)
     for opt in options:
         handles += opt.install(model)
     try:
         table = {**capture_decompositions(), **(decompositions or {})}
         with _tracing_session():
-            gm = make_fx(_functional(step), tracing_mode="fake", decomposition_table=table)(*flat)
+            gm = make_fx(_functional(step), tracing_mode="fake", decomposition_table=table)(*lay.flat)
     except PartitionError:
         raise
     except Exception as e:  # noqa: BLE001 - every trace failure becomes one clear error
@@ -443,6 +484,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     finally:
         for h in handles:
             h.remove()
+    names, roles, out_names = lay.names, lay.roles, step.out_names
     _check_indices(gm, model)
     consts = _lift_constants(gm, names, roles)
     _refuse_state_constants(consts, model)
@@ -450,8 +492,8 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     _state_mutations(gm, names, roles, out_names, model)
     if accumulate > 1:
         _accumulate_early(gm)
-    cap = _annotate(gm, mode, names, roles, out_names, spec_box[0] if spec_box else None, fopt,
-                    list(params), trainable, list(buffers), device)
+    cap = _annotate(gm, mode, names, roles, out_names, step.out_spec, lay.fopt,
+                    [k for k, _ in model.named_parameters()], lay.trainable, lay.buffers, device)
     cap.consts = consts
     for opt in options:
         opt.rewrite(cap)
