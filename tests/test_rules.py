@@ -71,6 +71,43 @@ def test_rules_beyond_the_zoo():
     assert report.nodes >= 15 and not report.wrong and not report.missing and not report.errors, str(report)
 
 
+ACTIVATIONS = [torch.nn.Hardsigmoid(), torch.nn.Hardswish(), torch.nn.CELU(), torch.nn.GLU(), torch.nn.LogSigmoid(),
+               torch.nn.PReLU(8), torch.nn.Softshrink(), torch.nn.Hardshrink(), torch.nn.Threshold(0.1, 0.0),
+               torch.nn.Mish()]
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=lambda a: type(a).__name__)
+def test_activation_rules(act):
+    """torch.nn's activations (MobileNetV3 / GhostNet use hardsigmoid and hardswish): each forward and backward op
+    has a rule the verifier accepts, and data parallelism trains through them like one device without gathering."""
+    import copy
+
+    import partir_torch as pt
+    from partir_torch import tactics as T
+    from tests.harness import adamw, train_next_to_eager
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 1), act, torch.nn.Flatten(),
+                                torch.nn.Linear((4 if isinstance(act, torch.nn.GLU) else 8) * 9, 5))
+    if isinstance(act, torch.nn.GLU):
+        model[1] = torch.nn.GLU(dim=1)
+    x, y = torch.randn(8, 3, 3, 3), torch.randint(0, 5, (8,))
+
+    def loss_fn(m, x, y):
+        return F.cross_entropy(m(x), y)
+
+    gm = capture(model, (x, y), loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-3)).gm
+    report = verify_graph(gm)
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no sharding rule.*")
+        prog = pt.partition(model, pt.Mesh({"b": 4}), [T.data_parallel("b")], example_inputs=(x, y),
+                            loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert not any(r.kind == "all_gather" for r in prog.collectives()), prog.collectives()
+    train_next_to_eager(prog, ref, [(x, y)] * 2, loss_fn, adamw(), what=type(act).__name__)
+
+
 def test_advanced_indexing_rule():
     """aten.index.Tensor: adjacent and separated index tensors, broadcast index shapes (HF builds masks so);
     aten.index_put, plain and accumulating (the gradient of a per-token selection of expert weights)."""

@@ -331,6 +331,8 @@ def _mkldnn_lstm_layer_backward(x, w_ih, w_hh, b_ih, b_hh, hx, cx, y, hy, cy, gr
 
 
 def capture_decompositions() -> dict:
+    from torch._decomp import decomposition_table as _torch_decomp
+
     return {
         aten.var.correction: _var, aten.var_mean.correction: _var_mean,
         aten.std.correction: _std, aten.std_mean.correction: _std_mean,
@@ -348,6 +350,10 @@ def capture_decompositions() -> dict:
         aten.convolution.default: _convolution,
         aten.mse_loss.default: _mse_loss,
         aten.mse_loss_backward.default: _mse_loss_backward,
+        # pointwise in math, not in their signature (a CPU-only buffer result; a weight broadcast by shape):
+        # torch's own decompositions into pointwise ops that have rules
+        **{op: _torch_decomp[op] for op in (aten.log_sigmoid_forward.default, aten.log_sigmoid_backward.default,
+                                            aten._prelu_kernel.default, aten._prelu_kernel_backward.default)},
     }
 
 

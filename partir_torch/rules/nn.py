@@ -158,6 +158,7 @@ def rules() -> dict:
         aten.native_group_norm_backward.default: group_norm_rule(REDUCE),
         aten._softmax.default: along_dim(1), aten._log_softmax.default: along_dim(1),
         aten._safe_softmax.default: along_dim(1),
+        aten.glu.default: along_dim(1), aten.glu_backward.default: along_dim(2),   # halves split `dim`
         aten._softmax_backward_data.default: along_dim(2), aten._log_softmax_backward_data.default: along_dim(2),
         aten.sort.default: along_dim(1), aten.topk.default: along_dim(2),
         aten.nll_loss_forward.default: nll_loss_forward, aten.nll_loss_backward.default: nll_loss_backward,
@@ -169,6 +170,7 @@ def rules() -> dict:
         aten.empty.memory_format: factory, aten.scalar_tensor.default: factory, aten.rand.default: blocked_factory,
         aten.randn.default: blocked_factory, aten.new_zeros.default: factory, aten.new_ones.default: factory,
         aten.new_empty.default: factory, aten.new_full.default: factory, aten.empty_strided.default: factory,
+        aten.new_empty_strided.default: factory,
         aten.arange.default: arange, aten.arange.start: arange, aten.arange.start_step: arange,
         aten.tril.default: last_two_whole, aten.triu.default: last_two_whole,
         aten.upsample_nearest2d.default: spatial, aten.upsample_nearest2d.vec: spatial,

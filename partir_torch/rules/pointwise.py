@@ -64,6 +64,10 @@ NONLINEAR = [
     aten.softplus.default, aten.softplus_backward.default, aten.mish.default, aten.elu.default,
     aten.elu_backward.default, aten.bitwise_xor.Tensor, aten.floor_divide.default, aten.fmod.Scalar,
     aten.fmod.Tensor, aten.copysign.Tensor, aten.nan_to_num.default,
+    aten.hardsigmoid.default, aten.hardsigmoid_backward.default, aten.hardswish.default,
+    aten.hardswish_backward.default, aten.celu.default, aten.threshold.default, aten.mish_backward.default,
+    aten.softshrink.default, aten.softshrink_backward.default, aten.hardshrink.default,
+    aten.hardshrink_backward.default,
 ]
 def cast(src_slot):
     """_to_copy / copy (which casts to the destination's dtype): a float (or same-kind) result is linear for every
