@@ -19,9 +19,9 @@ import torch
 from .. import contract
 from ..contract import META_NO_PARTIAL_PASS, META_OUTPUT
 from ..errors import ShardingConflictError
-from ..mesh import Mesh
 from ..rules.factors import PASS, REDUCE, stride_of
-from .graph import PartGraph, no_gc
+from .graph import no_gc
+from .record import DecisionRecord, place_axis  # noqa: F401 - place_axis: lowering imports it from here
 from .state import PARTIAL, PARTIAL_OP, REPLICATED, UNKNOWN, AxisState, Conflict, Provenance, state_str
 
 
@@ -30,66 +30,9 @@ aten = torch.ops.aten
 VIEW_OPS = contract.VIEW_OPS | {aten.clone.default, aten.alias.default}
 
 
-class Propagator:
-    """Holds per-axis states for one PartGraph and applies tactics' seeds one after another."""
-
-    def __init__(self, graph: PartGraph, mesh: Mesh):
-        self.g = graph
-        self.mesh = mesh
-        self.axes: dict = {}                     # axis -> AxisState
-        self.axis_order: list = []               # axes in the order tactics first used them
-        self._conflicts: dict = {}                # (op index, axis) -> Conflict (the latest)
-        # per op: factor id -> axes tiling it (in order); per canonical value: dim -> axes tiling it (in order)
-        self.op_axes: dict = {}
-        self.dim_axes: dict = {}
-        # (canonical vid, axis) -> split factor s > 1 when the axis tiles a minor factor of its dim: the dim is seen
-        # as (s, n / s) and the axis tiles the second part (DTensor's _StridedShard). E.g. (B*T, C) after a
-        # reshape, with T tiled on "seq".
-        self.strides: dict = {}
-        # (op index, axis) -> inner split factor when the op tiles a factor strided (the factor seen as
-        # (inner, size / inner), the axis on the second part): a (B*H) batch dim of bmm tiled on H
-        self.op_inner: dict = {}
-        # (canonical vid, axis) pairs fixed by a closed run (expert parallelism's token buffers): an op outside
-        # that run computes in whatever layout its other neighbours imply and lowering reshards the value at the
-        # boundary (tiled(groups) <-> tiled(experts) on one axis is an all_to_all)
-        self.sealed: set = set()
-
-    def snapshot(self) -> "Propagator":
-        """A copy of every decision so far (the state after one tactic stage), sharing the graph."""
-        p = Propagator.__new__(Propagator)
-        p.g, p.mesh = self.g, self.mesh
-        p.axes = {a: AxisState(st.axis, list(st.value), dict(st.prov), dict(st.assign), dict(st.assign_tactic))
-                  for a, st in self.axes.items()}
-        p.axis_order = list(self.axis_order)
-        p._conflicts = dict(self._conflicts)
-        p.op_axes = {i: {f: list(axes) for f, axes in d.items()} for i, d in self.op_axes.items()}
-        p.dim_axes = {k: list(v) for k, v in self.dim_axes.items()}
-        p.strides = dict(self.strides)
-        p.op_inner = dict(self.op_inner)
-        p.sealed = set(self.sealed)
-        return p
-
-    @property
-    def conflicts(self) -> list:
-        """Conflicts still standing (an op decided later on that axis is no longer in conflict)."""
-        return [c for (i, a), c in self._conflicts.items() if i not in self.axes[a].assign]
-
-    # -- queries -----------------------------------------------------------------------------------------------
-    def axis_state(self, axis: str) -> AxisState:
-        if axis not in self.axes:
-            self.axes[axis] = AxisState(axis, [UNKNOWN] * len(self.g.values))
-            self.axis_order.append(axis)
-        return self.axes[axis]
-
-    def state(self, axis: str, vid: int) -> int:
-        st = self.axes.get(axis)
-        return UNKNOWN if st is None else st.value[self.g.canon[vid]]
-
-    def local_dim(self, vid: int, dim: int) -> int:
-        size = self.g.shapes[vid][dim]
-        for a in self.dim_axes.get((self.g.canon[vid], dim), ()):
-            size //= self.mesh.shape[a]
-        return size
+class Propagator(DecisionRecord):
+    """Applies tactics' seeds one after another to the per-axis states it records (record.py: the tables, their
+    queries and copies)."""
 
     # -- seeding -------------------------------------------------------------------------------------------------
     def seed(self, axis: str, vid: int, state: int, tactic: str, stride: int = 1) -> None:
@@ -119,19 +62,6 @@ class Propagator:
         if stride > 1:
             self.strides[(c, axis)] = stride
         self._set(st, c, state, Provenance(tactic))
-
-    def _set(self, st: AxisState, c: int, state: int, prov: Provenance) -> None:
-        st.value[c] = state
-        st.prov[c] = prov
-        if state >= 0:
-            # a dim's axes are kept major to minor: a later axis goes before an earlier one only where it tiles a
-            # more major part in whole blocks of that one's part; otherwise it splits the shard left by the
-            # earlier axes, i.e. it is the most minor (place_axis; lowering orders an op's layouts alike)
-            axes = self.dim_axes.setdefault((c, state), [])
-            if axes:
-                place_axis(axes, st.axis, lambda a: self.strides.get((c, a), 1), self.mesh)
-            else:
-                axes.append(st.axis)
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self, axis: str, tactic: str, seeded: list, region: set | None = None, closed: bool = False) -> list:
@@ -165,19 +95,7 @@ class Propagator:
             if c not in keep or any(u in st.assign for v in g.tied[c] for u in g.users[v]) or \
                     any(g.values[v].meta.get(META_OUTPUT) for v in g.tied[c]):
                 continue
-            f = st.assign.pop(i)
-            st.assign_tactic.pop(i)
-            axes = self.op_axes[i][f]
-            axes.remove(st.axis)
-            if not axes:
-                del self.op_axes[i][f]
-            self.op_inner.pop((i, st.axis), None)
-            d = st.value[c]
-            if d >= 0:
-                self.dim_axes[(c, d)].remove(st.axis)
-            st.value[c] = UNKNOWN
-            st.prov.pop(c, None)
-            self.strides.pop((c, st.axis), None)
+            self._undo_op(st, i, c)
             keep.discard(c)
             for v in op.operands:       # the view's source may now be a sink view itself
                 p = g.producer[v]
@@ -364,15 +282,6 @@ class Propagator:
             states.append((g.name(v), state_str(st.value[c]), prov.tactic if prov else "-"))
         node = g.ops[i].node
         self._conflicts[(i, st.axis)] = Conflict(node.name, str(node.target), st.axis, tactic, tuple(states), reason)
-
-
-def place_axis(axes: list, axis: str, stride_of, mesh) -> None:
-    """Insert `axis` into `axes` (one dim's axes, major to minor): before the first earlier axis whose part it tiles
-    in whole blocks from a more major part (the batch of a (B*H) dim whose heads were tiled first); otherwise
-    last, splitting what the earlier axes left. stride_of(axis): the split factor of the part it tiles."""
-    mine, k = stride_of(axis), mesh.shape[axis]
-    at = next((j for j, a in enumerate(axes) if stride_of(a) > mine and stride_of(a) % (mine * k) == 0), len(axes))
-    axes.insert(at, axis)
 
 
 def _factor_at(rule, fs, stride: int) -> tuple:
