@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import PartitionError
 from ..propagate.state import UNKNOWN
-from .search_space import Action, TrialContext, axis_candidates, build_axis_space, trial_copy, union
+from .search_space import Action, axis_candidates, build_axis_space, union
 
 
 @dataclass(eq=False)
@@ -201,7 +201,7 @@ class AutomaticPartition:
         """2. The fast estimate of up to n_est candidates: the all-replicated one, then every combination of presets
         (macro-actions), then the rest in an order drawn from the seed. Returns the scored Candidates."""
         per_axis = {axis: axis_candidates(spaces[axis]) for axis in self.axes}
-        base = {a: facts.axis_arrays(ctx.prop, a) for a in ctx.mesh.axes}
+        base = {a: ctx.axis_arrays(a) for a in ctx.mesh.axes}
         unions = {axis: [union(spaces[axis].actions, c, *base[axis]) for c in per_axis[axis]]
                   for axis in self.axes}
         combos = list(itertools.product(*[range(len(per_axis[a])) for a in self.axes]))
@@ -326,8 +326,7 @@ class AutomaticPartition:
         import warnings
 
         for a in self._order(actions):
-            st = ctx.prop.axes.get(a.axis)
-            before = np.asarray(st.value) if st is not None else None
+            before = ctx.value_states(a.axis) if ctx.axis_in_use(a.axis) else None
             with warnings.catch_warnings():
                 if not label:
                     warnings.simplefilter("ignore")
@@ -338,7 +337,7 @@ class AutomaticPartition:
                         raise
                     continue
             if label:
-                after = np.asarray(ctx.prop.axes[a.axis].value)
+                after = ctx.value_states(a.axis)
                 new = np.nonzero(after != before)[0] if before is not None else np.nonzero(after != UNKNOWN)[0]
                 marks = ctx.program.__dict__.setdefault("auto_actions", {})
                 for c in new.tolist():
@@ -346,14 +345,11 @@ class AutomaticPartition:
 
     def _simulate(self, ctx, actions):
         from ..lower.fakeprop import annotate_local_vals
-        from ..lower.lower import lower
         from ..sim import simulate_graph
 
-        prog = ctx.program
-        trial = trial_copy(ctx.prop, self.axes)
-        self._replay(TrialContext(ctx, trial), actions)
-        view = prog._view(trial)
-        low = lower(view, {a: f"partir_{a}" for a in ctx.mesh.axes})
+        trial = ctx.trial(self.axes)
+        self._replay(trial, actions)
+        low = trial.lower()
         annotate_local_vals(low, ctx.captured)
         recompute = {n.name for n in low.gm.graph.nodes if n.meta.get("partir_recompute")}
         rep = simulate_graph(low.gm, ctx.mesh, self.hardware, exclude_flops=recompute, stage_name=self.name)

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from ..capture.graphutil import descendants, forward_nodes
 from ..errors import PartitionError
-from ..propagate.state import UNKNOWN
 from .presets import DataParallel
 from .structure import expert_weights, forward_uses
 from ..contract import META_ROLE
@@ -40,7 +39,6 @@ class ExpertParallel:
     def apply(self, ctx) -> None:
         ctx.mesh.check_axis(self.axis, self.name)
         k = ctx.mesh.shape[self.axis]
-        g, prop = ctx.graph, ctx.prop
         experts = expert_weights(ctx.captured) if self.params is None else self._selected(ctx)
         if not experts:
             raise PartitionError(f"{self.name}: the model has no stacked expert weights (parameters (E, ., .) used "
@@ -55,7 +53,7 @@ class ExpertParallel:
         if self._exchanges_tokens(ctx, seeds):
             ctx.seed_and_propagate(self.axis, seeds, self.name, closed=True)
             tokens = [(n, d) for n, d in DataParallel(self.axis, name=self.name).seeds(ctx)
-                      if prop.state(self.axis, g.name_to_vid[n]) == UNKNOWN]
+                      if ctx.is_unknown(self.axis, n)]
             ctx.seed_and_propagate(self.axis, tokens, self.name)
             for n in experts:
                 ctx.note(n, f"{self.name}: experts tiled on axis '{self.axis}' (size {k}); token buffers exchanged "
@@ -83,15 +81,15 @@ class ExpertParallel:
     def _check_expert_compute(self, ctx, experts) -> None:
         """Every forward use of an expert weight (past views of it) must compute on tiled experts; otherwise the
         weights would be gathered at use, which is not expert parallelism."""
-        g, st = ctx.graph, ctx.prop.axes[self.axis]
+        g = ctx.graph
         fwd = forward_nodes(g.gm)
         op_index = {op.node: i for i, op in enumerate(g.ops)}
         for n in experts:
             for u in forward_uses(g.values[g.name_to_vid[n]], fwd):
                 i = op_index.get(u)
-                if i is None or st.assign_tactic.get(i) == self.name:
+                if i is None or ctx.op_tactic(self.axis, i) == self.name:
                     continue
-                by = st.assign_tactic.get(i)
+                by = ctx.op_tactic(self.axis, i)
                 why = (f"already decided on that axis by {by}; put expert_parallel('{self.axis}') before {by} "
                        f"in the schedule" if by else
                        "which EP could not decide on a slice of the experts (an op that selects expert weights "
@@ -106,12 +104,9 @@ class ExpertParallel:
         """Trial of the closed expert region on a copy of the decisions: does it end at token buffers, i.e. is
         every value on its boundary an activation (computed from the inputs), with at least one such value?"""
         g, axis = ctx.graph, self.axis
-        trial = ctx.prop.snapshot()
-        vids = [g.name_to_vid[n] for n, _ in seeds]
-        for v in vids:
-            trial.seed(axis, v, 0, self.name)
-        region = set(trial.run(axis, self.name, vids, closed=True))
-        assign = trial.axes[axis].assign
+        trial = ctx.trial()
+        region = set(trial.seed_and_propagate(axis, [(n, 0) for n, _ in seeds], self.name, closed=True))
+        assign = trial.op_decisions(axis)
         inputs = [n for n in g.gm.graph.nodes if n.op == "placeholder" and n.meta.get(META_ROLE) == "input"]
         from_inputs = descendants(inputs)
         boundary = []

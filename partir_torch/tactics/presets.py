@@ -18,7 +18,7 @@ import torch
 
 from ..capture.graphutil import forward_nodes
 from ..errors import PartitionError
-from ..propagate.state import REPLICATED as REP, UNKNOWN
+from ..propagate.state import REPLICATED as REP
 from .manual import ManualPartition
 from .base import SeedTactic
 from .structure import (Linear, embedding_tables, find_linear_pairs, is_param_cast, linear_layout,
@@ -153,12 +153,9 @@ class Megatron(SeedTactic):
     def _report(self, ctx, lay, tiled, why) -> None:
         """One warning and one summary() remark naming the linears left replicated on the axis, with the reason;
         explain(weight) shows it too."""
-        from ..propagate.state import UNKNOWN as _UNKNOWN
-
         why = dict(why)
-        g = ctx.graph
         for w in lay:
-            if w not in why and w not in tiled and ctx.prop.state(self.axis, g.name_to_vid[w]) == _UNKNOWN:
+            if w not in why and w not in tiled and ctx.is_unknown(self.axis, w):
                 why[w] = ("not in a column/row-parallel pair: its output reaches no other linear through "
                           "activations or attention (an output head, a router, an encoder's last layer)")
         if not why:
@@ -245,7 +242,7 @@ class SequenceParallel:
             if x in seen or len(shape) <= self.seq_dim:
                 continue
             seen.add(x)
-            if ctx.prop.state(self.axis, ctx.graph.vid[x]) == UNKNOWN:
+            if ctx.is_unknown(self.axis, x):
                 seeds.append((x, self.seq_dim))
         ctx.seed_nodes_and_propagate(self.axis, seeds, self.name)
 
@@ -310,16 +307,12 @@ class Zero:
             object.__setattr__(self, "name", f"Z{self.stage}")
 
     def _dim(self, ctx, name) -> int | None:
-        g, prop = ctx.graph, ctx.prop
-        vid = g.name_to_vid[name]
-        shape = g.shapes[vid]
+        shape = ctx.value_meta(name)["shape"]
         k = ctx.mesh.shape[self.axis]
-        c = g.canon[vid]
         # a dim an earlier axis tiles strided (the q/k/v part of a fused projection's output dim) cannot take
         # another axis on its own (see Propagator._set): tile another dim, or keep it whole
-        strided = {d for d in range(len(shape)) if any(prop.strides.get((c, a), 1) > 1
-                                                       for a in prop.dim_axes.get((c, d), ()))}
-        sizes = [(prop.local_dim(vid, d), d) for d in range(len(shape)) if d not in strided]
+        strided = {d for d in range(len(shape)) if any(ctx.stride(name, a) > 1 for a in ctx.dim_axes(name, d))}
+        sizes = [(ctx.local_dim(name, d), d) for d in range(len(shape)) if d not in strided]
         if sizes and sizes[0][1] == 0 and sizes[0][0] % k == 0:
             return 0
         ok = [d for s, d in sorted(sizes, reverse=True) if s % k == 0]
@@ -336,7 +329,7 @@ class Zero:
         k = ctx.mesh.shape[self.axis]
         for fqn in cap.trainable:
             p = f"params.{fqn}"
-            if ctx.prop.state(self.axis, ctx.graph.name_to_vid[p]) != UNKNOWN:
+            if not ctx.is_unknown(self.axis, p):
                 ctx.note(p, f"{self.name}: already decided on axis '{self.axis}' by an earlier tactic; left as is")
                 continue
             d = self._dim(ctx, p)
@@ -355,7 +348,7 @@ class Zero:
                 b = f"buffers.{fqn}"
                 vid = ctx.graph.name_to_vid.get(b)
                 d = tiled_at.get((fqn.rpartition(".")[0], ctx.graph.shapes[vid])) if vid is not None else None
-                if d is not None and ctx.prop.state(self.axis, vid) == UNKNOWN:
+                if d is not None and ctx.is_unknown(self.axis, vid):
                     seeds.append((b, d))
         region = ctx.optimizer_region() if cap.fopt is not None else set()
         if cap.fopt is None:   # zero(3) without an optimizer: parameters stored tiled, gathered at every use

@@ -11,8 +11,8 @@
 - Choice points: two actions whose deltas decide a value or an op differently (a conflict) exclude each other;
   a candidate is a set of pairwise compatible actions per axis.
 
-Trials run on a copy-on-write copy of the propagator (trial_copy), so a class costs one propagation over the values
-it reaches and the real decisions are never touched.
+Trials run on a copy-on-write copy of the decisions (TacticContext.trial), so a class costs one propagation over the
+values it reaches and the real decisions are never touched.
 """
 from __future__ import annotations
 
@@ -23,67 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import PartitionError
-from ..program import TacticContext
-from ..propagate.engine import Propagator
-from ..propagate.state import UNKNOWN, AxisState
-
-
-# -- copies of the decisions ----------------------------------------------------------------------------------------
-class _COW(dict):
-    """A dict whose values (lists, dicts of lists) are copied the first time they are written through it, so a trial
-    propagator shares the real one's per-op and per-dim axis lists until it changes one."""
-
-    def __init__(self, base, copy):
-        super().__init__(base)
-        self._copy, self._own = copy, set()
-
-    def _mine(self, key):
-        if key not in self._own:
-            if dict.__contains__(self, key):
-                dict.__setitem__(self, key, self._copy(dict.__getitem__(self, key)))
-            self._own.add(key)
-
-    def setdefault(self, key, default=None):
-        self._mine(key)
-        return dict.setdefault(self, key, default)
-
-    def __getitem__(self, key):
-        self._mine(key)
-        return dict.__getitem__(self, key)
-
-
-def trial_copy(prop: Propagator, axes) -> Propagator:
-    """A propagator that starts from `prop`'s decisions and may run on `axes` without changing `prop` (only those
-    axes' states are copied; the per-op / per-dim axis lists are copied on write)."""
-    p = Propagator.__new__(Propagator)
-    p.__dict__.update(prop.__dict__)
-    p.axes = dict(prop.axes)
-    for a in axes:
-        st = prop.axes.get(a)
-        if st is not None:
-            p.axes[a] = AxisState(st.axis, list(st.value), dict(st.prov), dict(st.assign), dict(st.assign_tactic))
-    p.axis_order = list(prop.axis_order)
-    p._conflicts = dict(prop._conflicts)
-    p.op_axes = _COW(prop.op_axes, lambda d: {f: list(x) for f, x in d.items()})
-    p.dim_axes = _COW(prop.dim_axes, list)
-    p.strides = dict(prop.strides)
-    p.op_inner = dict(prop.op_inner)
-    p.sealed = set(prop.sealed)
-    return p
-
-
-class TrialContext(TacticContext):
-    """A TacticContext over a trial propagator: presets run unchanged, their notes and remarks are dropped."""
-
-    def __init__(self, ctx: TacticContext, prop: Propagator):   # noqa: super().__init__ would take program.prop
-        self.program, self.mesh, self.graph, self.captured = ctx.program, ctx.mesh, ctx.graph, ctx.captured
-        self.prop = prop
-
-    def note(self, name, text):
-        pass
-
-    def remark(self, tactic, text):
-        pass
+from ..propagate.state import UNKNOWN
 
 
 # -- actions ------------------------------------------------------------------------------------------------------
@@ -106,8 +46,7 @@ class Action:
 
     def apply(self, ctx, name: str) -> None:
         if self.kind == "class":
-            g, prop = ctx.graph, ctx.prop
-            seeds = [(n, d) for n, d in self.seeds if prop.state(self.axis, g.name_to_vid[n]) == UNKNOWN]
+            seeds = [(n, d) for n, d in self.seeds if ctx.is_unknown(self.axis, n)]
             if seeds:
                 ctx.seed_and_propagate(self.axis, seeds, name)
         else:
@@ -124,12 +63,12 @@ def _pattern(name: str) -> str:
 
 
 def _delta(base_vals: np.ndarray, base_assign: dict, trial, axis: str) -> tuple:
-    st = trial.axes[axis]
-    after = np.asarray(st.value, dtype=np.int64)
+    after = trial.value_states(axis)
+    decided = trial.op_decisions(axis)
     vals = np.nonzero(after != base_vals)[0]
-    new_ops = [i for i in st.assign if i not in base_assign]
+    new_ops = [i for i in decided if i not in base_assign]
     ops = np.asarray(sorted(new_ops), dtype=np.int64)
-    assign = np.asarray([st.assign[i] for i in ops], dtype=np.int64)
+    assign = np.asarray([decided[i] for i in ops], dtype=np.int64)
     return vals, after[vals], ops, assign
 
 
@@ -147,32 +86,31 @@ def build_axis_space(ctx, axis: str, name: str, presets: list, on_trial=None) ->
     import time
 
     t0 = time.perf_counter()
-    g, prop = ctx.graph, ctx.prop
+    g = ctx.graph
     k = ctx.mesh.shape[axis]
-    st = prop.axes.get(axis)
-    base_vals = np.asarray(st.value, dtype=np.int64) if st else np.full(len(g.values), UNKNOWN, dtype=np.int64)
-    base_assign = dict(st.assign) if st else {}
+    base_vals = ctx.value_states(axis)
+    base_assign = ctx.op_decisions(axis)
     actions: list = []
     trials = 0
 
     def trial(apply) -> tuple | None:
         nonlocal trials
-        p = trial_copy(prop, [axis])
-        before = len(p._conflicts)
+        t = ctx.trial([axis])
+        before = t.conflicts_recorded()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                apply(TrialContext(ctx, p))
+                apply(t)
         except PartitionError:
             return None
         finally:
             trials += 1
             if on_trial:
                 on_trial()
-        if axis not in p.axes:
+        if not t.axis_in_use(axis):
             return None
-        d = _delta(base_vals, base_assign, p, axis)
-        return (*d, len(p._conflicts) - before) if len(d[0]) else None
+        d = _delta(base_vals, base_assign, t, axis)
+        return (*d, t.conflicts_recorded() - before) if len(d[0]) else None
 
     # atoms: inputs first (one each), then parameter groups (repeated layers tied) in parameter order
     names = [n for n in g.name_to_vid if n.startswith("inputs.")]
@@ -187,7 +125,7 @@ def build_axis_space(ctx, axis: str, name: str, presets: list, on_trial=None) ->
         if any(base_vals[g.canon[v]] != UNKNOWN for v in vids):
             continue
         for d in range(len(g.shapes[vids[0]])):
-            if g.shapes[vids[0]][d] <= 1 or any(prop.local_dim(v, d) % k for v in vids):
+            if g.shapes[vids[0]][d] <= 1 or any(ctx.local_dim(v, d) % k for v in vids):
                 continue
             canon = np.array([g.canon[v] for v in vids])
             home = next((a for a in actions if a.kind == "class" and _covers(a, canon, d)), None)

@@ -1,0 +1,235 @@
+"""What a Program prints and reports: explain(), the annotated graph, the per-device program, the per-tactic
+summary and the simulation of every stage. A mixin of Program (program.py): it reads the program's graph, mesh,
+propagator, stages, notes and remarks, and lowers stages through Program.stage_lowered."""
+from __future__ import annotations
+
+import math
+
+from tabulate import tabulate
+
+from .contract import META_COLLECTIVE, META_RECOMPUTE, META_SRC, META_TAG
+from .errors import PartitionError
+from .propagate.state import UNKNOWN, state_str
+
+
+class ProgramReports:
+    """explain / annotated / device_program / summary / simulate / search_report of a Program."""
+
+    # -- explain -------------------------------------------------------------------------------------------------
+    def explain(self, name: str) -> str:
+        """Which tactic decided each axis of a value, and through which path."""
+        vid = self._vid(name)
+        g, c = self.graph, self.graph.canon[vid]
+        lines = [f"{name}: {self.sharding_of_vid(vid)}  shape {tuple(g.shapes[vid])}"]
+        for axis in self.mesh.axes:
+            st = self.prop.axes.get(axis)
+            s = UNKNOWN if st is None else st.value[c]
+            if s == UNKNOWN:
+                lines.append(f"  axis '{axis}': replicated (no tactic decided it)")
+                continue
+            lines.append(f"  axis '{axis}': {self._why(st, c, s)}")
+        for text in self.notes.get(name, ()):
+            lines.append(f"  note: {text}")
+        for conflict, via in self._conflicts_of(vid):
+            lines.append(f"  conflict: {conflict}" + (f" (reached from this value's seed through {via})"
+                                                      if via else ""))
+        return "\n".join(lines)
+
+    def _conflicts_of(self, vid: int) -> list:
+        """(conflict, value it reached) for the conflicts that involve this value: it is one of the competing
+        values, or a competing value's decision comes (by provenance) from this value's seed."""
+        g = self.graph
+        out = []
+        for conflict in self.prop.conflicts:
+            st = self.prop.axes.get(conflict.axis)
+            for value, _, _ in conflict.states:
+                v = g.name_to_vid.get(value, next((x for n, x in g.vid.items() if n.name == value), None))
+                if v is None or st is None:
+                    continue
+                if g.canon[v] == g.canon[vid]:
+                    out.append((conflict, ""))
+                    break
+                if self._seed_of(st, g.canon[v]) == g.canon[vid]:
+                    out.append((conflict, value))
+                    break
+        return out
+
+    def _seed_of(self, st, c: int) -> int | None:
+        """The canonical value whose seed decided `c` on this axis (following provenance), or None."""
+        seen = set()
+        while c not in seen:
+            seen.add(c)
+            prov = st.prov.get(c)
+            if prov is None:
+                return None
+            if prov.op is None:
+                return c
+            c = self.graph.canon[prov.source]
+        return None
+
+    def search_report(self) -> str:
+        """The automatic tactics' searches (tactics.automatic): the candidates lowered and simulated (actions, step
+        time, peak memory, exposed communication, next to the fast estimate) and the search statistics."""
+        reports = self.__dict__.get("search_reports", [])
+        if not reports:
+            raise PartitionError("search_report: no automatic tactic in this schedule (pt.tactics.automatic).")
+        return "\n\n".join(r.table() for r in reports)
+
+    def _why(self, st, c: int, s: int) -> str:
+        auto = self.__dict__.get("auto_actions", {}).get((c, st.axis))
+        why = self._why_path(st, c, s)
+        return why + (f"; decided by {auto[0]} (automatic), action '{auto[1]}'" if auto else "")
+
+    def _why_path(self, st, c: int, s: int) -> str:
+        g = self.graph
+        prov = st.prov[c]
+        what = state_str(s)
+        if prov.op is None:
+            return f"{what} by tactic {prov.tactic}: seeded"
+        path, cur, seen = [], prov, set()
+        while cur is not None and cur.op is not None and len(path) < 6:
+            node = g.ops[cur.op].node
+            path.append(f"{node.target} ({node.name}) from {g.name(cur.source)}")
+            src = g.canon[cur.source]
+            if src in seen:
+                break
+            seen.add(src)
+            cur = st.prov.get(src)
+        more = " ..." if cur is not None and cur.op is not None else ""
+        origin = f" (seeded by {cur.tactic})" if cur is not None and cur.op is None else ""   # the last `from` value
+        return f"{what} by {prov.tactic} via " + " <- ".join(path) + more + origin
+
+    # -- printing ------------------------------------------------------------------------------------------------
+    def annotated(self, max_nodes: int | None = None) -> str:
+        """The captured graph, one line per value, with its sharding."""
+        g = self.graph
+        lines = [f"# mesh {self.mesh}; schedule: " + ", ".join(f"{t.name}[{getattr(t, 'axis', '?')}]" for t in self.tactics)]
+        for i, node in enumerate(g.gm.graph.nodes):
+            if max_nodes is not None and i >= max_nodes:
+                lines.append("...")
+                break
+            if node.op == "output":
+                lines.append(f"return {node.args[0]}")
+                continue
+            vid = g.vid.get(node)
+            val = node.meta.get("val")
+            shape = list(val.shape) if vid is not None else ""
+            lhs = f"%{node.name}: {shape}" if vid is not None else f"%{node.name}"
+            if node.op == "placeholder":
+                rhs = f"input {node.meta.get('partir_name', '')}"
+            else:
+                args = ", ".join(f"%{a.name}" if hasattr(a, "name") else repr(a) for a in node.args)
+                rhs = f"{node.target}({args})"
+            sh = f"  # {self.sharding_of_vid(vid)}" if vid is not None else ""
+            tag = f"  ({node.meta['partir_tag']})" if node.meta.get(META_TAG) else ""
+            lines.append(f"{lhs} = {rhs}{sh}{tag}")
+        return "\n".join(lines)
+
+    def device_program(self) -> str:
+        """The per-device program: local shapes, each op's value sharding, and every collective with its kind,
+        axis, bytes and the tactic that made it necessary."""
+        low = self.stage_lowered(len(self.stages) - 1)
+        g = self.graph
+        src = {n.name: n for n in g.gm.graph.nodes}
+        lines = [f"# per-device program on mesh {self.mesh}; schedule: "
+                 + ", ".join(f"{t.name}[{getattr(t, 'axis', '?')}]" for t in self.tactics)]
+        for node in low.gm.graph.nodes:
+            if node.op == "output":
+                lines.append(f"return {node.args[0]}")
+                continue
+            val = node.meta.get("val")
+            shape = f": {_dt(val)}{list(val.shape)}" if hasattr(val, "shape") else ""
+            if node.op == "placeholder":
+                lines.append(f"%{node.name}{shape} = input {node.meta.get('partir_name', '')}")
+                continue
+            args = ", ".join(f"%{a.name}" if hasattr(a, "name") else repr(a) for a in node.args)
+            line = f"%{node.name}{shape} = {_short(node.target)}({args})"
+            rec = node.meta.get(META_COLLECTIVE)
+            origin = src.get(node.meta.get(META_SRC, ""))
+            if rec is not None:
+                op = f"({rec.reduce_op})" if rec.reduce_op else ""
+                line += f"  # {rec.kind}{op} on '{rec.axis}' (x{rec.group_size}) {_fmt_bytes(rec.nbytes)} " \
+                        f"<- {rec.tactic}, for {rec.value}"
+            elif origin is not None and origin in g.vid:
+                line += f"  # {self.sharding_of_vid(g.vid[origin])}"
+            lines.append(line)
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.device_program()
+
+    # -- stages: what each tactic changed ------------------------------------------------------------------------
+    def simulate(self, hw, axis_map=None, issue: str = "ready"):
+        """SimReport for the final program on hardware `hw` (pt.sim.hardware(...)); `.stages` holds one report per
+        tactic stage (the first: nothing partitioned), so the table shows what each tactic changed."""
+        from .sim import simulate_graph
+
+        reports = []
+        for k, name in [(-1, "replicated")] + [(k, s.tactic) for k, s in enumerate(self.stages)]:
+            low = self.stage_lowered(k)
+            recompute = {n.name for n in low.gm.graph.nodes if n.meta.get(META_RECOMPUTE)}
+            reports.append(simulate_graph(low.gm, self.mesh, hw, axis_map=axis_map, stage_name=name, issue=issue,
+                                          exclude_flops=recompute))
+        final = reports[-1]
+        final.stages = reports
+        return final
+
+    def summary(self) -> str:
+        """One row per tactic stage: decisions, conflicts, collectives added (by kind and axis), bytes per step,
+        parameter and optimizer-state memory per device."""
+        rows = []
+        prev = self._stage_stats(-1)
+        for k, s in enumerate(self.stages):
+            cur = self._stage_stats(k)
+            added = {key: n - prev["by"].get(key, 0) for key, n in cur["by"].items() if n != prev["by"].get(key, 0)}
+            added_s = ", ".join(f"{kind}[{axis}] {'+' if n > 0 else ''}{n}" for (kind, axis), n in sorted(added.items()))
+            rows.append([s.tactic, s.axis, s.decided, len(s.conflicts), added_s or "-", _fmt_bytes(cur["bytes"]),
+                         _fmt_bytes(cur["param"]), _fmt_bytes(cur["opt"])])
+            prev = cur
+        table = tabulate(rows, headers=["tactic", "axis", "decisions", "conflicts", "collectives added",
+                                        "comm bytes/step", "params/device", "opt state/device"], tablefmt="simple")
+        notes = [text for s in self.stages for text in self.remarks.get(s.tactic, ())]
+        if self.conflicts:
+            shown = "\n".join(f"  {c}" for c in self.conflicts[:3])
+            more = f"\n  ... and {len(self.conflicts) - 3} more (prog.conflicts)" if len(self.conflicts) > 3 else ""
+            notes.append(f"{len(self.conflicts)} conflict{'s' if len(self.conflicts) > 1 else ''} (propagation "
+                         f"stopped there; lowering reshards the values around them; prog.explain(<value or FX node "
+                         f"name>) names the cause):\n{shown}{more}")
+        return "\n".join([table] + notes)
+
+    def _stage_stats(self, k: int) -> dict:
+        low = self.stage_lowered(k)
+        by: dict = {}
+        for r in low.records:
+            by[(r.kind, r.axis)] = by.get((r.kind, r.axis), 0) + 1
+        sent = sum(r.nbytes for r in low.records)
+        param = opt = 0
+        for role, shape, n in zip(self.captured.input_roles, low.local_shapes,
+                                  [n for n in self.captured.gm.graph.nodes if n.op == "placeholder"]):
+            if role in ("param", "opt_state") and shape is not None:
+                b = math.prod(shape) * n.meta["val"].element_size()
+                if role == "param":
+                    param += b
+                else:
+                    opt += b
+        return {"by": by, "bytes": sent, "param": param, "opt": opt}
+
+
+def _dt(val) -> str:
+    return {"torch.float32": "f32", "torch.bfloat16": "bf16", "torch.float16": "f16", "torch.int64": "i64",
+            "torch.bool": "b8"}.get(str(getattr(val, "dtype", "")), str(getattr(val, "dtype", "")))
+
+
+def _short(target) -> str:
+    name = str(target)
+    for prefix in ("aten.", "_c10d_functional."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name.rsplit(".default", 1)[0]
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if b < 1024 or unit == "TiB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.2f} {unit}"
+        b /= 1024
