@@ -31,7 +31,7 @@ import torch
 from ..propagate.state import PARTIAL, REPLICATED, UNKNOWN
 from ..rules.factors import REDUCE
 from .comm import estimate as comm_estimate
-from .compute import COLLECTIVE, COMPUTE, FREE, WAIT, op_class
+from .compute import COMPUTE, FREE, WAIT, op_class
 
 KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 _SIZES = np.array([0.0] + [2.0 ** i for i in range(6, 42)])      # collective sizes tabulated (bytes)
@@ -53,11 +53,20 @@ class ProgramFacts:
 
     def __init__(self, graph, mesh, hw, captured=None, bucket_bytes: int = 64 * 2 ** 20):
         self.g, self.mesh, self.hw, self.bucket_bytes = graph, mesh, hw, bucket_bytes
-        g = graph
-        nodes = list(g.gm.graph.nodes)
+        nodes = list(graph.gm.graph.nodes)
         index = {n: i for i, n in enumerate(nodes)}
         self.n_nodes = len(nodes)
-        nv, no = len(g.values), len(g.ops)
+        self._values(captured)
+        self._ops(index)
+        self._slots()
+        self.st_owner, self.st_born, self.st_last, self.st_size = _storages(graph, nodes)
+        self._comm_tables()
+
+    def _values(self, captured) -> None:
+        """Per value: canonical id, bytes, shape, whether it is state / a placeholder; per op and value: its phase
+        (0 forward, 1 backward, 2 optimizer update)."""
+        g = self.g
+        nv = len(g.values)
         self.canon = np.asarray(g.canon, dtype=np.int64)
         self.val_bytes = np.array([math.prod(s) * g.values[v].meta["val"].dtype.itemsize
                                    for v, s in enumerate(g.shapes)], dtype=np.float64)
@@ -73,7 +82,11 @@ class ProgramFacts:
         for v in range(nv):
             p = g.producer[v]
             self.val_phase[v] = self.op_phase[p] if p >= 0 else 0
-        # ops: FLOPs, compute class, roofline constants
+
+    def _ops(self, index: dict) -> None:
+        """Per op: its node's position, FLOPs, compute class and the FLOP/s it reaches at best (roofline)."""
+        g, hw = self.g, self.hw
+        no = len(g.ops)
         self.op_node_index = np.array([index[op.node] for op in g.ops], dtype=np.int64)
         flops = np.zeros(no)
         rate = np.ones(no)            # FLOP/s the op reaches at best (efficiency x peak of its dtype)
@@ -89,7 +102,12 @@ class ProgramFacts:
                 eff = hw.attn_efficiency if "scaled_dot_product" in str(op.node.target) else hw.mm_efficiency
                 rate[i] = eff * hw.peak_flops(dtype)
         self.op_flops, self.op_rate, self.op_compute = flops, rate, compute
-        # slots: every tensor operand and result of every op; fdim[s, f] = the dim of slot s that holds factor f
+
+    def _slots(self) -> None:
+        """Every tensor operand and result of every op (a slot): its op, value, side, bytes, phase and, per factor of
+        its op's rule, the dim that holds it (fdim[s, f], -1: none); per op and factor: reduction and partial code."""
+        g = self.g
+        no = len(g.ops)
         maxf = max((len(op.rule.factors) for op in g.ops if op.rule is not None), default=1)
         self.maxf = maxf
         s_op, s_val, s_res, s_dims = [], [], [], []
@@ -114,8 +132,7 @@ class ProgramFacts:
                     s_val.append(v)
                     s_res.append(is_res)
                     s_dims.append(dims)
-        ns = len(s_op)
-        fdim = np.full((ns, maxf), -1, dtype=np.int64)
+        fdim = np.full((len(s_op), maxf), -1, dtype=np.int64)
         for s, dims in enumerate(s_dims):
             for d, fs in enumerate(dims or ()):
                 for f in fs:
@@ -133,66 +150,6 @@ class ProgramFacts:
         self.s_overlap = ~self.s_res & (self.is_state[self.s_val] | ((self.val_phase[self.s_val] == 1)
                                                                      & (self.s_phase == 2)))
         self.s_keyphase = np.where(self.is_placeholder[self.s_val], self.s_phase, 0)
-        self._liveness(nodes, index)
-        self._comm_tables()
-
-    # -- liveness over the captured program (sim/memory.py's rules) ----------------------------------------------
-    def _liveness(self, nodes, index) -> None:
-        g = self.g
-        end = len(nodes)
-        sid_of: dict = {}
-        owner, born, last, size = [], [], [], []
-
-        def new(v, nbytes, i):
-            owner.append(v)
-            born.append(i)
-            last.append(i)
-            size.append(nbytes)
-            return len(owner) - 1
-
-        getitem_vid: dict = {}
-        for n in nodes:
-            if n.target is operator.getitem and n in g.vid:
-                getitem_vid[(n.args[0], n.args[1])] = g.vid[n]
-        for i, n in enumerate(nodes):
-            val = n.meta.get("val")
-            if n.op == "placeholder":
-                sid_of[n] = [new(g.vid.get(n, -1), _nbytes(val), 0)]
-                continue
-            if n.op == "output":
-                for a in n.all_input_nodes:
-                    for s in sid_of.get(a, ()):
-                        last[s] = end
-                continue
-            if n.op != "call_function":
-                continue
-            if n.target is operator.getitem:
-                srcs = sid_of.get(n.args[0], ())
-                k = n.args[1]
-                sid_of[n] = [srcs[k]] if isinstance(k, int) and k < len(srcs) else []
-            else:
-                cls, info = op_class(n.target)
-                base = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
-                if (info == "view" or cls == WAIT) and base is not None and sid_of.get(base):
-                    sid_of[n] = [sid_of[base][0]]
-                elif cls == FREE and info != "alloc":
-                    sid_of[n] = []
-                elif isinstance(val, torch.Tensor):
-                    sid_of[n] = [new(g.vid.get(n, -1), _nbytes(val), i)]
-                elif isinstance(val, (tuple, list)):
-                    sid_of[n] = [new(getitem_vid.get((n, k), -1), _nbytes(x), i) for k, x in enumerate(val)]
-                else:
-                    sid_of[n] = []
-            for a in n.all_input_nodes:
-                for s in sid_of.get(a, ()):
-                    last[s] = max(last[s], i)
-        for s, v in enumerate(owner):
-            if born[s] == 0 and v >= 0 and g.values[v].op == "placeholder":
-                last[s] = end
-        self.st_owner = np.asarray(owner, dtype=np.int64)
-        self.st_born = np.asarray(born, dtype=np.int64)
-        self.st_last = np.asarray(last, dtype=np.int64)
-        self.st_size = np.asarray(size, dtype=np.float64)
 
     def _comm_tables(self) -> None:
         self.comm_table = {}
@@ -207,24 +164,23 @@ class ProgramFacts:
     def comm_time(self, kind: str, axis: str, nbytes: np.ndarray) -> np.ndarray:
         return np.interp(nbytes, _SIZES, self.comm_table[(kind, axis)])
 
-    # -- decisions as arrays -----------------------------------------------------------------------------------
-    def axis_arrays(self, prop, axis: str) -> tuple:
-        """(value states per canonical vid, op assignments) of `axis` in a Propagator (all unknown if unused)."""
-        st = prop.axes.get(axis)
-        nv, no = len(self.g.values), len(self.g.ops)
-        if st is None:
-            return np.full(nv, UNKNOWN, dtype=np.int64), np.full(no, UNKNOWN, dtype=np.int64)
-        vals = np.asarray(st.value, dtype=np.int64)
-        assign = np.full(no, UNKNOWN, dtype=np.int64)
-        if st.assign:
-            keys = np.fromiter(st.assign.keys(), dtype=np.int64, count=len(st.assign))
-            assign[keys] = np.fromiter(st.assign.values(), dtype=np.int64, count=len(st.assign))
-        return vals, assign
-
     # -- the estimate ------------------------------------------------------------------------------------------
     def estimate(self, decisions: dict) -> Estimate:
         """decisions: axis -> (value states per canonical vid, op assignments), for every mesh axis."""
-        hw = self.hw
+        want, have, op_div, slot_div, val_tdiv = self._layouts(decisions)
+        compute, update = self._compute(op_div, slot_div)
+        # per value: divisor over all axes
+        all_div = np.ones(len(self.canon))
+        for axis in decisions:
+            all_div *= val_tdiv[axis]
+        exposed, per_axis, by_kind, temps, eff_div = self._comm(decisions, want, have, val_tdiv, all_div)
+        comm = sum(per_axis.values())
+        step = max(compute + exposed, max(per_axis.values(), default=0.0) + update)
+        return Estimate(step, compute, exposed, comm, self._peak(eff_div, temps), by_kind)
+
+    def _layouts(self, decisions: dict) -> tuple:
+        """Per axis and slot: the state its op wants (want) and the state its value has (have); over all axes: the
+        divisors of each op's FLOPs and of each slot's bytes; per axis and canonical value: k where tiled."""
         op_div = np.ones(len(self.g.ops))
         slot_div = np.ones(len(self.s_op))
         want, have = {}, {}
@@ -246,20 +202,25 @@ class ProgramFacts:
             slot_div *= np.where(wd >= 0, k, 1)
             op_div *= np.where(assign >= 0, k, 1)
             val_tdiv[axis] = np.where(vals >= 0, k, 1).astype(np.float64)
-        # compute
+        return want, have, op_div, slot_div, val_tdiv
+
+    def _compute(self, op_div: np.ndarray, slot_div: np.ndarray) -> tuple:
+        """(compute seconds of the step, of the optimizer update alone): per op the roofline of its local FLOPs and
+        bytes."""
+        hw = self.hw
         op_bytes = np.bincount(self.s_op, weights=self.s_bytes / slot_div, minlength=len(self.g.ops))
         t_mem = op_bytes / (hw.hbm_efficiency * hw.hbm_bw) + hw.kernel_overhead_s
         t_flop = np.where(self.op_flops > 0, self.op_flops / op_div / self.op_rate + hw.mm_half_time_s, 0.0)
         t_op = np.where(self.op_compute, np.maximum(t_flop, t_mem), 0.0)
         compute = float(np.sum(t_op))
         update = float(np.sum(t_op[self.op_phase == 2]))      # the optimizer update waits for the gradients
-        # per value: divisor over all axes
-        all_div = np.ones(len(self.canon))
-        for axis in decisions:
-            all_div *= val_tdiv[axis]
-        # communication
-        exposed, per_axis, by_kind = 0.0, {}, {}
-        temps_at, temps_bytes = [], []
+        return compute, update
+
+    def _comm(self, decisions: dict, want: dict, have: dict, val_tdiv: dict, all_div: np.ndarray) -> tuple:
+        """Per axis, the reshards lowering would insert (lower/reshard.py's table) and their seconds: (exposed
+        seconds, seconds per axis, (count, bytes) per (kind, axis), the resharded copies' lifetimes, per canonical
+        value the divisor of its storage)."""
+        exposed, per_axis, by_kind, temps = 0.0, {}, {}, []
         eff_div = all_div.copy()
         for axis, (vals, assign) in decisions.items():
             k = self.mesh.shape[axis]
@@ -276,54 +237,121 @@ class ProgramFacts:
                 idx = np.nonzero(mask)[0]
                 if not len(idx):
                     continue
-                key = (self.s_val[idx] * 64 + (w[idx] + 8)) * 4 + self.s_keyphase[idx]
-                _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-                uses = idx
-                idx = idx[first]
-                nbytes = self.val_bytes[self.s_val[idx]] / other[self.s_canon[idx]]
-                over = self.s_overlap[idx]
-                t_exp = self.comm_time(kind, axis, nbytes[~over])
-                # state gathers and gradient reductions are bucketed by lowering (lower/bucket.py): one collective
-                # per bucket_bytes per phase
-                t_over = 0.0
-                for ph in (0, 1, 2):
-                    b = nbytes[over & (self.s_phase[idx] == ph)].sum()
-                    if b > 0:
-                        nb = max(1, math.ceil(b / self.bucket_bytes)) if self.bucket_bytes else int(
-                            np.sum(over & (self.s_phase[idx] == ph)))
-                        t_over += nb * float(self.comm_time(kind, axis, np.array([b / nb]))[0])
-                total += float(t_exp.sum()) + t_over
-                exposed += float(t_exp.sum())
-                by_kind[(kind, axis)] = (len(idx), float(nbytes.sum()))
-                if kind in ("all_gather", "all_to_all"):
-                    # one resharded copy per (value, layout[, phase]) is shared by its uses: it lives from the
-                    # first to the last of them (an activation gathered for the forward is kept for the backward)
-                    lo = np.full(len(idx), self.n_nodes, dtype=np.int64)
-                    hi = np.zeros(len(idx), dtype=np.int64)
-                    np.minimum.at(lo, inverse, self.s_node[uses])
-                    np.maximum.at(hi, inverse, self.s_node[uses])
-                    temps_at.append((lo, hi))
-                    temps_bytes.append(nbytes / np.where(w[idx] >= 0, k, 1))
+                t_exp, t_over, n, nbytes, temp = self._collectives(kind, axis, idx, w, other)
+                total += t_exp + t_over
+                exposed += t_exp
+                by_kind[(kind, axis)] = (n, nbytes)
+                if temp is not None:
+                    temps.append(temp)
             per_axis[axis] = total
             # partial values every consumer wants tiled are reduce-scattered where they are produced
             cons = np.full(len(self.canon), float(k))
             op_slots = ~self.s_res
             np.minimum.at(cons, self.s_canon[op_slots], np.where(want[axis][op_slots] >= 0, float(k), 1.0))
             eff_div *= np.where(vals <= -3, cons, 1.0)
-        comm = sum(per_axis.values())
-        step = max(compute + exposed, max(per_axis.values(), default=0.0) + update)
-        # memory: liveness sweep with each storage divided by its value's layout
+        return exposed, per_axis, by_kind, temps, eff_div
+
+    def _collectives(self, kind: str, axis: str, idx: np.ndarray, w: np.ndarray, other: np.ndarray) -> tuple:
+        """The collectives of one kind on one axis for the slots idx that need it, one per (value, wanted layout[,
+        phase]): (exposed seconds, overlapped seconds, count, bytes, (first use, last use, bytes) of the resharded
+        copies for gathers and all_to_alls, else None)."""
+        key = (self.s_val[idx] * 64 + (w[idx] + 8)) * 4 + self.s_keyphase[idx]
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        uses = idx
+        idx = idx[first]
+        nbytes = self.val_bytes[self.s_val[idx]] / other[self.s_canon[idx]]
+        over = self.s_overlap[idx]
+        t_exp = self.comm_time(kind, axis, nbytes[~over])
+        # state gathers and gradient reductions are bucketed by lowering (lower/bucket.py): one collective per
+        # bucket_bytes per phase
+        t_over = 0.0
+        for ph in (0, 1, 2):
+            b = nbytes[over & (self.s_phase[idx] == ph)].sum()
+            if b > 0:
+                nb = max(1, math.ceil(b / self.bucket_bytes)) if self.bucket_bytes else int(
+                    np.sum(over & (self.s_phase[idx] == ph)))
+                t_over += nb * float(self.comm_time(kind, axis, np.array([b / nb]))[0])
+        temp = None
+        if kind in ("all_gather", "all_to_all"):
+            # one resharded copy per (value, layout[, phase]) is shared by its uses: it lives from the first to the
+            # last of them (an activation gathered for the forward is kept for the backward)
+            lo = np.full(len(idx), self.n_nodes, dtype=np.int64)
+            hi = np.zeros(len(idx), dtype=np.int64)
+            np.minimum.at(lo, inverse, self.s_node[uses])
+            np.maximum.at(hi, inverse, self.s_node[uses])
+            temp = (lo, hi, nbytes / np.where(w[idx] >= 0, self.mesh.shape[axis], 1))
+        return float(t_exp.sum()), t_over, len(idx), float(nbytes.sum()), temp
+
+    def _peak(self, eff_div: np.ndarray, temps: list) -> float:
+        """Peak bytes: the liveness sweep with each storage divided by its value's layout, plus each resharded
+        copy from its first to its last use."""
         owner = self.st_owner
         div = np.where(owner >= 0, eff_div[self.canon[np.maximum(owner, 0)]], 1.0)
         size = self.st_size / div
         delta = np.zeros(self.n_nodes + 2)
         np.add.at(delta, self.st_born, size)
         np.add.at(delta, self.st_last + 1, -size)
-        for (lo, hi), b in zip(temps_at, temps_bytes):
+        for lo, hi, b in temps:
             np.add.at(delta, lo, b)
             np.add.at(delta, hi + 1, -b)
-        peak = float(np.max(np.cumsum(delta[:self.n_nodes]))) if self.n_nodes else 0.0
-        return Estimate(step, compute, exposed, comm, peak, by_kind)
+        return float(np.max(np.cumsum(delta[:self.n_nodes]))) if self.n_nodes else 0.0
+
+
+def _storages(g, nodes) -> tuple:
+    """Liveness over the captured program (sim/memory.py's rules: views alias, placeholders live all step): per
+    storage its owning value (-1: none), the node it is born at and the last node that reads it, and its bytes."""
+    end = len(nodes)
+    sid_of: dict = {}
+    owner, born, last, size = [], [], [], []
+
+    def new(v, nbytes, i):
+        owner.append(v)
+        born.append(i)
+        last.append(i)
+        size.append(nbytes)
+        return len(owner) - 1
+
+    getitem_vid: dict = {}
+    for n in nodes:
+        if n.target is operator.getitem and n in g.vid:
+            getitem_vid[(n.args[0], n.args[1])] = g.vid[n]
+    for i, n in enumerate(nodes):
+        val = n.meta.get("val")
+        if n.op == "placeholder":
+            sid_of[n] = [new(g.vid.get(n, -1), _nbytes(val), 0)]
+            continue
+        if n.op == "output":
+            for a in n.all_input_nodes:
+                for s in sid_of.get(a, ()):
+                    last[s] = end
+            continue
+        if n.op != "call_function":
+            continue
+        if n.target is operator.getitem:
+            srcs = sid_of.get(n.args[0], ())
+            k = n.args[1]
+            sid_of[n] = [srcs[k]] if isinstance(k, int) and k < len(srcs) else []
+        else:
+            cls, info = op_class(n.target)
+            base = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
+            if (info == "view" or cls == WAIT) and base is not None and sid_of.get(base):
+                sid_of[n] = [sid_of[base][0]]
+            elif cls == FREE and info != "alloc":
+                sid_of[n] = []
+            elif isinstance(val, torch.Tensor):
+                sid_of[n] = [new(g.vid.get(n, -1), _nbytes(val), i)]
+            elif isinstance(val, (tuple, list)):
+                sid_of[n] = [new(getitem_vid.get((n, k), -1), _nbytes(x), i) for k, x in enumerate(val)]
+            else:
+                sid_of[n] = []
+        for a in n.all_input_nodes:
+            for s in sid_of.get(a, ()):
+                last[s] = max(last[s], i)
+    for s, v in enumerate(owner):
+        if born[s] == 0 and v >= 0 and g.values[v].op == "placeholder":
+            last[s] = end
+    return (np.asarray(owner, dtype=np.int64), np.asarray(born, dtype=np.int64), np.asarray(last, dtype=np.int64),
+            np.asarray(size, dtype=np.float64))
 
 
 def _nbytes(val) -> float:
