@@ -1,7 +1,8 @@
 """The architecture stays visible: no import cycles between partir_torch's sub-packages (capture, rules,
 propagate, tactics, lower, runtime, sim, xla), counting every import, also those inside functions; the base modules
 every layer uses (errors, mesh, sharding) import no sub-package. The top (api, program, verify, the package
-__init__) may import anything."""
+__init__) may import anything. No function is longer than 80 lines and no class longer than 300 (a function that
+needs a scroll to read is usually two)."""
 from __future__ import annotations
 
 import ast
@@ -77,6 +78,55 @@ def test_no_import_cycles_between_sub_packages():
     assert graph.get("<base>", set()) == set(), graph["<base>"]
     below_top = {k: {v for v in vs if v != "<top>"} for k, vs in graph.items()}
     assert cycles(below_top) == [], cycles(below_top)
+
+
+MAX_FUNCTION_LINES = 80
+MAX_CLASS_LINES = 300
+
+
+def oversized(root: str = ROOT) -> list:
+    """Every function longer than MAX_FUNCTION_LINES and class longer than MAX_CLASS_LINES under `root`, counted as
+    the AST node's span (end_lineno - lineno + 1: docstrings and comments included, decorators not)."""
+    out = []
+    for dirpath, dirs, files in os.walk(root):
+        dirs.sort()
+        for f in sorted(files):
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, f)
+            for node in ast.walk(ast.parse(open(path).read())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    kind, limit = "function", MAX_FUNCTION_LINES
+                elif isinstance(node, ast.ClassDef):
+                    kind, limit = "class", MAX_CLASS_LINES
+                else:
+                    continue
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out.append(f"{kind} {node.name} at {os.path.relpath(path, os.path.dirname(root))}:{node.lineno} "
+                               f"is {n} lines (limit {limit})")
+    return out
+
+
+def test_no_function_over_80_lines_and_no_class_over_300():
+    found = oversized()
+    assert found == [], "split by responsibility:\n" + "\n".join(found)
+
+
+def test_the_size_walk_finds_planted_long_definitions(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+
+    def function(name, n):      # n lines: the def and n - 1 statements
+        return f"def {name}():\n" + "".join(f"    x{i} = {i}\n" for i in range(n - 1)) + "\n\n"
+
+    def klass(name, methods):   # 3 lines per method, the last one's blank line outside the class
+        return f"class {name}:\n" + "".join(f"    def m{i}(self):\n        return {i}\n\n" for i in range(methods))
+
+    (pkg / "funcs.py").write_text(function("at_limit", 80) + function("too_long", 81))
+    (pkg / "classes.py").write_text(klass("AtLimit", 100) + "\n" + klass("TooLong", 101))
+    assert oversized(str(pkg)) == ["class TooLong at pkg/classes.py:303 is 303 lines (limit 300)",
+                                   "function too_long at pkg/funcs.py:83 is 81 lines (limit 80)"]
 
 
 def test_the_walk_finds_a_planted_cycle():
