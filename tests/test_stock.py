@@ -305,3 +305,22 @@ def test_a_parameter_read_behind_the_steps_back_is_refused():
     with pytest.raises(TraceError, match=r"reads params\.out\.weight outside the module's parameters"):
         pt.partition(Cached(), pt.Mesh({"b": 2}), [T.data_parallel("b")],
                      example_inputs=(torch.randint(0, 16, (4, 5)),), loss_fn=tiny_loss)
+
+
+def test_float64_model_trains_in_float64():
+    """A float64 model's step is float64 end to end, its loss included (eager returns a float64 loss): batch norm
+    over the global batch, data parallelism and ZeRO-3 then equal one device to 1e-12, which is how the coverage
+    sweep tells rounding from a wrong program on numerically chaotic tiny convnets. (No conv bias before the norm:
+    its gradient is zero in exact arithmetic, and Adam turns the rounding residue into +-lr updates.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.Hardswish(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 5)).double()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 3, 6, 6, dtype=torch.float64), torch.randint(0, 5, (8,))
+    lf = lambda m, x, y: F.cross_entropy(m(x), y)
+    prog = pt.partition(model, pt.Mesh({"dp": 2, "zero": 2}), [T.data_parallel("dp"), T.data_parallel("zero", name="BP-zero"),
+                                                               T.zero(3, "zero")],
+                        example_inputs=(x, y), loss_fn=lf, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    losses = train_next_to_eager(prog, ref, [(x, y)] * 3, lf, adamw(), buffers=True, loss_rtol=1e-12,
+                                 param_rtol=1e-12, param_atol=1e-12)
+    assert all(got.dtype == torch.float64 for got, _ in losses)

@@ -254,6 +254,12 @@ def _state_mutations(gm: fx.GraphModule, names: list, roles: list, out_names: li
     gm.recompile()
 
 
+def _loss_dtype(loss: torch.Tensor) -> torch.Tensor:
+    """The step's loss in fp32 at least (a bf16 loss is accumulated and reported in fp32); a float64 loss stays
+    float64, as eager returns it."""
+    return loss if loss.dtype == torch.float64 else loss.float()
+
+
 def _micro_batches(batch, k: int, dims=None) -> list:
     """k micro-batches of the step's batch: micro-batch j holds samples j, j + k, j + 2k, ... of every input
     (x.unflatten(d, (B // k, k)).select(d + 1, j), i.e. x[j::k]): the (B // k) factor keeps the batch dim's tiling,
@@ -395,7 +401,7 @@ class _Step:
                 loss = self.loss_fn(self.model, *fargs)
                 _check_loss(loss, self.model)
             self.out_names[:] = ["loss"]
-            return [loss.float()]
+            return [_loss_dtype(loss)]
         loss, grads, unused = self._loss_and_grads(p, state, fargs)
         if lay.mode == LOSS_AND_GRADS:
             self.out_names[:] = ["loss"] + [f"grads.{k}" for k in lay.trainable]
@@ -419,7 +425,7 @@ class _Step:
             with torch.enable_grad(), _reparametrize_module(self.model, state, tie_weights=True):
                 part = self.loss_fn(self.model, *micro)
                 _check_loss(part, self.model)
-                part = part.float() if k_acc == 1 else part.float() / k_acc
+                part = _loss_dtype(part) if k_acc == 1 else _loss_dtype(part) / k_acc
                 # the backward as autograd runs it (AOTAutograd's joint trace): custom autograd.Functions,
                 # old-style or with setup_context, and library ops with registered autograd are differentiated as
                 # in eager
