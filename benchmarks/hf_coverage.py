@@ -606,8 +606,9 @@ def _float64_verdict(model, batch, loss_fn, row: dict) -> dict:
     next to one device in float64 (rounding ~1e-16, so every element is decided by the program: tolerance
     F64_TOL on parameters and losses, or, for a deterministic model, as far as one device in float64 moves from
     itself on a reordered batch if that is farther) and the fp32 run's first loss within RTOL (no update has
-    happened yet; or within the first loss's own movement on a reordered batch, where that is larger). Both must hold; the row then passes with verdict "fp64" (the fp32 columns stay, next to how far
-    one device in fp32 moves from itself on a reordered batch: "1-dev reorder")."""
+    happened yet; or within the first loss's own movement on a reordered batch, where that is larger). Both must
+    hold; the row then passes with verdict "fp64" (the fp32 columns stay, next to how far one device in fp32
+    moves from itself on a reordered batch: "1-dev reorder")."""
     import torch
     import partir_torch as pt
     from partir_torch import tactics as T

@@ -313,13 +313,13 @@ def test_float64_model_trains_in_float64():
     sweep tells rounding from a wrong program on numerically chaotic tiny convnets. (No conv bias before the norm:
     its gradient is zero in exact arithmetic, and Adam turns the rounding residue into +-lr updates.)"""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.Hardswish(), nn.AdaptiveAvgPool2d(1),
-                          nn.Flatten(), nn.Linear(8, 5)).double()
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.Hardswish(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)).double()
     ref = copy.deepcopy(model)
     x, y = torch.randn(8, 3, 6, 6, dtype=torch.float64), torch.randint(0, 5, (8,))
     lf = lambda m, x, y: F.cross_entropy(m(x), y)
-    prog = pt.partition(model, pt.Mesh({"dp": 2, "zero": 2}), [T.data_parallel("dp"), T.data_parallel("zero", name="BP-zero"),
-                                                               T.zero(3, "zero")],
+    schedule = [T.data_parallel("dp"), T.data_parallel("zero", name="BP-zero"), T.zero(3, "zero")]
+    prog = pt.partition(model, pt.Mesh({"dp": 2, "zero": 2}), schedule,
                         example_inputs=(x, y), loss_fn=lf, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
     losses = train_next_to_eager(prog, ref, [(x, y)] * 3, lf, adamw(), buffers=True, loss_rtol=1e-12,
                                  param_rtol=1e-12, param_atol=1e-12)
