@@ -23,6 +23,11 @@ class Stage:
     decided: int          # (value, axis) decisions made by this tactic
     prop: object = None   # the propagator's decisions at this point (for lowering / simulating the stage)
 
+    @property
+    def decisions(self) -> Decisions:
+        """What the schedule had decided after this tactic (an immutable snapshot)."""
+        return Decisions(self.prop)
+
 
 class TacticContext:
     """What a tactic sees: the mesh, the named values, what earlier tactics decided, a way to seed and propagate,

@@ -129,11 +129,11 @@ class Evaluator:
         inputs where the size divides."""
         mesh = train.mesh
         seeds = []
-        st = train.prop.axes.get(axis)
+        decisions = train.decisions
         for name, role in zip(cap.input_names, cap.input_roles):
             vid = train.graph.name_to_vid.get(name)
-            prov = st.prov.get(train.graph.canon[vid]) if st is not None and vid is not None else None
-            if not (prov.tactic == tactic if prov is not None else last):
+            by = decisions.tactic_of(vid, axis) if vid is not None else "-"     # "-": no tactic decided it
+            if not (by == tactic if by != "-" else last):
                 continue
             if role in ("param", "buffer"):
                 sh = train.sharding(name)
