@@ -49,7 +49,9 @@ class BatchNorms(nn.Module):
 
 
 BN_STATS_BYTES = {64, 32, 16, 48}      # backward: one (2, C) stack of per-channel sums per norm (C = 8, 4, 2, 6)
-BN_MEAN_BYTES = {32, 16, 8, 24}       # forward: the mean, then the centred second moment, (C,) each
+# forward: the mean, then the centred second moment, (C,) each, in float64 on CPU (eager's CPU kernel
+# accumulates batch statistics in double; float32 on GPUs)
+BN_MEAN_BYTES = {64, 32, 16, 48}
 
 
 def _ce(m, x, y):

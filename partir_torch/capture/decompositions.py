@@ -143,11 +143,15 @@ def _bn_train(x, weight, bias, running_mean, running_var, momentum, eps):
     n = x.numel() // x.shape[1]
     xa = x.to(_acc_dtype(x.dtype))
     acc = _stat_dtype(xa)
-    mean = aten.div.Scalar(aten.sum.dim_IntList(xa, red, dtype=acc), n).to(xa.dtype)      # (C,)
-    xc = aten.sub.Tensor(xa, _per_channel(mean, x.dim()))                                # (N, C, *)
-    var = aten.div.Scalar(aten.sum.dim_IntList(aten.mul.Tensor(xc, xc), red, dtype=acc), n).to(xa.dtype)
+    # statistics in the accumulation dtype as eager's CPU kernel takes them, and the output centred and scaled
+    # there too before the cast: a channel whose spread is small against its mean (late layers at 1x1 resolution)
+    # loses its variance if the mean is rounded first (spread 0.01 at mean 3, batch 8: out 4e-7 off float64,
+    # eager's fp32 x * alpha + beta 1e-4)
+    mean = aten.div.Scalar(aten.sum.dim_IntList(xa, red, dtype=acc), n)                   # (C,) in acc
+    xc = aten.sub.Tensor(xa.to(acc), _per_channel(mean, x.dim()))                        # (N, C, *) in acc
+    var = aten.div.Scalar(aten.sum.dim_IntList(aten.mul.Tensor(xc, xc), red), n)
     rstd = aten.rsqrt.default(aten.add.Scalar(var, eps))
-    out = _affine(aten.mul.Tensor(xc, _per_channel(rstd, x.dim())), weight, bias)
+    out = _affine(aten.mul.Tensor(xc, _per_channel(rstd, x.dim())).to(xa.dtype), weight, bias)
     new_mean = new_var = None
     if running_mean is not None:
         new_mean = aten.add.Tensor(aten.mul.Scalar(mean, momentum), aten.mul.Scalar(running_mean, 1 - momentum))
@@ -155,6 +159,7 @@ def _bn_train(x, weight, bias, running_mean, running_var, momentum, eps):
         unbiased = aten.mul.Scalar(var, n / max(n - 1, 1))
         new_var = aten.add.Tensor(aten.mul.Scalar(unbiased, momentum), aten.mul.Scalar(running_var, 1 - momentum))
     save_dtype = x.dtype if x.device.type == "cpu" else xa.dtype      # as eager (CPU keeps the input's dtype)
+    mean = mean.to(xa.dtype)
     return (out.to(x.dtype), mean.to(save_dtype), rstd.to(save_dtype),
             None if new_mean is None else new_mean.to(running_mean.dtype),
             None if new_var is None else new_var.to(running_var.dtype))
