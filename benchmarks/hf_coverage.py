@@ -544,7 +544,10 @@ def run_hf(mapping: str, model_type: str) -> dict:
     if os.environ.get("HF_COVERAGE_EAGER_ONLY"):
         return {**row, "result": "eager-ok", "s": round(time.time() - t0, 1)}
     try:
+        pristine = copy.deepcopy(model)
         row.update(partition_and_compare(model, batch, hf_loss, megatron=True))
+        if not row["match"] and not row.get("eager_nondeterministic"):
+            row.update(_float64_verdict(pristine, batch, hf_loss, row))
         row["result"] = "pass" if row["match"] else "mismatch"
         if not row["match"] and row.get("eager_nondeterministic"):
             row["reason"] = "eager forward differs between two runs under the same torch.manual_seed"
@@ -602,7 +605,16 @@ F64_TOL = 1e-9
 
 
 def _float64_verdict(model, batch, loss_fn, row: dict) -> dict:
-    """Where fp32 rounding decides more elements than the masks catch: the same schedule on the model in float64
+    try:
+        return _float64_check(model, batch, loss_fn, row)
+    except Alarm:
+        raise
+    except Exception as e:       # the model does not run in float64 (a kernel without a double version): fp32 only
+        return {"fp64": f"not run: {first_line(e)[:120]}"}
+
+
+def _float64_check(model, batch, loss_fn, row: dict) -> dict:
+    """Where fp32 rounding decides more elements than the masks catch: the row's schedule on the model in float64
     next to one device in float64 (rounding ~1e-16, so every element is decided by the program: tolerance
     F64_TOL on parameters and losses, or, for a deterministic model, as far as one device in float64 moves from
     itself on a reordered batch if that is farther) and the fp32 run's first loss within RTOL (no update has
@@ -616,12 +628,13 @@ def _float64_verdict(model, batch, loss_fn, row: dict) -> dict:
     m64 = model.double()
     b64 = _double(batch)
     ref = copy.deepcopy(m64)
+    base = [T.data_parallel("dp"), T.data_parallel("zero", name="BP-zero")]
+    schedule = base + ([T.megatron("tp")] if row.get("sched") == "BP+MP+Z3" else []) + [T.zero(3, "zero")]
     floor64 = 0.0
     if row.get("reorder_err") is not None:   # how far one device in float64 moves from itself on a reordered batch
         floor64, _ = _reorder_floor(ref, b64, loss_fn, STEPS, 1e-8,
                                     {n: torch.zeros_like(p, dtype=torch.bool) for n, p in ref.named_parameters()})
-    prog = pt.partition(m64, pt.Mesh(MESH), [T.data_parallel("dp"), T.data_parallel("zero", name="BP-zero"),
-                                             T.zero(3, "zero")], example_inputs=(b64,), loss_fn=loss_fn,
+    prog = pt.partition(m64, pt.Mesh(MESH), schedule, example_inputs=(b64,), loss_fn=loss_fn,
                         optimizer=torch.optim.AdamW(m64.parameters(), lr=1e-3))
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     loss_err = 0.0
