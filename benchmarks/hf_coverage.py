@@ -615,12 +615,12 @@ def _float64_verdict(model, batch, loss_fn, row: dict) -> dict:
 
 def _float64_check(model, batch, loss_fn, row: dict) -> dict:
     """Where fp32 rounding decides more elements than the masks catch: the row's schedule on the model in float64
-    next to one device in float64 (rounding ~1e-16, so every element is decided by the program: tolerance
-    F64_TOL on parameters and losses, or, for a deterministic model, as far as one device in float64 moves from
-    itself on a reordered batch if that is farther) and the fp32 run's first loss within RTOL (no update has
-    happened yet; or within the first loss's own movement on a reordered batch, where that is larger). Both must
-    hold; the row then passes with verdict "fp64" (the fp32 columns stay, next to how far one device in fp32
-    moves from itself on a reordered batch: "1-dev reorder")."""
+    next to one device in float64 (rounding ~1e-16, so every element is decided by the program). It passes with
+    verdict "fp64" when the float64 parameters agree to F64_TOL relative (or, for a deterministic model, to one
+    device's own float64 movement on a reordered batch where that is larger), the float64 losses to F64_TOL
+    (rtol 1e-5 where the model computes its loss in fp32, as HF's upcast logits), and the fp32 run's first loss,
+    before any update, to RTOL (or to its own movement on a reordered batch where that is larger). The fp32
+    columns stay in the row, next to how far one device in fp32 moves from itself ("1-dev reorder")."""
     import torch
     import partir_torch as pt
     from partir_torch import tactics as T
@@ -637,7 +637,7 @@ def _float64_check(model, batch, loss_fn, row: dict) -> dict:
     prog = pt.partition(m64, pt.Mesh(MESH), schedule, example_inputs=(b64,), loss_fn=loss_fn,
                         optimizer=torch.optim.AdamW(m64.parameters(), lr=1e-3))
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    loss_err = 0.0
+    loss_err, loss_tol = 0.0, F64_TOL
     for step in range(STEPS):
         torch.manual_seed(step)
         got = float(prog.train_step(b64))
@@ -647,12 +647,14 @@ def _float64_check(model, batch, loss_fn, row: dict) -> dict:
         want.backward()
         opt.step()
         loss_err = max(loss_err, abs(got - float(want)) / max(abs(float(want)), 1e-12))
+        if want.dtype != torch.float64:     # HF's loss upcasts logits to float32 whatever the model's dtype
+            loss_tol = RTOL
     gathered = prog.gather_parameters()
     err = max((float(((gathered[n].double() - p.detach()).abs() / (1 + p.detach().abs())).max())
                for n, p in ref.named_parameters() if p.numel()), default=0.0)
     # the first step's loss comes before any update: it must match in fp32 as well
     first_ok = row["first_loss_err"] <= max(RTOL + 1e-6, row.get("reorder_loss_err") or 0.0)
-    ok = err <= max(F64_TOL, floor64) and loss_err <= F64_TOL and first_ok
+    ok = err <= max(F64_TOL, floor64) and loss_err <= loss_tol and first_ok
     return {"fp64_param_err": err, "fp64_loss_err": loss_err, "fp64_reorder_err": floor64, "match": ok,
             **({"verdict": "fp64"} if ok else {})}
 
