@@ -10,11 +10,17 @@ the estimate derives, with numpy over all ops and operand slots at once:
 - communication: the reshards lowering would insert (lower/reshard.py's table: tiled -> replicated is an
   all_gather, partial -> replicated an all_reduce, partial -> tiled a reduce_scatter, tiled(d1) -> tiled(d2) an
   all_to_all), one per (value, wanted layout), a parameter's once per phase; each costed by sim/comm.py's model,
-  tabulated per (kind, axis) and interpolated. Gathers of state (issued at the start, as the simulator does) and
-  gradient reductions overlap compute; every other reshard is exposed;
+  tabulated per (kind, axis) and interpolated. A value resharded on several axes is moved in lowering's order
+  (un-tiling innermost axis first, reductions outermost first; nesting taken as the mesh's axis order), so each
+  collective moves the bytes the other axes leave at that point. Gathers of state (issued at the start, as the
+  simulator does) and gradient reductions overlap compute; every other reshard is exposed, and an op waiting on
+  collectives of several axes waits for the longest (each axis has its own stream): the exposed time is summed
+  per window of the program of each axis, and the longest axis counts per window;
 - memory: the liveness of every storage over the captured program's order (sim/memory.py's rules: views alias,
   placeholders live all step), each storage divided by its value's tilings (a partial value every consumer wants
-  tiled is reduce-scattered where it is produced), plus each gathered copy at its use.
+  tiled is reduce-scattered where it is produced), plus each gathered copy at its use. A gradient reduced for the
+  optimizer is waited for where the update reads it (lowering sinks a wait to its first reader), and a
+  collective's input lives until its wait: the whole partial gradient and its reduced copy live until the update.
 
 step ~= max(compute + exposed communication, busiest axis's communication + the optimizer update, which waits for
 the last gradient reduction).
@@ -150,6 +156,10 @@ class ProgramFacts:
         self.s_overlap = ~self.s_res & (self.is_state[self.s_val] | ((self.val_phase[self.s_val] == 1)
                                                                      & (self.s_phase == 2)))
         self.s_keyphase = np.where(self.is_placeholder[self.s_val], self.s_phase, 0)
+        # per canonical value: produced in the backward and read by the optimizer update (a gradient)
+        self.grad_to_update = np.zeros(len(self.canon), dtype=bool)
+        read = ~self.s_res & (self.s_phase == 2) & (self.val_phase[self.s_val] == 1)
+        self.grad_to_update[self.s_canon[read]] = True
 
     def _comm_tables(self) -> None:
         self.comm_table = {}
@@ -216,12 +226,18 @@ class ProgramFacts:
         update = float(np.sum(t_op[self.op_phase == 2]))      # the optimizer update waits for the gradients
         return compute, update
 
+    # an op's waits on collectives of several axes overlap within this many nodes of the captured program (an op,
+    # its weight's cast and transpose, its input's view: one layer of a transformer holds a few hundred)
+    WAIT_WINDOW = 64
+
     def _comm(self, decisions: dict, want: dict, have: dict, val_tdiv: dict, all_div: np.ndarray) -> tuple:
         """Per axis, the reshards lowering would insert (lower/reshard.py's table) and their seconds: (exposed
         seconds, seconds per axis, (count, bytes) per (kind, axis), the resharded copies' lifetimes, per canonical
         value the divisor of its storage)."""
-        exposed, per_axis, by_kind, temps = 0.0, {}, {}, []
+        per_axis, by_kind, temps, waits = {}, {}, [], {}
         eff_div = all_div.copy()
+        rs_k = np.ones(len(self.canon))                    # per value: product of the axes it is reduce-scattered on
+        has_ar = np.zeros(len(self.canon), dtype=bool)     # ... and whether it is all-reduced on one
         for axis, (vals, assign) in decisions.items():
             k = self.mesh.shape[axis]
             w, h = want[axis], have[axis]
@@ -230,16 +246,16 @@ class ProgramFacts:
             a2a = (h >= 0) & (w >= 0) & (h != w)
             ar = np.where(res, (w <= -3) & (h < 0) & (h > -3), (h <= -3) & (w == REPLICATED))
             rs = np.where(res, (w <= -3) & (h >= 0), (h <= -3) & (w >= 0))
-            other = all_div / val_tdiv[axis]
-            total = 0.0
+            div = self._other_div(axis, want, have)
+            total, waits[axis] = 0.0, []
             for kind, mask in (("all_gather", ag), ("all_to_all", a2a), ("all_reduce", ar),
                                ("reduce_scatter", rs)):
                 idx = np.nonzero(mask)[0]
                 if not len(idx):
                     continue
-                t_exp, t_over, n, nbytes, temp = self._collectives(kind, axis, idx, w, other)
-                total += t_exp + t_over
-                exposed += t_exp
+                t_exp, at, t_over, n, nbytes, temp = self._collectives(kind, axis, idx, w, div[kind])
+                total += float(t_exp.sum()) + t_over
+                waits[axis].append((at, t_exp))
                 by_kind[(kind, axis)] = (n, nbytes)
                 if temp is not None:
                     temps.append(temp)
@@ -248,18 +264,63 @@ class ProgramFacts:
             cons = np.full(len(self.canon), float(k))
             op_slots = ~self.s_res
             np.minimum.at(cons, self.s_canon[op_slots], np.where(want[axis][op_slots] >= 0, float(k), 1.0))
-            eff_div *= np.where(vals <= -3, cons, 1.0)
-        return exposed, per_axis, by_kind, temps, eff_div
+            part = vals <= -3
+            eff_div *= np.where(part, cons, 1.0)
+            rs_k *= np.where(part & (cons > 1), cons, 1.0)
+            has_ar |= part & (cons == 1)
+        # a gradient's reductions are waited for where the update reads it: the whole partial value lives until then
+        # with its reduced copy (reduce_scatter: 1/rs_k of it), or with the reduced shard and its all-reduced copy
+        # (lowering reduce-scatters first and all-reduces the shard; the reduce-scatter's reader is the all-reduce)
+        grad = self.grad_to_update & ((rs_k > 1) | has_ar)
+        live = np.where(has_ar, 2.0 / rs_k, 1.0 + 1.0 / rs_k)
+        eff_div = np.where(grad, eff_div / rs_k / live, eff_div)
+        return self._exposed(waits), per_axis, by_kind, temps, eff_div
 
-    def _collectives(self, kind: str, axis: str, idx: np.ndarray, w: np.ndarray, other: np.ndarray) -> tuple:
+    def _other_div(self, axis: str, want: dict, have: dict) -> dict:
+        """Per collective kind and slot: the divisor of its value's bytes from the other axes while lowering reshards
+        it on `axis` (lower/reshard.py): gathers and all_to_alls un-tile the innermost axis first (an axis before this
+        one in the mesh still tiles the value), reductions follow them outermost first, all-reduces come last."""
+        axes = list(want)
+        pos = axes.index(axis)
+        ones = np.ones(len(self.s_op))
+        gather, scatter, reduce = ones.copy(), ones.copy(), ones
+        for j, b in enumerate(axes):
+            if b == axis:
+                continue
+            k = self.mesh.shape[b]
+            src = np.where(self.s_res, want[b], have[b])    # the layout before the reshard: the op's result, or
+            dst = np.where(self.s_res, have[b], want[b])    # the value an operand reads
+            kept = (src >= 0) & (dst == src)
+            moved = (src >= 0) & (dst != src)
+            scattered = (src <= -3) & (dst >= 0)
+            gather = gather * np.where(kept | (moved & (j < pos)), k, 1)
+            scatter = scatter * np.where(kept | (scattered & (j < pos)), k, 1)
+            reduce = reduce * np.where(kept | scattered, k, 1)
+        return {"all_gather": gather, "all_to_all": gather, "reduce_scatter": scatter, "all_reduce": reduce}
+
+    def _exposed(self, waits: dict) -> float:
+        """Exposed seconds: per window of the program, each axis's exposed collectives summed, the longest axis
+        counted (the axes' streams run concurrently: an op that waits on two axes waits for the slower)."""
+        per_axis = []
+        for pairs in waits.values():
+            acc = np.zeros(self.n_nodes // self.WAIT_WINDOW + 2)
+            for at, t in pairs:
+                np.add.at(acc, at // self.WAIT_WINDOW, t)
+            per_axis.append(acc)
+        return float(np.max(np.stack(per_axis), axis=0).sum()) if per_axis else 0.0
+
+    def _collectives(self, kind: str, axis: str, idx: np.ndarray, w: np.ndarray, div: np.ndarray) -> tuple:
         """The collectives of one kind on one axis for the slots idx that need it, one per (value, wanted layout[,
-        phase]): (exposed seconds, overlapped seconds, count, bytes, (first use, last use, bytes) of the resharded
-        copies for gathers and all_to_alls, else None)."""
+        phase]), each moving its value's bytes over div: (exposed seconds of each exposed one, the node of its first
+        use, overlapped seconds, count, bytes, (first use, last use, bytes) of the resharded copies for gathers and
+        all_to_alls, else None)."""
         key = (self.s_val[idx] * 64 + (w[idx] + 8)) * 4 + self.s_keyphase[idx]
         _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
         uses = idx
         idx = idx[first]
-        nbytes = self.val_bytes[self.s_val[idx]] / other[self.s_canon[idx]]
+        lo = np.full(len(idx), self.n_nodes, dtype=np.int64)
+        np.minimum.at(lo, inverse, self.s_node[uses])
+        nbytes = self.val_bytes[self.s_val[idx]] / div[idx]
         over = self.s_overlap[idx]
         t_exp = self.comm_time(kind, axis, nbytes[~over])
         # state gathers and gradient reductions are bucketed by lowering (lower/bucket.py): one collective per
@@ -275,12 +336,10 @@ class ProgramFacts:
         if kind in ("all_gather", "all_to_all"):
             # one resharded copy per (value, layout[, phase]) is shared by its uses: it lives from the first to the
             # last of them (an activation gathered for the forward is kept for the backward)
-            lo = np.full(len(idx), self.n_nodes, dtype=np.int64)
             hi = np.zeros(len(idx), dtype=np.int64)
-            np.minimum.at(lo, inverse, self.s_node[uses])
             np.maximum.at(hi, inverse, self.s_node[uses])
             temp = (lo, hi, nbytes / np.where(w[idx] >= 0, self.mesh.shape[axis], 1))
-        return float(t_exp.sum()), t_over, len(idx), float(nbytes.sum()), temp
+        return t_exp, lo[~over], t_over, len(idx), float(nbytes.sum()), temp
 
     def _peak(self, eff_div: np.ndarray, temps: list) -> float:
         """Peak bytes: the liveness sweep with each storage divided by its value's layout, plus each resharded
