@@ -78,10 +78,11 @@ def test_search_report_has_candidates_and_statistics(megatron_prog):
     text = megatron_prog.search_report()
     assert rep.evaluated == rep.space > 10          # a small space: every candidate estimated
     assert len(rep.lowered) >= 2 and rep.chosen in rep.lowered
-    assert any(c.preset_only for c in rep.lowered)  # the best preset combination is always simulated
-    best_preset = min(c.sim.step_time_s for c in rep.lowered if c.preset_only and
-                      c.sim.peak_memory_bytes <= rep.memory_limit)
-    assert rep.chosen.sim.step_time_s <= best_preset * 1.01
+    # the best pure preset combinations are always simulated, and the plan chosen is never slower than they are
+    pure = [c for c in rep.lowered if c.preset_only]
+    assert len(pure) >= 2, [c.label() for c in rep.lowered]
+    best_preset = min(c.sim.step_time_s for c in pure if c.sim.peak_memory_bytes <= rep.memory_limit)
+    assert rep.chosen.sim.step_time_s <= best_preset
     for word in ("step ms", "est ms", "peak GB", "exposed comm ms", "candidates", "estimated",
                  "lowered and simulated", "rank correlation", "classes on 'model'"):
         assert word in text, word
@@ -106,6 +107,24 @@ def test_search_chooses_zero3_when_parameters_cannot_be_replicated():
     records = prog.stage_lowered(len(prog.stages) - 1).records      # a meta model: lowered, never run
     gathers = [r for r in records if r.kind == "all_gather" and r.axis == "batch"]
     assert gathers, "parameters stored tiled must be gathered at use" 
+
+
+def test_fast_estimate_counts_gradients_until_the_update():
+    """Lowering waits for a gradient's reduce_scatter where the optimizer reads it, and a collective's input lives
+    until its wait: the fast estimate keeps each whole fp32 gradient (the cast of the bf16 one) until the update
+    too, as the simulator does (it counted the reduced shard alone before: 0.36 GB against the simulator's 0.64)."""
+    from partir_torch.sim.estimate import ProgramFacts
+
+    spec, model, batch = meta_gpt(64, d=2048, heads=16, layers=2, seq=16, vocab=512)
+    prog = partition(spec, model, batch, {"batch": 8},
+                     [T.mixed_precision(torch.bfloat16), T.data_parallel("batch"), T.zero(3, "batch")])
+    facts = ProgramFacts(prog.graph, prog.mesh, HW, prog.captured)
+    est = facts.estimate({a: prog.prop.axis_arrays(a) for a in prog.mesh.axes})
+    sim = prog.simulate(HW)
+    grads = 4 * sum(p.numel() for p in model.parameters())     # fp32 gradients, whole, before their reduction
+    assert sim.peak_memory_bytes > grads
+    assert abs(est.peak_bytes - sim.peak_memory_bytes) <= 0.15 * sim.peak_memory_bytes, (est.peak_bytes,
+                                                                                           sim.peak_memory_bytes)
 
 
 # -- composition: a manual seed before, manual tactics after -------------------------------------------------------

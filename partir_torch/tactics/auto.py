@@ -15,9 +15,11 @@ build on it. The search (PartIR's automatic tactics, TOAST's decision space):
 2. Every candidate (a compatible set of actions per axis; several axes: their product) is scored by the fast
    estimate (sim/estimate.py: local FLOPs from sharded shapes, the reshards lowering would insert, liveness memory),
    in a seeded order until the estimate budget is spent; candidates over the memory limit rank after all others.
-3. The best few by estimate, and always the best preset-only candidate, are replayed on a copy of the decisions,
-   lowered and simulated in full; the fastest within the memory limit wins (none within it: the one with the least
-   peak memory). The report gives the Spearman rank correlation of estimate and simulation over those.
+3. The best few by estimate, and always the two best pure preset combinations (presets and completions, no class
+   choice), are replayed on a copy of the decisions, lowered and simulated in full; the fastest within the memory
+   limit wins (none within it: the one with the least peak memory), so the plan is never slower in the simulator
+   than the pure preset combinations it lowered. The report gives the Spearman rank correlation of estimate and
+   simulation over those.
 4. The winner is replayed on the real decisions: an ordinary stage, whose provenance names this tactic, and
    explain() names the action.
 """
@@ -113,8 +115,9 @@ class SearchReport:
 @dataclass(frozen=True)
 class AutomaticPartition:
     """Decide `axes` by search (see the module docstring). hardware: a pt.sim.hardware(...); memory_limit: bytes
-    per device (default: the chip's HBM); budget_s: wall seconds for the search (the estimate gets about a third,
-    lowering the best candidates the rest; at least the best candidate and the best preset-only one are lowered);
+    per device (default: the chip's HBM); budget_s: wall seconds for the search (the estimates get about a sixth,
+    lowering the best candidates most of the rest; the best estimate and the two best pure preset combinations are
+    always lowered);
     seed: the order candidates are sampled in when there are more than the budget allows. The budget is turned into
     counts of candidates (see _counts), so a seed gives one plan whatever the machine's load."""
 
@@ -167,7 +170,7 @@ class AutomaticPartition:
             scored = self._estimates(ctx, facts, spaces, n_est, report, bar, t_start)
             t_est = time.perf_counter()
             report.seconds["estimate"] = t_est - t_space
-            # 3. lower and simulate the best few (always the best preset-only candidate too)
+            # 3. lower and simulate the best few (always the best pure preset combinations too)
             lowered = self._lower_best(ctx, scored, limit, n_low, report, bar, t_start)
             report.seconds["lower+simulate"] = time.perf_counter() - t_est
         finally:
@@ -199,7 +202,8 @@ class AutomaticPartition:
 
     def _estimates(self, ctx, facts, spaces: dict, n_est: int, report: SearchReport, bar, t_start: float) -> list:
         """2. The fast estimate of up to n_est candidates: the all-replicated one, then every combination of presets
-        (macro-actions), then the rest in an order drawn from the seed. Returns the scored Candidates."""
+        (macro-actions; fewest actions first), then the rest in an order drawn from the seed. Returns the scored
+        Candidates."""
         per_axis = {axis: axis_candidates(spaces[axis]) for axis in self.axes}
         base = {a: ctx.axis_arrays(a) for a in ctx.mesh.axes}
         unions = {axis: [union(spaces[axis].actions, c, *base[axis]) for c in per_axis[axis]]
@@ -208,7 +212,8 @@ class AutomaticPartition:
         report.space = len(combos)
         is_preset = lambda combo: all(spaces[a].actions[j].kind != "class"  # noqa: E731
                                       for a, i in zip(self.axes, combo) for j in per_axis[a][i])
-        first = [c for c in combos if is_preset(c)]
+        size = lambda combo: sum(len(per_axis[a][i]) for a, i in zip(self.axes, combo))  # noqa: E731
+        first = sorted((c for c in combos if is_preset(c)), key=size)
         rest = [c for c in combos if not is_preset(c)]
         order = first + random.Random(self.seed).sample(rest, len(rest))
         order = order[:n_est]
@@ -236,25 +241,20 @@ class AutomaticPartition:
 
     def _lower_best(self, ctx, scored: list, limit: float, n_low: int, report: SearchReport, bar,
                     t_start: float) -> list:
-        """3. Lower and simulate the best n_low by estimate (always the best preset-only candidate too)."""
-        margin = 0.9 * limit               # the estimate leaves out some temporaries
-        key = lambda c: (c.est_peak > margin, _score(c, c.est_step_s) if c.est_peak <= margin  # noqa: E731
-                         else c.est_peak)
-        ranked = sorted(scored, key=key)
-        queue = ranked[:1]
-        best_preset = next((c for c in ranked if c.preset_only), None)
-        if best_preset is not None and best_preset not in queue:
-            queue.append(best_preset)
-        queue += [c for c in ranked[1:] if c not in queue]
-        queue = queue[:n_low]
+        """3. Lower and simulate the best n_low by estimate and, always, the best estimate and the PURE_LOWERED best
+        pure preset combinations (presets and completions only, see _rank): the plan chosen is then never slower in
+        the simulator than those."""
+        ranked = sorted(scored, key=lambda c: _rank(c, limit))
+        pure = sorted((c for c in scored if c.preset_only), key=lambda c: _rank(c, limit, completions=True))
+        must = list(dict.fromkeys(ranked[:1] + pure[:self.PURE_LOWERED]))
+        queue = (must + [c for c in ranked if c not in must])[:max(n_low, len(must))]
         bar.reset(total=len(queue))
         bar.set_description(f"{self.name} {'+'.join(self.axes)}: lowering")
         lowered = []
-        must = 2                                   # the best estimate, and the best preset-only one or the next
         last = 0.0
         for c in queue:
             now = time.perf_counter()
-            if len(lowered) >= must and now + last > t_start + self.budget_s:
+            if len(lowered) >= len(must) and now + last > t_start + self.budget_s:
                 report.cut_by_time = True
                 break
             c.sim, c.low = self._simulate(ctx, c.actions)
@@ -284,6 +284,9 @@ class AutomaticPartition:
         out = [("data_parallel", "preset", (data_parallel(axis, name=n),)),
                ("megatron", "preset", (megatron(axis, name=n),)),
                ("megatron + sequence_parallel", "preset", (megatron(axis, name=n), sequence_parallel(axis, name=n))),
+               # the embedding tables tiled on the vocabulary too (its gradient is the size of the table)
+               ("megatron(vocab) + sequence_parallel", "preset",
+                (megatron(axis, name=n, vocab=True), sequence_parallel(axis, name=n))),
                ("expert_parallel", "preset", (expert_parallel(axis, name=n),)),
                ("zero(3)", "zero", (zero(3, axis, name=n),))]
         if ctx.captured.fopt is not None:
@@ -293,13 +296,14 @@ class AutomaticPartition:
     # seconds per value of the captured graph, measured on a 2-core machine (benchmarks/auto.py): one fast estimate,
     # and one lowering + local shapes + simulation. The budget is turned into counts with them, so that the search
     # is deterministic for a seed (a wall-clock cut-off would depend on the machine's load).
-    EST_S_PER_VALUE = 1.5e-6
+    EST_S_PER_VALUE = 4.0e-7
     LOWER_S_PER_VALUE = 4.0e-4
+    PURE_LOWERED = 2          # pure preset combinations always lowered, with the best estimate (see _lower_best)
 
     def _counts(self, n_values: int) -> tuple:
-        """(candidates to estimate, candidates to lower) within budget_s: a quarter of it for the estimates, 60%
-        for lowering (at least two: the best estimate and the best preset-only candidate, or the second best)."""
-        n_est = max(1, int(0.25 * self.budget_s / (self.EST_S_PER_VALUE * n_values)))
+        """(candidates to estimate, candidates to lower) within budget_s: 15% of it for the estimates, 60% for
+        lowering (at least two; _lower_best adds the best pure preset combinations beyond them)."""
+        n_est = max(1, int(0.15 * self.budget_s / (self.EST_S_PER_VALUE * n_values)))
         n_low = int(0.6 * self.budget_s / (self.LOWER_S_PER_VALUE * n_values))
         return n_est, max(2, min(self.max_lowered, n_low))
 
@@ -367,6 +371,18 @@ def _score(c: Candidate, step_s: float) -> float:
     """Step time, with 0.3% added per class action: of two plans within the simulator's error, the one built from
     presets and fewer choices (a layer norm's weight tiled alone saves a few bytes and adds a reshard)."""
     return step_s * (1.0 + 0.003 * sum(a.kind == "class" for a in c.actions))
+
+
+def _rank(c: Candidate, limit: float, completions: bool = False) -> tuple:
+    """Lowering order: candidates the estimate puts within 90% of the limit (it leaves out some temporaries) by
+    _score, the others by estimated peak. completions=True (pure preset combinations): 0.3% more per completion,
+    so of near ties the plainer recipe is lowered first (a zero(3) on an axis whose preset already shards the large
+    weights moves little and adds gathers the estimate resolves to a fraction of a percent)."""
+    margin = 0.9 * limit
+    if c.est_peak > margin:
+        return (True, c.est_peak)
+    n = sum(a.kind == "zero" for a in c.actions) if completions else 0
+    return (False, _score(c, c.est_step_s) * (1.0 + 0.003 * n))
 
 
 def _spearman(x, y) -> float | None:
