@@ -143,3 +143,15 @@ def test_unknown_kind_and_axis():
         collective_time(hardware("h100"), "allreduce", 1, Mesh({"tp": 8}), "tp")
     with pytest.raises(PartitionError, match="tp"):
         collective_time(hardware("h100"), "all_reduce", 1, Mesh({"tp": 8}), "mp")
+
+
+def test_nvls_small_messages_use_the_low_latency_regime():
+    """8xH200 nccl-tests (Azure guide): 4 MiB reaches 138 GB/s bus bandwidth, 16 MiB 240 GB/s, 1 GiB 468 GB/s."""
+    hw, m = hardware("h200"), Mesh({"dp": 8})
+    busbw = {s: 2 * 7 / 8 * s / collective_time(hw, "all_reduce", s, m, "dp") / 1e9
+             for s in (4 * 2 ** 20, 16 * 2 ** 20, GiB)}
+    assert busbw[4 * 2 ** 20] == pytest.approx(138.4, rel=0.05)
+    assert busbw[16 * 2 ** 20] == pytest.approx(240.4, rel=0.05)
+    assert busbw[GiB] == pytest.approx(467.6, rel=0.05)
+    assert estimate(hw, "all_reduce", 4 * 2 ** 20, m, "dp").protocol == "Simple/few-channels"
+    assert estimate(hw, "all_reduce", GiB, m, "dp").protocol == "Simple"

@@ -75,3 +75,13 @@ def test_views_and_metadata_are_free():
         assert op_class(op)[0] == COMPUTE, op
     assert op_class(torch.ops._c10d_functional.all_reduce.default) == (2, "all_reduce")
     assert op_class(aten.empty.memory_format) == (FREE, "alloc")            # no kernel, but holds memory
+
+
+def test_a_step_runs_flop_bound_kernels_at_the_sustained_clock():
+    hw = hardware("h100")
+    slow = hardware("h100", sustained_clock=0.8)
+    flops, t, _ = _cost(hw, _gemm(8192, torch.bfloat16))
+    t_slow = _cost(slow, _gemm(8192, torch.bfloat16))[1]
+    assert t_slow - hw.mm_half_time_s == pytest.approx((t - hw.mm_half_time_s) / 0.8)
+    add = lambda b: b.call(aten.add.Tensor, b.input("x", (1 << 26,)), b.input("y", (1 << 26,)))   # noqa: E731
+    assert _cost(slow, add)[1] == _cost(hw, add)[1]                      # memory-bound kernels keep their time

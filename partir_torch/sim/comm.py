@@ -142,6 +142,8 @@ def _gpu_candidates(hw: Hardware, kind: str, S: float, n: int, nodes: int, per_n
     if kind == ALL_REDUCE and hw.nvls and nodes == 1:
         # NVLS (NCCL >= 2.17): multimem ld_reduce + st through the switch; each GPU sends and receives ~S once.
         cands.append(CommEstimate(hw.nvls_latency_s + S / (hw.nvls_efficiency * hw.nvlink_bw), "nvls", "Simple"))
+        cands.append(CommEstimate(hw.nvls_small_latency_s + S / (hw.nvls_small_efficiency * hw.nvlink_bw), "nvls",
+                                  "Simple/few-channels"))
     if nodes > 1 and kind == ALL_REDUCE:
         # Tree (NCCL tuning.cc): chain inside a node, double binary tree across nodes; each node's NICs carry
         # ~2S per direction (S reduced up + S broadcast down), spread over its per_node NICs.

@@ -180,7 +180,8 @@ class CostModel:
         if flops <= 0:
             return 0, t_mem, None
         dtype = dtype or torch.float32
-        t = kernel_time(hw, flops, total, dtype, _is_attention(node.target))
+        # a step runs at the clock the chip sustains (hw.sustained_clock), kernel benchmarks at their own
+        t = kernel_time(hw, flops / hw.sustained_clock, total, dtype, _is_attention(node.target))
         return flops, t, str(dtype).replace("torch.", "")
 
 

@@ -53,10 +53,19 @@ class Hardware:
     # ~1,380 of 1,979 TFLOP/s (Azure AI-benchmarking-guide); 0 = same as mm_efficiency
     fp8_efficiency: float = 0.0
     # fused attention kernels (FlashAttention-2) reach a smaller fraction of peak than GEMMs: ~50-73% on A100
-    # (Dao 2023, FlashAttention-2, fig. 5-7), ~35-40% on H100 (Shah et al. 2024, FlashAttention-3, fig. 6)
+    # (Dao 2023, FlashAttention-2, fig. 5-7), ~35-40% on H100 (Shah et al. 2024, FlashAttention-3, fig. 6; 33% in the
+    # 8xH200 calibration row)
     attn_efficiency: float = 0.6
     hbm_efficiency: float = 0.90       # large-copy fraction of HBM bandwidth (meas 79-93%, Azure guide)
     kernel_overhead_s: float = 2e-6    # per memory-bound kernel (launch + tail); assumed
+    # compute time lost per second of compute that runs while a collective is in flight: NCCL kernels occupy SMs
+    # and both sides stream through HBM (Rashidi et al., ISCA'21; arXiv 2512.10236 measures the contention
+    # slowdown of overlapped GEMMs); fit (benchmarks/sim_validation.py)
+    overlap_slowdown: float = 0.0
+    # FLOP rate a chip sustains through a training step, relative to the short kernel benchmarks its efficiencies
+    # come from (a step holds the chip at its power limit, which lowers the tensor-core clock; torchtitan's H100s
+    # at 500 W are a documented case); fit (benchmarks/sim_validation.py)
+    sustained_clock: float = 1.0
     # --- GPU system ---------------------------------------------------------------------------------------------
     nodes: int = 1
     gpus_per_node: int = 8
@@ -65,6 +74,10 @@ class Hardware:
     nvls: bool = False                 # NVLink SHARP (NVSwitch in-switch reduction), H100 and later
     nvls_efficiency: float = 0.61      # NVLS all-reduce algbw / nvlink_bw (fit: 480 GB/s busbw on 8xH100/H200)
     nvls_latency_s: float = 60e-6      # NVLS all-reduce fixed cost (fit to 8xH200 nccl-tests, 16 MiB-8 GiB)
+    # small messages: NCCL runs NVLS on fewer channels (its tuner scales channels with the size): a lower fixed cost
+    # and a lower bandwidth; fit to 8xH200 nccl-tests at 4-16 MiB
+    nvls_small_latency_s: float = 30e-6
+    nvls_small_efficiency: float = 0.405
     nic_bw: float = 0.0                # per GPU (one NIC per GPU), one direction
     nic_efficiency: float = 0.94       # NCCL reaches ~46-48 of 50 GB/s per NDR NIC (nccl-tests #290)
     ib_sharp: bool = False             # in-network reduction on the IB fabric (SHARP), used by NVLS-tree
@@ -171,8 +184,8 @@ def _tpu(name, gen, bf16, hbm, hbm_gbs, ici_gbs, dcn_gbs, topology):
 PRESETS = {
     "a100-40g": _gpu("a100-40g", 312, 19.5, 156, 312, 40, 1555, 300, 25, 0.869, 0.775, False),
     "a100-80g": _gpu("a100-80g", 312, 19.5, 156, 312, 80, 2039, 300, 25, 0.869, 0.775, False),
-    "h100": _gpu("h100", 989, 66.9, 494.5, 1979, 80, 3350, 450, 50, 0.803, 0.822, True, attn_eff=0.4, fp8_eff=0.70),
-    "h200": _gpu("h200", 989, 67, 494.5, 1979, 141, 4800, 450, 50, 0.803, 0.822, True, attn_eff=0.4, fp8_eff=0.70),
+    "h100": _gpu("h100", 989, 66.9, 494.5, 1979, 80, 3350, 450, 50, 0.803, 0.822, True, attn_eff=0.34, fp8_eff=0.70),
+    "h200": _gpu("h200", 989, 67, 494.5, 1979, 141, 4800, 450, 50, 0.803, 0.822, True, attn_eff=0.34, fp8_eff=0.70),
     "b200": _gpu("b200", 2250, 80, 1125, 4500, 180, 8000, 900, 50, 0.776, 0.822, True, attn_eff=0.4),
     # TPUs: Google Cloud TPU docs. ICI per link one-way; DCN per chip (v4: 25 GB/s per 4-chip host).
     "tpu-v4": _tpu("tpu-v4", "v4", 275, 32 * GiB, 1200, 45, 25 / 4, (2, 2, 1)),

@@ -1,12 +1,7 @@
 """Simulate one step of a per-device program: a compute stream and one communication stream per mesh axis.
 
-Compute nodes run one after another in program order on the compute stream. Collectives over one mesh axis run one
-after another on that axis's stream (NCCL runs each communicator on its own stream, so collectives of different
-axes, e.g. tensor-parallel activations and data-parallel gradients, proceed concurrently; that they then share
-links is not modelled). A collective is issued on its stream when its input is ready and the stream is free
-(``issue="ready"``), or when the compute stream reaches it in program order (``issue="program"``, what eager CUDA
-does: ProcessGroupNCCL makes the comm stream wait for all work enqueued before the call). Compute runs on until a
-``wait_tensor`` needs the result; the time it then waits is exposed communication.
+The timeline (compute in program order, one stream per mesh axis, and when each collective is issued: ``"ready"``,
+``"program"`` or ``"prefetch"``) is described in :mod:`.timeline`; the memory sweep in :mod:`.memory`.
 
 >>> report = simulate_graph(gm, pt.Mesh({"dp": 8}), hardware("h100"))      # doctest: +SKIP
 >>> print(report.table())                                                   # doctest: +SKIP
@@ -18,13 +13,13 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..errors import PartitionError
-from ..lower.records import META_COLLECTIVE
-from .comm import check_mesh, estimate
-from .compute import COLLECTIVE, COMPUTE, FREE, CostModel, op_class, val_facts
+from .comm import check_mesh
+from .compute import CostModel, op_class, val_facts
 from .confidence import closest_family, strategy_of
 from .hardware import Hardware
 from .memory import analyze_memory
-from .report import CollectiveTiming, SimReport
+from .report import SimReport
+from .timeline import ISSUE, Timeline
 
 
 @lru_cache(maxsize=16)
@@ -33,25 +28,30 @@ def _cost_model(hw: Hardware) -> CostModel:
 
 
 def simulate_graph(gm, mesh, hw: Hardware, axis_map=None, stage_name: str = "", exclude_flops=None,
-                   issue: str = "ready") -> SimReport:
+                   issue: str = "ready", prefetch: int = 1) -> SimReport:
     """Predict step time, memory and communication of the per-device program ``gm`` on ``mesh`` laid on ``hw``.
 
     ``exclude_flops``: node names whose FLOPs are not model FLOPs (rematerialised recompute); they still take time.
     ``axis_map``: TPU only, mesh axis -> torus dims, e.g. ``{"model": ("z",), "data": ("x", "y")}``.
+    ``issue``: when a collective starts ("ready", "program" or "prefetch", see :mod:`.timeline`); ``prefetch``: how
+    many state gathers per axis a "prefetch" runtime keeps in flight ahead of the one in use.
     """
-    if issue not in ("ready", "program"):
-        raise PartitionError(f"simulate_graph: issue must be 'ready' or 'program', got {issue!r}.")
+    if issue not in ISSUE:
+        raise PartitionError(f"simulate_graph: issue must be one of {', '.join(map(repr, ISSUE))}, got {issue!r}.")
+    if not isinstance(prefetch, int) or prefetch < 1:
+        raise PartitionError(f"simulate_graph: prefetch must be an int >= 1 (gathers in flight ahead of the one "
+                             f"in use), got {prefetch!r}.")
     check_mesh(hw, mesh)
     enabled = gc.isenabled()
     gc.disable()                          # the passes allocate many small objects; collector passes cost ~2x
     try:
-        return _simulate(gm, mesh, hw, axis_map, stage_name, set(exclude_flops or ()), issue)
+        return _simulate(gm, mesh, hw, axis_map, stage_name, set(exclude_flops or ()), issue, prefetch)
     finally:
         if enabled:
             gc.enable()
 
 
-def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue) -> SimReport:
+def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue, prefetch) -> SimReport:
     # what does not depend on the hardware (per-node facts, buffer liveness) is read once per program, so a search
     # over hardware, axis mappings or issue policies re-simulates a program for the cost of its timeline only
     cached = getattr(gm, "_partir_sim_facts", None)
@@ -61,9 +61,10 @@ def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue) -> SimReport:
         cached = (len(nodes), nodes, facts, analyze_memory(nodes, facts.elems, facts.inputs, facts.classes))
         gm._partir_sim_facts = cached
     _, nodes, facts, mem = cached
-    line = _Timeline(hw, mesh, axis_map, facts, exclude, issue)
+    line = Timeline(hw, mesh, axis_map, facts, exclude, issue, _cost_model(hw), prefetch)
     for node in nodes:
         line.step(node)
+    line.finish()
     notes = line.notes
     t_m = max(line.t_m.values(), default=0.0)
     step = max(line.t_c, t_m)
@@ -94,6 +95,7 @@ class _Facts:
     nbytes: dict = field(default_factory=dict)
     inputs: dict = field(default_factory=dict)
     classes: dict = field(default_factory=dict)
+    prep: tuple | None = None      # timeline.prep_chains, read when a "prefetch" timeline first needs it
 
 
 def _scan(nodes) -> _Facts:
@@ -109,96 +111,3 @@ def _scan(nodes) -> _Facts:
     return f
 
 
-class _Timeline:
-    """The streams. t_c: compute stream clock; t_m: comm stream clock per mesh axis; done: when each value is
-    ready."""
-
-    def __init__(self, hw, mesh, axis_map, facts, exclude, issue):
-        self.hw, self.mesh, self.axis_map, self.f, self.exclude, self.issue = hw, mesh, axis_map, facts, exclude, issue
-        self.cm = _cost_model(hw)
-        self.comm_cache: dict = {}
-        self.done: dict = {}
-        self.coll_end: dict = {}          # collective node -> (end time, index in timings)
-        self.timings: list = []
-        self.trace: list = []
-        self.notes: list = []
-        self.flops_by_dtype: dict = {}
-        self.t_m: dict = {}
-        self.t_c = self.compute_s = self.comm_s = self.exposed = 0.0
-        self.model_flops = 0
-
-    def step(self, node):
-        if node.op != "call_function":
-            self.done[node] = 0.0
-            return
-        cls, info = self.f.classes[node]
-        if cls == COMPUTE:
-            self.compute(node, info)
-        elif cls == FREE:                 # a view is ready when its base is
-            self.done[node] = max([self.done[a] for a in self.f.inputs[node]], default=0.0)
-        elif cls == COLLECTIVE:
-            self.collective(node, info)
-        else:
-            self.wait(node)
-
-    def compute(self, node, formula):
-        flops, dt, dtype = self.cm.cost(node, node.target, formula, self.f.sigs, self.f.nbytes)
-        self.trace.append((0, node.name, self.t_c, dt))
-        self.t_c += dt
-        self.compute_s += dt
-        if flops:
-            self.flops_by_dtype[dtype] = self.flops_by_dtype.get(dtype, 0) + flops
-            if node.name not in self.exclude:
-                self.model_flops += flops
-        self.done[node] = self.t_c
-
-    def collective(self, node, kind):
-        kind, axis, size, rec = _collective_facts(node, kind, self.mesh, self.f.nbytes, self.notes)
-        key = (kind, axis, size)
-        est = self.comm_cache.get(key)
-        if est is None and axis:
-            est = self.comm_cache[key] = estimate(self.hw, kind, size, self.mesh, axis, self.axis_map)
-        t = est.time_s if est else 0.0
-        if self.issue == "ready":         # as soon as its input exists and the comm stream is free
-            ready = max([self.done[a] for a in self.f.inputs[node]], default=0.0)
-        else:                             # when the compute stream reaches it
-            ready = self.t_c
-        start = max(ready, self.t_m.get(axis, 0.0))
-        end = self.t_m[axis] = start + t
-        self.comm_s += t
-        self.trace.append((1, f"{kind}[{axis}] {node.name}", start, t))
-        self.coll_end[node] = (end, len(self.timings))
-        self.timings.append(CollectiveTiming(
-            kind, axis or "?", getattr(rec, "group_size", 0), int(size), getattr(rec, "dtype", ""),
-            getattr(rec, "tactic", ""), getattr(rec, "value", ""), node.name, t,
-            est.tactic if est else "unknown", start, end, 0.0))
-        self.done[node] = end
-
-    def wait(self, node):
-        end, idx = self.coll_end.get(node.args[0] if node.args else None, (0.0, -1))
-        if end > self.t_c:                # compute stalls: exposed communication
-            self.exposed += end - self.t_c
-            self.timings[idx].exposed_s += end - self.t_c
-            self.t_c = end
-        self.done[node] = self.t_c
-
-
-def _collective_facts(node, kind, mesh, nbytes, notes) -> tuple:
-    """(kind, axis, full bytes, record) from the lowering record, or inferred when the record is missing."""
-    rec = node.meta.get(META_COLLECTIVE)
-    if rec is not None:
-        if rec.axis in mesh.shape and rec.group_size != mesh.axis_size(rec.axis):
-            notes.append(f"{node.name}: record says group size {rec.group_size} but mesh axis {rec.axis!r} has "
-                         f"size {mesh.axis_size(rec.axis)}; costed with the mesh axis.")
-        return rec.kind, rec.axis, rec.nbytes, rec
-    inp = node.all_input_nodes[0] if node.all_input_nodes else None
-    size = nbytes.get(node, 0) if kind in ("all_reduce", "all_gather") else nbytes.get(inp, 0)
-    axes = list(mesh.axes)
-    if len(axes) > 1:
-        group = next((a for a in node.args if isinstance(a, int) and not isinstance(a, bool)), None)
-        axes = [a for a in axes if mesh.axis_size(a) == group] if group else []
-    if len(axes) == 1:
-        return kind, axes[0], size, None
-    notes.append(f"{node.name}: {kind} has no {META_COLLECTIVE!r} record and its mesh axis is ambiguous; "
-                 f"costed as free.")
-    return kind, None, size, None
