@@ -95,6 +95,12 @@ def simulate_last(prog, hw):
     return simulate_graph(low.gm, prog.mesh, hw)
 
 
+def breakdown(rep) -> str:
+    """The simulator's memory at the peak by category (sim/memory.py), largest first."""
+    parts = sorted(rep.memory_breakdown.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in parts if v >= 0.05e9)
+
+
 def main(names) -> None:
     warnings.simplefilter("ignore")
     hw = pt.sim.hardware("h100", nodes=8)
@@ -129,6 +135,7 @@ def main(names) -> None:
         print(f"  expert {expert_name}: step {erep.step_time_s * 1e3:.1f} ms, peak "
               f"{erep.peak_memory_bytes / 1e9:.1f} GB (partition + lowering + simulation "
               f"{time.perf_counter() - t0:.1f} s)", flush=True)
+        print(f"    memory at the peak: {breakdown(erep)}", flush=True)
         # the schedule-1 reference with the same fixed prefix as the search (no ZeRO on "batch")
         if expert_name.endswith("MP+SP[model]"):
             same = [T.data_parallel("batch"), T.megatron("model"), T.sequence_parallel("model")]
@@ -160,6 +167,7 @@ def main(names) -> None:
                 rows.append(row)
                 pairs += [(x.est_step_s, x.sim.step_time_s) for x in rep.lowered]
                 print("  " + " | ".join(str(x) for x in row), flush=True)
+                print(f"    memory at the peak: {breakdown(r)}", flush=True)
                 print("    " + rep.table(top=4).replace("\n", "\n    "), flush=True)
     from tabulate import tabulate
 

@@ -26,6 +26,7 @@ build on it. The search (PartIR's automatic tactics, TOAST's decision space):
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import sys
 import time
@@ -206,17 +207,15 @@ class AutomaticPartition:
         Candidates."""
         per_axis = {axis: axis_candidates(spaces[axis]) for axis in self.axes}
         base = {a: ctx.axis_arrays(a) for a in ctx.mesh.axes}
-        unions = {axis: [union(spaces[axis].actions, c, *base[axis]) for c in per_axis[axis]]
-                  for axis in self.axes}
-        combos = list(itertools.product(*[range(len(per_axis[a])) for a in self.axes]))
-        report.space = len(combos)
-        is_preset = lambda combo: all(spaces[a].actions[j].kind != "class"  # noqa: E731
-                                      for a, i in zip(self.axes, combo) for j in per_axis[a][i])
-        size = lambda combo: sum(len(per_axis[a][i]) for a, i in zip(self.axes, combo))  # noqa: E731
-        first = sorted((c for c in combos if is_preset(c)), key=size)
-        rest = [c for c in combos if not is_preset(c)]
-        order = first + random.Random(self.seed).sample(rest, len(rest))
-        order = order[:n_est]
+        unions: dict = {}                                  # (axis, candidate) -> its decisions, when first needed
+
+        def decisions(axis, i):
+            if (axis, i) not in unions:
+                unions[(axis, i)] = union(spaces[axis].actions, per_axis[axis][i], *base[axis])
+            return unions[(axis, i)]
+
+        report.space = math.prod(len(per_axis[a]) for a in self.axes)
+        order = self._candidate_order(per_axis, spaces, n_est)
         bar.reset(total=len(order))
         bar.set_description(f"{self.name} {'+'.join(self.axes)}: estimating")
         scored = []
@@ -225,12 +224,12 @@ class AutomaticPartition:
             if time.perf_counter() > cap and scored:
                 report.cut_by_time = True
                 break
-            if not self._divisible(facts, ctx.mesh, [unions[a][i][0] for a, i in zip(self.axes, combo)]):
+            if not self._divisible(facts, ctx.mesh, [decisions(a, i)[0] for a, i in zip(self.axes, combo)]):
                 bar.update(1)
                 continue
             dec = dict(base)
             for axis, i in zip(self.axes, combo):
-                dec[axis] = unions[axis][i]
+                dec[axis] = decisions(axis, i)
             est = facts.estimate(dec)
             acts = tuple(spaces[a].actions[j] for a, i in zip(self.axes, combo) for j in per_axis[a][i])
             scored.append(Candidate(acts, est.step_s, est.peak_bytes,
@@ -238,6 +237,29 @@ class AutomaticPartition:
             bar.update(1)
         report.evaluated = len(scored)
         return scored
+
+    def _candidate_order(self, per_axis: dict, spaces: dict, n_est: int) -> list:
+        """Up to n_est candidates (one index per axis into per_axis): every pure preset combination, fewest actions
+        first (the all-replicated one leads), then the others in an order drawn from the seed (sampled from the
+        space's indices, so a space of millions is never listed)."""
+        pure = [[i for i, c in enumerate(per_axis[a]) if all(spaces[a].actions[j].kind != "class" for j in c)]
+                for a in self.axes]
+        size = lambda combo: sum(len(per_axis[a][i]) for a, i in zip(self.axes, combo))  # noqa: E731
+        order = sorted(itertools.product(*pure), key=size)[:n_est]
+        sizes = [len(per_axis[a]) for a in self.axes]
+        total, n_pure = math.prod(sizes), math.prod(len(p) for p in pure)
+        pure_sets = [set(p) for p in pure]
+        for flat in random.Random(self.seed).sample(range(total), min(total, n_est - len(order) + n_pure)):
+            if len(order) >= n_est:
+                break
+            combo = []
+            for n in reversed(sizes):                  # itertools.product's order: the last axis varies fastest
+                flat, i = divmod(flat, n)
+                combo.append(i)
+            combo = tuple(reversed(combo))
+            if not all(i in ps for i, ps in zip(combo, pure_sets)):
+                order.append(combo)
+        return order
 
     def _lower_best(self, ctx, scored: list, limit: float, n_low: int, report: SearchReport, bar,
                     t_start: float) -> list:
@@ -293,11 +315,12 @@ class AutomaticPartition:
             out.append(("zero(1)", "zero", (zero(1, axis, name=n),)))
         return out
 
-    # seconds per value of the captured graph, measured on a 2-core machine (benchmarks/auto.py): one fast estimate,
-    # and one lowering + local shapes + simulation. The budget is turned into counts with them, so that the search
-    # is deterministic for a seed (a wall-clock cut-off would depend on the machine's load).
-    EST_S_PER_VALUE = 4.0e-7
-    LOWER_S_PER_VALUE = 4.0e-4
+    # seconds per value of the captured graph, measured on a 2-core machine (benchmarks/auto.py; the MoE's are the
+    # dearest per value: 6.5e-7 s per estimate, 5.5e-4 s per lowering): one fast estimate, and one lowering + local
+    # shapes + simulation. The budget is turned into counts with them, so that the search is deterministic for a
+    # seed (a wall-clock cut-off would depend on the machine's load).
+    EST_S_PER_VALUE = 6.0e-7
+    LOWER_S_PER_VALUE = 5.0e-4
     PURE_LOWERED = 2          # pure preset combinations always lowered, with the best estimate (see _lower_best)
 
     def _counts(self, n_values: int) -> tuple:
