@@ -144,6 +144,13 @@ def _foundry(size, chip, preset, n, seq, mb, strategy, tok_s, ac=False, hw=None)
 
 
 _GPU_NODES = lambda n: {"nodes": n // 8} if n > 8 else {}          # noqa: E731
+# torchtitan's H100s (Grand Teton): 96GB HBM2e at 2.4 TB/s, run at the default 500 W power limit; "the actual peak
+# TFLOPs number is between SXM and NVL" (989 and 835 dense bf16 TFLOP/s; llama3_h100_202412_torchtitan.md): the
+# midpoint.
+_TITAN_H100 = {"hbm_bw": 2.4e12, "hbm_bytes": 96e9, "peak_bf16": (989 + 835) / 2 * 1e12}
+# Google Cloud A3 High (a3-highgpu-8g): 1,000 Gbps per VM, of which four 200 Gbps NICs carry GPU-to-GPU traffic
+# (GPUDirect-TCPX), i.e. 100 GB/s per 8 GPUs (Google Cloud docs, "Networking and GPU machines").
+_A3_NIC = {"nic_bw": 800e9 / 8 / 8}
 
 TRAINING = [
     # --- llm-foundry, A100 40GB, 1600 Gb/s RoCE per node (8 x 200 Gb/s): GradAccum 1 rows
@@ -177,23 +184,23 @@ TRAINING = [
                          batch=192 // 48, schedule="zero1" if tp == 1 else "tp+zero1", remat=False, flops="megatron"))
       for size, h, d, L, tp, tflops in [("1.7B", 16, 2048, 24, 1, 408.8), ("7.1B", 32, 4096, 30, 2, 465.9),
                                         ("16B", 48, 6144, 32, 4, 489.1), ("32B", 56, 7168, 48, 8, 459.6)]],
-    # --- torchtitan async-TP benchmark, vanilla TP rows (bf16), H100 96GB HBM2e (2.4 TB/s, 500 W)
+    # --- torchtitan async-TP benchmark, vanilla TP rows (bf16), H100 96GB HBM2e (2.4 TB/s, 500 W): _TITAN_H100
     Ref("Llama-3-8B h100 FSDP8 TP8", "training", "h100", "fsdp+tp", 4378, "tokens/s/device", TITAN_H100,
         dict(model=dict(vocab=128256, seq=8192, d=4096, heads=32, kv_heads=8, layers=32, hidden=14336, gated=True,
                         tied=False),
-             preset="h100", hw={"nodes": 8, "hbm_bw": 2.4e12, "hbm_bytes": 96e9}, mesh={"dp": 8, "tp": 8},
+             preset="h100", hw={"nodes": 8, **_TITAN_H100}, mesh={"dp": 8, "tp": 8},
              batch=12, schedule="fsdp+tp", remat=True)),
     Ref("Llama-3-70B h100 FSDP32 TP8", "training", "h100", "fsdp+tp", 597.3, "tokens/s/device", TITAN_H100,
         dict(model=dict(vocab=128256, seq=8192, d=8192, heads=64, kv_heads=8, layers=80, hidden=28672,
                         gated=True, tied=False),
-             preset="h100", hw={"nodes": 32, "hbm_bw": 2.4e12, "hbm_bytes": 96e9}, mesh={"dp": 32, "tp": 8},
+             preset="h100", hw={"nodes": 32, **_TITAN_H100}, mesh={"dp": 32, "tp": 8},
              batch=16, schedule="fsdp+tp", remat=True)),
     # --- torchtitan Llama 3.1 8B, FSDP on 8 / 128 H100 (96GB HBM2e), local batch 2, seq 8192; peak memory
     #     (max reserved) as published. Selective (per-op) AC is modelled as no AC.
     *[Ref(f"Llama-3.1-8B h100 x{n} FSDP", "training", "h100", "fsdp", tps, "tokens/s/device", TITAN_H100_MEM,
           dict(model=dict(vocab=128256, seq=8192, d=4096, heads=32, kv_heads=8, layers=32, hidden=14336,
                           gated=True, tied=False),
-               preset="h100", hw={"hbm_bw": 2.4e12, "hbm_bytes": 96e9, **_GPU_NODES(n)}, mesh={"dp": n}, batch=2,
+               preset="h100", hw={**_TITAN_H100, **_GPU_NODES(n)}, mesh={"dp": n}, batch=2,
                schedule="fsdp", remat=False), mem_gib=mem)
       for n, tps, mem in [(8, 5762, 82.4), (128, 5605, 67.0)]],
     # --- MaxText on TPU: FSDP over the slice (ICI), data parallel over slices (DCN); bf16 compute, fp32 weights;
@@ -234,7 +241,8 @@ TRAINING = [
     *[Ref(f"MaxText-Llama2-7B h100 {k}xA3", "training", "h100", "fsdp" if k == 1 else "fsdp+dcn", tf,
           "TFLOP/s/device", MAXTEXT_A3,
           dict(model=dict(vocab=32000, seq=4096, d=4096, heads=32, layers=32, hidden=11008, gated=True, tied=False),
-               preset="h100", hw=_GPU_NODES(8 * k), mesh={"dcn": k, "dp": 8} if k > 1 else {"dp": 8}, batch=4,
+               preset="h100", hw={**_GPU_NODES(8 * k), **_A3_NIC}, mesh={"dcn": k, "dp": 8} if k > 1 else {"dp": 8},
+               batch=4,
                schedule="fsdp" if k == 1 else "dcn+fsdp", remat=False, flops="maxtext"))
       for k, tf in [(1, 492), (2, 422), (4, 407), (8, 409), (16, 375)]],
 ]

@@ -2,9 +2,11 @@
 
 1. Every reference row is rebuilt and predicted: collectives through ``sim.estimate``, kernels through the cost
    model's roofline (``sim.compute.kernel_time``), training runs as a model built on ``meta``, partitioned with the
-   run's schedule and simulated (``simulate_graph`` on the final stage's lowered program).
-2. ``fit`` tunes a few physical knobs (``KNOBS``) on the calibration half only; every quoted error comes from rows
-   the fit did not see: the validation half, and leave-one-family-out (refit without the family, then predict it).
+   run's schedule and simulated (``simulate_graph`` on the final stage's lowered program, collectives issued as a
+   prefetching runtime issues them: ``issue="prefetch"``).
+2. ``fit`` tunes a few physical knobs (``KNOBS``) on the calibration half only, the kernel knobs on kernel and
+   collective rows, then the training knobs on training rows; every quoted error comes from rows the fit did not
+   see: the validation half, and leave-one-family-out (refit without the family, then predict it).
 3. Ranking cases (several configurations of one model on one system) report Kendall's tau; rows that publish peak
    memory report its error.
 4. ``--write-confidence`` stores each family's held-out error in ``partir_torch/sim/confidence.py``, which
@@ -37,19 +39,33 @@ from partir_torch.sim import estimate, hardware                           # noqa
 from partir_torch.sim.compute import kernel_time, memory_time             # noqa: E402
 
 DEPTHS = (2, 4)            # shallow depths simulated; deeper runs are extrapolated linearly in the layer count
+# Every training run in the table was measured with a runtime that overlaps communication (FSDP/FSDP2 prefetch,
+# Megatron's --overlap-grad-reduce/--overlap-param-gather, XLA's async collectives): collectives are simulated as
+# such a runtime issues them (sim/timeline.py, "prefetch").
+ISSUE = "prefetch"
 
 # Physical knobs the fit may move, each a Hardware field with the grid it searches (multiplicative on the preset
-# value where "scale", absolute otherwise). They act on every chip alike: the fit learns physics shared across
-# families (how efficient fused attention is relative to its peak, how much of HBM bandwidth memory-bound kernels
-# see, their per-launch overhead), never a per-row constant.
+# value where "scale", absolute otherwise) and the rows that measure it. They act on every chip alike (or, named in
+# KNOB_SCOPE, on every chip of one kind): the fit learns physics shared across families, never a per-row constant.
+# Kernel benchmarks measure the kernel knobs (how efficient fused attention is relative to its peak, how much of HBM
+# bandwidth a copy sees, the small-GEMM fall-off, fp8 GEMM efficiency); training runs then measure what only shows
+# in a whole step with those fixed (the clock a GPU sustains through a step, per-launch overhead, how much a
+# collective in flight slows compute, the TPU MXU's best-shape efficiency, for which no MAMF-style measurement is
+# published).
 KNOBS = {
-    "attn_efficiency": ("scale", (0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3)),
-    "hbm_efficiency": ("abs", (0.70, 0.75, 0.80, 0.85, 0.90, 0.95)),
-    "kernel_overhead_s": ("abs", (1e-6, 2e-6, 4e-6, 8e-6)),
-    "mm_half_time_s": ("scale", (0.4, 0.5, 0.6, 0.8, 1.0)),
-    "fp8_efficiency": ("abs", (0.60, 0.65, 0.70, 0.75, 0.80)),
+    "attn_efficiency": ("scale", (0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3), "kernels"),
+    "hbm_efficiency": ("abs", (0.70, 0.75, 0.80, 0.85, 0.90, 0.95), "kernels"),
+    "mm_half_time_s": ("scale", (0.4, 0.5, 0.6, 0.8, 1.0), "kernels"),
+    "fp8_efficiency": ("abs", (0.60, 0.65, 0.70, 0.75, 0.80), "kernels"),
+    "sustained_clock": ("abs", (0.75, 0.8, 0.85, 0.9, 0.95, 1.0), "training"),
+    "overlap_slowdown": ("abs", (0.0, 0.1, 0.2, 0.3, 0.4, 0.5), "training"),
+    "kernel_overhead_s": ("abs", (1e-6, 2e-6, 4e-6, 8e-6), "training"),
+    "tpu_mm_efficiency": ("abs", (0.80, 0.85, 0.90, 0.95), "training"),
 }
-TRAINING_KNOBS = ("attn_efficiency", "hbm_efficiency", "kernel_overhead_s", "mm_half_time_s")   # bf16 runs
+KNOB_SCOPE = {"tpu_mm_efficiency": ("mm_efficiency", "tpu"),       # knob -> (Hardware field, the kind it acts on)
+              "sustained_clock": ("sustained_clock", "gpu")}
+TRAINING_KNOBS = ("attn_efficiency", "hbm_efficiency", "kernel_overhead_s", "mm_half_time_s", "overlap_slowdown",
+                  "tpu_mm_efficiency", "sustained_clock")             # what bf16 training runs depend on
 
 
 # ----------------------------------------------------------------------------------------------------- programs
@@ -98,9 +114,13 @@ def program(setup: dict, layers: int):
 
 def _hw(setup: dict, knobs: dict):
     base = hardware(setup["preset"], **setup.get("hw", {}))
-    over = {k: (getattr(base, k) * v if KNOBS[k][0] == "scale" else v) for k, v in knobs.items()}
+    over = {}
+    for k, v in knobs.items():
+        field, kind = KNOB_SCOPE.get(k, (k, base.kind))
+        if kind == base.kind:
+            over[field] = getattr(base, field) * v if KNOBS[k][0] == "scale" else v
     if "attn_efficiency" in over:
-        over["attn_efficiency"] = min(over["attn_efficiency"], base.mm_efficiency)
+        over["attn_efficiency"] = min(over["attn_efficiency"], over.get("mm_efficiency", base.mm_efficiency))
     return dataclasses.replace(base, **over)
 
 
@@ -125,7 +145,7 @@ def _extrapolate(setup, hw, what):
     vals = []
     for L in DEPTHS:
         gm, mesh, recompute = program(setup, L)
-        rep = simulate_graph(gm, mesh, hw, exclude_flops=recompute)
+        rep = simulate_graph(gm, mesh, hw, exclude_flops=recompute, issue=ISSUE)
         vals.append(what(rep))
     a, b = DEPTHS
     return vals[0] + (setup["model"]["layers"] - a) * (vals[1] - vals[0]) / (b - a)
@@ -179,12 +199,20 @@ def _loss(rows, knobs, cache) -> float:
 
 
 def fit(rows, cache, passes: int = 2) -> dict:
-    """Coordinate descent over ``KNOBS`` on ``rows``: minimise median + mean/4 of |log(sim/ref)|."""
-    knobs = {k: (1.0 if mode == "scale" else getattr(hardware("h100"), k)) for k, (mode, _) in KNOBS.items()}
+    """Coordinate descent over ``KNOBS`` minimising median + mean/4 of |log(sim/ref)|: the kernel knobs on the
+    kernel and collective rows of ``rows``, then the training knobs on its training rows."""
+    start = {k: getattr(hardware("tpu-v5e" if KNOB_SCOPE.get(k, ("", ""))[1] == "tpu" else "h100"),
+                        KNOB_SCOPE.get(k, (k,))[0]) for k in KNOBS}
+    knobs = {k: (1.0 if mode == "scale" else start[k]) for k, (mode, _, _) in KNOBS.items()}
     knobs = {k: (v if v in KNOBS[k][1] else KNOBS[k][1][len(KNOBS[k][1]) // 2]) for k, v in knobs.items()}
-    for _ in range(passes):
-        for k, (_, grid) in KNOBS.items():
-            knobs[k] = min(grid, key=lambda v: _loss(rows, {**knobs, k: v}, cache))
+    for stage in ("kernels", "training"):
+        part = [r for r in rows if (r.kind == "training") == (stage == "training")]
+        if not part:
+            continue
+        for _ in range(passes):
+            for k, (_, grid, measured_by) in KNOBS.items():
+                if measured_by == stage:
+                    knobs[k] = min(grid, key=lambda v: _loss(part, {**knobs, k: v}, cache))
     return knobs
 
 

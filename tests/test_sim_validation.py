@@ -33,6 +33,18 @@ def test_fit_sees_only_the_calibration_half(monkeypatch):
     assert seen and {R.split_of(next(r for r in rows if r.name == n)) for n in seen} == {"cal"}
 
 
+def test_kernel_rows_fit_kernel_knobs_only():
+    """Kernel and collective rows move the kernel knobs; the training knobs (sustained clock, contention, TPU MXU
+    efficiency, launch overhead) keep their starting values until training rows are in the fit."""
+    rows = [r for r in R.ROWS if r.kind != "training" and R.split_of(r) == "cal"]
+    knobs = V.fit(rows, {}, passes=1)
+    start = V.fit([], {}, passes=1)
+    assert set(knobs) == set(V.KNOBS)
+    assert all(knobs[k] == start[k] for k, (_, _, by) in V.KNOBS.items() if by == "training")
+    assert V._hw({"preset": "tpu-v5e"}, {"tpu_mm_efficiency": 0.9}).mm_efficiency == 0.9
+    assert V._hw({"preset": "h100"}, {"tpu_mm_efficiency": 0.9}).mm_efficiency == hardware("h100").mm_efficiency
+
+
 def test_known_collective_row_within_its_family_error():
     row = next(r for r in R.ROWS if r.name == "h100 8x all_reduce ring 8 GiB (GTC)")
     e = abs(V.err(V.predict(row), row.measured))
