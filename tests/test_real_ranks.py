@@ -1,6 +1,7 @@
 """Real ranks (DESIGN §5.4, issue 3): 4 gloo processes on 127.0.0.1 run the same partitioned program.
 
-One spawn (each costs 5-10 s) runs every check; each rank returns plain Python results and the tests below read them:
+One spawn (each costs 5-10 s) runs the suite's real-rank checks (test_fast.py's compiled 2-rank step aside); each
+rank returns plain Python results and the tests below read them:
 
   phase "train":  gpt_sdpa, BP + MP + Z3 on the 2x2 mesh {batch: 2, model: 2}, 2 AdamW steps on the global batch.
                   Every rank's loss equals the single-device loss; gather_parameters() equals the single-device
@@ -12,6 +13,11 @@ One spawn (each costs 5-10 s) runs every check; each rank returns plain Python r
   phase "moe_ep":  moe_capacity (GShard dispatch), EP on "batch" (experts and token groups share it, token buffers
                   exchanged by all_to_all over gloo) + MP on "model": losses and gathered parameters equal single
                   device.
+  phase "dcp":    (issue 11) gpt, BP + Z3 on {dp: 4}: state_dict() saved with torch.distributed.checkpoint, loaded
+                  into BP + MP + Z3 on {dp: 2, tp: 2} (a real reshard) and into the same schedule; the resumed
+                  losses equal the uninterrupted run (bitwise under the same schedule); full tensors load too.
+  phase "clip_acc_eval": (issue 11) gpt, BP + MP + Z3 on {dp: 2, tp: 2} with clip_grad_norm and accumulate=2,
+                  then eval_step at another batch size: losses, norms, parameters and eval loss equal one device.
   phase "mismatch": rank 3 partitions with batch size 8, the others with 4: every rank raises RuntimeMismatchError
                   naming rank 3 (the first rank whose program differs), instead of hanging or running.
 
@@ -23,7 +29,9 @@ from __future__ import annotations
 import copy
 import os
 import queue as queue_mod
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -32,6 +40,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.xdist_group("real_ranks")     # under pytest-xdist, one worker runs the one spawn
 
 WORLD = 4
 STEPS = 2
@@ -151,7 +161,90 @@ def _phase_mismatch(spec, mesh, rank):
     return {"raised": None}
 
 
-def _worker(rank, port, queue):
+def _phase_dcp(ckpt: str) -> dict:
+    """Save under BP + Z3 on {dp: 4}; load under BP + MP + Z3 on {dp: 2, tp: 2} and under the same schedule."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    import partir_torch as pt
+    from examples.models import get
+
+    T = pt.tactics
+    _train_steps = lambda prog, batch, n: [prog.train_step(*batch) for _ in range(n)]
+    spec = get("gpt")
+    batch = spec.batch(8)
+    base = spec.build()
+
+    def make(mesh, sched, lr=LR):
+        m = copy.deepcopy(base)
+        return pt.partition(m, pt.Mesh(mesh), sched, example_inputs=batch, loss_fn=spec.loss_fn,
+                            optimizer=torch.optim.AdamW(m.parameters(), lr=lr, eps=EPS))
+
+    z3 = lambda: [T.data_parallel("dp"), T.zero(3, "dp")]
+    a = make({"dp": 4}, z3())
+    _train_steps(a, batch, 2)
+    sd = a.state_dict()
+    w1 = "layers.0.mlp.w1.weight"
+    out = {"dtensor": isinstance(sd["model"][w1], DTensor) and isinstance(sd["optimizer"]["state"][w1]["exp_avg"],
+                                                                          DTensor),
+           "placements_a": str(sd["model"][w1].placements)}
+    dcp.save(sd, checkpoint_id=ckpt)
+    want = [t.item() for t in _train_steps(a, batch, 2)]
+    params_a = a.gather_parameters()
+    full = a.full_state_dict()
+    if dist.get_rank() == 0:
+        fresh = spec.build()
+        fresh.load_state_dict(full)
+        out["full_err"] = max((p.detach() - params_a[k]).abs().max().item() for k, p in fresh.named_parameters())
+    b = make({"dp": 2, "tp": 2}, [T.data_parallel("dp"), T.megatron("tp"), T.zero(3, "dp")], lr=0.5)
+    sd_b = b.state_dict()
+    out["placements_b"] = str(sd_b["model"][w1].placements)
+    dcp.load(sd_b, checkpoint_id=ckpt)
+    b.load_state_dict(sd_b)
+    out.update(lr_b=b.optimizer.param_groups[0]["lr"], steps_b=b.steps)
+    out["resharded"] = [t.item() for t in _train_steps(b, batch, 2)]
+    c = make({"dp": 4}, z3(), lr=0.5)
+    sd_c = c.state_dict()
+    dcp.load(sd_c, checkpoint_id=ckpt)
+    c.load_state_dict(sd_c)
+    out["same"] = [t.item() for t in _train_steps(c, batch, 2)]
+    out["want"] = want
+    b.load_state_dict({"model": full}, strict=False)       # full tensors (every rank), resharded into b's layout
+    got = b.gather_parameters()
+    out["full_load_err"] = max((got[k] - v).abs().max().item() for k, v in params_a.items())
+    return out
+
+
+def _phase_clip_accumulate_eval() -> dict:
+    """BP + MP + Z3 on {dp: 2, tp: 2} with clip_grad_norm and accumulate=2, then eval_step at another batch size."""
+    import partir_torch as pt
+    from examples.models import get
+    from tests.test_training import _eager_step     # one device: micro-batches, clip_grad_norm_, step
+
+    T = pt.tactics
+    spec = get("gpt")
+    batch = spec.batch(8)
+    m = spec.build()
+    ref = copy.deepcopy(m)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    prog = pt.partition(m, pt.Mesh({"dp": 2, "tp": 2}), [T.data_parallel("dp"), T.megatron("tp"), T.zero(3, "dp")],
+                        example_inputs=batch, loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS), clip_grad_norm=0.5, accumulate=2)
+    out = {"losses": [], "norms": []}
+    for _ in range(2):
+        want, want_norm = _eager_step(ref, ref_opt, spec, batch, 2, 0.5)
+        out["losses"].append((prog.train_step(*batch).item(), want.item()))
+        out["norms"].append((prog.last_grad_norm.item(), want_norm.item()))
+    got = prog.gather_parameters()
+    out["param_err"] = max(((got[k] - p.detach()).abs() - PARAM_RTOL * p.detach().abs() - PARAM_ATOL).max().item()
+                           for k, p in ref.named_parameters())
+    small = spec.batch(4, seed=3)
+    ref.eval()
+    out["eval"] = (prog.eval_step(*small).item(), spec.loss_fn(ref, *small).item())
+    return out
+
+
+def _worker(rank, port, ckpt, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     out = {"rank": rank}
@@ -166,6 +259,8 @@ def _worker(rank, port, queue):
         for name, fn in (("train", lambda: _phase_train(spec, batch, mesh)),
                          ("local", lambda: _phase_local(spec, batch, mesh, rank)),
                          ("moe_ep", lambda: _phase_moe_ep(mesh)),
+                         ("dcp", lambda: _phase_dcp(ckpt)),
+                         ("clip_acc_eval", _phase_clip_accumulate_eval),
                          ("mismatch", lambda: _phase_mismatch(spec, mesh, rank))):
             t0 = time.perf_counter()
             try:
@@ -187,7 +282,9 @@ def ranks():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     t0 = time.perf_counter()
-    procs = mp.start_processes(_worker, args=(_free_port(), queue), nprocs=WORLD, join=False, start_method="spawn")
+    ckpt = tempfile.mkdtemp(prefix="partir_dcp_")     # the "dcp" phase's checkpoint
+    procs = mp.start_processes(_worker, args=(_free_port(), ckpt, queue), nprocs=WORLD, join=False,
+                               start_method="spawn")
     results, deadline = {}, time.monotonic() + SPAWN_TIMEOUT_S
     try:
         while len(results) < WORLD:
@@ -209,6 +306,7 @@ def ranks():
         for p in procs.processes:
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(ckpt, ignore_errors=True)
     print(f"spawn of {WORLD} gloo ranks: {time.perf_counter() - t0:.1f} s")
     for r in results.values():
         assert "fatal" not in r, f"rank {r['rank']}: {r['fatal']}"
@@ -270,3 +368,23 @@ def test_ranks_with_different_programs_raise_naming_the_rank(ranks):
     for rank, r in _phase(ranks, "mismatch").items():
         assert r["raised"] == "RuntimeMismatchError" and r["is_mismatch"], f"rank {rank}: {r}"
         assert "rank 3" in r["message"], f"rank {rank}: the error should name rank 3: {r['message']}"
+
+
+def test_real_ranks_dcp_checkpoint_reshards_and_resumes(ranks):
+    for rank, r in _phase(ranks, "dcp").items():
+        assert r["dtensor"], f"rank {rank}: state_dict values are not DTensors"
+        assert r["placements_a"] != r["placements_b"], r          # a real reshard: (Shard(0),) -> two mesh dims
+        assert r["lr_b"] == LR and r["steps_b"] == 2
+        assert r["same"] == r["want"], f"rank {rank}: same-schedule resume is not bitwise: {r}"
+        torch.testing.assert_close(torch.tensor(r["resharded"]), torch.tensor(r["want"]), rtol=1e-6, atol=0)
+        assert r["full_load_err"] == 0.0, f"rank {rank}: load_state_dict of full tensors"
+    assert ranks[0]["dcp"]["full_err"] == 0.0
+
+
+def test_real_ranks_clipping_accumulation_and_eval_equal_one_device(ranks):
+    for rank, r in _phase(ranks, "clip_acc_eval").items():
+        for got, want in r["losses"] + r["norms"] + [r["eval"]]:
+            assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r}"
+        assert r["param_err"] <= 0, f"rank {rank}: parameters outside rtol/atol by {r['param_err']}"
+
+

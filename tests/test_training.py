@@ -1,5 +1,7 @@
 """Training runs end to end (issue 11): hyperparameters from the param groups, clipping, accumulation, evaluation on
-the live state, state dicts that load, reshard and round-trip, checkpoints on real ranks, the example's resume.
+the live state, state dicts that load, reshard and round-trip, the example's resume. Checkpoints, clipping,
+accumulation and evaluation on real ranks run in tests/test_real_ranks.py's spawn (one spawn for every real-rank
+check).
 
 Everything is compared with single-device torch: torch.optim, torch.nn.utils.clip_grad_norm_, eager accumulation
 ((loss_j / k).backward() over the micro-batches x[j::k]), module.eval(). fp32; tolerances as in test_parity.py
@@ -9,19 +11,12 @@ from __future__ import annotations
 
 import copy
 import os
-import queue as queue_mod
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 import partir_torch as pt
@@ -362,170 +357,6 @@ def test_load_state_dict_reshards_across_schedules_and_resumes_exactly():
     torch.testing.assert_close(torch.stack(_train_steps(other, batch, 2)), want, rtol=1e-6, atol=0)
     with pytest.raises(pt.PartitionError, match="lacks"):
         other.load_state_dict({"model": {}})
-
-
-# -- 2. checkpoints on 4 real gloo ranks (one spawn) ---------------------------------------------------------------
-WORLD, SPAWN_TIMEOUT_S, GLOO_TIMEOUT_S = 4, 240, 60
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _phase_dcp(ckpt: str) -> dict:
-    """Save under BP + Z3 on {dp: 4}; load under BP + MP + Z3 on {dp: 2, tp: 2} and under the same schedule."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.tensor import DTensor
-
-    spec = get("gpt")
-    batch = spec.batch(8)
-    base = spec.build()
-
-    def make(mesh, sched, lr=LR):
-        m = copy.deepcopy(base)
-        return pt.partition(m, pt.Mesh(mesh), sched, example_inputs=batch, loss_fn=spec.loss_fn,
-                            optimizer=torch.optim.AdamW(m.parameters(), lr=lr, eps=EPS))
-
-    z3 = lambda: [T.data_parallel("dp"), T.zero(3, "dp")]
-    a = make({"dp": 4}, z3())
-    _train_steps(a, batch, 2)
-    sd = a.state_dict()
-    w1 = "layers.0.mlp.w1.weight"
-    out = {"dtensor": isinstance(sd["model"][w1], DTensor) and isinstance(sd["optimizer"]["state"][w1]["exp_avg"],
-                                                                          DTensor),
-           "placements_a": str(sd["model"][w1].placements)}
-    dcp.save(sd, checkpoint_id=ckpt)
-    want = [t.item() for t in _train_steps(a, batch, 2)]
-    params_a = a.gather_parameters()
-    full = a.full_state_dict()
-    if dist.get_rank() == 0:
-        fresh = spec.build()
-        fresh.load_state_dict(full)
-        out["full_err"] = max((p.detach() - params_a[k]).abs().max().item() for k, p in fresh.named_parameters())
-    b = make({"dp": 2, "tp": 2}, [T.data_parallel("dp"), T.megatron("tp"), T.zero(3, "dp")], lr=0.5)
-    sd_b = b.state_dict()
-    out["placements_b"] = str(sd_b["model"][w1].placements)
-    dcp.load(sd_b, checkpoint_id=ckpt)
-    b.load_state_dict(sd_b)
-    out.update(lr_b=b.optimizer.param_groups[0]["lr"], steps_b=b.steps)
-    out["resharded"] = [t.item() for t in _train_steps(b, batch, 2)]
-    c = make({"dp": 4}, z3(), lr=0.5)
-    sd_c = c.state_dict()
-    dcp.load(sd_c, checkpoint_id=ckpt)
-    c.load_state_dict(sd_c)
-    out["same"] = [t.item() for t in _train_steps(c, batch, 2)]
-    out["want"] = want
-    b.load_state_dict({"model": full}, strict=False)       # full tensors (every rank), resharded into b's layout
-    got = b.gather_parameters()
-    out["full_load_err"] = max((got[k] - v).abs().max().item() for k, v in params_a.items())
-    return out
-
-
-def _phase_clip_accumulate_eval() -> dict:
-    """BP + MP + Z3 on {dp: 2, tp: 2} with clip_grad_norm and accumulate=2, then eval_step at another batch size."""
-    spec = get("gpt")
-    batch = spec.batch(8)
-    m = spec.build()
-    ref = copy.deepcopy(m)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-    prog = pt.partition(m, pt.Mesh({"dp": 2, "tp": 2}), [T.data_parallel("dp"), T.megatron("tp"), T.zero(3, "dp")],
-                        example_inputs=batch, loss_fn=spec.loss_fn,
-                        optimizer=torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS), clip_grad_norm=0.5, accumulate=2)
-    out = {"losses": [], "norms": []}
-    for _ in range(2):
-        want, want_norm = _eager_step(ref, ref_opt, spec, batch, 2, 0.5)
-        out["losses"].append((prog.train_step(*batch).item(), want.item()))
-        out["norms"].append((prog.last_grad_norm.item(), want_norm.item()))
-    got = prog.gather_parameters()
-    out["param_err"] = max(((got[k] - p.detach()).abs() - PARAM_RTOL * p.detach().abs() - PARAM_ATOL).max().item()
-                           for k, p in ref.named_parameters())
-    small = spec.batch(4, seed=3)
-    ref.eval()
-    out["eval"] = (prog.eval_step(*small).item(), spec.loss_fn(ref, *small).item())
-    return out
-
-
-def _worker(rank, port, ckpt, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    out = {"rank": rank}
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=GLOO_TIMEOUT_S))
-        for name, fn in (("dcp", lambda: _phase_dcp(ckpt)), ("clip_acc_eval", _phase_clip_accumulate_eval)):
-            t0 = time.perf_counter()
-            try:
-                out[name] = fn()
-            except Exception:  # noqa: BLE001 - reported to the parent; the next phase still runs
-                out[name] = {"error": traceback.format_exc()}
-            out[name]["seconds"] = time.perf_counter() - t0
-            dist.barrier()
-    except Exception:  # noqa: BLE001
-        out["fatal"] = traceback.format_exc()
-    queue.put(out)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def ranks():
-    """Spawn the 4 ranks once; {rank: results}. Fails (never hangs) after SPAWN_TIMEOUT_S."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    ckpt = tempfile.mkdtemp(prefix="partir_dcp_")
-    procs = mp.start_processes(_worker, args=(_free_port(), ckpt, queue), nprocs=WORLD, join=False,
-                               start_method="spawn")
-    results, deadline = {}, time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while len(results) < WORLD:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                pytest.fail(f"real ranks: only ranks {sorted(results)} reported within {SPAWN_TIMEOUT_S} s")
-            try:
-                r = queue.get(timeout=min(left, 5.0))
-                results[r["rank"]] = r
-            except queue_mod.Empty:
-                dead = [(i, p.exitcode) for i, p in enumerate(procs.processes)
-                        if p.exitcode not in (None, 0) and i not in results]
-                if dead:
-                    pytest.fail(f"real ranks: rank {dead[0][0]} exited with code {dead[0][1]} before reporting")
-        while not procs.join(timeout=max(deadline - time.monotonic(), 1)):
-            if time.monotonic() > deadline:
-                pytest.fail("real ranks: processes did not exit")
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.kill()
-    for r in results.values():
-        assert "fatal" not in r, f"rank {r['rank']}: {r['fatal']}"
-    return results
-
-
-def _phase(ranks, name) -> dict:
-    out = {}
-    for rank, r in sorted(ranks.items()):
-        assert "error" not in r[name], f"rank {rank}, phase {name}:\n{r[name]['error']}"
-        out[rank] = r[name]
-    return out
-
-
-def test_real_ranks_dcp_checkpoint_reshards_and_resumes(ranks):
-    for rank, r in _phase(ranks, "dcp").items():
-        assert r["dtensor"], f"rank {rank}: state_dict values are not DTensors"
-        assert r["placements_a"] != r["placements_b"], r          # a real reshard: (Shard(0),) -> two mesh dims
-        assert r["lr_b"] == LR and r["steps_b"] == 2
-        assert r["same"] == r["want"], f"rank {rank}: same-schedule resume is not bitwise: {r}"
-        torch.testing.assert_close(torch.tensor(r["resharded"]), torch.tensor(r["want"]), rtol=1e-6, atol=0)
-        assert r["full_load_err"] == 0.0, f"rank {rank}: load_state_dict of full tensors"
-    assert ranks[0]["dcp"]["full_err"] == 0.0
-
-
-def test_real_ranks_clipping_accumulation_and_eval_equal_one_device(ranks):
-    for rank, r in _phase(ranks, "clip_acc_eval").items():
-        for got, want in r["losses"] + r["norms"] + [r["eval"]]:
-            assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r}"
-        assert r["param_err"] <= 0, f"rank {rank}: parameters outside rtol/atol by {r['param_err']}"
 
 
 # -- 7. the example: killed and resumed --------------------------------------------------------------------------
