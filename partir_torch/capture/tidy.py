@@ -30,5 +30,4 @@ def untie_random_templates(gm: fx.GraphModule) -> None:
         new.meta.update(n.meta)
         n.replace_all_uses_with(new)
         gm.graph.erase_node(n)
-    gm.graph.lint()
-    gm.recompile()
+    gm.graph.lint()     # capture() regenerates gm's code once, after its last rewrite
