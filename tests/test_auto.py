@@ -35,6 +35,7 @@ def axis_dims(prog, name, axis):
 
 
 # -- Megatron on "model" after manual BP, when the MLP weights cannot stay replicated --------------------------------
+SHARED = pytest.mark.xdist_group("auto_megatron")   # under xdist: one worker searches megatron_prog
 WIDE = dict(d=2048, heads=16, layers=2, seq=64, vocab=512)     # 101M parameters: 1.6 GB of fp32 AdamW state
 
 
@@ -46,6 +47,7 @@ def megatron_prog():
                      [bp, T.automatic("model", hardware=HW, memory_limit=1.0e9, budget_s=8, progress=False)])
 
 
+@SHARED
 def test_search_recovers_megatron_when_memory_forbids_replicated_mlp(megatron_prog):
     prog = megatron_prog
     rep = prog.search_reports[-1]
@@ -62,6 +64,7 @@ def test_search_recovers_megatron_when_memory_forbids_replicated_mlp(megatron_pr
     assert "Auto" in prog.summary()
 
 
+@SHARED
 def test_search_respects_earlier_tactics(megatron_prog):
     """Every decision BP made (stage 0) is unchanged after the search, with BP's provenance."""
     prog = megatron_prog
@@ -73,6 +76,7 @@ def test_search_respects_earlier_tactics(megatron_prog):
     assert "tiled(dim 0) by tactic BP: seeded" in prog.explain("inputs.0")
 
 
+@SHARED
 def test_search_report_has_candidates_and_statistics(megatron_prog):
     rep = megatron_prog.search_reports[-1]
     text = megatron_prog.search_report()

@@ -14,6 +14,7 @@ from examples.models import get
 from partir_torch.capture import capture
 
 aten = torch.ops.aten
+SHARED = pytest.mark.xdist_group("propagation_programs")   # under xdist: one worker builds the module's programs
 B, T, D, H, LAYERS = 4, 16, 32, 4, 2          # the zoo GPT's defaults (batch 4)
 HD = D // H
 
@@ -97,6 +98,7 @@ def megatron_prog(request):
 
 
 # -- (a) Megatron from weight seeds only ------------------------------------------------------------------------
+@SHARED
 def test_megatron_weights_and_mlp(megatron_prog):
     attention, mesh_name, prog = megatron_prog
     batch = ("batch",) if mesh_name == "batch+model" else ()
@@ -133,6 +135,7 @@ def test_megatron_weights_and_mlp(megatron_prog):
     assert not has_axis(prog.sharding("params.wte.weight"), "model")
 
 
+@SHARED
 def test_megatron_attention_heads(megatron_prog):
     attention, mesh_name, prog = megatron_prog
     batch = ("batch",) if mesh_name == "batch+model" else ()
@@ -170,6 +173,7 @@ def test_megatron_attention_heads(megatron_prog):
         assert node_sharding(prog, wo_in).dims == (batch, ("model",))   # (B*T, d) operand of wo's mm
 
 
+@SHARED
 def test_megatron_backward_mirrors_forward(megatron_prog):
     attention, mesh_name, prog = megatron_prog
     for i in range(LAYERS):
@@ -212,6 +216,7 @@ def bp_z3():
     return gpt_program("sdpa", pt.Mesh({"batch": 2}), [bp(), zero3()])
 
 
+@SHARED
 def test_bp_then_zero3(bp_z3):
     prog = bp_z3
     before, after = prog.stages
@@ -233,6 +238,7 @@ def test_bp_then_zero3(bp_z3):
     assert after.decided > 0 and before.decided > 0
 
 
+@SHARED
 def test_bp_then_zero3_update_runs_on_shards(bp_z3):
     # the update takes the tiled state and the partial gradient: Z3 decides it tiled (lowering reduce-scatters
     # the gradient into it), without touching the gradient BP made partial
@@ -305,6 +311,7 @@ def test_golden_annotated_print():
 
 
 # -- (d) explain -------------------------------------------------------------------------------------------------
+@SHARED
 def test_explain_names_tactic_and_path(megatron_prog):
     attention, mesh_name, prog = megatron_prog
     seeded = prog.explain("params.layers.0.attn.wq.weight")

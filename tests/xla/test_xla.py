@@ -61,8 +61,10 @@ def run(name):
                 {k: p.detach() for k, p in ref.named_parameters()}), prog=prog, xprog=xprog)
 
 
-@pytest.fixture(scope="module", params=list(PROGRAMS))
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.xdist_group(f"xla_{n}")) for n in PROGRAMS],
+                ids=list(PROGRAMS))
 def program(request):
+    """One run per program, shared by its tests (under pytest-xdist, one worker runs a program's tests)."""
     return run(request.param)
 
 
