@@ -324,3 +324,24 @@ def test_float64_model_trains_in_float64():
     losses = train_next_to_eager(prog, ref, [(x, y)] * 3, lf, adamw(), buffers=True, loss_rtol=1e-12,
                                  param_rtol=1e-12, param_atol=1e-12)
     assert all(got.dtype == torch.float64 for got, _ in losses)
+
+
+def test_mixed_precision_gradient_upcasts_follow_their_gradients():
+    """Autograd would up-cast every bf16 gradient after the whole backward (the forward's casts come first, so
+    their backward runs last); mixed_precision moves each up-cast next to the gradient it casts, so a layer's
+    gradient reduction can start while the backward goes on and no bf16 gradient lives to the end."""
+    from partir_torch.capture import capture
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    lf = lambda m, x: m(x).float().square().mean()
+    cap = capture(model, (x,), lf, torch.optim.AdamW(model.parameters(), lr=1e-3), options=(T.mixed_precision(),))
+    nodes = list(cap.gm.graph.nodes)
+    ups = [n for n in nodes if n.target is torch.ops.aten._to_copy.default and n.kwargs.get("dtype") == torch.float32
+           and n.args[0].meta["val"].dtype == torch.bfloat16 and n.args[0].op != "placeholder"]
+    assert len(ups) >= 6, ups     # the six parameters' gradients at least
+    assert all(n.prev is n.args[0] for n in ups), [(n.name, n.prev.name, n.args[0].name) for n in ups]
+    first_up = min(nodes.index(n) for n in ups)
+    last_mm = max(i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default)
+    assert first_up < last_mm       # the last layer's gradients are up-cast before the backward ends

@@ -54,6 +54,7 @@ class MixedPrecision:
         gradients at their up-cast, so they are reduced in the compute dtype (the engine never passes a partial
         through a node marked this way)."""
         split_param_casts(cap.gm)
+        hoist_gradient_casts(cap.gm)
         if self.reduce_dtype == torch.float32:
             return
         for n in cap.gm.graph.nodes:
@@ -93,6 +94,27 @@ def split_param_casts(gm) -> None:
             continue
         changed |= split_for_backward(gm, n, fwd, index)
     if changed:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def hoist_gradient_casts(gm) -> None:
+    """Autograd runs a parameter's ToCopyBackward (the up-cast of its compute-dtype gradient) last, after the
+    whole backward, since the forward's cast was made first: every fp32 gradient, and so its reduction, would
+    wait for the last backward matmul, and every compute-dtype gradient would live to the end of the step. Each
+    such cast (a backward `_to_copy` to fp32 of one value) moves right after the value it casts, where FSDP's and
+    DDP's hooks make it; the graph computes the same values."""
+    nodes, fwd = _forward_of(gm)
+    moved = False
+    for n in nodes:
+        if n in fwd or n.target is not aten._to_copy.default or n.kwargs.get("dtype") != torch.float32 \
+                or len(n.args) != 1 or not isinstance(n.args[0], fx.Node) or n.args[0].op == "placeholder":
+            continue
+        src = n.args[0]
+        if src.next is not n:
+            src.append(n)
+            moved = True
+    if moved:
         gm.graph.lint()
         gm.recompile()
 
