@@ -246,7 +246,7 @@ class ProgramFacts:
             a2a = (h >= 0) & (w >= 0) & (h != w)
             ar = np.where(res, (w <= -3) & (h < 0) & (h > -3), (h <= -3) & (w == REPLICATED))
             rs = np.where(res, (w <= -3) & (h >= 0), (h <= -3) & (w >= 0))
-            div = self._other_div(axis, want, have)
+            div = _other_div(self, axis, want, have)
             total, waits[axis] = 0.0, []
             for kind, mask in (("all_gather", ag), ("all_to_all", a2a), ("all_reduce", ar),
                                ("reduce_scatter", rs)):
@@ -275,28 +275,6 @@ class ProgramFacts:
         live = np.where(has_ar, 2.0 / rs_k, 1.0 + 1.0 / rs_k)
         eff_div = np.where(grad, eff_div / rs_k / live, eff_div)
         return self._exposed(waits), per_axis, by_kind, temps, eff_div
-
-    def _other_div(self, axis: str, want: dict, have: dict) -> dict:
-        """Per collective kind and slot: the divisor of its value's bytes from the other axes while lowering reshards
-        it on `axis` (lower/reshard.py): gathers and all_to_alls un-tile the innermost axis first (an axis before this
-        one in the mesh still tiles the value), reductions follow them outermost first, all-reduces come last."""
-        axes = list(want)
-        pos = axes.index(axis)
-        ones = np.ones(len(self.s_op))
-        gather, scatter, reduce = ones.copy(), ones.copy(), ones
-        for j, b in enumerate(axes):
-            if b == axis:
-                continue
-            k = self.mesh.shape[b]
-            src = np.where(self.s_res, want[b], have[b])    # the layout before the reshard: the op's result, or
-            dst = np.where(self.s_res, have[b], want[b])    # the value an operand reads
-            kept = (src >= 0) & (dst == src)
-            moved = (src >= 0) & (dst != src)
-            scattered = (src <= -3) & (dst >= 0)
-            gather = gather * np.where(kept | (moved & (j < pos)), k, 1)
-            scatter = scatter * np.where(kept | (scattered & (j < pos)), k, 1)
-            reduce = reduce * np.where(kept | scattered, k, 1)
-        return {"all_gather": gather, "all_to_all": gather, "reduce_scatter": scatter, "all_reduce": reduce}
 
     def _exposed(self, waits: dict) -> float:
         """Exposed seconds: per window of the program, each axis's exposed collectives summed, the longest axis
@@ -354,6 +332,29 @@ class ProgramFacts:
             np.add.at(delta, lo, b)
             np.add.at(delta, hi + 1, -b)
         return float(np.max(np.cumsum(delta[:self.n_nodes]))) if self.n_nodes else 0.0
+
+
+def _other_div(facts: ProgramFacts, axis: str, want: dict, have: dict) -> dict:
+    """Per collective kind and slot: the divisor of its value's bytes from the other axes while lowering reshards
+    it on `axis` (lower/reshard.py): gathers and all_to_alls un-tile the innermost axis first (an axis before this
+    one in the mesh still tiles the value), reductions follow them outermost first, all-reduces come last."""
+    axes = list(want)
+    pos = axes.index(axis)
+    ones = np.ones(len(facts.s_op))
+    gather, scatter, reduce = ones.copy(), ones.copy(), ones
+    for j, b in enumerate(axes):
+        if b == axis:
+            continue
+        k = facts.mesh.shape[b]
+        src = np.where(facts.s_res, want[b], have[b])    # the layout before the reshard: the op's result, or
+        dst = np.where(facts.s_res, have[b], want[b])    # the value an operand reads
+        kept = (src >= 0) & (dst == src)
+        moved = (src >= 0) & (dst != src)
+        scattered = (src <= -3) & (dst >= 0)
+        gather = gather * np.where(kept | (moved & (j < pos)), k, 1)
+        scatter = scatter * np.where(kept | (scattered & (j < pos)), k, 1)
+        reduce = reduce * np.where(kept | scattered, k, 1)
+    return {"all_gather": gather, "all_to_all": gather, "reduce_scatter": scatter, "all_reduce": reduce}
 
 
 def _storages(g, nodes) -> tuple:
