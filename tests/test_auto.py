@@ -169,6 +169,10 @@ def test_same_seed_same_plan():
 
     (r1, s1), (r2, s2) = plan(0), plan(0)
     assert r1.evaluated < r1.space                 # the budget samples the space: the seed decides which part
+    # the estimates are counted, not timed: the best estimate, lowered first, never depends on the machine
+    assert r1.lowered[0].label() == r2.lowered[0].label()
+    if r1.cut_by_time or r2.cut_by_time:           # an overloaded machine cut the search at its 1 s budget: the
+        return                                     # report flags it, and the rest may differ (documented)
     assert r1.chosen.label() == r2.chosen.label() and s1 == s2
     assert [c.label() for c in r1.lowered] == [c.label() for c in r2.lowered]
 
