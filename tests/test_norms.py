@@ -22,6 +22,8 @@ from partir_torch.capture import capture
 from partir_torch.rules import default_registry
 from partir_torch.verify import verify_graph
 
+from harness import train_next_to_eager
+
 RTOL, ATOL = 1e-5, 1e-6
 DP = [pt.tactics.data_parallel("batch")]
 LOSS_REDUCTIONS = 2          # cross_entropy(mean) = nll(sum) / total_weight: both partial, 4 bytes each
@@ -69,21 +71,16 @@ def _batches(steps, n, shape, classes, seed=0, shift=1.5):
 
 
 def _train_both(model, mesh, batches, loss_fn=_ce, tactics=DP):
-    """prog.train_step and eager SGD on a deepcopy, step by step: the losses must agree at every step."""
+    """prog.train_step next to eager SGD on a deepcopy (tests/harness.py): the losses at every step, then every
+    parameter and buffer; no op may be a barrier (the "no sharding rule" warning is an error here)."""
     ref = copy.deepcopy(model)
-    ref_opt = _sgd(ref)
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", "partir_torch: no sharding rule")   # no op may be a barrier
+        warnings.filterwarnings("error", "partir_torch: no sharding rule")
         prog = pt.partition(model, mesh, tactics, example_inputs=batches[0], loss_fn=loss_fn, optimizer=_sgd(model),
                             bucket_bytes=0)
-        for i, batch in enumerate(batches):
-            got = prog.train_step(*batch)
-            ref_opt.zero_grad()
-            want = loss_fn(ref, *batch)
-            want.backward()
-            ref_opt.step()
-            torch.testing.assert_close(got.detach(), want.detach(), rtol=RTOL, atol=0,
-                                       msg=lambda m: f"loss of step {i}: {m}")
+        train_next_to_eager(prog, ref, batches, loss_fn, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                            buffers=True, loss_rtol=RTOL, param_rtol=RTOL, param_atol=ATOL,
+                            what=type(model).__name__)
     return prog, ref
 
 
