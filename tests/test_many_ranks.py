@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -10,28 +9,18 @@ import torch
 import partir_torch as pt
 from partir_torch import tactics as T
 from examples.models import get
+from harness import adamw, train_next_to_eager
 
 
 def train_like_single_device(spec, mesh, schedule, batch, eps=1e-8):
-    """Two AdamW steps partitioned next to eager AdamW on a copy: losses and parameters equal; returns prog."""
+    """Two AdamW steps partitioned next to eager AdamW on a copy (tests/harness.py): losses and every parameter
+    equal; returns prog."""
     model = spec.build()
     ref = copy.deepcopy(model)
     data = spec.batch(batch)
-    start = time.time()
     prog = pt.partition(model, pt.Mesh(mesh), schedule, example_inputs=data, loss_fn=spec.loss_fn,
                         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=eps)
-    for _ in range(2):
-        loss = prog.train_step(*data)
-        ref_opt.zero_grad()
-        ref_loss = spec.loss_fn(ref, *data)
-        ref_loss.backward()
-        ref_opt.step()
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
-    got = prog.gather_parameters()
-    for k, p in ref.named_parameters():
-        torch.testing.assert_close(got[k], p.detach(), rtol=1e-5, atol=1e-5, msg=k)
-    assert time.time() - start < 60
+    train_next_to_eager(prog, ref, [data] * 2, spec.loss_fn, adamw(eps=eps), what=f"{mesh}")
     return prog
 
 
