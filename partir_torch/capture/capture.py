@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module
@@ -479,7 +480,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         handles += opt.install(model)
     try:
         table = {**capture_decompositions(), **(decompositions or {})}
-        with _tracing_session():
+        with _tracing_session(), _use_lazy_graph_module(True):   # code generated on first use (see below)
             gm = make_fx(_functional(step), tracing_mode="fake", decomposition_table=table)(*lay.flat)
     except PartitionError:
         raise
@@ -499,7 +500,8 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     cap = _annotate(gm, mode, names, roles, out_names, step.out_spec, lay.fopt,
                     [k for k, _ in model.named_parameters()], lay.trainable, lay.buffers, device)
     cap.consts = consts
-    # the passes above edit gm.graph only: gm's code is generated once, here (about 0.5 s for a 20k-node step)
+    # the passes above edit gm.graph only; gm is a lazy GraphModule: its code is generated when first called or
+    # read (gm.code), not after each pass (about 0.5 s for a 20k-node step); partitioning reads only the graph
     gm.recompile()
     for opt in options:
         opt.rewrite(cap)
