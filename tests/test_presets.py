@@ -12,6 +12,7 @@ import torch
 import partir_torch as pt
 from partir_torch import tactics as T
 from examples.models import get
+from harness import adamw, train_next_to_eager
 
 STEPS = 3
 
@@ -24,19 +25,10 @@ def run(name, schedule, mesh, batch=4, steps=STEPS, eps=1e-8, **overrides):
     # bucket_bytes=0: one collective per value, so the textbook counts below can be read off directly
     prog = pt.partition(model, pt.Mesh(mesh), schedule, example_inputs=data, loss_fn=spec.loss_fn,
                         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps), bucket_bytes=0)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=eps)
-    for _ in range(steps):
-        loss = prog.train_step(*data)
-        ref_opt.zero_grad()
-        ref_loss = spec.loss_fn(ref, *data)
-        ref_loss.backward()
-        ref_opt.step()
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
-    got = prog.gather_parameters()
-    for k, p in ref.named_parameters():
-        # AdamW divides by sqrt(v): for an entry whose gradient is ~0, a gradient summed in another order (1e-7
-        # relative) can move its update by a few 1e-6 (lr 1e-3); 1e-5 absolute is 1% of one step
-        torch.testing.assert_close(got[k], p.detach(), rtol=1e-5, atol=1e-5, msg=k)
+    # AdamW divides by sqrt(v): for an entry whose gradient is ~0, a gradient summed in another order (1e-7
+    # relative) can move its update by a few 1e-6 over 3 steps (lr 1e-3; measured 6.8e-6 on one element of
+    # gpt_sdpa under SP); 1e-5 absolute is 1% of one step (the tolerance these tests always had)
+    train_next_to_eager(prog, ref, [data] * steps, spec.loss_fn, adamw(eps=eps), param_atol=1e-5, what=name)
     return prog
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import partir_torch as pt
 from examples.models import get
+from harness import train_next_to_eager
 from partir_torch.capture import capture
 
 aten = torch.ops.aten
@@ -450,13 +451,4 @@ def test_closed_region_is_sealed_and_lowered_with_all_to_all():
     # forward: the buffer into the region, the expert output out of it; backward: their gradients
     assert kinds.count(("all_to_all", "forward")) == 2 and kinds.count(("all_to_all", "backward")) == 2
     assert not any(k == "all_gather" for k, _ in kinds)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for _ in range(2):
-        loss = prog.train_step(x)
-        opt.zero_grad()
-        want = loss_fn(ref, x)
-        want.backward()
-        opt.step()
-        torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-7)
-    for k, p in ref.named_parameters():
-        torch.testing.assert_close(prog.gather_parameters()[k], p.detach(), rtol=1e-5, atol=1e-6)
+    train_next_to_eager(prog, ref, [(x,)] * 2, loss_fn, lambda ps: torch.optim.SGD(ps, lr=0.1))
