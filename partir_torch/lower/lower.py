@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils._pytree import tree_map
 
 from ..contract import META_NAME, META_OUTPUT, META_RECOMPUTE, META_ROLE, META_SRC, STATE_PREFIXES, VIEW_OPS, Role, \
@@ -162,7 +163,8 @@ class Lowerer:
         _sink_waits(self.new)
         if not self.options.compile:   # eager: the optimizer update as fused kernels (Inductor fuses its own)
             fuse_optimizer(self.new, self.cap)
-        gm = fx.GraphModule(torch.nn.Module(), self.new)
+        # lazy: its code is generated when first called or read (real ranks); emulation runs segments of its graph
+        gm = _LazyGraphModule(torch.nn.Module(), self.new)
         in_layouts = [self.layout[self.g.vid[n]] if n in self.g.vid else None for n in self.placeholders]
         return Lowered(gm, records, in_layouts, self.out_layouts, list(self.mesh.axes),
                        [self.local_shape.get(n) for n in self.placeholders])
