@@ -102,8 +102,8 @@ def hoist_gradient_casts(gm) -> None:
     """Autograd runs a parameter's ToCopyBackward (the up-cast of its compute-dtype gradient) last, after the
     whole backward, since the forward's cast was made first: every fp32 gradient, and so its reduction, would
     wait for the last backward matmul, and every compute-dtype gradient would live to the end of the step. Each
-    such cast (a backward `_to_copy` to fp32 of one value) moves right after the value it casts, where FSDP's and
-    DDP's hooks make it; the graph computes the same values."""
+    such cast (a backward `_to_copy` to fp32 of one backward value) moves right after the value it casts, where
+    FSDP's and DDP's hooks make it; the graph computes the same values."""
     nodes, fwd = _forward_of(gm)
     moved = False
     for n in nodes:
@@ -111,6 +111,8 @@ def hoist_gradient_casts(gm) -> None:
                 or len(n.args) != 1 or not isinstance(n.args[0], fx.Node) or n.args[0].op == "placeholder":
             continue
         src = n.args[0]
+        if src in fwd:       # a saved activation's cast stays where the backward needs it (not alive from the forward)
+            continue
         if src.next is not n:
             src.append(n)
             moved = True
