@@ -260,6 +260,7 @@ def _compiled_rank(rank, port, queue):
         queue.put((rank, {"error": traceback.format_exc()}))
 
 
+@pytest.mark.xdist_group("real_ranks")    # under xdist, with test_real_ranks' spawn: one set of gloo ranks at a time
 def test_compile_on_real_ranks_equals_eager():
     """compile=True on 2 gloo ranks: the whole per-device step (its functional collectives included) compiled by
     Inductor; losses and parameters equal the eager program's within fp32 reassociation."""
