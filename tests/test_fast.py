@@ -210,10 +210,8 @@ def test_unfused_and_fused_programs_agree_and_the_simulator_costs_one_kernel():
     assert secs == pytest.approx(memory_time(hw, 7 * param_bytes + scalars))
 
 
-def test_compile_emulated_equals_eager():
-    """compile=True in emulation: each segment between collectives compiled by Inductor; the step equals the
-    eager program's within fp32 reassociation."""
-    pytest.importorskip("torch._inductor")
+def _eager_and_compiled():
+    """The same MLP partitioned twice (BP + Z3 on 2 ranks), compile=False and compile=True, and its batch."""
     torch.manual_seed(0)
     model, x, y = MLP(), torch.randn(8, 16), torch.randn(8, 8)
     progs = {}
@@ -222,6 +220,14 @@ def test_compile_emulated_equals_eager():
         progs[c] = pt.partition(m, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
                                 example_inputs=(x, y), loss_fn=_loss,
                                 optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2), compile=c)
+    return progs, x, y
+
+
+def test_compile_emulated_equals_eager():
+    """compile=True in emulation: each segment between collectives compiled by Inductor; the step equals the
+    eager program's within fp32 reassociation."""
+    pytest.importorskip("torch._inductor")
+    progs, x, y = _eager_and_compiled()
     for _ in range(3):
         losses = {c: p.train_step(x, y) for c, p in progs.items()}
         torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-7)
@@ -241,14 +247,7 @@ def _compiled_rank(rank, port, queue):
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
-        torch.manual_seed(0)
-        model, x, y = MLP(), torch.randn(8, 16), torch.randn(8, 8)
-        progs = {}
-        for c in (False, True):
-            m = copy.deepcopy(model)
-            progs[c] = pt.partition(m, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
-                                    example_inputs=(x, y), loss_fn=_loss,
-                                    optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2), compile=c)
+        progs, x, y = _eager_and_compiled()
         losses = {c: [p.train_step(x, y).item() for _ in range(3)] for c, p in progs.items()}
         params = {c: p.gather_parameters() for c, p in progs.items()}
         err = max((params[True][k] - params[False][k]).abs().max().item() for k in params[False])
