@@ -35,12 +35,10 @@ import partir_torch as pt                                             # noqa: E4
 from partir_torch import tactics as T                                 # noqa: E402
 from partir_torch.api import partition                                # noqa: E402
 from partir_torch.capture import capture                              # noqa: E402
-from partir_torch.options import Options                              # noqa: E402
-from partir_torch.program import Program, TacticContext               # noqa: E402
-from partir_torch.propagate.engine import Propagator                  # noqa: E402
-from partir_torch.propagate.graph import PartGraph, no_gc             # noqa: E402
+from partir_torch.plan import plan                                    # noqa: E402
+from partir_torch.program import Program                              # noqa: E402
+from partir_torch.propagate.graph import PartGraph                    # noqa: E402
 from partir_torch.rules.registry import default_registry              # noqa: E402
-from partir_torch.tactics.schedule import flatten_schedule            # noqa: E402
 
 import sim_models as M                                                # noqa: E402
 
@@ -74,24 +72,15 @@ def models() -> dict:
     }
 
 
-def run_schedule(captured, graph, model, opt, mesh, schedule) -> tuple:
-    """partition() on an already captured step (the step is captured once per model and partitioned per
-    schedule; api.partition's loop otherwise)."""
-    tactics = flatten_schedule(schedule)
-    with no_gc():
-        prog = Program(captured, graph, Propagator(graph, mesh), mesh, tactics, model, opt, Options())
-        prog.loss_fn, prog.registry, prog.decompositions = M.loss_fn, None, {}
-        ctx = TacticContext(prog)
-        for t in tactics:
-            t.apply(ctx)
-            prog.stages.append(prog._snapshot(t))
-    return prog
+def run_schedule(captured, model, opt, mesh, schedule) -> Program:
+    """partition() on an already captured step: the step is captured once per model and planned per schedule."""
+    return Program(plan(captured, mesh, schedule), model, opt, M.loss_fn)
 
 
 def simulate_last(prog, hw):
     from partir_torch.sim import simulate_graph
 
-    low = prog.stage_lowered(len(prog.stages) - 1)
+    low = prog.plan.annotated_lowered()
     return simulate_graph(low.gm, prog.mesh, hw)
 
 
@@ -130,7 +119,7 @@ def main(names) -> None:
                       T.zero(3, "batch")]
             expert_name = "BP+Z3[batch] MP+SP[model]"
         t0 = time.perf_counter()
-        eprog = run_schedule(captured, graph, model, opt, mesh, expert)
+        eprog = run_schedule(captured, model, opt, mesh, expert)
         erep = simulate_last(eprog, hw)
         print(f"  expert {expert_name}: step {erep.step_time_s * 1e3:.1f} ms, peak "
               f"{erep.peak_memory_bytes / 1e9:.1f} GB (partition + lowering + simulation "
@@ -141,7 +130,7 @@ def main(names) -> None:
             same = [T.data_parallel("batch"), T.megatron("model"), T.sequence_parallel("model")]
         else:
             same = [T.data_parallel("batch"), T.expert_parallel("model")]
-        srep = simulate_last(run_schedule(captured, graph, model, opt, mesh, same), hw)
+        srep = simulate_last(run_schedule(captured, model, opt, mesh, same), hw)
         print(f"  same prefix as BP[batch] + auto[model] ({' + '.join(t.name for t in same)}): step "
               f"{srep.step_time_s * 1e3:.1f} ms, peak {srep.peak_memory_bytes / 1e9:.1f} GB", flush=True)
         for sched_name, make in (("BP[batch] + auto[model]",
@@ -151,7 +140,7 @@ def main(names) -> None:
                                   lambda lim: [T.automatic(["batch", "model"], hardware=hw, memory_limit=lim)])):
             for lim in LIMITS:
                 t0 = time.perf_counter()
-                prog = run_schedule(captured, graph, model, opt, mesh, make(lim))
+                prog = run_schedule(captured, model, opt, mesh, make(lim))
                 wall = time.perf_counter() - t0
                 rep = prog.search_reports[-1]
                 c = rep.chosen

@@ -47,7 +47,7 @@ def main():
         model = spec.build(device="meta")
         prog = pt.partition(model, pt.Mesh({"data": N}), schedule(), example_inputs=spec.batch(BATCH, device="meta"),
                             loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters()))
-        recs = prog.stage_lowered(len(prog.stages) - 1).records
+        recs = prog.plan.lowered().records
         by = {}
         for r in recs:
             by[r.kind] = by.get(r.kind, 0) + r.nbytes

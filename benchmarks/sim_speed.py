@@ -32,7 +32,7 @@ def main(layers: int = 48):
                         example_inputs=spec.batch(8, device="meta"), loss_fn=spec.loss_fn,
                         optimizer=torch.optim.AdamW(model.parameters()))
     t1 = time.time()
-    low = prog.stage_lowered(len(prog.stages) - 1)
+    low = prog.plan.annotated_lowered()
     t2 = time.time()
     hw = pt.sim.hardware("h100")
     c = time.process_time()

@@ -106,7 +106,7 @@ def program(setup: dict, layers: int):
         prog = pt.partition(model, mesh, _schedule(setup["schedule"], setup["remat"], cfg),
                             example_inputs=(tokens, tokens), loss_fn=M.loss_fn,
                             optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
-        low = prog.stage_lowered(len(prog.stages) - 1)
+        low = prog.plan.annotated_lowered()
         recompute = {n.name for n in low.gm.graph.nodes if n.meta.get("partir_recompute")}
         _PROGRAMS[key] = (low.gm, mesh, recompute)
     return _PROGRAMS[key]

@@ -1,16 +1,13 @@
-"""partition(): capture -> propagate once per tactic -> (lower -> run | simulate)."""
+"""partition(): capture (plan.capture_for) -> plan (one propagation per tactic) -> Program (run | report)."""
 from __future__ import annotations
 
-from .capture import capture
+from .errors import PartitionError
 from .mesh import Mesh
 from .options import Options
-from .program import Program, TacticContext
-from .propagate.engine import Propagator
-from .propagate.graph import PartGraph, no_gc
-from .rules.registry import default_registry
-from .tactics.base import CaptureRewrite, Tactic, decompositions_of
+from .plan import capture_for, plan
+from .program import Program
+from .tactics.base import CaptureRewrite
 from .tactics.schedule import flatten_schedule
-from .errors import PartitionError
 
 
 def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimizer=None, registry=None,
@@ -40,9 +37,9 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     if optimizer is not None and loss_fn is None:
         raise PartitionError("partition: an optimizer needs a loss_fn (the step it updates from).")
     tactics = flatten_schedule(schedule)
-    options = [t for t in tactics if isinstance(t, CaptureRewrite)]
-    if options and loss_fn is None:
-        raise PartitionError(f"partition: {', '.join(t.name for t in options)} change the training step; "
+    rewrites = [t for t in tactics if isinstance(t, CaptureRewrite)]
+    if rewrites and loss_fn is None:
+        raise PartitionError(f"partition: {', '.join(t.name for t in rewrites)} change the training step; "
                              f"pass loss_fn= (they have nothing to act on in a forward-only program).")
     if clip_grad_norm is not None and optimizer is None:
         raise PartitionError("partition: clip_grad_norm clips the gradients before the optimizer update; pass "
@@ -54,21 +51,10 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
                              f"{accumulate!r}.")
     if accumulate > 1 and loss_fn is None:
         raise PartitionError("partition: accumulate sums the gradients of micro-batches; pass loss_fn=.")
-    decomps = {}
-    for t in tactics:
-        decomps.update(decompositions_of(t))
-    captured = capture(model, example_inputs, loss_fn, optimizer, options, decomps, clip_grad_norm=clip_grad_norm,
-                       accumulate=accumulate, accumulate_dims=accumulate_dims)
-    with no_gc():   # linear time: no full collections over the traced graph's heap while partitioning
-        graph = PartGraph(captured.gm, registry or default_registry(), captured.names, captured.ties)
-        prog = Program(captured, graph, Propagator(graph, mesh), mesh, tactics, model, optimizer,
-                       Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile))
-        prog.loss_fn, prog.registry, prog.decompositions = loss_fn, registry, decomps
-        ctx = TacticContext(prog)
-        for t in tactics:
-            if isinstance(t, Tactic):
-                t.apply(ctx)
-            prog.stages.append(prog._snapshot(t))
+    captured = capture_for(model, tactics, example_inputs, loss_fn, optimizer, clip_grad_norm=clip_grad_norm,
+                           accumulate=accumulate, accumulate_dims=accumulate_dims)
+    options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile)
+    prog = Program(plan(captured, mesh, tactics, options, registry), model, optimizer, loss_fn)
     if simulate is not None:
         print(prog.simulate(simulate).table())
     return prog

@@ -1,34 +1,46 @@
-"""What a Program prints and reports: explain(), the annotated graph, the per-device program, the per-tactic
-summary and the simulation of every stage. A mixin of Program (program.py): it reads the program's graph, mesh,
-propagator, stages, notes and remarks, and lowers stages through Program.stage_lowered."""
+"""What a plan prints and reports: explain(), the annotated graph, the per-device program, the per-tactic summary,
+the simulation of every stage and the automatic searches. Reports reads a Plan (plan.py) and nothing else: its
+graph, mesh, stages and their Decisions, and the notes, remarks and search reports the tactics left in it."""
 from __future__ import annotations
 
 import math
 
 from tabulate import tabulate
 
-from .contract import META_COLLECTIVE, META_RECOMPUTE, META_SRC, META_TAG
-from .errors import PartitionError
-from .propagate.state import UNKNOWN, state_str
+from .contract import META_COLLECTIVE, META_NAME, META_RECOMPUTE, META_SRC, META_TAG, Role
+from .errors import PartitionError, closest
 
 
-class ProgramReports:
-    """explain / annotated / device_program / summary / simulate / search_report of a Program."""
+class Reports:
+    """explain / annotated / device_program / summary / simulate / search_report of a Plan."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.graph, self.mesh, self.tactics, self.stages = plan.graph, plan.mesh, plan.tactics, plan.stages
+
+    # -- values --------------------------------------------------------------------------------------------------
+    def vid(self, name: str) -> int:
+        """The value index of a named value, or of an FX node's name (as conflicts and collective records give it)."""
+        vid = self.graph.name_to_vid.get(name)
+        if vid is None:
+            vid = next((v for n, v in self.graph.vid.items() if n.name == name), None)
+        if vid is None:
+            near = closest(name, self.graph.name_to_vid, n=5)
+            raise PartitionError(f"no value named {name!r}." + (f" Closest: {', '.join(near)}." if near else ""))
+        return vid
 
     # -- explain -------------------------------------------------------------------------------------------------
     def explain(self, name: str) -> str:
         """Which tactic decided each axis of a value, and through which path."""
-        vid = self._vid(name)
-        g, c = self.graph, self.graph.canon[vid]
-        lines = [f"{name}: {self.sharding_of_vid(vid)}  shape {tuple(g.shapes[vid])}"]
+        vid = self.vid(name)
+        d = self.plan.decisions
+        lines = [f"{name}: {d.sharding(vid)}  shape {tuple(self.graph.shapes[vid])}"]
         for axis in self.mesh.axes:
-            st = self.prop.axes.get(axis)
-            s = UNKNOWN if st is None else st.value[c]
-            if s == UNKNOWN:
+            if d.provenance(axis, vid) is None:
                 lines.append(f"  axis '{axis}': replicated (no tactic decided it)")
                 continue
-            lines.append(f"  axis '{axis}': {self._why(st, c, s)}")
-        for text in self.notes.get(name, ()):
+            lines.append(f"  axis '{axis}': {self._why(axis, vid)}")
+        for text in self.plan.notes.get(name, ()):
             lines.append(f"  note: {text}")
         for conflict, via in self._conflicts_of(vid):
             lines.append(f"  conflict: {conflict}" + (f" (reached from this value's seed through {via})"
@@ -38,28 +50,29 @@ class ProgramReports:
     def _conflicts_of(self, vid: int) -> list:
         """(conflict, value it reached) for the conflicts that involve this value: it is one of the competing
         values, or a competing value's decision comes (by provenance) from this value's seed."""
-        g = self.graph
+        g, d = self.graph, self.plan.decisions
         out = []
-        for conflict in self.prop.conflicts:
-            st = self.prop.axes.get(conflict.axis)
+        for conflict in d.conflicts:
+            if conflict.axis not in d.axes:
+                continue
             for value, _, _ in conflict.states:
                 v = g.name_to_vid.get(value, next((x for n, x in g.vid.items() if n.name == value), None))
-                if v is None or st is None:
+                if v is None:
                     continue
                 if g.canon[v] == g.canon[vid]:
                     out.append((conflict, ""))
                     break
-                if self._seed_of(st, g.canon[v]) == g.canon[vid]:
+                if self._seed_of(conflict.axis, g.canon[v]) == g.canon[vid]:
                     out.append((conflict, value))
                     break
         return out
 
-    def _seed_of(self, st, c: int) -> int | None:
+    def _seed_of(self, axis: str, c: int) -> int | None:
         """The canonical value whose seed decided `c` on this axis (following provenance), or None."""
-        seen = set()
+        d, seen = self.plan.decisions, set()
         while c not in seen:
             seen.add(c)
-            prov = st.prov.get(c)
+            prov = d.provenance(axis, c)
             if prov is None:
                 return None
             if prov.op is None:
@@ -70,20 +83,19 @@ class ProgramReports:
     def search_report(self) -> str:
         """The automatic tactics' searches (tactics.automatic): the candidates lowered and simulated (actions, step
         time, peak memory, exposed communication, next to the fast estimate) and the search statistics."""
-        reports = self.__dict__.get("search_reports", [])
-        if not reports:
+        if not self.plan.searches:
             raise PartitionError("search_report: no automatic tactic in this schedule (pt.tactics.automatic).")
-        return "\n\n".join(r.table() for r in reports)
+        return "\n\n".join(r.table() for r in self.plan.searches)
 
-    def _why(self, st, c: int, s: int) -> str:
-        auto = self.__dict__.get("auto_actions", {}).get((c, st.axis))
-        why = self._why_path(st, c, s)
+    def _why(self, axis: str, vid: int) -> str:
+        auto = self.plan.actions.get((self.graph.canon[vid], axis))
+        why = self._why_path(axis, vid)
         return why + (f"; decided by {auto[0]} (automatic), action '{auto[1]}'" if auto else "")
 
-    def _why_path(self, st, c: int, s: int) -> str:
-        g = self.graph
-        prov = st.prov[c]
-        what = state_str(s)
+    def _why_path(self, axis: str, vid: int) -> str:
+        g, d = self.graph, self.plan.decisions
+        prov = d.provenance(axis, vid)
+        what = d.state_text(axis, vid)
         if prov.op is None:
             return f"{what} by tactic {prov.tactic}: seeded"
         path, cur, seen = [], prov, set()
@@ -94,7 +106,7 @@ class ProgramReports:
             if src in seen:
                 break
             seen.add(src)
-            cur = st.prov.get(src)
+            cur = d.provenance(axis, src)
         more = " ..." if cur is not None and cur.op is not None else ""
         origin = f" (seeded by {cur.tactic})" if cur is not None and cur.op is None else ""   # the last `from` value
         return f"{what} by {prov.tactic} via " + " <- ".join(path) + more + origin
@@ -116,19 +128,19 @@ class ProgramReports:
             shape = list(val.shape) if vid is not None else ""
             lhs = f"%{node.name}: {shape}" if vid is not None else f"%{node.name}"
             if node.op == "placeholder":
-                rhs = f"input {node.meta.get('partir_name', '')}"
+                rhs = f"input {node.meta.get(META_NAME, '')}"
             else:
                 args = ", ".join(f"%{a.name}" if hasattr(a, "name") else repr(a) for a in node.args)
                 rhs = f"{node.target}({args})"
-            sh = f"  # {self.sharding_of_vid(vid)}" if vid is not None else ""
-            tag = f"  ({node.meta['partir_tag']})" if node.meta.get(META_TAG) else ""
+            sh = f"  # {self.plan.sharding(vid)}" if vid is not None else ""
+            tag = f"  ({node.meta[META_TAG]})" if node.meta.get(META_TAG) else ""
             lines.append(f"{lhs} = {rhs}{sh}{tag}")
         return "\n".join(lines)
 
     def device_program(self) -> str:
         """The per-device program: local shapes, each op's value sharding, and every collective with its kind,
         axis, bytes and the tactic that made it necessary."""
-        low = self.stage_lowered(len(self.stages) - 1)
+        low = self.plan.annotated_lowered()
         g = self.graph
         src = {n.name: n for n in g.gm.graph.nodes}
         lines = [f"# per-device program on mesh {self.mesh}; schedule: "
@@ -140,7 +152,7 @@ class ProgramReports:
             val = node.meta.get("val")
             shape = f": {_dt(val)}{list(val.shape)}" if hasattr(val, "shape") else ""
             if node.op == "placeholder":
-                lines.append(f"%{node.name}{shape} = input {node.meta.get('partir_name', '')}")
+                lines.append(f"%{node.name}{shape} = input {node.meta.get(META_NAME, '')}")
                 continue
             args = ", ".join(f"%{a.name}" if hasattr(a, "name") else repr(a) for a in node.args)
             line = f"%{node.name}{shape} = {_short(node.target)}({args})"
@@ -151,12 +163,9 @@ class ProgramReports:
                 line += f"  # {rec.kind}{op} on '{rec.axis}' (x{rec.group_size}) {_fmt_bytes(rec.nbytes)} " \
                         f"<- {rec.tactic}, for {rec.value}"
             elif origin is not None and origin in g.vid:
-                line += f"  # {self.sharding_of_vid(g.vid[origin])}"
+                line += f"  # {self.plan.sharding(g.vid[origin])}"
             lines.append(line)
         return "\n".join(lines)
-
-    def __str__(self):
-        return self.device_program()
 
     # -- stages: what each tactic changed ------------------------------------------------------------------------
     def simulate(self, hw, axis_map=None, issue: str = "ready"):
@@ -166,7 +175,7 @@ class ProgramReports:
 
         reports = []
         for k, name in [(-1, "replicated")] + [(k, s.tactic) for k, s in enumerate(self.stages)]:
-            low = self.stage_lowered(k)
+            low = self.plan.annotated_lowered(k)
             recompute = {n.name for n in low.gm.graph.nodes if n.meta.get(META_RECOMPUTE)}
             reports.append(simulate_graph(low.gm, self.mesh, hw, axis_map=axis_map, stage_name=name, issue=issue,
                                           exclude_flops=recompute))
@@ -188,27 +197,29 @@ class ProgramReports:
             prev = cur
         table = tabulate(rows, headers=["tactic", "axis", "decisions", "conflicts", "collectives added",
                                         "comm bytes/step", "params/device", "opt state/device"], tablefmt="simple")
-        notes = [text for s in self.stages for text in self.remarks.get(s.tactic, ())]
-        if self.conflicts:
-            shown = "\n".join(f"  {c}" for c in self.conflicts[:3])
-            more = f"\n  ... and {len(self.conflicts) - 3} more (prog.conflicts)" if len(self.conflicts) > 3 else ""
-            notes.append(f"{len(self.conflicts)} conflict{'s' if len(self.conflicts) > 1 else ''} (propagation "
+        notes = [text for s in self.stages for text in self.plan.remarks.get(s.tactic, ())]
+        conflicts = self.plan.conflicts
+        if conflicts:
+            shown = "\n".join(f"  {c}" for c in conflicts[:3])
+            more = f"\n  ... and {len(conflicts) - 3} more (prog.conflicts)" if len(conflicts) > 3 else ""
+            notes.append(f"{len(conflicts)} conflict{'s' if len(conflicts) > 1 else ''} (propagation "
                          f"stopped there; lowering reshards the values around them; prog.explain(<value or FX node "
                          f"name>) names the cause):\n{shown}{more}")
         return "\n".join([table] + notes)
 
     def _stage_stats(self, k: int) -> dict:
-        low = self.stage_lowered(k)
+        low = self.plan.lowered(k)
         by: dict = {}
         for r in low.records:
             by[(r.kind, r.axis)] = by.get((r.kind, r.axis), 0) + 1
         sent = sum(r.nbytes for r in low.records)
         param = opt = 0
-        for role, shape, n in zip(self.captured.input_roles, low.local_shapes,
-                                  [n for n in self.captured.gm.graph.nodes if n.op == "placeholder"]):
-            if role in ("param", "opt_state") and shape is not None:
+        cap = self.plan.captured
+        for role, shape, n in zip(cap.input_roles, low.local_shapes,
+                                  [n for n in cap.gm.graph.nodes if n.op == "placeholder"]):
+            if role in (Role.PARAM, Role.OPT_STATE) and shape is not None:
                 b = math.prod(shape) * n.meta["val"].element_size()
-                if role == "param":
+                if role == Role.PARAM:
                     param += b
                 else:
                     opt += b

@@ -108,7 +108,7 @@ def test_search_chooses_zero3_when_parameters_cannot_be_replicated():
         for name in (f"params.{fqn}", f"opt.exp_avg.{fqn}"):
             assert len(axis_dims(prog, name, "batch")) == 1, prog.explain(name)
         assert "decided by Auto (automatic), action " in prog.explain(f"params.{fqn}")
-    records = prog.stage_lowered(len(prog.stages) - 1).records      # a meta model: lowered, never run
+    records = prog.plan.lowered().records      # a meta model: lowered, never run
     gathers = [r for r in records if r.kind == "all_gather" and r.axis == "batch"]
     assert gathers, "parameters stored tiled must be gathered at use" 
 
@@ -123,7 +123,7 @@ def test_fast_estimate_counts_gradients_until_the_update():
     prog = partition(spec, model, batch, {"batch": 8},
                      [T.mixed_precision(torch.bfloat16), T.data_parallel("batch"), T.zero(3, "batch")])
     facts = ProgramFacts(prog.graph, prog.mesh, HW, prog.captured)
-    est = facts.estimate({a: prog.prop.axis_arrays(a) for a in prog.mesh.axes})
+    est = facts.estimate({a: prog.decisions.axis_arrays(a) for a in prog.mesh.axes})
     sim = prog.simulate(HW)
     grads = 4 * sum(p.numel() for p in model.parameters())     # fp32 gradients, whole, before their reduction
     assert sim.peak_memory_bytes > grads

@@ -195,9 +195,9 @@ def test_unfused_and_fused_programs_agree_and_the_simulator_costs_one_kernel():
                         example_inputs=(x, y), loss_fn=_loss, optimizer=torch.optim.AdamW(model.parameters()),
                         compile=True)
     groups = {"batch": "g"}
-    unfused = Lowerer(prog.graph, Decisions(prog.prop), prog.mesh, prog.captured, groups, prog.options).run()
+    unfused = Lowerer(prog.graph, prog.decisions, prog.mesh, prog.captured, groups, prog.options).run()
     assert FUSED_UPDATE not in [n.target for n in unfused.gm.graph.nodes]
-    low = Lowerer(prog.graph, Decisions(prog.prop), prog.mesh, prog.captured, groups, Options()).run()
+    low = Lowerer(prog.graph, prog.decisions, prog.mesh, prog.captured, groups, Options()).run()
     annotate_local_vals(low, prog.captured)
     node = next(n for n in low.gm.graph.nodes if n.target is FUSED_UPDATE)
     hw = pt.sim.hardware("h100")

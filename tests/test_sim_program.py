@@ -35,7 +35,7 @@ def test_stage_reports_follow_the_schedule():
     assert kinds(z3) == {("all_reduce", "model"), ("all_reduce", "batch"), ("all_gather", "batch"),
                          ("reduce_scatter", "batch")}
     # BP leaves parameters whole, MP halves the tiled ones, Z3 tiles everything again on "batch"
-    param = [prog._stage_stats(k)["param"] for k in (-1, 0, 1, 2)]
+    param = [prog.reports._stage_stats(k)["param"] for k in (-1, 0, 1, 2)]
     assert param[1] == param[0] and param[2] < param[1] and param[3] < param[2]
     assert z3.peak_memory_bytes < mp.peak_memory_bytes < bp.peak_memory_bytes < base.peak_memory_bytes
     assert base.compute_s > bp.compute_s            # half the batch per device
@@ -48,7 +48,7 @@ def test_zero3_memory_never_grows_with_ranks():
         prog = gpt_program({"batch": k}, [T.data_parallel("batch"), T.zero(3, "batch")])
         r = prog.simulate(pt.sim.hardware("h100", gpus_per_node=k))
         peaks.append(r.peak_memory_bytes)
-        params.append(prog._stage_stats(1)["param"])
+        params.append(prog.reports._stage_stats(1)["param"])
     assert peaks == sorted(peaks, reverse=True) and params == sorted(params, reverse=True)
     assert params[-1] <= params[0] / 8 * 1.1          # a few small tensors that do not divide stay whole
 

@@ -22,3 +22,4 @@ def annotate_local_vals(lowered, captured) -> None:
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     out.meta[META_NAME] = list(captured.output_names)
+    lowered.annotated = True

@@ -44,6 +44,7 @@ class Lowered:
     output_layouts: list             # per output: Sharding
     coord_axes: list                 # extra trailing placeholders: the rank's coordinate on each axis
     local_shapes: list = field(default_factory=list)   # per captured placeholder
+    annotated: bool = False          # every node's meta["val"] holds its local FakeTensor (fakeprop.py)
 
 
 def _local(shape, sh: Sharding, mesh):
@@ -52,8 +53,8 @@ def _local(shape, sh: Sharding, mesh):
 
 def op_layouts(decisions: Decisions, i: int):
     """(operand layouts, result layouts) op i computes under: built from its per-axis decisions, with each dim's
-    axes in the order they were assigned. (A Program is accepted too: its final decisions.)"""
-    d = decisions if isinstance(decisions, Decisions) else decisions.decisions
+    axes in the order they were assigned."""
+    d = decisions
     g, mesh = d.graph, d.mesh
     op = g.ops[i]
     rule = op.rule
@@ -300,10 +301,28 @@ class Lowerer:
         return None
 
 
-def lower(prog, groups: dict, options: Options | None = None) -> "Lowered":
-    """Lower a Program (or a view of one with another propagator) with its options."""
-    return Lowerer(prog.graph, Decisions(prog.prop), prog.mesh, prog.captured, groups,
-                   options or getattr(prog, "options", None)).run()
+def canonical_groups(mesh) -> dict:
+    """The process-group names a plan is lowered with, one per mesh axis ("partir_<axis>"). The emulated runtime
+    runs them as they are; a runtime with real process groups binds the program to its own names (bind)."""
+    return {a: f"partir_{a}" for a in mesh.axes}
+
+
+def bind(lowered: "Lowered", groups: dict) -> "Lowered":
+    """The same per-device program with its collectives on `groups` (mesh axis -> process group name) instead of
+    canonical_groups: a copy of the graph with those arguments replaced (no lowering); records and layouts are
+    shared. Returns `lowered` itself when the names already agree."""
+    rename = {f"partir_{a}": g for a, g in groups.items() if g != f"partir_{a}"}
+    if not rename:
+        return lowered
+    graph = fx.Graph()
+    rv, old_out = graph.graph_copy(lowered.gm.graph, {}, return_output_node=True)
+    graph.output(rv).meta.update(old_out.meta)
+    for node in graph.nodes:
+        if node.op == "call_function" and any(isinstance(a, str) and a in rename for a in node.args):
+            node.args = tuple(rename.get(a, a) if isinstance(a, str) else a for a in node.args)
+    gm = _LazyGraphModule(torch.nn.Module(), graph)
+    return Lowered(gm, lowered.records, lowered.input_layouts, lowered.output_layouts, lowered.coord_axes,
+                   lowered.local_shapes)
 
 
 # A local shard's strides can differ from the traced tensor's (an operand arrives gathered, a kernel lays out its

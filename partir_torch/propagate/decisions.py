@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ..sharding import Sharding
-from .state import PARTIAL_OP, REPLICATED, UNKNOWN
+from .state import PARTIAL_OP, UNKNOWN, WHOLE, Provenance, state_str
 
 
 def value_sharding(prop, vid: int) -> Sharding:
@@ -40,7 +40,7 @@ def value_sharding(prop, vid: int) -> Sharding:
         s = st.value[c]
         if s in PARTIAL_OP:
             partial.append((axis, PARTIAL_OP[s]))
-        elif s == REPLICATED:
+        elif s == WHOLE:
             rep.append(axis)
         elif s >= 0 and (c, axis) in prop.strides:
             strides.append((axis, prop.strides[(c, axis)]))
@@ -101,11 +101,26 @@ class Decisions:
         tactic = prov.tactic if prov is not None else "-"
         if s >= 0:
             return AxisDecision(Kind.TILED, dim=s, stride=p.strides.get((c, axis), 1), tactic=tactic)
-        if s == REPLICATED:
+        if s == WHOLE:
             return AxisDecision(Kind.REPLICATED, tactic=tactic)
         if s in PARTIAL_OP:
             return AxisDecision(Kind.PARTIAL, op=PARTIAL_OP[s], tactic=tactic)
         return AxisDecision(Kind.UNKNOWN)
+
+    def state_text(self, axis: str, vid: int) -> str:
+        """The state as explain() prints it: "tiled(dim 0)", "partial(sum)", "replicated", "unknown"."""
+        st = self._p.axes.get(axis)
+        return state_str(UNKNOWN if st is None else st.value[self.graph.canon[vid]])
+
+    def provenance(self, axis: str, vid: int) -> Provenance | None:
+        """Why the value has its state on `axis`: the tactic, and the op and neighbour the decision came through
+        (op None: seeded); None when nothing decided it."""
+        st = self._p.axes.get(axis)
+        return None if st is None else st.prov.get(self.graph.canon[vid])
+
+    def is_sealed(self, vid: int, axis: str) -> bool:
+        """Fixed by a closed run (expert parallelism's token buffers; see propagate/engine.py)."""
+        return (self.graph.canon[vid], axis) in self._p.sealed
 
     def tactic_of(self, vid: int, axis: str) -> str:
         """The tactic whose decision on `axis` this value carries ("-" when none)."""
@@ -123,6 +138,10 @@ class Decisions:
         axes and strided splits."""
         return value_sharding(self._p, vid)
 
+    def axis_arrays(self, axis: str) -> tuple:
+        """(per canonical value, per op) decisions on `axis` in propagate/arrays.py's array form."""
+        return self._p.axis_arrays(axis)
+
     # -- ops ---------------------------------------------------------------------------------------------------
     def op_factor_axes(self, i: int) -> dict:
         """Rule factor id -> the axes tiling it (in order) for op i."""
@@ -131,6 +150,11 @@ class Decisions:
     def op_inner(self, i: int, axis: str) -> int:
         """Inner split factor when op i tiles a factor strided on `axis` (1 when not)."""
         return self._p.op_inner.get((i, axis), 1)
+
+    def op_tactic(self, i: int, axis: str) -> str | None:
+        """The tactic that decided op i on `axis`, or None."""
+        st = self._p.axes.get(axis)
+        return st.assign_tactic.get(i) if st is not None else None
 
     def op_partial(self, i: int, axis: str) -> str | None:
         """The reduction op i passes a partial operand through on `axis` ("sum" / "max" / "min"), else None."""

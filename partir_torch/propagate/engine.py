@@ -19,10 +19,11 @@ import torch
 from .. import contract
 from ..contract import META_NO_PARTIAL_PASS, META_OUTPUT
 from ..errors import ShardingConflictError
+from ..sharding import REPLICATED
 from ..rules.factors import PASS, REDUCE, stride_of
 from .graph import no_gc
 from .record import DecisionRecord, place_axis  # noqa: F401 - place_axis: lowering imports it from here
-from .state import PARTIAL, PARTIAL_OP, REPLICATED, UNKNOWN, AxisState, Conflict, Provenance, state_str
+from .state import PARTIAL, PARTIAL_OP, WHOLE, UNKNOWN, AxisState, Conflict, Provenance, state_str
 
 
 aten = torch.ops.aten
@@ -35,7 +36,10 @@ class Propagator(DecisionRecord):
     queries and copies)."""
 
     # -- seeding -------------------------------------------------------------------------------------------------
-    def seed(self, axis: str, vid: int, state: int, tactic: str, stride: int = 1) -> None:
+    def seed(self, axis: str, vid: int, state, tactic: str, stride: int = 1) -> None:
+        """Seed one value on `axis`: tiled on dim `state` (an int), or pt.REPLICATED."""
+        if state is REPLICATED:
+            state = WHOLE
         st = self.axis_state(axis)
         c = self.g.canon[vid]
         cur = st.value[c]
@@ -216,7 +220,7 @@ class Propagator(DecisionRecord):
                                                                  f"not divisible by axis '{st.axis}' (size {k})")
                     return []
                 targets.append((c, d, stride))
-            elif s != d and not (s in PARTIAL_OP and not is_res) and s != REPLICATED:
+            elif s != d and not (s in PARTIAL_OP and not is_res) and s != WHOLE:
                 # a partial operand is no obstacle (lowering reduce-scatters it into the tiling), nor is an
                 # explicitly replicated one (sliced locally as an operand, gathered once as a result)
                 self._conflict(st, i, tactic, [vid, source], "a neighbour demands another state")

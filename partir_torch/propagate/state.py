@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 UNKNOWN = -1
-REPLICATED = -2
+WHOLE = -2           # explicitly replicated (the public pt.REPLICATED seed)
 PARTIAL = {"sum": -3, "max": -4, "min": -5}
 PARTIAL_OP = {v: k for k, v in PARTIAL.items()}
 
@@ -14,7 +14,7 @@ def state_str(s: int) -> str:
         return f"tiled(dim {s})"
     if s == UNKNOWN:
         return "unknown"
-    if s == REPLICATED:
+    if s == WHOLE:
         return "replicated"
     return f"partial({PARTIAL_OP[s]})"
 

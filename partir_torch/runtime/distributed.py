@@ -96,5 +96,8 @@ class DistributedRuntime:
     def full(self, t, sh: Sharding, shape) -> torch.Tensor:
         return self.dtensor(t, sh, shape).full_tensor()
 
+    def value(self, t, sh: Sharding, shape):
+        return self.dtensor(t, sh, shape)
+
     def rank0(self, t) -> torch.Tensor:
         return t

@@ -37,7 +37,7 @@ class EmulatedRuntime:
                                       "emulator (runtime/interpret.py) compiles each segment.")
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.mesh = mesh
+        self.mesh, self.compile = mesh, False
         _ensure_world(mesh.size)
         self.mode = LocalTensorMode(mesh.size)
         with self.mode:
@@ -70,6 +70,9 @@ class EmulatedRuntime:
 
     def full(self, t, sh: Sharding, shape) -> torch.Tensor:
         return assemble(dict(t._local_tensors), sh, self.mesh, shape)
+
+    def value(self, t, sh: Sharding, shape) -> torch.Tensor:
+        return self.full(t, sh, shape)
 
     def rank0(self, t) -> torch.Tensor:
         return t._local_tensors[0].clone()

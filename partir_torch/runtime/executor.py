@@ -1,4 +1,5 @@
-"""Runs a lowered program step after step: state (parameters, buffers, optimizer state) stays as local shards."""
+"""Runs a plan's per-device program step after step on a backend (backend.py), with the state it holds as local
+shards (state.py's HeldState)."""
 from __future__ import annotations
 
 import hashlib
@@ -7,36 +8,50 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
+from ..contract import META_SRC, STATE_ROLES, Role
 from ..errors import PartitionError, internal_error
-from ..lower.lower import lower
-from .distributed import DistributedRuntime, real_ranks_active
+from ..lower.lower import bind
+from .backend import backend_for
 from .interpret import InterpretedRuntime
-from .state import STATE_ROLES, StateIO
-from ..contract import META_SRC
+from .state import HeldState
 
 
-class Executor(StateIO):
-    """Runs the lowered program on the state it holds as local shards: set-up (runtime, lowering, state), argument
-    assembly and the steps. Moving the state in and out (state_dict, load_state_dict, export_to, ...) is StateIO's
-    (state.py)."""
+class Executor:
+    """Runs the plan's lowered program (Plan.lowered, bound to the backend's process groups) on the state it holds:
+    set-up (backend, binding, state), argument assembly and the steps. Moving the state in and out (state_dict,
+    load_state_dict, export_to, ...) is the HeldState's (state.py)."""
 
     # emulated ranks: plain tensors per rank, collectives computed over them (interpret.py); tests swap in
     # emulate.EmulatedRuntime (LocalTensorMode) as a cross-check
     emulator = InterpretedRuntime
 
-    def __init__(self, prog, model, optimizer):
-        self.prog, self.model, self.optimizer = prog, model, optimizer
+    def __init__(self, plan, model, optimizer, loss_fn=None):
+        self.plan, self.model, self.optimizer, self.loss_fn = plan, model, optimizer, loss_fn
         self.rt = None
-        self.lowered = None
-        self.state: dict | None = None       # placeholder name -> local tensor
-        self.steps = 0
+        self.lowered = None                  # plan.lowered() bound to self.rt's process groups
+        self._held = HeldState(plan, model, optimizer)
         self.last_grad_norm = None
         self._hyper = None                   # this call's optimizer hyperparameters, read from the param groups
+        self._evaluator = None
+
+    @property
+    def steps(self) -> int:
+        return self._held.steps
+
+    @property
+    def state(self) -> dict:
+        """Placeholder name -> local shard held (after ensure())."""
+        return self._held.state
+
+    def held(self) -> HeldState:
+        """The state, on a live backend."""
+        self.ensure()
+        return self._held
 
     @property
     def evaluator(self):
         """eval_step / forward on the live state (evaluate.py), one captured program per input signature."""
-        if getattr(self, "_evaluator", None) is None:
+        if self._evaluator is None:
             from .evaluate import Evaluator
 
             self._evaluator = Evaluator(self)
@@ -45,33 +60,28 @@ class Executor(StateIO):
     # -- set-up ----------------------------------------------------------------------------------------------------
     def ensure(self):
         if self.rt is None or not self.rt.valid():
-            mesh = self.prog.mesh
-            compile_ = getattr(self.prog.options, "compile", False)
-            self.rt = DistributedRuntime(mesh, self.prog.options.timeout_s, compile=compile_) if \
-                real_ranks_active() else self.emulator(mesh, compile=compile_)
-            self.lowered = lower(self.prog, self.rt.groups)
-            if isinstance(self.rt, DistributedRuntime):
-                # group names differ between ranks (each rank numbers its own groups): hash the axis names instead
-                code = self.lowered.gm.code
-                for axis, gname in self.rt.groups.items():
-                    code = code.replace(repr(gname), repr(f"axis:{axis}"))
-                if any(str(n.target).startswith(("aten.bernoulli", "aten.rand", "aten.native_dropout"))
-                       for n in self.lowered.gm.graph.nodes):
-                    # random draws must agree on every rank: include the generator state in the plan
-                    # (hashlib: Python's hash() of bytes is salted per process)
-                    code += f"\n# rng {hashlib.sha256(bytes(torch.get_rng_state().numpy())).hexdigest()}"
-                self.rt.check_plan(code)
-            if self.state is not None:   # runtime re-created (emulation): re-shard the state we hold
-                full = self.state_full()
-                self.state = None
-                self._init_state(full)
-        if self.state is None:
-            self._init_state(None)
+            rt = backend_for(self.plan.mesh, self.plan.options, self.emulator)
+            canonical = self.plan.lowered()
+            self.lowered = bind(canonical, rt.groups)
+            if rt.kind == "distributed":
+                rt.check_plan(self._plan_text(canonical))
+            self.rt = rt
+            self._held.attach(rt)
         return self.lowered
+
+    def _plan_text(self, canonical) -> str:
+        """What every rank must agree on: the program's code on canonical group names (each rank numbers its own
+        process groups) and, when the step draws random numbers, the generator state."""
+        code = canonical.gm.code
+        if any(str(n.target).startswith(("aten.bernoulli", "aten.rand", "aten.native_dropout"))
+               for n in canonical.gm.graph.nodes):
+            # random draws must agree on every rank (hashlib: Python's hash() of bytes is salted per process)
+            code += f"\n# rng {hashlib.sha256(bytes(torch.get_rng_state().numpy())).hexdigest()}"
+        return code
 
     # -- running ---------------------------------------------------------------------------------------------------
     def _args(self, batch, local: bool):
-        cap = self.prog.captured
+        cap = self.plan.captured
         flat, _ = tree_flatten(tuple(batch))
         n_in = sum(1 for r in cap.input_roles if r == "input")
         if len(flat) != n_in:
@@ -81,19 +91,19 @@ class Executor(StateIO):
                                        self.lowered.local_shapes):
             if role in STATE_ROLES:
                 args.append(self.state[name])
-            elif role == "lr":   # hparams.<group>.<name>: read from the optimizer's param groups at every step
+            elif role == Role.LR:   # hparams.<group>.<name>: read from the optimizer's param groups at every step
                 if self._hyper is None:
                     self._hyper = cap.fopt.hyper_values()
                 _, g, h = name.split(".")
                 args.append(self.rt.local(torch.tensor(self._hyper[(int(g), h)], dtype=torch.float64)))
-            elif role == "const":
+            elif role == Role.CONST:
                 args.append(self.rt.shard(cap.consts[name], sh))
-            elif role == "step":
+            elif role == Role.STEP:
                 args.append(self.rt.local(torch.tensor(float(self.steps + 1), dtype=torch.float64)))
             else:
                 x = flat[k]
                 k += 1
-                want = self.prog.graph.shapes[self.prog.graph.vid[self._placeholder(name)]]
+                want = self.plan.graph.shapes[self.plan.graph.vid[self._placeholder(name)]]
                 self._check_input(name, x)
                 if local:
                     if tuple(x.shape) != tuple(shp):
@@ -118,13 +128,13 @@ class Executor(StateIO):
             raise PartitionError(f"{name} has dtype {x.dtype}; the program was captured with {val.dtype} "
                                  f"(shape {tuple(val.shape)}). Convert it (x.to({val.dtype})) or re-partition with "
                                  f"example inputs of this dtype.")
-        dev = self.prog.captured.device
+        dev = self.plan.captured.device
         if x.device.type == "meta" or (x.device.type != dev.type and dev.type != "meta"):
             raise PartitionError(f"{name} is on {x.device}; the program runs on {dev.type}. Move the batch there "
                                  f"(x.to('{dev.type}')).")
 
     def _placeholder(self, name):
-        return self.prog.captured.names[name]
+        return self.plan.captured.names[name]
 
     def run(self, batch, local=False):
         """Random ops (dropout) are drawn whole on every rank from the caller's generator and sliced (their rule
@@ -148,24 +158,24 @@ class Executor(StateIO):
         if name is not None:
             node = next((n for n in gm.graph.nodes if n.name == name), None)
             src = node.meta.get(META_SRC) if node is not None else None
-            return next((n for n in self.prog.captured.gm.graph.nodes if n.name == src), None) or node
+            return next((n for n in self.plan.captured.gm.graph.nodes if n.name == src), None) or node
         lines = gm.code.splitlines()
         for fr in reversed(traceback.extract_tb(exc.__traceback__)):
             if fr.filename.startswith("<eval_with_key>") and 0 < fr.lineno <= len(lines):
                 name = lines[fr.lineno - 1].strip().split(" = ")[0]
                 node = next((n for n in gm.graph.nodes if n.name == name), None)
                 src = node.meta.get(META_SRC) if node is not None else None
-                orig = next((n for n in self.prog.captured.gm.graph.nodes if n.name == src), None)
+                orig = next((n for n in self.plan.captured.gm.graph.nodes if n.name == src), None)
                 return orig or node
         return None
 
     def train_step(self, batch, local=False):
-        cap = self.prog.captured
+        cap = self.plan.captured
         if cap.mode != TRAIN:
             raise PartitionError("train_step needs partition(..., loss_fn=..., optimizer=...).")
         outs = self.run(batch, local)
         self._keep_state(outs)
-        self.steps += 1
+        self._held.steps += 1
         if self.optimizer is not None:   # the update ran: lr schedulers stepped after it do not warn
             self.optimizer._opt_called = True
         if "grad_norm" in cap.output_names:
@@ -173,7 +183,7 @@ class Executor(StateIO):
         return self.rt.rank0(outs[0])
 
     def loss_and_grads(self, batch):
-        cap = self.prog.captured
+        cap = self.plan.captured
         if cap.mode != LOSS_AND_GRADS:
             raise PartitionError("loss_and_grads needs partition(..., loss_fn=...) without an optimizer.")
         outs = self.run(batch)
@@ -183,12 +193,12 @@ class Executor(StateIO):
 
     def _keep_state(self, outs):
         """Updated state outputs (buffers written by the forward: running statistics) replace the state held."""
-        for name, t in zip(self.prog.captured.output_names, outs):
+        for name, t in zip(self.plan.captured.output_names, outs):
             if name in self.state:
                 self.state[name] = t
 
     def forward(self, inputs):
-        cap = self.prog.captured
+        cap = self.plan.captured
         if cap.mode != FORWARD:
             raise PartitionError("calling the program runs the forward; this program was captured with a loss_fn "
                                  "(use train_step or loss_and_grads).")

@@ -136,7 +136,7 @@ class InterpretedRuntime:
         self.mesh = mesh
         self.compile = compile
         self.n = mesh.size
-        self.groups = {a: f"partir_emulated:{a}" for a in mesh.axes}
+        self.groups = {a: f"partir_{a}" for a in mesh.axes}   # lower.canonical_groups: no binding
         self._axis_of = {g: a for a, g in self.groups.items()}
         self._rank_groups = {a: self._groups_of(a) for a in mesh.axes}
         self._plans: dict = {}
@@ -172,6 +172,9 @@ class InterpretedRuntime:
 
     def full(self, t: PerRank, sh: Sharding, shape) -> torch.Tensor:
         return assemble(dict(enumerate(t.ts)), sh, self.mesh, shape)
+
+    def value(self, t, sh: Sharding, shape) -> torch.Tensor:
+        return self.full(t, sh, shape)
 
     def rank0(self, t: PerRank) -> torch.Tensor:
         return t.ts[0].clone()

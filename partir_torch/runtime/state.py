@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from ..contract import STATE_ROLES
 from ..errors import PartitionError
 
 GROUP_SKIP = ("params",)
-STATE_ROLES = ("param", "buffer", "opt_state")
 
 
 def model_keys(model: torch.nn.Module, state_names) -> dict:
@@ -70,49 +70,59 @@ def to_global(value, name: str, shape, rt, sh):
     return rt.shard(value, sh)
 
 
-class StateIO:
-    """The Executor's state in and out: gathered, as a state dict in the layout above (and back, resharded), and
-    to / from eager modules and optimizers. A mixin of Executor (executor.py): it uses the executor's prog, rt,
-    lowered, state (placeholder name -> local shard), steps, model and optimizer, and its ensure() and
-    _placeholder()."""
+class HeldState:
+    """The state a program holds between steps (parameters, buffers, optimizer state as local shards on a backend,
+    and the step count), and moving it in and out: gathered, as a state dict in the layout above (and back,
+    resharded), and to / from eager modules and optimizers. The Executor (executor.py) owns one and attaches it to
+    its backend (attach)."""
+
+    def __init__(self, plan, model, optimizer):
+        self.plan, self.model, self.optimizer = plan, model, optimizer
+        cap = plan.captured
+        self.layouts = dict(zip(cap.input_names, plan.lowered().input_layouts))
+        self.rt = None
+        self.state: dict | None = None       # placeholder name -> local tensor
+        self.steps = 0
+
+    def attach(self, rt) -> None:
+        """Hold the state on backend `rt`: first from the eager model and optimizer, later (a new backend) the
+        state held so far, moved over."""
+        full = self.state_full() if self.state is not None else None
+        self.rt = rt
+        self.state = None
+        self._init_state(full)
 
     def _init_state(self, full: dict | None):
         """Hold `full` (state name -> full tensor; None: the eager model's and optimizer's) as local shards."""
-        cap = self.prog.captured
+        cap = self.plan.captured
         if full is None:
             full, self.steps = self._full_from(self.model, self.optimizer)
         self.state = {}
-        for name, role, sh in zip(cap.input_names, cap.input_roles, self.lowered.input_layouts):
+        for name, role in zip(cap.input_names, cap.input_roles):
             if role in STATE_ROLES:
-                self.state[name] = self.rt.shard(full[name], sh)
+                self.state[name] = self.rt.shard(full[name], self.layouts[name])
 
     def _layout(self, name):
-        cap = self.prog.captured
-        return self.lowered.input_layouts[cap.input_names.index(name)]
+        return self.layouts[name]
+
+    def _shape(self, name):
+        g = self.plan.graph
+        return g.shapes[g.vid[self.plan.captured.names[name]]]
 
     def state_full(self) -> dict:
-        g = self.prog.graph
-        return {n: self.rt.full(t, self._layout(n), g.shapes[g.vid[self._placeholder(n)]])
-                for n, t in self.state.items()}
+        return {n: self.rt.full(t, self._layout(n), self._shape(n)) for n, t in self.state.items()}
 
     def gather_parameters(self) -> dict:
-        self.ensure()
-        g = self.prog.graph
-        return {n[len("params."):]: self.rt.full(t, self._layout(n), g.shapes[g.vid[self._placeholder(n)]])
+        return {n[len("params."):]: self.rt.full(t, self._layout(n), self._shape(n))
                 for n, t in self.state.items() if n.startswith("params.")}
 
     def _value(self, n):
         """State value n as a DTensor (real ranks) or full tensor (emulation)."""
-        g = self.prog.graph
-        shape = g.shapes[g.vid[self._placeholder(n)]]
-        t = self.state[n]
-        return self.rt.dtensor(t, self._layout(n), shape) if hasattr(self.rt, "dtensor") else \
-            self.rt.full(t, self._layout(n), shape)
+        return self.rt.value(self.state[n], self._layout(n), self._shape(n))
 
     def state_dict(self) -> dict:
         """{"model": ..., "optimizer": ...} in get_state_dict's layout (see state.py)."""
-        self.ensure()
-        cap = self.prog.captured
+        cap = self.plan.captured
         values: dict = {}
         get = lambda n: values[n] if n in values else values.setdefault(n, self._value(n))
         out = {"model": {k: get(n) for k, n in model_keys(self.model, self.state).items()}}
@@ -133,14 +143,12 @@ class StateIO:
     def load_state_dict(self, sd: dict, strict: bool = True) -> None:
         """Reshard `sd` (state_dict()'s layout; DTensors of any placement or full tensors) into this program's
         layout; the optimizer's param groups take the checkpoint's hyperparameters, the step count its step."""
-        self.ensure()
-        cap = self.prog.captured
+        cap = self.plan.captured
         if "model" not in sd:
             raise PartitionError(f"load_state_dict: expected the layout of prog.state_dict() ({{'model': ..., "
                                  f"'optimizer': ...}}); got keys {sorted(sd)[:5]}. A plain module state dict loads "
                                  f"as prog.load_state_dict({{'model': sd}}, strict=False).")
-        g = self.prog.graph
-        shape = lambda n: g.shapes[g.vid[self._placeholder(n)]]
+        shape = self._shape
         new, keys = {}, model_keys(self.model, self.state)
         for k, n in keys.items():
             if k in sd["model"] and n not in new:
@@ -174,7 +182,6 @@ class StateIO:
 
     def full_state_dict(self) -> dict:
         """model.state_dict()'s keys -> full tensors (every rank: gathers are collective)."""
-        self.ensure()
         full = self.state_full()
         return {k: full[n] for k, n in model_keys(self.model, self.state).items()}
 
@@ -182,8 +189,7 @@ class StateIO:
         """Write the current state into an eager module (parameters, buffers) and optimizer (per-parameter state,
         step, the param groups' hyperparameters), as torch.optim would hold them after the same steps."""
         model, optimizer = model or self.model, optimizer or self.optimizer
-        self.ensure()
-        cap = self.prog.captured
+        cap = self.plan.captured
         full = self.state_full()
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
         with torch.no_grad():
@@ -209,7 +215,6 @@ class StateIO:
     def import_from(self, model=None, optimizer=None) -> None:
         """Take the state from an eager module and optimizer (after editing weights): the inverse of export_to."""
         model, optimizer = model or self.model, optimizer or self.optimizer
-        self.ensure()
         if optimizer is not None and optimizer is not self.optimizer and self.optimizer is not None:
             for mine, theirs in zip(self.optimizer.param_groups, optimizer.param_groups):
                 mine.update(group_hyper(theirs))
@@ -220,7 +225,7 @@ class StateIO:
 
     def _full_from(self, model, optimizer) -> tuple:
         """Full state tensors by name, and the step count, from an eager module and optimizer."""
-        cap = self.prog.captured
+        cap = self.plan.captured
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
         for t in list(params.values()) + list(buffers.values()):
             if t.device.type == "meta":
@@ -251,5 +256,5 @@ class StateIO:
         return full, max(steps) if steps else 0
 
     def state_names(self) -> set:
-        cap = self.prog.captured
+        cap = self.plan.captured
         return {n for n, r in zip(cap.input_names, cap.input_roles) if r in STATE_ROLES}

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..propagate.state import PARTIAL, REPLICATED, UNKNOWN
+from ..propagate.arrays import partial, partial_code, replicated, replicated_code, tiled, undecided_array, whole
 from ..rules.factors import REDUCE
 from .comm import estimate as comm_estimate
 from .compute import COMPUTE, FREE, WAIT, op_class
@@ -118,14 +118,14 @@ class ProgramFacts:
         self.maxf = maxf
         s_op, s_val, s_res, s_dims = [], [], [], []
         reduce = np.zeros((no, maxf), dtype=bool)
-        partial_code = np.full((no, maxf), UNKNOWN, dtype=np.int64)
+        partial_codes = undecided_array((no, maxf))
         for i, op in enumerate(g.ops):
             rule = op.rule
             if rule is not None:
                 for f, fac in enumerate(rule.factors):
                     if fac.kind == REDUCE:
                         reduce[i, f] = True
-                        partial_code[i, f] = PARTIAL[fac.reduce_op]
+                        partial_codes[i, f] = partial_code(fac.reduce_op)
             for is_res, vids, dims_list in ((False, op.operands, rule.operands if rule else None),
                                             (True, op.results, rule.results if rule else None)):
                 for j, v in enumerate(vids):
@@ -149,7 +149,7 @@ class ProgramFacts:
         self.s_canon = self.canon[self.s_val]
         self.s_res = np.asarray(s_res, dtype=bool)
         self.s_bytes = self.val_bytes[self.s_val]
-        self.fdim, self.reduce, self.partial_code = fdim, reduce, partial_code
+        self.fdim, self.reduce, self.partial_code = fdim, reduce, partial_codes
         self.s_node = self.op_node_index[self.s_op]
         self.s_phase = self.op_phase[self.s_op]
         # collective classes: state gathered ahead of use, gradients reduced while the backward runs
@@ -198,20 +198,20 @@ class ProgramFacts:
         for axis, (vals, assign) in decisions.items():
             k = self.mesh.shape[axis]
             f = assign[self.s_op]
-            tiled_op = f >= 0
+            tiled_op = tiled(f)
             fi = np.where(tiled_op, f, 0)
             wd = np.where(tiled_op, self.fdim[np.arange(len(f)), fi], -1)
             h = vals[self.s_canon]
-            w = np.where(wd >= 0, wd, REPLICATED)
+            w = np.where(wd >= 0, wd, replicated_code())
             # a reduce factor missing from a result slot makes it partial; a partial pass keeps it partial
             red = tiled_op & self.s_res & (wd < 0) & self.reduce[self.s_op, fi]
             w = np.where(red, self.partial_code[self.s_op, fi], w)
-            passing = (f <= -3) & ((h == f) | self.s_res)
+            passing = partial(f) & ((h == f) | self.s_res)
             w = np.where(passing, f, w)
             want[axis], have[axis] = w, h
             slot_div *= np.where(wd >= 0, k, 1)
-            op_div *= np.where(assign >= 0, k, 1)
-            val_tdiv[axis] = np.where(vals >= 0, k, 1).astype(np.float64)
+            op_div *= np.where(tiled(assign), k, 1)
+            val_tdiv[axis] = np.where(tiled(vals), k, 1).astype(np.float64)
         return want, have, op_div, slot_div, val_tdiv
 
     def _compute(self, op_div: np.ndarray, slot_div: np.ndarray) -> tuple:
@@ -242,10 +242,10 @@ class ProgramFacts:
             k = self.mesh.shape[axis]
             w, h = want[axis], have[axis]
             res = self.s_res
-            ag = np.where(res, (w >= 0) & (h < 0) & (h > -3), (h >= 0) & (w == REPLICATED))
-            a2a = (h >= 0) & (w >= 0) & (h != w)
-            ar = np.where(res, (w <= -3) & (h < 0) & (h > -3), (h <= -3) & (w == REPLICATED))
-            rs = np.where(res, (w <= -3) & (h >= 0), (h <= -3) & (w >= 0))
+            ag = np.where(res, tiled(w) & whole(h), tiled(h) & replicated(w))
+            a2a = tiled(h) & tiled(w) & (h != w)
+            ar = np.where(res, partial(w) & whole(h), partial(h) & replicated(w))
+            rs = np.where(res, partial(w) & tiled(h), partial(h) & tiled(w))
             div = _other_div(self, axis, want, have)
             total, waits[axis] = 0.0, []
             for kind, mask in (("all_gather", ag), ("all_to_all", a2a), ("all_reduce", ar),
@@ -263,8 +263,8 @@ class ProgramFacts:
             # partial values every consumer wants tiled are reduce-scattered where they are produced
             cons = np.full(len(self.canon), float(k))
             op_slots = ~self.s_res
-            np.minimum.at(cons, self.s_canon[op_slots], np.where(want[axis][op_slots] >= 0, float(k), 1.0))
-            part = vals <= -3
+            np.minimum.at(cons, self.s_canon[op_slots], np.where(tiled(want[axis][op_slots]), float(k), 1.0))
+            part = partial(vals)
             eff_div *= np.where(part, cons, 1.0)
             rs_k *= np.where(part & (cons > 1), cons, 1.0)
             has_ar |= part & (cons == 1)
@@ -316,7 +316,7 @@ class ProgramFacts:
             # last of them (an activation gathered for the forward is kept for the backward)
             hi = np.zeros(len(idx), dtype=np.int64)
             np.maximum.at(hi, inverse, self.s_node[uses])
-            temp = (lo, hi, nbytes / np.where(w[idx] >= 0, self.mesh.shape[axis], 1))
+            temp = (lo, hi, nbytes / np.where(tiled(w[idx]), self.mesh.shape[axis], 1))
         return t_exp, lo[~over], t_over, len(idx), float(nbytes.sum()), temp
 
     def _peak(self, eff_div: np.ndarray, temps: list) -> float:
@@ -348,9 +348,9 @@ def _other_div(facts: ProgramFacts, axis: str, want: dict, have: dict) -> dict:
         k = facts.mesh.shape[b]
         src = np.where(facts.s_res, want[b], have[b])    # the layout before the reshard: the op's result, or
         dst = np.where(facts.s_res, have[b], want[b])    # the value an operand reads
-        kept = (src >= 0) & (dst == src)
-        moved = (src >= 0) & (dst != src)
-        scattered = (src <= -3) & (dst >= 0)
+        kept = tiled(src) & (dst == src)
+        moved = tiled(src) & (dst != src)
+        scattered = partial(src) & tiled(dst)
         gather = gather * np.where(kept | (moved & (j < pos)), k, 1)
         scatter = scatter * np.where(kept | (scattered & (j < pos)), k, 1)
         reduce = reduce * np.where(kept | scattered, k, 1)

@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..contract import META_RECOMPUTE
 from ..errors import PartitionError
-from ..propagate.state import UNKNOWN
+from ..propagate.arrays import undecided
 from .search_space import Action, axis_candidates, build_axis_space, union
 
 
@@ -161,8 +162,7 @@ class AutomaticPartition:
         try:
             # 1. the space
             bar.set_description(f"{self.name} {'+'.join(self.axes)}: trial propagations")
-            facts = ProgramFacts(ctx.graph, ctx.mesh, hw, ctx.captured,
-                                 getattr(ctx.program, "bucket_bytes", 64 * 2 ** 20))
+            facts = ProgramFacts(ctx.graph, ctx.mesh, hw, ctx.captured, ctx.options.bucket_bytes)
             spaces = self._spaces(ctx, report, bar)
             t_space = time.perf_counter()
             report.seconds["space"] = t_space - t_start
@@ -179,9 +179,8 @@ class AutomaticPartition:
         chosen = self._choose(lowered, limit, report)
         # 4. the winner, on the real decisions
         self._replay(ctx, chosen.actions, label=True)
-        ctx.program.__dict__.setdefault("_stage_lowered", {})[len(ctx.program.stages)] = chosen.low
         report.seconds["total"] = time.perf_counter() - t_start
-        ctx.program.__dict__.setdefault("search_reports", []).append(report)
+        ctx.record_search(report, lowered=chosen.low)
         desc = chosen.label()
         ctx.remark(self.name, f"{self.name} chose {desc} (simulated step {chosen.sim.step_time_s * 1e3:.1f} ms, "
                               f"peak {chosen.sim.peak_memory_bytes / 1e9:.1f} GB of {limit / 1e9:.1f} GB); "
@@ -365,10 +364,9 @@ class AutomaticPartition:
                     continue
             if label:
                 after = ctx.value_states(a.axis)
-                new = np.nonzero(after != before)[0] if before is not None else np.nonzero(after != UNKNOWN)[0]
-                marks = ctx.program.__dict__.setdefault("auto_actions", {})
+                new = np.nonzero(after != before)[0] if before is not None else np.nonzero(~undecided(after))[0]
                 for c in new.tolist():
-                    marks[(c, a.axis)] = (self.name, a.label)
+                    ctx.mark_action(c, a.axis, self.name, a.label)
 
     def _simulate(self, ctx, actions):
         from ..lower.fakeprop import annotate_local_vals
@@ -378,7 +376,7 @@ class AutomaticPartition:
         self._replay(trial, actions)
         low = trial.lower()
         annotate_local_vals(low, ctx.captured)
-        recompute = {n.name for n in low.gm.graph.nodes if n.meta.get("partir_recompute")}
+        recompute = {n.name for n in low.gm.graph.nodes if n.meta.get(META_RECOMPUTE)}
         rep = simulate_graph(low.gm, ctx.mesh, self.hardware, exclude_flops=recompute, stage_name=self.name)
         return rep, low
 

@@ -4,7 +4,7 @@
   extra decompositions at capture (vocabulary-parallel cross-entropy needs softmax decomposed).
 - CaptureRewrite: shapes the traced step itself (mixed precision, remat), wherever it sits in the schedule:
   `install(model)` hooks the module for the trace, `transform_step(state, args)` maps the step's inputs,
-  `rewrite(captured)` edits the captured graph.
+  `rewrite(captured)` edits the captured graph; `in_eval` says whether eval_step's capture applies it too.
 
 A tactic that only computes seeds derives from SeedTactic and writes `seeds(ctx)`.
 """
@@ -24,6 +24,7 @@ class Tactic(Protocol):
 @runtime_checkable
 class CaptureRewrite(Protocol):
     name: str
+    in_eval: bool
 
     def install(self, model) -> list: ...
 

@@ -8,7 +8,6 @@ from typing import Callable
 
 from ..errors import PartitionError, SelectorError, closest
 from ..sharding import REPLICATED
-from ..propagate.state import REPLICATED as REP_STATE
 from .base import SeedTactic
 
 
@@ -72,7 +71,7 @@ class ManualPartition(SeedTactic):
                 if t is None:
                     continue
                 if t is REPLICATED:
-                    out.append((name, REP_STATE))
+                    out.append((name, REPLICATED))
                     continue
                 if not isinstance(t, int) or not -len(shape) <= t < max(len(shape), 1):
                     raise PartitionError(f"{self.name}: {name} has shape {tuple(shape)}; dim {t!r} is out of range "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.fx as fx
@@ -32,6 +33,7 @@ class MixedPrecision:
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype = torch.float32
     name: str = "MixedPrecision"
+    in_eval: ClassVar[bool] = True     # eval_step computes the loss in the training dtype too
     axis = ""
 
     def __post_init__(self):
@@ -134,6 +136,7 @@ class Remat:
 
     selector: str
     name: str = "Remat"
+    in_eval: ClassVar[bool] = False    # an eval step has no backward to recompute for
     axis = ""
 
     def install(self, model) -> list:

@@ -18,7 +18,7 @@ import torch
 
 from ..capture.graphutil import forward_nodes
 from ..errors import PartitionError
-from ..propagate.state import REPLICATED as REP
+from ..sharding import REPLICATED
 from .manual import ManualPartition
 from .base import SeedTactic
 from .structure import (Linear, embedding_tables, find_linear_pairs, is_param_cast, linear_layout,
@@ -119,7 +119,7 @@ class Megatron(SeedTactic):
             if bias in names:
                 seeds.append((bias, 0, lin.chunks))
         seeds += [(w, 1 - lay.get(w, Linear(w, 0)).out_dim) for w in row] + [(w, 0) for w in vocab]
-        return seeds + [(w, REP) for w in kept]
+        return seeds + [(w, REPLICATED) for w in kept]
 
     def _found(self, ctx, lay) -> tuple:
         """(column-parallel, row-parallel, kept whole, {weight: why}) from the structure search: in each region, a
@@ -274,7 +274,7 @@ class MultiQuery:
         if not kv:
             raise PartitionError(f"{self.name}: found no key/value projections (linears named wk/wv, k_proj/v_proj "
                                  f"feeding attention).")
-        seeds = [(w, REP) for w in kv]
+        seeds = [(w, REPLICATED) for w in kv]
         if self.mode == "batch":
             seeds += [(n, 0) for n in ctx.value_names() if n.startswith("inputs.") and ctx.value_meta(n)["shape"]]
         else:
@@ -341,7 +341,7 @@ class Zero:
                             f"not count); replicated")
                 continue
             seeds += [(s, d) for s in states]
-            seeds.append((p, d) if self.stage == 3 else (p, REP))
+            seeds.append((p, d) if self.stage == 3 else (p, REPLICATED))
             tiled_at[(fqn.rpartition(".")[0], ctx.graph.shapes[ctx.graph.name_to_vid[p]])] = d
         if self.stage == 3:   # a module's buffers shaped like its tiled parameter (running statistics) go with it
             for fqn in cap.buffer_fqns:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import PartitionError
-from ..propagate.state import UNKNOWN
+from ..propagate.arrays import undecided
 
 
 # -- actions ------------------------------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def build_axis_space(ctx, axis: str, name: str, presets: list, on_trial=None) ->
                                           groups.items()]
     for members, label in atoms:
         vids = [g.name_to_vid[m] for m in members]
-        if any(base_vals[g.canon[v]] != UNKNOWN for v in vids):
+        if not all(undecided(base_vals[g.canon[v]]) for v in vids):
             continue
         for d in range(len(g.shapes[vids[0]])):
             if g.shapes[vids[0]][d] <= 1 or any(ctx.local_dim(v, d) % k for v in vids):
@@ -219,8 +219,8 @@ def union(acts, cand, base_vals: np.ndarray, base_assign: np.ndarray) -> tuple:
     vals, assign = base_vals.copy(), base_assign.copy()
     for i in cand:
         a = acts[i]
-        free = vals[a.vals] == UNKNOWN
+        free = undecided(vals[a.vals])
         vals[a.vals[free]] = a.states[free]
-        free = assign[a.ops] == UNKNOWN
+        free = undecided(assign[a.ops])
         assign[a.ops[free]] = a.assign[free]
     return vals, assign

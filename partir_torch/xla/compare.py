@@ -73,8 +73,8 @@ def _by_kind_axis(records) -> dict:
     return out
 
 
-def compare(prog, xla_records, tolerance: float = 0.05, host_ops=()) -> Comparison:
-    ours = _by_kind_axis(prog.stage_lowered(len(prog.stages) - 1).records)
+def compare(plan, xla_records, tolerance: float = 0.05, host_ops=()) -> Comparison:
+    ours = _by_kind_axis(plan.lowered().records)
     theirs = _by_kind_axis(xla_records)
     rows, axis_bytes, missing, extra = [], {}, [], []
     for key in sorted(set(ours) | set(theirs)):

@@ -28,12 +28,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
 from ..capture.graphutil import forward_nodes
+from ..contract import STATE_ROLES
 from ..errors import PartitionError
 from . import device as xdev
 from .hlo import parse_collectives
 from .kernels import xla_target
 
-STATE_ROLES = ("param", "buffer", "opt_state")
 
 
 def _host_op_counts() -> dict:
@@ -128,17 +128,17 @@ class XlaProgram:
     """The same partitioned program on torch-xla SPMD: train_step / forward / loss_and_grads, state_dict, hlo,
     collectives, compare. Build it with `prog.to_xla()`."""
 
-    def __init__(self, prog):
+    def __init__(self, plan, model, optimizer=None):
         import torch_xla
 
         xdev.enable()
-        self.prog, self.cap = prog, prog.captured
+        self.plan, self.cap, self.model, self.optimizer = plan, plan.captured, model, optimizer
         self.device = torch_xla.device()
-        self.mesh = xdev.xs_mesh(prog.mesh)
-        g = prog.graph
+        self.mesh = xdev.xs_mesh(plan.mesh)
+        g = plan.graph
         self.layouts = {}        # placeholder name -> Sharding
         for node, name in zip(self._placeholders(), self.cap.input_names):
-            self.layouts[name] = prog.sharding_of_vid(g.vid[node])
+            self.layouts[name] = plan.sharding(g.vid[node])
         self.constraints = self._constraints()
         self.op_specs = self._op_specs()
         self._regather = param_derived(self.cap.gm) if self.cap.mode != FORWARD else frozenset()
@@ -153,11 +153,11 @@ class XlaProgram:
     def _constraints(self) -> dict:
         """FX node name -> partition spec, for every value whose layout XLA can be told: each value's final
         partir sharding (axes no tactic decided are replicated, as in partir's lowering)."""
-        g, out = self.prog.graph, {}
+        g, out = self.plan.graph, {}
         for node in self.cap.gm.graph.nodes:
             if node.op != "call_function" or node not in g.vid:
                 continue
-            spec = xdev.partition_spec(self.prog.sharding_of_vid(g.vid[node]))
+            spec = xdev.partition_spec(self.plan.sharding(g.vid[node]))
             if spec is not None:
                 out[node.name] = spec
         return out
@@ -171,12 +171,12 @@ class XlaProgram:
         from ..lower.lower import op_layouts
         from ..propagate.graph import _tensor_operands
 
-        g, operands, results = self.prog.graph, {}, {}
-        spec_of = lambda v: xdev.partition_spec(self.prog.sharding_of_vid(v))   # noqa: E731
+        g, d, operands, results = self.plan.graph, self.plan.decisions, {}, {}
+        spec_of = lambda v: xdev.partition_spec(d.sharding(v))   # noqa: E731
         for i, op in enumerate(g.ops):
             if op.node.op != "call_function":      # ops without a rule too: partir makes their operands whole
                 continue
-            wants, makes = op_layouts(self.prog, i)
+            wants, makes = op_layouts(d, i)
             for a, v, want in zip(_tensor_operands(op.node), op.operands, wants):
                 spec = xdev.partition_spec(want) if want is not None else None
                 if spec is not None and spec != spec_of(v):
@@ -203,7 +203,7 @@ class XlaProgram:
     def _ensure_state(self):
         if self.state is not None:
             return
-        model, cap = self.prog.model, self.cap
+        model, cap = self.model, self.cap
         full = {f"params.{k}": p.detach() for k, p in model.named_parameters()}
         full.update({f"buffers.{k}": b.detach() for k, b in model.named_buffers()})
         if cap.fopt is not None:
@@ -333,10 +333,10 @@ class XlaProgram:
 
     def collectives(self) -> list:
         """XlaCollectives of the partitioned HLO: kind, mesh axis, bytes, dtype (fields as prog.collectives())."""
-        return parse_collectives(self.hlo(), self.prog.mesh)
+        return parse_collectives(self.hlo(), self.plan.mesh)
 
     def compare(self, tolerance: float = 0.05):
         """partir's per-device collectives against XLA's, per kind and axis (count and bytes). See compare.py."""
         from .compare import compare
 
-        return compare(self.prog, self.collectives(), tolerance, host_ops=self.host_ops)
+        return compare(self.plan, self.collectives(), tolerance, host_ops=self.host_ops)

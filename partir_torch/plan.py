@@ -1,0 +1,153 @@
+"""plan(): the one place where tactics are applied. A Plan is a frozen value: the captured step, its rule graph,
+one Stage per schedule entry (each with its Decisions), what the tactics reported, and the options.
+
+    cap = capture_for(model, schedule, example_inputs, loss_fn, optimizer)   # trace once
+    p = plan(cap, pt.Mesh({"batch": 2, "model": 2}), schedule)            # decide (no lowering, no state)
+    p2 = plan(cap, pt.Mesh({"batch": 4}), other_schedule)                 # the same capture, planned again
+    p.decisions.sharding(vid); p.stages[0].decisions; p.lowered().records # lowered once, on first use
+
+Everything downstream takes a Plan: lowering (Plan.lowered, one per stage, memoised), the backends that run it
+(runtime/, xla/), the reports (reporting.Reports) and the Program facade (program.py). A Captured can be planned
+many times with different meshes and schedules: the automatic search and the tests do that instead of capturing
+again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
+
+from .capture import capture
+from .errors import PartitionError
+from .mesh import Mesh
+from .options import Options
+from .propagate.decisions import Decisions
+from .propagate.engine import Propagator
+from .propagate.graph import PartGraph, no_gc
+from .rules.registry import default_registry
+from .tactics.base import CaptureRewrite, Tactic, decompositions_of
+from .tactics.context import Planning, TacticContext
+from .tactics.schedule import flatten_schedule
+
+
+@dataclass(frozen=True, eq=False)
+class Stage:
+    """The decisions after one schedule entry, and what it added: the conflicts standing then and the number of
+    (value, axis) decisions this tactic made."""
+
+    tactic: str
+    axis: str
+    decisions: Decisions
+    conflicts: tuple
+    decided: int
+
+    @cached_property
+    def shardings(self) -> dict:
+        """Named value -> its Sharding at this stage."""
+        d = self.decisions
+        return {n: d.sharding(v) for n, v in d.graph.name_to_vid.items()}
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A captured step and what the schedule decided for it on a mesh (see the module docstring). Immutable but for
+    the memo of its lowerings (Plan.lowered), a function of the plan."""
+
+    captured: object                     # capture.Captured
+    graph: PartGraph
+    mesh: Mesh
+    tactics: tuple                       # the flattened schedule (tactics and capture rewrites), in order
+    stages: tuple                        # one Stage per entry of `tactics`
+    options: Options
+    registry: object                     # the rule registry propagation used
+    notes: MappingProxyType              # value name -> (text, ...) for explain()
+    remarks: MappingProxyType            # tactic name -> (text, ...) for summary()
+    searches: tuple = ()                 # the automatic tactics' SearchReports
+    actions: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))   # (canon vid, axis) -> label
+    _lowered: dict = field(default_factory=dict, repr=False)   # stage index -> lower.Lowered (memo)
+
+    @property
+    def decisions(self) -> Decisions:
+        """What the whole schedule decided (stages[k].decisions after entry k)."""
+        return self.stages[-1].decisions if self.stages else self.replicated
+
+    @cached_property
+    def replicated(self) -> Decisions:
+        """The decisions before any tactic: every value whole on every axis."""
+        return Decisions(Propagator(self.graph, self.mesh))
+
+    def stage_decisions(self, k: int) -> Decisions:
+        """Decisions after entry k (k = -1: before any)."""
+        return self.replicated if k < 0 else self.stages[k].decisions
+
+    @property
+    def conflicts(self) -> list:
+        return list(self.decisions.conflicts)
+
+    def sharding(self, vid: int):
+        return self.decisions.sharding(vid)
+
+    def lowered(self, k: int | None = None):
+        """The per-device program (lower.Lowered) after entry k (None: the whole schedule; -1: before any tactic),
+        with collectives on lower.canonical_groups; lowered once per stage, on first use."""
+        k = len(self.stages) - 1 if k is None else k
+        if k not in self._lowered:
+            from .lower.lower import Lowerer, canonical_groups
+
+            self._lowered[k] = Lowerer(self.graph, self.stage_decisions(k), self.mesh, self.captured,
+                                       canonical_groups(self.mesh), self.options).run()
+        return self._lowered[k]
+
+    def annotated_lowered(self, k: int | None = None):
+        """lowered(k) with every node's local FakeTensor in meta["val"] (what the simulator and reports read)."""
+        from .lower.fakeprop import annotate_local_vals
+
+        low = self.lowered(k)
+        if not low.annotated:
+            annotate_local_vals(low, self.captured)
+        return low
+
+    @property
+    def capture_rewrites(self) -> tuple:
+        """The schedule's capture-time entries (mixed_precision, remat): they shaped the captured step."""
+        return tuple(t for t in self.tactics if isinstance(t, CaptureRewrite))
+
+
+def capture_for(model, schedule, example_inputs, loss_fn=None, optimizer=None, clip_grad_norm=None,
+                accumulate: int = 1, accumulate_dims=None, eval_loss: bool = False):
+    """Capture `model`'s step as `schedule` needs it: its capture rewrites (mixed precision, remat) applied and the
+    decompositions its tactics ask for. The result can be planned with any schedule of the same capture rewrites."""
+    entries = flatten_schedule(schedule)
+    rewrites = [t for t in entries if isinstance(t, CaptureRewrite)]
+    decomps = {}
+    for t in entries:
+        decomps.update(decompositions_of(t))
+    return capture(model, example_inputs, loss_fn, optimizer, rewrites, decomps, clip_grad_norm=clip_grad_norm,
+                   accumulate=accumulate, accumulate_dims=accumulate_dims, eval_loss=eval_loss)
+
+
+def plan(captured, mesh: Mesh, schedule, options: Options | None = None, registry=None) -> Plan:
+    """Apply `schedule`'s tactics, in order, to a captured step on `mesh`: one propagation per tactic, a Stage
+    after each entry. Capture rewrites in the schedule are recorded (they acted at capture: capture_for)."""
+    if not isinstance(mesh, Mesh):
+        raise PartitionError(f"partition: mesh must be a pt.Mesh, got {type(mesh).__name__}.")
+    entries = tuple(flatten_schedule(schedule))
+    options = options or Options()
+    registry = registry or default_registry()
+    planning = Planning()
+    stages = []
+    with no_gc():   # linear time: no full collections over the traced graph's heap while partitioning
+        graph = PartGraph(captured.gm, registry, captured.names, captured.ties)
+        prop = Propagator(graph, mesh)
+        ctx = TacticContext(captured, graph, prop, mesh, options, planning)
+        for k, t in enumerate(entries):
+            planning.stage = k
+            if isinstance(t, Tactic):
+                t.apply(ctx)
+            decided = sum(1 for st in prop.axes.values() for p in st.prov.values() if p.tactic == t.name)
+            stages.append(Stage(t.name, getattr(t, "axis", ""), Decisions(prop), tuple(prop.conflicts), decided))
+    frozen = lambda d: MappingProxyType({k: tuple(v) for k, v in d.items()})   # noqa: E731
+    return Plan(captured, graph, mesh, entries, tuple(stages), options, registry, frozen(planning.notes),
+                frozen(planning.remarks), tuple(planning.searches), MappingProxyType(dict(planning.actions)),
+                dict(planning.lowered))
+
