@@ -23,6 +23,7 @@ from .mesh import Mesh
 from .options import Options
 from .propagate.decisions import Decisions
 from .propagate.engine import Propagator
+from .propagate.record import DecisionRecord
 from .propagate.graph import PartGraph, no_gc
 from .rules.registry import default_registry
 from .tactics.base import CaptureRewrite, Tactic, decompositions_of
@@ -74,7 +75,7 @@ class Plan:
     @cached_property
     def replicated(self) -> Decisions:
         """The decisions before any tactic: every value whole on every axis."""
-        return Decisions(Propagator(self.graph, self.mesh))
+        return Decisions(DecisionRecord(self.graph, self.mesh))
 
     def stage_decisions(self, k: int) -> Decisions:
         """Decisions after entry k (k = -1: before any)."""
@@ -144,8 +145,8 @@ def plan(captured, mesh: Mesh, schedule, options: Options | None = None, registr
             planning.stage = k
             if isinstance(t, Tactic):
                 t.apply(ctx)
-            decided = sum(1 for st in prop.axes.values() for p in st.prov.values() if p.tactic == t.name)
-            stages.append(Stage(t.name, getattr(t, "axis", ""), Decisions(prop), tuple(prop.conflicts), decided))
+            decided = sum(1 for st in prop.rec.axes.values() for p in st.prov.values() if p.tactic == t.name)
+            stages.append(Stage(t.name, getattr(t, "axis", ""), Decisions(prop.rec), tuple(prop.rec.conflicts), decided))
     frozen = lambda d: MappingProxyType({k: tuple(v) for k, v in d.items()})   # noqa: E731
     return Plan(captured, graph, mesh, entries, tuple(stages), options, registry, frozen(planning.notes),
                 frozen(planning.remarks), tuple(planning.searches), MappingProxyType(dict(planning.actions)),

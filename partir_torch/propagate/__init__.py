@@ -4,15 +4,18 @@ Modules:
 
 - graph.py: PartGraph, the captured graph as value and op tables (operands, results, users, each op's rule), with
   tied values (a state input and its updated output) folded into one canonical value.
-- state.py: the data propagation records: per-axis states as small integer codes (UNKNOWN, REPLICATED,
-  PARTIAL[op], dim >= 0), Provenance (the tactic, and the op and neighbour a decision came through), Conflict.
+- state.py: the data propagation records: per-axis states as small integer codes (UNKNOWN, WHOLE,
+  PARTIAL[op], dim >= 0; no module outside propagate/ imports them), Provenance (the tactic, and the op and
+  neighbour a decision came through), Conflict.
 - record.py: DecisionRecord, the working tables (per-axis states, the axes tiling each op factor and each value
   dim, strided splits, sealed values, conflicts), their queries, the stage snapshot and the copy-on-write trial
   copy, and the undo of one op's decision.
 - engine.py: Propagator, the one worklist loop that writes them: seeds, then forward and backward to a fixed point.
 - decisions.py: Decisions, the contract with everything downstream.
+- arrays.py: the array form of one axis's decisions (the automatic search and the fast estimate score many
+  candidates at once): named predicates (tiled, partial, undecided, ...) over the codes.
 
-The contract. Tactics write decisions only through TacticContext (program.py: seed_and_propagate, its queries such
+The contract. Tactics write decisions only through TacticContext (tactics/context.py: seed_and_propagate, its queries such
 as is_unknown / local_dim / op_decisions, and trial() copies to try decisions on); they never touch the tables.
 Lowering, the simulator, explain(), the torch-xla backend and checkpoint resharding read a Decisions: an immutable
 snapshot (`prog.decisions` after the schedule, `prog.stages[k].decisions` after tactic k) whose queries give,

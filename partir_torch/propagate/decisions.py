@@ -29,21 +29,20 @@ from ..sharding import Sharding
 from .state import PARTIAL_OP, UNKNOWN, WHOLE, Provenance, state_str
 
 
-def value_sharding(prop, vid: int) -> Sharding:
-    """The Sharding of a value from a propagator's tables (Decisions.sharding; Program reads its live
-    propagator with it while tactics still run)."""
-    g = prop.g
+def value_sharding(rec, vid: int) -> Sharding:
+    """The Sharding of a value from a DecisionRecord's tables (Decisions.sharding)."""
+    g = rec.g
     c = g.canon[vid]
-    dims = [list(prop.dim_axes.get((c, d), ())) for d in range(len(g.shapes[vid]))]
+    dims = [list(rec.dim_axes.get((c, d), ())) for d in range(len(g.shapes[vid]))]
     partial, rep, strides = [], [], []
-    for axis, st in prop.axes.items():
+    for axis, st in rec.axes.items():
         s = st.value[c]
         if s in PARTIAL_OP:
             partial.append((axis, PARTIAL_OP[s]))
         elif s == WHOLE:
             rep.append(axis)
-        elif s >= 0 and (c, axis) in prop.strides:
-            strides.append((axis, prop.strides[(c, axis)]))
+        elif s >= 0 and (c, axis) in rec.strides:
+            strides.append((axis, rec.strides[(c, axis)]))
     return Sharding(dims=dims, partial=partial, replicated=rep, strides=strides)
 
 
@@ -79,12 +78,12 @@ class AxisDecision:
 
 
 class Decisions:
-    """An immutable snapshot of a propagator's decisions (built by Propagator.decisions())."""
+    """An immutable snapshot of a DecisionRecord (record.py): Decisions(prop.rec)."""
 
-    def __init__(self, prop):
+    def __init__(self, record):
         # a private copy: later tactics keep propagating on the original
-        self._p = prop.snapshot()
-        self.graph, self.mesh = prop.g, prop.mesh
+        self._p = record.snapshot()
+        self.graph, self.mesh = record.g, record.mesh
 
     # -- values ------------------------------------------------------------------------------------------------
     @property

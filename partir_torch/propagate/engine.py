@@ -22,6 +22,8 @@ from ..errors import ShardingConflictError
 from ..sharding import REPLICATED
 from ..rules.factors import PASS, REDUCE, stride_of
 from .graph import no_gc
+from ..mesh import Mesh
+from .graph import PartGraph
 from .record import DecisionRecord, place_axis  # noqa: F401 - place_axis: lowering imports it from here
 from .state import PARTIAL, PARTIAL_OP, WHOLE, UNKNOWN, AxisState, Conflict, Provenance, state_str
 
@@ -31,16 +33,33 @@ aten = torch.ops.aten
 VIEW_OPS = contract.VIEW_OPS | {aten.clone.default, aten.alias.default}
 
 
-class Propagator(DecisionRecord):
-    """Applies tactics' seeds one after another to the per-axis states it records (record.py: the tables, their
-    queries and copies)."""
+class Propagator:
+    """Applies tactics' seeds one after another to a DecisionRecord (record.py: the tables, their queries and
+    copies), which it owns as `rec`; everything that only reads decisions reads the record (or a Decisions of it).
+
+        prop = Propagator(graph, mesh)
+        prop.seed("batch", vid, 0, "BP"); prop.run("batch", "BP", [vid])
+        prop.rec.value_states("batch")
+    """
+
+    def __init__(self, graph: PartGraph, mesh: Mesh, record: DecisionRecord | None = None):
+        self.g, self.mesh = graph, mesh
+        self.rec = record if record is not None else DecisionRecord(graph, mesh)
+
+    def snapshot(self) -> "Propagator":
+        """A propagator over a full copy of the decisions so far."""
+        return Propagator(self.g, self.mesh, self.rec.snapshot())
+
+    def trial(self, axes) -> "Propagator":
+        """A propagator over a copy-on-write copy that may decide `axes` (DecisionRecord.trial)."""
+        return Propagator(self.g, self.mesh, self.rec.trial(axes))
 
     # -- seeding -------------------------------------------------------------------------------------------------
     def seed(self, axis: str, vid: int, state, tactic: str, stride: int = 1) -> None:
         """Seed one value on `axis`: tiled on dim `state` (an int), or pt.REPLICATED."""
         if state is REPLICATED:
             state = WHOLE
-        st = self.axis_state(axis)
+        st = self.rec.axis_state(axis)
         c = self.g.canon[vid]
         cur = st.value[c]
         name = self.g.name(vid)
@@ -57,15 +76,15 @@ class Propagator(DecisionRecord):
             if state >= len(shape):
                 raise ShardingConflictError(f"{tactic}: {name} has shape {tuple(shape)}; there is no dim {state} to "
                                             f"tile on axis '{axis}'. Use a dim in 0..{len(shape) - 1}.")
-            size, k = self.local_dim(vid, state), self.mesh.shape[axis]
+            size, k = self.rec.local_dim(vid, state), self.mesh.shape[axis]
             if size % k:
                 raise ShardingConflictError(
                     f"{tactic}: dim {state} of {name} (size {size}{' after earlier tilings' if size != shape[state] else ''}) "
                     f"cannot be tiled on axis '{axis}' (size {k}): {k} does not divide {size}. Use a size divisible "
                     f"by {k}, or tile another dim.")
         if stride > 1:
-            self.strides[(c, axis)] = stride
-        self._set(st, c, state, Provenance(tactic))
+            self.rec.strides[(c, axis)] = stride
+        self.rec.set_state(st, c, state, Provenance(tactic))
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self, axis: str, tactic: str, seeded: list, region: set | None = None, closed: bool = False) -> list:
@@ -74,12 +93,12 @@ class Propagator(DecisionRecord):
         ops whose every operand and result (of rank >= 1) holds the tiled factor, and seal the values set, so
         that later tactics compute around them (see `sealed`). Returns the canonical values set."""
         with no_gc():
-            before = set(self.axes[axis].assign) if closed and axis in self.axes else set()
+            before = set(self.rec.axes[axis].assign) if closed and axis in self.rec.axes else set()
             changed = self._run(axis, tactic, seeded, region, closed)
             if closed:
-                st = self.axes[axis]
+                st = self.rec.axes[axis]
                 changed = self._retract_sink_views(st, changed, set(st.assign) - before)
-                self.sealed.update((c, axis) for c in changed)
+                self.rec.sealed.update((c, axis) for c in changed)
         return changed
 
     def _retract_sink_views(self, st: AxisState, changed: list, mine: set) -> list:
@@ -99,7 +118,7 @@ class Propagator(DecisionRecord):
             if c not in keep or any(u in st.assign for v in g.tied[c] for u in g.users[v]) or \
                     any(g.values[v].meta.get(META_OUTPUT) for v in g.tied[c]):
                 continue
-            self._undo_op(st, i, c)
+            self.rec.undo_op(st, i, c)
             keep.discard(c)
             for v in op.operands:       # the view's source may now be a sink view itself
                 p = g.producer[v]
@@ -108,7 +127,7 @@ class Propagator(DecisionRecord):
         return [c for c in changed if c in keep]
 
     def _run(self, axis: str, tactic: str, seeded: list, region: set | None = None, closed: bool = False) -> list:
-        st = self.axis_state(axis)
+        st = self.rec.axis_state(axis)
         g = self.g
         queue = deque()
         queued = set()
@@ -140,7 +159,7 @@ class Propagator(DecisionRecord):
         if rule is None:
             return []
         # sealed values do not constrain the op: lowering reshards them at the boundary
-        sealed, axis = self.sealed, st.axis
+        sealed, axis = self.rec.sealed, st.axis
         slots = [(False, j, dims, vid) for j, (dims, vid) in enumerate(zip(rule.operands, op.operands))
                  if dims is not None]
         slots += [(True, j, dims, vid) for j, (dims, vid) in enumerate(zip(rule.results, op.results))
@@ -156,7 +175,7 @@ class Propagator(DecisionRecord):
                 continue
             if s >= 0:
                 fs = dims[s] if s < len(dims) else ()
-                f, inner = _factor_at(rule, fs, self.strides.get((g.canon[vid], st.axis), 1))
+                f, inner = _factor_at(rule, fs, self.rec.strides.get((g.canon[vid], st.axis), 1))
                 if f is None or rule.factors[f].kind not in (PASS, REDUCE):
                     blockers.append(vid)
                 else:
@@ -184,7 +203,7 @@ class Propagator(DecisionRecord):
         k = self.mesh.shape[st.axis]
         factor = rule.factors[f]
         done = 1
-        for a in self.op_axes.get(i, {}).get(f, ()):
+        for a in self.rec.op_axes.get(i, {}).get(f, ()):
             done *= self.mesh.shape[a]
         # a strided tiling (inner > 1) splits the minor part of (inner, size / inner); earlier axes split the major
         fits = factor.size % (done * k) == 0 if inner == 1 else \
@@ -204,19 +223,19 @@ class Propagator(DecisionRecord):
             c = g.canon[vid]
             s = st.value[c]
             stride = stride_of(rule, dims[d], f) * inner
-            if s == d and self.strides.get((c, st.axis), 1) != stride:
+            if s == d and self.rec.strides.get((c, st.axis), 1) != stride:
                 self._conflict(st, i, tactic, [vid, source], f"dim {d} is tiled with another split factor")
                 return []
-            if s == UNKNOWN and self.dim_axes.get((c, d)) and any(
-                    _minor_clash(self.strides.get((c, a), 1), stride, k) for a in self.dim_axes[(c, d)]):
+            if s == UNKNOWN and self.rec.dim_axes.get((c, d)) and any(
+                    _minor_clash(self.rec.strides.get((c, a), 1), stride, k) for a in self.rec.dim_axes[(c, d)]):
                 # an axis may tile a more major part of a dim than an earlier axis only where its chunks hold
                 # whole blocks of that axis's part (heads tiled first, then the batch in (B*H))
                 self._conflict(st, i, tactic, [vid, source], f"dim {d} is already tiled on a more minor factor "
                                                              f"that the chunks of axis '{st.axis}' would split")
                 return []
             if s == UNKNOWN:
-                if self.local_dim(vid, d) % k:
-                    self._conflict(st, i, tactic, [vid, source], f"dim {d} (local size {self.local_dim(vid, d)}) is "
+                if self.rec.local_dim(vid, d) % k:
+                    self._conflict(st, i, tactic, [vid, source], f"dim {d} (local size {self.rec.local_dim(vid, d)}) is "
                                                                  f"not divisible by axis '{st.axis}' (size {k})")
                     return []
                 targets.append((c, d, stride))
@@ -228,15 +247,15 @@ class Propagator(DecisionRecord):
         st.assign[i] = f
         st.assign_tactic[i] = tactic
         if inner > 1:
-            self.op_inner[(i, st.axis)] = inner
-        self.op_axes.setdefault(i, {}).setdefault(f, []).append(st.axis)
+            self.rec.op_inner[(i, st.axis)] = inner
+        self.rec.op_axes.setdefault(i, {}).setdefault(f, []).append(st.axis)
         prov = Provenance(tactic, i, source)
         changed = []
         for c, d, stride in targets:
             if st.value[c] == UNKNOWN:
                 if stride > 1:
-                    self.strides[(c, st.axis)] = stride
-                self._set(st, c, d, prov)
+                    self.rec.strides[(c, st.axis)] = stride
+                self.rec.set_state(st, c, d, prov)
                 changed.append(c)
         if factor.kind == REDUCE:
             p = PARTIAL[factor.reduce_op]
@@ -244,7 +263,7 @@ class Propagator(DecisionRecord):
                 if is_res and not any(f in fs for fs in dims):
                     c = g.canon[vid]
                     if st.value[c] == UNKNOWN and len(g.tied[c]) == 1:     # state is reduced, never partial
-                        self._set(st, c, p, prov)
+                        self.rec.set_state(st, c, p, prov)
                         changed.append(c)
         return changed
 
@@ -272,7 +291,7 @@ class Propagator(DecisionRecord):
                 changed = []
                 for vid in op.results:
                     if vid is not None and st.value[g.canon[vid]] == UNKNOWN:
-                        self._set(st, g.canon[vid], p, prov)
+                        self.rec.set_state(st, g.canon[vid], p, prov)
                         changed.append(g.canon[vid])
                 return changed
         return []
@@ -285,7 +304,7 @@ class Propagator(DecisionRecord):
             prov = st.prov.get(c)
             states.append((g.name(v), state_str(st.value[c]), prov.tactic if prov else "-"))
         node = g.ops[i].node
-        self._conflicts[(i, st.axis)] = Conflict(node.name, str(node.target), st.axis, tactic, tuple(states), reason)
+        self.rec._conflicts[(i, st.axis)] = Conflict(node.name, str(node.target), st.axis, tactic, tuple(states), reason)
 
 
 def _factor_at(rule, fs, stride: int) -> tuple:

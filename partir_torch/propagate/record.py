@@ -1,7 +1,7 @@
 """The propagator's record: what propagation has decided so far, as working tables, and the ways to copy it.
 
 Propagator (engine.py) is the loop that writes these tables; this module owns their layout: the queries on them,
-the one place a decision is written (`_set`) and undone (`_undo_op`), the stage snapshot and the copy-on-write
+the one place a decision is written (`set_state`) and undone (`undo_op`), the stage snapshot and the copy-on-write
 trial copy the automatic tactic and expert parallelism try decisions on. Everything downstream reads an immutable
 Decisions (decisions.py) built from a snapshot, never these tables.
 """
@@ -119,7 +119,7 @@ class DecisionRecord:
         return vals, assign
 
     # -- writing and undoing one decision ------------------------------------------------------------------------
-    def _set(self, st: AxisState, c: int, state: int, prov) -> None:
+    def set_state(self, st: AxisState, c: int, state: int, prov) -> None:
         st.value[c] = state
         st.prov[c] = prov
         if state >= 0:
@@ -132,7 +132,7 @@ class DecisionRecord:
             else:
                 axes.append(st.axis)
 
-    def _undo_op(self, st: AxisState, i: int, c: int) -> None:
+    def undo_op(self, st: AxisState, i: int, c: int) -> None:
         """Undo op i's decision on st.axis and the state it gave its result's canonical value c."""
         f = st.assign.pop(i)
         st.assign_tactic.pop(i)

@@ -115,53 +115,53 @@ class TacticContext:
 
     def is_unknown(self, axis: str, value) -> bool:
         """Has no tactic decided `value` on `axis` yet?"""
-        return bool(undecided(self.prop.state(axis, self._vid_of(value))))
+        return bool(undecided(self.prop.rec.state(axis, self._vid_of(value))))
 
     def local_dim(self, value, dim: int) -> int:
         """The size of one dim of `value` after the tilings decided so far."""
-        return self.prop.local_dim(self._vid_of(value), dim)
+        return self.prop.rec.local_dim(self._vid_of(value), dim)
 
     def dim_axes(self, value, dim: int) -> tuple:
         """The axes tiling one dim of `value`, major to minor."""
-        return tuple(self.prop.dim_axes.get((self.graph.canon[self._vid_of(value)], dim), ()))
+        return tuple(self.prop.rec.dim_axes.get((self.graph.canon[self._vid_of(value)], dim), ()))
 
     def stride(self, value, axis: str) -> int:
         """The split factor s of the part of its dim that `axis` tiles, the dim seen as (s, n / s); 1: not
         strided."""
-        return self.prop.strides.get((self.graph.canon[self._vid_of(value)], axis), 1)
+        return self.prop.rec.strides.get((self.graph.canon[self._vid_of(value)], axis), 1)
 
     def axis_in_use(self, axis: str) -> bool:
         """Has any tactic seeded values on `axis` (even if it decided nothing)?"""
-        return axis in self.prop.axes
+        return axis in self.prop.rec.axes
 
     def value_states(self, axis: str):
         """The state of every canonical value on `axis` in propagate/arrays.py's array form (read it with
         arrays.tiled / partial / undecided ...)."""
-        return self.prop.value_states(axis)
+        return self.prop.rec.value_states(axis)
 
     def axis_arrays(self, axis: str) -> tuple:
         """(value_states(axis), per op its decision on `axis`), both in propagate/arrays.py's array form: what the
         simulator's fast estimate reads (sim/estimate.py)."""
-        return self.prop.axis_arrays(axis)
+        return self.prop.rec.axis_arrays(axis)
 
     def op_decisions(self, axis: str) -> dict:
         """Op index -> its decision on `axis` (array form: a factor id, or the partial it passes through), for the
         ops decided so far (a copy)."""
-        st = self.prop.axes.get(axis)
+        st = self.prop.rec.axes.get(axis)
         return dict(st.assign) if st is not None else {}
 
     def op_tactic(self, axis: str, i: int) -> str | None:
         """The tactic that decided op i on `axis`, or None."""
-        st = self.prop.axes.get(axis)
+        st = self.prop.rec.axes.get(axis)
         return st.assign_tactic.get(i) if st is not None else None
 
     def conflicts_recorded(self) -> int:
         """How many conflicts propagation has recorded so far (standing or not)."""
-        return self.prop.conflicts_recorded()
+        return self.prop.rec.conflicts_recorded()
 
     def decisions(self) -> Decisions:
         """An immutable snapshot of the decisions so far."""
-        return Decisions(self.prop)
+        return Decisions(self.prop.rec)
 
     # -- trials --------------------------------------------------------------------------------------------------
     def trial(self, axes=None) -> "TrialContext":
@@ -174,7 +174,7 @@ class TacticContext:
         """The per-device program (lower.Lowered) of the decisions so far, with the plan's options."""
         from ..lower.lower import Lowerer, canonical_groups
 
-        return Lowerer(self.graph, Decisions(self.prop), self.mesh, self.captured, canonical_groups(self.mesh),
+        return Lowerer(self.graph, Decisions(self.prop.rec), self.mesh, self.captured, canonical_groups(self.mesh),
                        self.options).run()
 
 
