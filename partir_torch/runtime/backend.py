@@ -1,11 +1,11 @@
 """The Backend protocol: what runs a plan's per-device program and holds tensors in its layouts.
 
-Three implementations: InterpretedRuntime (interpret.py: every rank emulated in one process, the default without
+Three kinds: InterpretedRuntime (interpret.py: every rank emulated in one process, the default without
 torch.distributed; emulate.EmulatedRuntime runs the same program under LocalTensorMode as a cross-check),
 DistributedRuntime (distributed.py: this process is one rank of torch.distributed) and the torch-xla SPMD
-backend (xla/program.py, which runs the global step under XLA's partitioner instead of a per-device program).
-The Executor (executor.py) and the state it holds (state.py) talk to the first two only through this protocol;
-backend_for() is the one place that chooses.
+backend (xla/program.py: XlaBackend runs the global step under XLA's partitioner instead of a per-device
+program). The Executor (executor.py) and the state it holds (state.py) talk to all of them only through this
+protocol; backend_for() is the one place that chooses between the first two, prog.to_xla() picks the third.
 """
 from __future__ import annotations
 
@@ -47,6 +47,17 @@ class Backend(Protocol):
 
     def rank0(self, t) -> torch.Tensor:
         """Rank 0's local value (a replicated result: the loss)."""
+
+    def program(self, plan):
+        """What run() runs for `plan`: an object with gm, input_layouts (per captured placeholder) and local_shapes
+        (the per-device backends: plan.lowered() bound to their process groups, per_device_program)."""
+
+
+def per_device_program(plan, groups: dict):
+    """The plan's per-device program with its collectives on `groups` (lowered once per plan, bound here)."""
+    from ..lower.lower import bind
+
+    return bind(plan.lowered(), groups)
 
 
 def backend_for(mesh: Mesh, options, emulator) -> Backend:

@@ -99,5 +99,10 @@ class DistributedRuntime:
     def value(self, t, sh: Sharding, shape):
         return self.dtensor(t, sh, shape)
 
+    def program(self, plan):
+        from .backend import per_device_program
+
+        return per_device_program(plan, self.groups)
+
     def rank0(self, t) -> torch.Tensor:
         return t

@@ -74,5 +74,10 @@ class EmulatedRuntime:
     def value(self, t, sh: Sharding, shape) -> torch.Tensor:
         return self.full(t, sh, shape)
 
+    def program(self, plan):
+        from .backend import per_device_program
+
+        return per_device_program(plan, self.groups)
+
     def rank0(self, t) -> torch.Tensor:
         return t._local_tensors[0].clone()

@@ -10,7 +10,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
 from ..contract import META_SRC, STATE_ROLES, Role
 from ..errors import PartitionError, internal_error
-from ..lower.lower import bind
 from .backend import backend_for
 from .interpret import InterpretedRuntime
 from .state import HeldState
@@ -25,10 +24,11 @@ class Executor:
     # emulate.EmulatedRuntime (LocalTensorMode) as a cross-check
     emulator = InterpretedRuntime
 
-    def __init__(self, plan, model, optimizer, loss_fn=None):
+    def __init__(self, plan, model, optimizer, loss_fn=None, backend=None):
         self.plan, self.model, self.optimizer, self.loss_fn = plan, model, optimizer, loss_fn
+        self._backend = backend              # a fixed backend (prog.to_xla()); None: backend_for() decides
         self.rt = None
-        self.lowered = None                  # plan.lowered() bound to self.rt's process groups
+        self.lowered = None                  # what self.rt runs: plan.lowered() bound to its process groups
         self._held = HeldState(plan, model, optimizer)
         self.last_grad_norm = None
         self._hyper = None                   # this call's optimizer hyperparameters, read from the param groups
@@ -60,11 +60,10 @@ class Executor:
     # -- set-up ----------------------------------------------------------------------------------------------------
     def ensure(self):
         if self.rt is None or not self.rt.valid():
-            rt = backend_for(self.plan.mesh, self.plan.options, self.emulator)
-            canonical = self.plan.lowered()
-            self.lowered = bind(canonical, rt.groups)
+            rt = self._backend or backend_for(self.plan.mesh, self.plan.options, self.emulator)
+            self.lowered = rt.program(self.plan)
             if rt.kind == "distributed":
-                rt.check_plan(self._plan_text(canonical))
+                rt.check_plan(self._plan_text(self.plan.lowered()))
             self.rt = rt
             self._held.attach(rt)
         return self.lowered

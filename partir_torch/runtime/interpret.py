@@ -176,6 +176,11 @@ class InterpretedRuntime:
     def value(self, t, sh: Sharding, shape) -> torch.Tensor:
         return self.full(t, sh, shape)
 
+    def program(self, plan):
+        from .backend import per_device_program
+
+        return per_device_program(plan, self.groups)
+
     def rank0(self, t: PerRank) -> torch.Tensor:
         return t.ts[0].clone()
 

@@ -78,8 +78,10 @@ class HeldState:
 
     def __init__(self, plan, model, optimizer):
         self.plan, self.model, self.optimizer = plan, model, optimizer
-        cap = plan.captured
-        self.layouts = dict(zip(cap.input_names, plan.lowered().input_layouts))
+        cap, g = plan.captured, plan.graph
+        # each state value's layout: its final decisions (what lowering keeps it in between steps)
+        self.layouts = {name: plan.sharding(g.vid[node]) for name, node in cap.names.items()
+                        if node.op == "placeholder" and node in g.vid}
         self.rt = None
         self.state: dict | None = None       # placeholder name -> local tensor
         self.steps = 0
@@ -100,7 +102,10 @@ class HeldState:
         self.state = {}
         for name, role in zip(cap.input_names, cap.input_roles):
             if role in STATE_ROLES:
-                self.state[name] = self.rt.shard(full[name], self.layouts[name])
+                try:
+                    self.state[name] = self.rt.shard(full[name], self.layouts[name])
+                except PartitionError as e:      # a layout this backend cannot hold: name the value
+                    raise PartitionError(f"{name}: {e}") from None
 
     def _layout(self, name):
         return self.layouts[name]

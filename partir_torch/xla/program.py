@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
+from ..capture import FORWARD
 from ..capture.graphutil import forward_nodes
-from ..contract import STATE_ROLES
 from ..errors import PartitionError
 from . import device as xdev
 from .hlo import parse_collectives
@@ -124,17 +123,22 @@ def _constrained(t, mesh, spec):
     return x
 
 
-class XlaProgram:
-    """The same partitioned program on torch-xla SPMD: train_step / forward / loss_and_grads, state_dict, hlo,
-    collectives, compare. Build it with `prog.to_xla()`."""
+class XlaBackend:
+    """The torch-xla SPMD backend (runtime/backend.py's protocol): the captured *global* step runs on XLA tensors,
+    state and inputs placed from their partir Sharding, and constraints where partir decided a layout (_Run), so
+    XLA's partitioner carries out partir's plan. A held value is one XLA tensor (XLA holds its shards)."""
 
-    def __init__(self, plan, model, optimizer=None):
+    kind = "xla"
+
+    def __init__(self, plan):
         import torch_xla
 
         xdev.enable()
-        self.plan, self.cap, self.model, self.optimizer = plan, plan.captured, model, optimizer
+        self.plan, self.cap, self.mesh = plan, plan.captured, plan.mesh
+        self.groups: dict = {}                 # no process groups: XLA's partitioner emits the collectives
+        self.compile = False
         self.device = torch_xla.device()
-        self.mesh = xdev.xs_mesh(plan.mesh)
+        self.xmesh = xdev.xs_mesh(plan.mesh)
         g = plan.graph
         self.layouts = {}        # placeholder name -> Sharding
         for node, name in zip(self._placeholders(), self.cap.input_names):
@@ -142,9 +146,7 @@ class XlaProgram:
         self.constraints = self._constraints()
         self.op_specs = self._op_specs()
         self._regather = param_derived(self.cap.gm) if self.cap.mode != FORWARD else frozenset()
-        self.state: dict | None = None
-        self.steps = 0
-        self._modules: dict = {}      # mode -> dump file of its post-partitioning HLO
+        self.modules: dict = {}       # mode -> dump file of its post-partitioning HLO
         self.host_ops: list = []      # aten ops torch-xla ran on the host (see _check_host_ops)
 
     def _placeholders(self):
@@ -187,96 +189,54 @@ class XlaProgram:
                     results[g.values[v].name] = spec
         return operands, results
 
-    # -- state -------------------------------------------------------------------------------------------------------
-    def _placed(self, t: torch.Tensor, name: str) -> torch.Tensor:
-        """`t` on the XLA devices, laid out as partir lays out the value `name`."""
-        x = t.detach().to(self.device)
-        spec = xdev.partition_spec(self.layouts[name])
+    # -- the Backend protocol -------------------------------------------------------------------------------------
+    def valid(self) -> bool:
+        return True
+
+    def program(self, plan):
+        """The captured global step (run() interprets it on XLA tensors), with each placeholder's layout."""
+        return XlaStep(plan.captured.gm, [self.layouts.get(n) for n in plan.captured.input_names],
+                       [None] * len(plan.captured.input_names))
+
+    def shard(self, full: torch.Tensor, sh) -> torch.Tensor:
+        """`full` on the XLA devices, laid out as `sh`."""
+        x = full.detach().to(self.device)
+        spec = xdev.partition_spec(sh)
         if spec is None:
-            raise PartitionError(f"to_xla: {name} is laid out {self.layouts[name]} (a strided tiling), which an XLA "
-                                 f"tile assignment cannot express. Tile the dim whole (e.g. without vocab=True / "
+            raise PartitionError(f"to_xla: a value is laid out {sh} (a strided tiling), which an XLA tile "
+                                 f"assignment cannot express. Tile the dim whole (e.g. without vocab=True / "
                                  f"packed projections) for the XLA backend.")
         if any(spec):
-            _mark(x, self.mesh, spec)
+            _mark(x, self.xmesh, spec)
         return x
 
-    def _ensure_state(self):
-        if self.state is not None:
-            return
-        model, cap = self.model, self.cap
-        full = {f"params.{k}": p.detach() for k, p in model.named_parameters()}
-        full.update({f"buffers.{k}": b.detach() for k, b in model.named_buffers()})
-        if cap.fopt is not None:
-            params = dict(model.named_parameters())
-            for s, d in cap.fopt.init_state({k: params[k].detach() for k in cap.trainable}).items():
-                full.update({f"opt.{s}.{k}": t for k, t in d.items()})
-            self.steps = int(cap.fopt.init_step())
-        for t in full.values():
-            if t.device.type == "meta":
-                raise PartitionError("to_xla: the model lives on the meta device, so it cannot run. Build it on a "
-                                     "real device (or model.to_empty(device=...) and initialise) first.")
-        self.state = {name: self._placed(full[name], name)
-                      for name, role in zip(cap.input_names, cap.input_roles) if role in STATE_ROLES}
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(self.device)
 
-    def state_dict(self) -> dict:
-        """Parameters, buffers and optimizer state as full CPU tensors, keyed by named value ("params.<fqn>",
-        "buffers.<fqn>", "opt.<state>.<fqn>")."""
-        self._ensure_state()
-        return {n: t.cpu() for n, t in self.state.items()}
+    def coords(self) -> list:
+        return []                 # the global step has no per-rank coordinates
 
-    def gather_parameters(self) -> dict:
-        """Full parameter tensors on the CPU, keyed by FQN."""
-        return {n[len("params."):]: t for n, t in self.state_dict().items() if n.startswith("params.")}
-
-    # -- running -----------------------------------------------------------------------------------------------------
-    def _args(self, batch) -> list:
-        cap = self.cap
-        flat, _ = tree_flatten(tuple(batch))
-        n_in = sum(1 for r in cap.input_roles if r == "input")
-        if len(flat) != n_in:
-            raise PartitionError(f"the program was captured with {n_in} input tensors; got {len(flat)}.")
-        args, k, hyper = [], 0, None
-        for node, name, role in zip(self._placeholders(), cap.input_names, cap.input_roles):
-            if role in STATE_ROLES:
-                args.append(self.state[name])
-            elif role == "lr":     # hparams.<group>.<name> (lr, betas, ...): read from the optimizer at every step
-                if hyper is None:
-                    hyper = cap.fopt.hyper_values() if hasattr(cap.fopt, "hyper_values") else {}
-                _, g, h = name.split(".") if name.startswith("hparams.") else ("", 0, "lr")
-                value = hyper.get((int(g), h), getattr(cap.fopt, "lr", None))
-                args.append(torch.tensor(value, dtype=torch.float64).to(self.device))
-            elif role == "step":
-                args.append(torch.tensor(float(self.steps + 1), dtype=torch.float64).to(self.device))
-            elif role == "const":
-                args.append(self._placed(cap.consts[name], name))
-            else:
-                x = flat[k]
-                k += 1
-                want = node.meta["val"]
-                if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(want.shape) or x.dtype != want.dtype:
-                    got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-                    raise PartitionError(f"{name} is {got}; the program was captured with {tuple(want.shape)} "
-                                         f"{want.dtype}. Re-partition for new shapes or dtypes.")
-                args.append(self._placed(x, name))
-        return args
-
-    def _run(self, batch, mode: str) -> list:
+    def run(self, gm, args) -> list:
         import torch_xla
 
-        self._ensure_state()
-        args = self._args(batch)
-        before = xdev.dumped_modules() if mode not in self._modules and xdev._dump_dir else None
+        mode = self.cap.mode
+        before = xdev.dumped_modules() if mode not in self.modules and xdev._dump_dir else None
         host_before = _host_op_counts()
-        regather = self._regather if mode != FORWARD else frozenset()
-        outs = _Run(self.cap.gm, self.device, self.mesh, self.constraints, regather, self.op_specs).run(*args)
-        for name, t in zip(self.cap.output_names, outs):
-            if name in self.state:       # updated state (tied to its input: same layout, constrained above)
-                self.state[name] = t
+        outs = _Run(gm, self.device, self.xmesh, self.constraints, self._regather, self.op_specs).run(*args)
         torch_xla.sync()
         if before is not None:
             self._remember_module(mode, before)
         self._check_host_ops(host_before)
         return list(outs)
+
+    def full(self, t, sh, shape) -> torch.Tensor:
+        return t.cpu()
+
+    def value(self, t, sh, shape) -> torch.Tensor:
+        return t.cpu()
+
+    def rank0(self, t) -> torch.Tensor:
+        return t.cpu()
 
     def _check_host_ops(self, before: dict) -> None:
         """Ops torch-xla ran on the host during this step split it into several XLA programs (hlo() holds one of
@@ -292,31 +252,66 @@ class XlaProgram:
         """The largest module compiled by this step's sync is the step (small ones move data)."""
         new = {f: size for f, size in xdev.dumped_modules().items() if f not in before}
         if new:
-            self._modules[mode] = max(new, key=new.get)
+            self.modules[mode] = max(new, key=new.get)
+
+
+
+@dataclass(frozen=True)
+class XlaStep:
+    """What XlaBackend.run runs: the global step graph, and each captured placeholder's layout."""
+
+    gm: fx.GraphModule
+    input_layouts: list
+    local_shapes: list
+
+
+class XlaProgram:
+    """The same partitioned program on torch-xla SPMD: train_step / forward / loss_and_grads, state_dict, hlo,
+    collectives, compare. Build it with `prog.to_xla()`. It runs through the same Executor and HeldState as the
+    other backends (runtime/), on an XlaBackend."""
+
+    def __init__(self, plan, model, optimizer=None):
+        from ..runtime import Executor
+
+        self.plan, self.cap = plan, plan.captured
+        self.backend = XlaBackend(plan)
+        self.executor = Executor(plan, model, optimizer, backend=self.backend)
+
+    @property
+    def state(self) -> dict:
+        """Placeholder name -> the XLA tensor held (its shards on the devices)."""
+        return self.executor.held().state
+
+    @property
+    def steps(self) -> int:
+        return self.executor.steps
+
+    @property
+    def host_ops(self) -> list:
+        return self.backend.host_ops
+
+    def state_dict(self) -> dict:
+        """Parameters, buffers and optimizer state as full CPU tensors, keyed by named value ("params.<fqn>",
+        "buffers.<fqn>", "opt.<state>.<fqn>")."""
+        return {n: t.cpu() for n, t in self.state.items()}
+
+    def gather_parameters(self) -> dict:
+        """Full parameter tensors on the CPU, keyed by FQN."""
+        return self.executor.held().gather_parameters()
 
     def train_step(self, *batch) -> torch.Tensor:
         """One step (forward, backward, optimizer update) on the global batch; returns the loss (CPU tensor)."""
-        if self.cap.mode != TRAIN:
-            raise PartitionError("train_step needs partition(..., loss_fn=..., optimizer=...).")
-        outs = self._run(batch, TRAIN)
-        self.steps += 1
-        return outs[0].cpu()
+        return self.executor.train_step(batch)
 
     def loss_and_grads(self, *batch):
-        if self.cap.mode != LOSS_AND_GRADS:
-            raise PartitionError("loss_and_grads needs partition(..., loss_fn=...) without an optimizer.")
-        outs = self._run(batch, LOSS_AND_GRADS)
-        return outs[0].cpu(), {n[len("grads."):]: t.cpu() for n, t in zip(self.cap.output_names, outs)
-                               if n.startswith("grads.")}
+        return self.executor.loss_and_grads(batch)
 
     def forward(self, *inputs):
         """The model's outputs on the live state (programs captured without a loss_fn)."""
         if self.cap.mode != FORWARD:
             raise PartitionError("forward needs a program captured without loss_fn (partition(model, mesh, "
                                  "schedule, example_inputs)); this one has a loss_fn: use train_step.")
-        outs = self._run(inputs, FORWARD)
-        n = self.cap.out_spec.num_leaves
-        return tree_unflatten([t.cpu() for t in outs[:n]], self.cap.out_spec)
+        return self.executor.forward(inputs)
 
     __call__ = forward
 
@@ -324,11 +319,12 @@ class XlaProgram:
     def hlo(self) -> str:
         """The post-partitioning HLO (after XLA's SPMD partitioner) of the step, as XLA compiled it at the first
         call (train_step, or forward / loss_and_grads); runs nothing itself."""
-        if not self._modules:
+        if not self.backend.modules:
             raise PartitionError("XlaProgram.hlo(): run a step first (train_step / forward / loss_and_grads); the "
                                  "HLO is the one XLA compiled for it.")
-        mode = self.cap.mode if self.cap.mode in self._modules else next(iter(self._modules))
-        with open(os.path.join(xdev.dump_dir(), self._modules[mode])) as f:
+        modules = self.backend.modules
+        mode = self.cap.mode if self.cap.mode in modules else next(iter(modules))
+        with open(os.path.join(xdev.dump_dir(), modules[mode])) as f:
             return f.read()
 
     def collectives(self) -> list:
