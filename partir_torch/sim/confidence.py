@@ -11,6 +11,8 @@ True
 """
 from __future__ import annotations
 
+from .hardware import CHIPS
+
 # median |error| per family, held out (written by benchmarks/sim_validation.py --write-confidence)
 FAMILY_ERROR = {
     "a100/all_reduce": 0.004,
@@ -41,12 +43,9 @@ FAMILY_ERROR = {
     "v5p/fsdp+tp": 0.103,
 }  # end FAMILY_ERROR
 
-# chip of each preset, and the chips nearest to each (same vendor first, then by generation)
-CHIP = {"a100-40g": "a100", "a100-80g": "a100", "h100": "h100", "h200": "h200", "b200": "b200",
-        "tpu-v4": "v4", "tpu-v5e": "v5e", "tpu-v5p": "v5p", "tpu-v6e": "v6e"}
-NEAR_CHIPS = {"a100": ("h100", "h200", "b200"), "h100": ("h200", "b200", "a100"), "h200": ("h100", "b200", "a100"),
-              "b200": ("h200", "h100", "a100"), "v4": ("v5p", "v5e", "v6e"), "v5e": ("v6e", "v5p", "v4"),
-              "v5p": ("v4", "v6e", "v5e"), "v6e": ("v5e", "v5p", "v4")}
+# chip class of each preset, and the classes nearest to each: declared on the chips (sim/hardware.py CHIPS)
+CHIP = {name: chip.confidence for name, chip in CHIPS.items()}
+NEAR_CHIPS = {chip.confidence: chip.nearest for chip in CHIPS.values()}
 NEAR_STRATEGIES = {"fsdp": ("fsdp+dcn", "zero2", "dp"), "fsdp+dcn": ("fsdp", "zero2"), "zero2": ("fsdp", "dp"),
                    "dp": ("zero2", "fsdp"), "tp": ("fsdp+tp",), "fsdp+tp": ("tp", "fsdp"),
                    "ep": ("all_to_all", "dp"), "single": ("gemm", "attention", "hbm", "dp")}
