@@ -11,6 +11,7 @@ True
 """
 from __future__ import annotations
 
+from ..contract import tactic_family
 from .hardware import CHIPS
 
 # median |error| per family, held out (written by benchmarks/sim_validation.py --write-confidence)
@@ -51,19 +52,27 @@ NEAR_STRATEGIES = {"fsdp": ("fsdp+dcn", "zero2", "dp"), "fsdp+dcn": ("fsdp", "ze
                    "ep": ("all_to_all", "dp"), "single": ("gemm", "attention", "hbm", "dp")}
 
 
+# strategy of a program from the families its tactic classes declare (tactics.base.declare): tensor-parallel
+# families, and the family that makes each other strategy; any other tactic (data parallel, manual, automatic, a name
+# no class declared) makes a data-parallel program
+TENSOR_PARALLEL = frozenset({"megatron", "sequence", "multi_query", "embedding"})
+
+
 def strategy_of(tactics) -> str:
-    """Strategy family from the tactic names of a program's collectives (``CollectiveRecord.tactic``)."""
-    ts = {str(t).split("[")[0].split("-")[0] for t in tactics if t}
-    tp = bool(ts & {"MP", "SP", "MQ", "EMB"})
-    if ts & {"EP"}:
+    """Strategy family from the tactic names of a program's collectives (``CollectiveRecord.tactic``), through the
+    family each tactic class declares (``contract.TACTIC_FAMILY``)."""
+    names = [t for t in tactics if t]
+    fams = {tactic_family(t) for t in names}
+    tp = bool(fams & TENSOR_PARALLEL)
+    if "expert" in fams:
         return "ep"
-    if "Z3" in ts:
+    if "zero3" in fams:
         return "fsdp+tp" if tp else "fsdp"
     if tp:
         return "tp"
-    if "Z2" in ts:
+    if "zero2" in fams:
         return "zero2"
-    return "dp" if ts else "single"
+    return "dp" if names else "single"
 
 
 def closest_family(hw_name: str, strategy: str) -> tuple:
