@@ -31,7 +31,7 @@ def test_every_chip_figure_is_in_the_hardware_reference():
     bandwidth and HBM size as the datasheet writes them (1,979; 80 GB; 32 GiB)."""
     from pathlib import Path
 
-    from partir_torch.sim.hardware import CHIPS, GB, GiB
+    from partir_torch.sim.hardware import CHIPS, GB, NETWORKS, GiB
 
     doc = Path(__file__).resolve().parents[1] / "docs" / "hardware.md"
     rows = {line.split("|")[1].strip(" `"): line for line in doc.read_text().splitlines()
@@ -42,6 +42,7 @@ def test_every_chip_figure_is_in_the_hardware_reference():
         for figure in (f"{chip.peak_bf16 / 1e12:,g}", f"{chip.hbm_bw / GB:,g}", hbm):
             assert f"| {figure} |" in row or f"| {figure} " in row, (name, figure, row)
     assert {c.confidence for c in CHIPS.values()} >= {n for c in CHIPS.values() for n in c.nearest}
+    assert all(x.source.startswith("spec: ") for x in [*CHIPS.values(), *NETWORKS.values()])
 
 
 def test_overrides_and_device_counts():

@@ -185,6 +185,7 @@ class Chip:
     attn_efficiency: float = 0.6
     fp8_efficiency: float = 0.0
     generation: str = ""               # TPU generation: selects the torus wraparound rule
+    source: str = ""                   # where each figure comes from (docs/hardware.md has them all)
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,7 @@ class Network:
     ici_link_bw: float = 0.0
     dcn_bw: float = 0.0
     topology: tuple = ()
+    source: str = ""
 
 
 def _nvidia(name, bf16, fp32, tf32, fp8, hbm_gb, hbm_gbs, mm, confidence, nearest, **more) -> Chip:
@@ -215,47 +217,51 @@ def _tpu(name, gen, bf16, hbm_bytes, hbm_gbs, nearest) -> Chip:
     fp8 at the bf16 rate, 85% of peak for the best matmul shapes (no MAMF-style TPU measurement)."""
     return Chip(name, "tpu", peak_bf16=bf16 * TFLOPS, peak_fp32=bf16 * TFLOPS / 3, peak_tf32=bf16 * TFLOPS / 3,
                 peak_fp8=bf16 * TFLOPS, hbm_bytes=hbm_bytes, hbm_bw=hbm_gbs * GB, mm_efficiency=0.85,
-                confidence=gen, nearest=nearest, generation=gen)
+                confidence=gen, nearest=nearest, generation=gen, source=_TPU)
 
 
-# Every figure is in docs/hardware.md with its source. Comments say which kind it is: "spec" = datasheet, "meas" =
-# published measurement, "fit" = calibrated by benchmarks/sim_validation.py, "assumed" = no public number found.
+# Every figure is in docs/hardware.md; `source` says where each comes from and of which kind it is: "spec" =
+# datasheet, "meas" = published measurement, "fit" = calibrated by benchmarks/sim_validation.py, "assumed".
+_A100 = "spec: NVIDIA A100 datasheet (SXM); mm 86.9% meas: MAMF (ml-engineering)"
+_H100 = ("spec: NVIDIA {} datasheet; mm 80.3% meas: MAMF; fp8 70% meas: Azure AI-benchmarking-guide (cuBLASLt "
+         "~1,380 of 1,979 TFLOP/s); attention 34% meas: FlashAttention-3 fig. 6 (35-40%), 8xH200 row (33%)")
+_TPU = "spec: Google Cloud TPU docs (bf16 TFLOP/s, HBM size and GB/s); fp32, fp8, mm 85% assumed"
 CHIPS = {
-    # spec: NVIDIA A100 datasheet (SXM); mm 86.9% meas: MAMF (ml-engineering)
     "a100-40g": _nvidia("a100-40g", bf16=312, fp32=19.5, tf32=156, fp8=312, hbm_gb=40, hbm_gbs=1555, mm=0.869,
-                        confidence="a100", nearest=("h100", "h200", "b200")),
+                        confidence="a100", nearest=("h100", "h200", "b200"), source=_A100),
     "a100-80g": _nvidia("a100-80g", bf16=312, fp32=19.5, tf32=156, fp8=312, hbm_gb=80, hbm_gbs=2039, mm=0.869,
-                        confidence="a100", nearest=("h100", "h200", "b200")),
-    # spec: NVIDIA H100 SXM5 / H200 SXM datasheets; mm 80.3% meas: MAMF; fp8 70% meas: Azure AI-benchmarking-guide
-    # (cuBLASLt ~1,380 of 1,979 TFLOP/s); attention 34% meas: FlashAttention-3 fig. 6 (35-40%), 8xH200 row (33%)
+                        confidence="a100", nearest=("h100", "h200", "b200"), source=_A100),
     "h100": _nvidia("h100", bf16=989, fp32=66.9, tf32=494.5, fp8=1979, hbm_gb=80, hbm_gbs=3350, mm=0.803,
-                    confidence="h100", nearest=("h200", "b200", "a100"), attn_efficiency=0.34, fp8_efficiency=0.70),
+                    confidence="h100", nearest=("h200", "b200", "a100"), attn_efficiency=0.34, fp8_efficiency=0.70,
+                    source=_H100.format("H100 SXM5")),
     "h200": _nvidia("h200", bf16=989, fp32=67, tf32=494.5, fp8=1979, hbm_gb=141, hbm_gbs=4800, mm=0.803,
-                    confidence="h200", nearest=("h100", "b200", "a100"), attn_efficiency=0.34, fp8_efficiency=0.70),
-    # spec: NVIDIA DGX B200 (180 GB usable); mm 77.6% meas: MAMF; attention 40% assumed (H100's FA3 range)
+                    confidence="h200", nearest=("h100", "b200", "a100"), attn_efficiency=0.34, fp8_efficiency=0.70,
+                    source=_H100.format("H200 SXM")),
     "b200": _nvidia("b200", bf16=2250, fp32=80, tf32=1125, fp8=4500, hbm_gb=180, hbm_gbs=8000, mm=0.776,
-                    confidence="b200", nearest=("h200", "h100", "a100"), attn_efficiency=0.4),
-    # spec: Google Cloud TPU docs (bf16 TFLOP/s, HBM size and GB/s)
+                    confidence="b200", nearest=("h200", "h100", "a100"), attn_efficiency=0.4,
+                    source="spec: NVIDIA DGX B200 (180 GB usable); mm 77.6% meas: MAMF; attention 40% assumed "
+                           "(H100's FlashAttention-3 range)"),
     "tpu-v4": _tpu("tpu-v4", "v4", bf16=275, hbm_bytes=32 * GiB, hbm_gbs=1200, nearest=("v5p", "v5e", "v6e")),
     "tpu-v5e": _tpu("tpu-v5e", "v5e", bf16=197, hbm_bytes=16 * GB, hbm_gbs=819, nearest=("v6e", "v5p", "v4")),
     "tpu-v5p": _tpu("tpu-v5p", "v5p", bf16=459, hbm_bytes=95 * GiB, hbm_gbs=2765, nearest=("v4", "v6e", "v5e")),
     "tpu-v6e": _tpu("tpu-v6e", "v6e", bf16=918, hbm_bytes=32 * GB, hbm_gbs=1640, nearest=("v5e", "v5p", "v4")),
 }
 
+_ICI = "spec: Google Cloud TPU docs, How to Scale Your Model (ICI per link one-way, DCN per chip)"
 NETWORKS = {
-    # spec: NVLink3 300 GB/s per GPU via NVSwitch, HDR IB 200 Gb/s per GPU; ring 77.5% meas: nccl-tests busbw 232
-    # of 300 GB/s on 8xA100 (GTC'25 S72583)
-    "dgx-a100": Network("dgx-a100", nvlink_bw=300 * GB, nvlink_efficiency=0.775, nvls=False, nic_bw=25 * GB),
-    # spec: NVLink4 450 GB/s with NVLink SHARP, NDR IB 400 Gb/s per GPU; ring 82.2% fit (370 of 450 meas, GTC'25)
-    "dgx-h100": Network("dgx-h100", nvlink_bw=450 * GB, nvlink_efficiency=0.822, nvls=True, nic_bw=50 * GB),
-    # spec: NVLink5 900 GB/s, 400 Gb/s per GPU; ring efficiency assumed as H100's
-    "dgx-b200": Network("dgx-b200", nvlink_bw=900 * GB, nvlink_efficiency=0.822, nvls=True, nic_bw=50 * GB),
-    # spec: Google Cloud TPU docs, How to Scale Your Model: ICI per link one-way; DCN per chip (v4: ~25 GB/s per
-    # 4-chip host)
-    "v4-pod": Network("v4-pod", ici_link_bw=45 * GB, dcn_bw=25 / 4 * GB, topology=(2, 2, 1)),
-    "v5e-pod": Network("v5e-pod", ici_link_bw=45 * GB, dcn_bw=3 * GB, topology=(2, 4)),
-    "v5p-pod": Network("v5p-pod", ici_link_bw=90 * GB, dcn_bw=6 * GB, topology=(2, 2, 1)),
-    "v6e-pod": Network("v6e-pod", ici_link_bw=90 * GB, dcn_bw=12.5 * GB, topology=(2, 4)),
+    "dgx-a100": Network("dgx-a100", nvlink_bw=300 * GB, nvlink_efficiency=0.775, nvls=False, nic_bw=25 * GB,
+                        source="spec: NVLink3 300 GB/s via NVSwitch, HDR IB 200 Gb/s per GPU; ring 77.5% meas: "
+                               "nccl-tests busbw 232 of 300 GB/s on 8xA100 (NVIDIA GTC'25 S72583)"),
+    "dgx-h100": Network("dgx-h100", nvlink_bw=450 * GB, nvlink_efficiency=0.822, nvls=True, nic_bw=50 * GB,
+                        source="spec: NVLink4 450 GB/s with NVLink SHARP, NDR IB 400 Gb/s per GPU; ring 82.2% fit "
+                               "(370 of 450 GB/s meas, GTC'25 S72583)"),
+    "dgx-b200": Network("dgx-b200", nvlink_bw=900 * GB, nvlink_efficiency=0.822, nvls=True, nic_bw=50 * GB,
+                        source="spec: NVLink5 900 GB/s, 400 Gb/s per GPU; ring efficiency assumed as H100's"),
+    "v4-pod": Network("v4-pod", ici_link_bw=45 * GB, dcn_bw=25 / 4 * GB, topology=(2, 2, 1),
+                      source=_ICI + "; DCN ~25 GB/s per 4-chip host"),
+    "v5e-pod": Network("v5e-pod", ici_link_bw=45 * GB, dcn_bw=3 * GB, topology=(2, 4), source=_ICI),
+    "v5p-pod": Network("v5p-pod", ici_link_bw=90 * GB, dcn_bw=6 * GB, topology=(2, 2, 1), source=_ICI),
+    "v6e-pod": Network("v6e-pod", ici_link_bw=90 * GB, dcn_bw=12.5 * GB, topology=(2, 4), source=_ICI),
 }
 
 
