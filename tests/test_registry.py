@@ -26,7 +26,7 @@ KNOWN_GAPS = {
 
 
 def test_every_op_with_a_rule_has_its_row_or_is_a_known_gap():
-    rows = R.default_registry().rows()
+    rows = [r for r in R.default_registry().rows() if r.family != R.USER]   # other tests register ops of their own
     assert len(rows) > 200
     gaps = {str(r.op): r.gaps() for r in rows if r.gaps()}
     assert gaps == KNOWN_GAPS, "\n".join(f"{op}: lacks {', '.join(g)}" for op, g in sorted(gaps.items()))
