@@ -44,7 +44,7 @@ class Ref:
 AZ_A100 = "Azure/AI-benchmarking-guide Azure_Results/ND_A100_v4_results.md (NCCL 2.18.5, in-place)"
 AZ_H100 = "Azure/AI-benchmarking-guide Azure_Results/ND_H100_v5_results.md (NCCL 2.18.5, in-place)"
 AZ_H200 = "Azure/AI-benchmarking-guide Azure_Results/ND_H200_v5_results.md (NCCL 2.20)"
-GTC = "NVIDIA GTC'25 S72583 (via shared/reference/hardware.md)"
+GTC = "NVIDIA GTC'25 S72583 (via docs/hardware.md)"
 FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md"
 TITAN_A100 = "pytorch/torchtitan docs/performance.md (2024, 64 A100-80G)"
 TITAN_H100 = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (vanilla TP, bf16)"

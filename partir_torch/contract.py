@@ -123,3 +123,15 @@ def stamp_phases(gm, forward_only: bool) -> None:
 def phase_of(node) -> Phase:
     """The node's phase as stamped at capture (nodes added later, by a capture tactic, count as backward)."""
     return node.meta.get(META_PHASE, Phase.BACKWARD)
+
+
+# ---- tactic families ---------------------------------------------------------------------------------------------
+# What a tactic does is declared on its class (tactics.base.declare: `family`, and whether the automatic search may
+# try it as a macro-action). The simulator's confidence sees a tactic only by the name its collectives carry, so the
+# declaration also enters each class's default names here: "MP" -> "megatron", "Z3" -> "zero3", ...
+TACTIC_FAMILY: dict = {}
+
+
+def tactic_family(name: str) -> str:
+    """The family declared for a tactic name ("MP", "BP-dcn", "Z3[...]"), or "" for a name no tactic declared."""
+    return TACTIC_FAMILY.get(str(name).split("[")[0].split("-")[0], "")

@@ -53,7 +53,7 @@ def test_nvls_on_nvswitch_systems_only():
     assert estimate(hardware("h200"), "all_gather", GiB, m, "dp").algorithm == "ring"
     with pytest.raises(PartitionError, match="nvls"):
         estimate(hardware("a100-80g"), "all_reduce", GiB, m, "dp", algorithm="nvls")
-    # NVLS all-reduce exceeds the ring's bus bandwidth (hardware.md: 480 vs 370 GB/s on 8xH100).
+    # NVLS all-reduce exceeds the ring's bus bandwidth (docs/hardware.md: 480 vs 370 GB/s on 8xH100).
     ring = collective_time(hardware("h100"), "all_reduce", 8 * GiB, m, "dp", algorithm="ring")
     assert collective_time(hardware("h100"), "all_reduce", 8 * GiB, m, "dp") < 0.8 * ring
 

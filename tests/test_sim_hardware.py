@@ -26,6 +26,25 @@ def test_spec_numbers():
     assert hardware("tpu-v5p").ici_link_bw == 90e9
 
 
+def test_every_chip_figure_is_in_the_hardware_reference():
+    """docs/hardware.md holds the chips' datasheet figures: the row of each preset names its bf16 rate, HBM
+    bandwidth and HBM size as the datasheet writes them (1,979; 80 GB; 32 GiB)."""
+    from pathlib import Path
+
+    from partir_torch.sim.hardware import CHIPS, GB, NETWORKS, GiB
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "hardware.md"
+    rows = {line.split("|")[1].strip(" `"): line for line in doc.read_text().splitlines()
+            if line.startswith("| `")}
+    for name, chip in CHIPS.items():
+        row = rows[name]
+        hbm = f"{chip.hbm_bytes / GiB:g} GiB" if chip.hbm_bytes % GiB == 0 else f"{chip.hbm_bytes / GB:g} GB"
+        for figure in (f"{chip.peak_bf16 / 1e12:,g}", f"{chip.hbm_bw / GB:,g}", hbm):
+            assert f"| {figure} |" in row or f"| {figure} " in row, (name, figure, row)
+    assert {c.confidence for c in CHIPS.values()} >= {n for c in CHIPS.values() for n in c.nearest}
+    assert all(x.source.startswith("spec: ") for x in [*CHIPS.values(), *NETWORKS.values()])
+
+
 def test_overrides_and_device_counts():
     hw = hardware("h100", nodes=4, nic_bw=25e9)
     assert hw.num_devices == 32 and hw.nic_bw == 25e9 and hw.name == "h100"

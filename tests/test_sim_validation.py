@@ -65,6 +65,42 @@ def test_strategy_from_tactics():
     assert C.strategy_of([]) == "single"
 
 
+def test_strategy_comes_from_the_families_tactic_classes_declare(monkeypatch):
+    """A tactic class of the user's, declared tensor parallel under its own name, makes a tensor-parallel program;
+    the same name undeclared counts as data parallel."""
+    from dataclasses import dataclass
+
+    from partir_torch.contract import TACTIC_FAMILY
+    from partir_torch.tactics import base
+
+    assert C.strategy_of(["BP", "TP"]) == "dp"
+    monkeypatch.setattr(base, "MACRO_TACTICS", list(base.MACRO_TACTICS))
+    monkeypatch.setitem(TACTIC_FAMILY, "TP", "")            # removed again after the test
+
+    @base.declare("megatron")
+    @dataclass(frozen=True)
+    class TensorParallel:
+        axis: str = "model"
+        name: str = "TP"
+
+        def apply(self, ctx) -> None: ...
+
+    assert TensorParallel.family == "megatron" and not TensorParallel.macro
+    assert C.strategy_of(["BP", "TP"]) == "tp" and C.strategy_of(["TP-inner", "Z3"]) == "fsdp+tp"
+    assert base.MACRO_TACTICS == [t for t in base.MACRO_TACTICS if t.macro]
+
+
+def test_the_presets_declare_their_families_and_macro_actions():
+    from partir_torch import tactics as T
+    from partir_torch.tactics.base import MACRO_TACTICS
+
+    assert [T.data_parallel().family, T.megatron().family, T.zero(2).family, T.expert_parallel().family,
+            T.sequence_parallel().family, T.ManualPartition({"inputs.*": 0}, axis="batch").family] == \
+        ["data_parallel", "megatron", "zero2", "expert", "sequence", "manual"]
+    assert MACRO_TACTICS == [T.DataParallel, T.Megatron, T.Zero, T.ExpertParallel]
+    assert not T.SequenceParallel.macro and not T.MultiQuery.macro and not T.EmbeddingSharding.macro
+
+
 def test_closest_family_falls_back_to_the_nearest_chip(monkeypatch):
     monkeypatch.setattr(C, "FAMILY_ERROR", {"h100/fsdp": 0.11, "a100/fsdp": 0.05, "h100/tp": 0.3})
     assert C.closest_family("h200", "fsdp") == ("h100/fsdp", 0.11)      # same strategy, nearest chip

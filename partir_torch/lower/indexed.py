@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..rules.registry import linked
+
 aten = torch.ops.aten
 
 
@@ -66,13 +68,8 @@ def arange(em, args, kwargs, off, n):
     return pos
 
 
-IMPLS = {
-    aten.arange.default: arange, aten.arange.start: arange, aten.arange.start_step: arange,
-    aten.embedding.default: embedding,
-    aten.embedding_dense_backward.default: embedding_dense_backward,
-    aten.nll_loss_forward.default: nll_loss_forward,
-    aten.nll_loss_backward.default: nll_loss_backward,
-}
+# op -> its kernel, for the ops whose registry row links a kernel here (rules/registry.py LINKS)
+IMPLS = linked("local", "lower.indexed", globals())
 
 
 def offset(em, mesh, axes, n):

@@ -1,8 +1,24 @@
-"""The rule registry: aten op overload -> rule (an einsum spec string, or a builder function of the node)."""
+"""The op registry: one row per aten op overload with everything partir_torch knows of it.
+
+``default_registry().row(aten.embedding.default)`` is an :class:`OpRow`:
+
+- ``rule``: its tile-mapping rule (an einsum spec string, or a builder function of the node), from the rule module
+  named by ``family`` (rules/pointwise.py, matmul.py, ... nn.py);
+- ``localize``: how its shape arguments become local (rules/localize.py: a row of ``ROWS``, else "generic");
+- ``local``: how it runs on its shards: "as is" (the aten op on local shards), or the lower/indexed.py kernel it
+  runs when its indexed factor is tiled;
+- ``flops``: the FLOP count the simulator charges: torch.utils.flop_counter's formula, a sim/compute.py formula, or
+  "none" (memory bound, or free for a view: the simulator charges bytes);
+- ``xla``: how torch-xla runs it: "as is", "view copy" (a view's ``_copy`` op), or an xla/kernels.py function.
+
+The links to lower/, sim/ and xla/ are declared here (``LINKS``, ``FAMILY_LINKS``) by qualified name: those
+packages build their tables from them (``linked``), since rules/ imports none of them. A field nothing declares is
+None: a gap (tests/test_registry.py lists them).
+"""
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
@@ -13,6 +29,13 @@ from ..errors import PartitionError
 from .factors import OpRule, einsum
 
 aten = torch.ops.aten
+
+AS_IS = "as is"           # local: the aten op on local shards; xla: torch-xla has a kernel (or a composite) for it
+NONE = "none"             # flops: no FLOP formula: memory bound (free for a view); the simulator charges bytes
+TORCH = "torch.utils.flop_counter"   # flops: torch's registered formula (mm, addmm, bmm, convolution, sdpa, ...)
+VIEW_COPY = "view copy"   # xla: a view op runs as its `_copy` op (xla/kernels.xla_target)
+GENERIC = "generic"       # localize: int-list arguments equal to a result's global shape become its local shape
+USER = "user"             # family of a rule registered by the user
 
 
 @dataclass
@@ -88,18 +111,20 @@ class RuleRegistry:
     rule applies to these arguments; the node is a barrier).
     """
 
-    def __init__(self, table: dict | None = None):
+    def __init__(self, table: dict | None = None, families: dict | None = None):
         self._rules: dict = {}
+        self._families: dict = {}
         self._warned: set = set()
         for op, rule in (table or {}).items():
-            self.register(op, rule)
+            self.register(op, rule, family=(families or {}).get(op, USER))
 
-    def register(self, op, rule, override: bool = False) -> None:
+    def register(self, op, rule, override: bool = False, family: str = USER) -> None:
         """Add a rule for `op` (an OpOverload, or a packet: every overload). A second rule for an op is refused
-        unless override=True; an einsum spec must name one operand per tensor argument of the op's schema."""
+        unless override=True; an einsum spec must name one operand per tensor argument of the op's schema.
+        `family`: the rule module it comes from (its row's default links, FAMILY_LINKS)."""
         if isinstance(op, torch._ops.OpOverloadPacket):
             for name in op.overloads():
-                self.register(getattr(op, name), rule, override)
+                self.register(getattr(op, name), rule, override, family)
             return
         if not isinstance(rule, (str, Callable)):
             raise PartitionError(f"register_rule: the rule for {op} must be an einsum spec string ('mk,kn->mn') or "
@@ -109,6 +134,7 @@ class RuleRegistry:
         if isinstance(rule, str):
             _check_spec(op, rule)
         self._rules[op] = rule
+        self._families[op] = family
 
     def __contains__(self, op) -> bool:
         return op in self._rules
@@ -119,7 +145,15 @@ class RuleRegistry:
     def copy(self) -> "RuleRegistry":
         r = RuleRegistry()
         r._rules = dict(self._rules)
+        r._families = dict(self._families)
         return r
+
+    def row(self, op) -> "OpRow":
+        """Everything known of `op` (which must have a rule): rule, localisation, local kernel, FLOPs, XLA form."""
+        return op_row(op, self._rules[op], self._families.get(op, USER))
+
+    def rows(self) -> list:
+        return [self.row(op) for op in self._rules]
 
     def build(self, node: fx.Node) -> OpRule | None:
         """The rule instantiated for this node, or None (a barrier: values stay whole on every axis)."""
@@ -144,7 +178,7 @@ def default_registry() -> RuleRegistry:
     if _DEFAULT is None:
         from . import tables
 
-        _DEFAULT = RuleRegistry(tables.all_rules())
+        _DEFAULT = RuleRegistry(tables.all_rules(), tables.families())
     return _DEFAULT
 
 
@@ -172,3 +206,134 @@ def _check_spec(op, spec: str) -> None:
         raise PartitionError(f"register_rule: spec {spec!r} names {n} operand(s), but {op} takes "
                              f"{len(required)}" + (f" to {len(tensors)}" if len(tensors) > len(required) else "")
                              + f" tensor argument(s) ({', '.join(a.name for a in tensors)}).")
+
+
+# ---- the rest of an op's row: local kernel, FLOPs, XLA form -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Links:
+    """What an op needs besides its rule; None = not declared. A link to a function is its qualified name below
+    partir_torch ("lower.indexed.embedding"); the package that runs it builds its table from it (`linked`)."""
+
+    local: str | None = None
+    flops: str | None = None
+    xla: str | None = None
+
+
+PLAIN = Links(local=AS_IS, flops=NONE, xla=AS_IS)
+
+# rule module -> what every op of it needs, unless LINKS says otherwise. Matmul and convolution get their FLOPs from
+# torch's flop counter, op by op; nn.py's ops are all in LINKS.
+FAMILY_LINKS = {
+    "pointwise": PLAIN, "reduction": PLAIN, "views": PLAIN, "stacking": PLAIN, "indexing": PLAIN,
+    "matmul": Links(local=AS_IS, xla=AS_IS),
+    "conv": Links(local=AS_IS, xla=AS_IS),
+}
+
+_INDEXED = "lower.indexed."        # kernels for a tiled indexed factor (vocabulary, classes, positions)
+LINKS = {
+    aten.embedding.default: Links(local=_INDEXED + "embedding", flops=NONE, xla=AS_IS),
+    aten.embedding_dense_backward.default: Links(local=_INDEXED + "embedding_dense_backward", flops=NONE, xla=AS_IS),
+    aten.nll_loss_forward.default: Links(local=_INDEXED + "nll_loss_forward", flops=NONE,
+                                         xla="xla.kernels.nll_loss_forward"),   # torch-xla's total_weight differs
+    aten.nll_loss_backward.default: Links(local=_INDEXED + "nll_loss_backward", flops=NONE, xla=AS_IS),
+    aten.arange.default: Links(local=_INDEXED + "arange", flops=NONE, xla=AS_IS),
+    aten.arange.start: Links(local=_INDEXED + "arange", flops=NONE, xla=AS_IS),
+    aten.arange.start_step: Links(local=_INDEXED + "arange", flops=NONE, xla=AS_IS),
+    # CPU-only kernels of the captured step, and kernels torch-xla lowers so that the SPMD partitioner gathers them
+    aten._scaled_dot_product_flash_attention_for_cpu.default: Links(
+        local=AS_IS, flops="sim.compute.cpu_flash_fwd", xla="xla.kernels.sdpa_cpu"),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: Links(
+        local=AS_IS, flops="sim.compute.cpu_flash_bwd", xla="xla.kernels.sdpa_cpu_backward"),
+    aten.native_layer_norm.default: Links(local=AS_IS, flops=NONE, xla="xla.kernels.layer_norm"),
+    aten.native_layer_norm_backward.default: Links(local=AS_IS, flops=NONE, xla="xla.kernels.layer_norm_backward"),
+    aten.native_group_norm.default: Links(local=AS_IS, flops=NONE, xla="xla.kernels.group_norm"),
+    aten.native_group_norm_backward.default: Links(local=AS_IS, flops=NONE, xla="xla.kernels.group_norm_backward"),
+    aten.upsample_nearest2d_backward.default: Links(local=AS_IS, flops=NONE,
+                                                    xla="xla.kernels.upsample_nearest2d_backward"),
+    # torch-xla 2.9 has no kernel and no composite for glu's backward: the XLA form is missing
+    aten.glu_backward.default: Links(local=AS_IS, flops=NONE),
+}
+LINKS.update({op: PLAIN for op in (    # the rest of nn.py: memory-bound kernels torch-xla runs as they are
+    aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default, aten._softmax_backward_data.default,
+    aten._log_softmax_backward_data.default, aten.glu.default, aten.sort.default, aten.topk.default,
+    aten.native_dropout_backward.default, aten.tril.default, aten.triu.default,
+    aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.scalar_tensor.default,
+    aten.rand.default, aten.randn.default, aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
+    aten.new_full.default, aten.empty_strided.default, aten.new_empty_strided.default,
+    aten.upsample_nearest2d.default, aten.upsample_nearest2d.vec, aten.avg_pool2d.default,
+    aten.avg_pool2d_backward.default, aten.max_pool2d_with_indices.default,
+    aten.max_pool2d_with_indices_backward.default)})
+
+
+@dataclass(frozen=True)
+class OpRow:
+    """Everything partir_torch knows of one op (see the module docstring); None marks a gap."""
+
+    op: object
+    rule: object
+    family: str
+    localize: object
+    local: str | None
+    flops: str | None
+    xla: str | None
+
+    def gaps(self) -> list:
+        """The fields nothing declares: ["flops"], ["xla"], ..."""
+        return [f for f in ("local", "flops", "xla") if getattr(self, f) is None]
+
+    def __str__(self):
+        loc = self.localize if isinstance(self.localize, str) else f"localize.{self.localize.__qualname__}"
+        return (f"{self.op}: rule {self.family}.{_rule_name(self.rule)}  localize {loc}  local {self.local}  "
+                f"flops {self.flops}  xla {self.xla}")
+
+
+def _rule_name(rule) -> str:
+    """An einsum spec as written ('mk,kn->mn', also inside a builder's closure), else the builder's name."""
+    if isinstance(rule, str):
+        return repr(rule)
+    specs = [c.cell_contents for c in getattr(rule, "__closure__", None) or ()
+             if isinstance(c.cell_contents, str) and "->" in c.cell_contents]
+    return repr(specs[0]) if specs else getattr(rule, "__qualname__", repr(rule)).replace(".<locals>.rule", "")
+
+
+def op_row(op, rule, family: str) -> OpRow:
+    """The row of `op`: its declared links (LINKS, then its family's), what the op's schema and torch already say
+    (a view's XLA form is its _copy op; torch's flop counter has a formula), and its localisation."""
+    from torch.utils.flop_counter import flop_registry
+
+    from .localize import ROWS
+
+    declared, default = LINKS.get(op, Links()), FAMILY_LINKS.get(family, Links())
+    pick = {f.name: getattr(declared, f.name) for f in fields(Links)}
+    if pick["flops"] is None and getattr(op, "overloadpacket", None) in flop_registry:
+        pick["flops"] = TORCH
+    if pick["xla"] is None and _view_copy(op) is not None:
+        pick["xla"] = VIEW_COPY
+    pick = {k: v if v is not None else getattr(default, k) for k, v in pick.items()}
+    return OpRow(op, rule, family, ROWS.get(op, GENERIC), **pick)
+
+
+def _view_copy(op):
+    """The `_copy` op of an aten view op (view -> view_copy), or None."""
+    if not (isinstance(op, torch._ops.OpOverload) and op.is_view and op.namespace == "aten"):
+        return None
+    packet = getattr(aten, op._schema.name.split("::")[1] + "_copy", None)
+    return getattr(packet, op._overloadname, None) if packet is not None else None
+
+
+def linked(field: str, module: str, namespace: dict) -> dict:
+    """{op: function} for every op whose declared `field` ("local", "flops", "xla") links a function of `module`
+    ("lower.indexed"), looked up in that module's `namespace` (its globals()): how lower/, sim/ and xla/ build
+    their per-op tables from the rows. A link to a function that does not exist fails here, at import."""
+    prefix = module + "."
+    out = {}
+    for op, links in LINKS.items():
+        name = getattr(links, field)
+        if name and name.startswith(prefix):
+            fn = namespace.get(name[len(prefix):])
+            if fn is None:
+                raise RuntimeError(f"rules/registry.py links {op} ({field}) to {name}, which does not exist")
+            out[op] = fn
+    return out

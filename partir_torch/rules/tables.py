@@ -13,3 +13,11 @@ def all_rules() -> dict:
             raise RuntimeError(f"rules.{mod.__name__.rsplit('.', 1)[-1]} registers {', '.join(twice)} again")
         table.update(rows)
     return table
+
+
+def families() -> dict:
+    """op -> the rule module its rule comes from ("pointwise", "matmul", ... "nn")."""
+    from . import conv, indexing, matmul, nn, pointwise, reduction, stacking, views
+
+    return {op: mod.__name__.rsplit(".", 1)[-1] for mod in (pointwise, matmul, reduction, views, stacking, nn, indexing,
+                                                           conv) for op in mod.rules()}

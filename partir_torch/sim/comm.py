@@ -22,7 +22,7 @@ from .hardware import Hardware
 
 US = 1e-6
 PROTOCOLS = ("LL", "LL128", "Simple")
-# NCCL src/graph/tuning.cc (via hardware.md): latency = base + steps x per-hop latency, in microseconds.
+# NCCL src/graph/tuning.cc (docs/hardware.md): latency = base + steps x per-hop latency, in microseconds.
 BASE_LAT = {"ring": {"LL": 6.6, "LL128": 14.0, "Simple": 8.4}, "tree": {"LL": 6.8, "LL128": 14.0, "Simple": 8.4}}
 HOP_NET = {"LL": 2.7, "LL128": 4.0, "Simple": 14.0}
 # NVLink per-hop: NCCL's tuner uses LL 0.6 / LL128 1.9 / Simple 3.4. Simple is refit to 11.5 us: nccl-tests on

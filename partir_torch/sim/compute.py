@@ -22,6 +22,7 @@ import torch
 from torch.fx import Node
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from ..rules.registry import linked
 from .hardware import Hardware
 
 aten = torch.ops.aten
@@ -40,18 +41,16 @@ _ALIAS_OPS = {"aten::_unsafe_view", "aten::alias", "aten::lift_fresh", "aten::_r
 _ALLOC_OPS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::new_empty_strided"}
 
 
-def _cpu_flash_fwd(q, k, v, *args, out_val=None, **kwargs):
+def cpu_flash_fwd(q, k, v, *args, out_val=None, **kwargs):
     return sdpa_flop_count(q.shape, k.shape, v.shape)          # same math as the CUDA flash kernel
 
 
-def _cpu_flash_bwd(grad_out, q, k, v, *args, out_val=None, **kwargs):
+def cpu_flash_bwd(grad_out, q, k, v, *args, out_val=None, **kwargs):
     return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
 
 
-EXTRA_FLOPS = {
-    "aten::_scaled_dot_product_flash_attention_for_cpu": _cpu_flash_fwd,
-    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": _cpu_flash_bwd,
-}
+# schema name -> formula, for the ops whose registry row links a formula here (rules/registry.py LINKS)
+EXTRA_FLOPS = {op._schema.name: fn for op, fn in linked("flops", "sim.compute", globals()).items()}
 
 _CLASS_CACHE: dict = {}
 

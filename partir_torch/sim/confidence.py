@@ -11,6 +11,9 @@ True
 """
 from __future__ import annotations
 
+from ..contract import tactic_family
+from .hardware import CHIPS
+
 # median |error| per family, held out (written by benchmarks/sim_validation.py --write-confidence)
 FAMILY_ERROR = {
     "a100/all_reduce": 0.004,
@@ -41,30 +44,35 @@ FAMILY_ERROR = {
     "v5p/fsdp+tp": 0.103,
 }  # end FAMILY_ERROR
 
-# chip of each preset, and the chips nearest to each (same vendor first, then by generation)
-CHIP = {"a100-40g": "a100", "a100-80g": "a100", "h100": "h100", "h200": "h200", "b200": "b200",
-        "tpu-v4": "v4", "tpu-v5e": "v5e", "tpu-v5p": "v5p", "tpu-v6e": "v6e"}
-NEAR_CHIPS = {"a100": ("h100", "h200", "b200"), "h100": ("h200", "b200", "a100"), "h200": ("h100", "b200", "a100"),
-              "b200": ("h200", "h100", "a100"), "v4": ("v5p", "v5e", "v6e"), "v5e": ("v6e", "v5p", "v4"),
-              "v5p": ("v4", "v6e", "v5e"), "v6e": ("v5e", "v5p", "v4")}
+# chip class of each preset, and the classes nearest to each: declared on the chips (sim/hardware.py CHIPS)
+CHIP = {name: chip.confidence for name, chip in CHIPS.items()}
+NEAR_CHIPS = {chip.confidence: chip.nearest for chip in CHIPS.values()}
 NEAR_STRATEGIES = {"fsdp": ("fsdp+dcn", "zero2", "dp"), "fsdp+dcn": ("fsdp", "zero2"), "zero2": ("fsdp", "dp"),
                    "dp": ("zero2", "fsdp"), "tp": ("fsdp+tp",), "fsdp+tp": ("tp", "fsdp"),
                    "ep": ("all_to_all", "dp"), "single": ("gemm", "attention", "hbm", "dp")}
 
 
+# strategy of a program from the families its tactic classes declare (tactics.base.declare): tensor-parallel
+# families, and the family that makes each other strategy; any other tactic (data parallel, manual, automatic, a name
+# no class declared) makes a data-parallel program
+TENSOR_PARALLEL = frozenset({"megatron", "sequence", "multi_query", "embedding"})
+
+
 def strategy_of(tactics) -> str:
-    """Strategy family from the tactic names of a program's collectives (``CollectiveRecord.tactic``)."""
-    ts = {str(t).split("[")[0].split("-")[0] for t in tactics if t}
-    tp = bool(ts & {"MP", "SP", "MQ", "EMB"})
-    if ts & {"EP"}:
+    """Strategy family from the tactic names of a program's collectives (``CollectiveRecord.tactic``), through the
+    family each tactic class declares (``contract.TACTIC_FAMILY``)."""
+    names = [t for t in tactics if t]
+    fams = {tactic_family(t) for t in names}
+    tp = bool(fams & TENSOR_PARALLEL)
+    if "expert" in fams:
         return "ep"
-    if "Z3" in ts:
+    if "zero3" in fams:
         return "fsdp+tp" if tp else "fsdp"
     if tp:
         return "tp"
-    if "Z2" in ts:
+    if "zero2" in fams:
         return "zero2"
-    return "dp" if ts else "single"
+    return "dp" if names else "single"
 
 
 def closest_family(hw_name: str, strategy: str) -> tuple:

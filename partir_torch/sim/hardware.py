@@ -1,8 +1,9 @@
 """Hardware descriptions: chips, links and how they are wired.
 
-``hardware("h100", nodes=2)`` returns a frozen :class:`Hardware`; every field can be overridden by keyword. Numbers
-are from /work/shared/reference/hardware.md unless a comment says otherwise ("spec" = datasheet, "meas" = published
-measurement, "fit" = calibrated against the measurements there, "assumed" = no public number found).
+``hardware("h100", nodes=2)`` returns a frozen :class:`Hardware`; every field can be overridden by keyword. A preset
+is a :class:`Chip` (``CHIPS``) joined by a :class:`Network` (``NETWORKS``), both with named fields. Every figure is
+in docs/hardware.md with its source; the comments here say its kind ("spec" = datasheet, "meas" = published
+measurement, "fit" = calibrated by benchmarks/sim_validation.py, "assumed" = no public number found).
 
 >>> hw = hardware("h100", nodes=2)
 >>> hw.num_devices, hw.nvlink_bw
@@ -161,41 +162,126 @@ class Hardware:
         return f"{self.name} ({self.slices} slice(s) x {topo} = {self.num_devices} chips)"
 
 
-def _gpu(name, bf16, fp32, tf32, fp8, hbm_gb, hbm_gbs, nvlink_gbs, nic_gbs, mm_eff, nvlink_eff, nvls, hbm_gib=None,
-         attn_eff=0.6, fp8_eff=0.0):
-    return Hardware(name=name, kind="gpu", peak_bf16=bf16 * TFLOPS, peak_fp32=fp32 * TFLOPS,
-                    peak_tf32=tf32 * TFLOPS, peak_fp8=fp8 * TFLOPS, hbm_bytes=hbm_gb * GB,
-                    hbm_bw=hbm_gbs * GB, mm_efficiency=mm_eff, attn_efficiency=attn_eff, fp8_efficiency=fp8_eff,
-                    nvlink_bw=nvlink_gbs * GB,
-                    nvlink_efficiency=nvlink_eff, nvls=nvls, nic_bw=nic_gbs * GB)
+_FIELDS = tuple(f.name for f in dataclasses.fields(Hardware))
 
 
-def _tpu(name, gen, bf16, hbm, hbm_gbs, ici_gbs, dcn_gbs, topology):
-    return Hardware(name=name, kind="tpu", generation=gen, peak_bf16=bf16 * TFLOPS,
-                    peak_fp32=bf16 * TFLOPS / 3,    # fp32 matmul as 3 bf16 passes (XLA precision HIGH); assumed
-                    peak_tf32=bf16 * TFLOPS / 3, peak_fp8=bf16 * TFLOPS, hbm_bytes=hbm, hbm_bw=hbm_gbs * GB,
-                    mm_efficiency=0.85,              # assumed; no MAMF-style TPU measurement in the references
-                    mm_half_time_s=2e-6, kernel_overhead_s=0.5e-6,   # XLA fuses elementwise ops; assumed
-                    ici_link_bw=ici_gbs * GB, dcn_bw=dcn_gbs * GB, topology=topology)
+@dataclass(frozen=True)
+class Chip:
+    """One accelerator as its vendor ships it: peak rates, HBM, and how close kernels get to them. Fields are named
+    as in :class:`Hardware` (FLOP/s dense, bytes, bytes/s). ``confidence`` is the chip class of the simulator's
+    validated error families (sim/confidence.py), ``nearest`` the classes to fall back on, closest first."""
+
+    name: str
+    kind: str                          # "gpu" | "tpu"
+    peak_bf16: float
+    peak_fp32: float
+    peak_tf32: float
+    peak_fp8: float
+    hbm_bytes: float
+    hbm_bw: float
+    mm_efficiency: float
+    confidence: str
+    nearest: tuple
+    attn_efficiency: float = 0.6
+    fp8_efficiency: float = 0.0
+    generation: str = ""               # TPU generation: selects the torus wraparound rule
+    source: str = ""                   # where each figure comes from (docs/hardware.md has them all)
 
 
-# Chips: NVIDIA datasheets; GEMM efficiency: MAMF (ml-engineering); ring efficiency: nccl-tests busbw / NVLink
-# (8xA100 232/300, 8xH100 ring 370/450; B200 assumed like H100). NICs: HDR 200 Gb/s on A100, NDR 400 Gb/s after.
-PRESETS = {
-    "a100-40g": _gpu("a100-40g", 312, 19.5, 156, 312, 40, 1555, 300, 25, 0.869, 0.775, False),
-    "a100-80g": _gpu("a100-80g", 312, 19.5, 156, 312, 80, 2039, 300, 25, 0.869, 0.775, False),
-    "h100": _gpu("h100", 989, 66.9, 494.5, 1979, 80, 3350, 450, 50, 0.803, 0.822, True, attn_eff=0.34, fp8_eff=0.70),
-    "h200": _gpu("h200", 989, 67, 494.5, 1979, 141, 4800, 450, 50, 0.803, 0.822, True, attn_eff=0.34, fp8_eff=0.70),
-    "b200": _gpu("b200", 2250, 80, 1125, 4500, 180, 8000, 900, 50, 0.776, 0.822, True, attn_eff=0.4),
-    # TPUs: Google Cloud TPU docs. ICI per link one-way; DCN per chip (v4: 25 GB/s per 4-chip host).
-    "tpu-v4": _tpu("tpu-v4", "v4", 275, 32 * GiB, 1200, 45, 25 / 4, (2, 2, 1)),
-    "tpu-v5e": _tpu("tpu-v5e", "v5e", 197, 16 * GB, 819, 45, 3, (2, 4)),
-    "tpu-v5p": _tpu("tpu-v5p", "v5p", 459, 95 * GiB, 2765, 90, 6, (2, 2, 1)),
-    "tpu-v6e": _tpu("tpu-v6e", "v6e", 918, 32 * GB, 1640, 90, 12.5, (2, 4)),
+@dataclass(frozen=True)
+class Network:
+    """How the chips of a system are joined, with :class:`Hardware`'s field names (bytes/s, one direction).
+    GPU: NVLink/NVSwitch inside a node, one NIC per GPU between nodes. TPU: ICI torus links inside a slice (and
+    the preset's default slice shape), DCN between slices."""
+
+    name: str
+    nvlink_bw: float = 0.0
+    nvlink_efficiency: float = 0.80
+    nvls: bool = False
+    nic_bw: float = 0.0
+    ici_link_bw: float = 0.0
+    dcn_bw: float = 0.0
+    topology: tuple = ()
+    source: str = ""
+
+
+def _nvidia(name, bf16, fp32, tf32, fp8, hbm_gb, hbm_gbs, mm, confidence, nearest, **more) -> Chip:
+    """An NVIDIA GPU from its datasheet units: TFLOP/s, GB, GB/s."""
+    return Chip(name, "gpu", peak_bf16=bf16 * TFLOPS, peak_fp32=fp32 * TFLOPS, peak_tf32=tf32 * TFLOPS,
+                peak_fp8=fp8 * TFLOPS, hbm_bytes=hbm_gb * GB, hbm_bw=hbm_gbs * GB, mm_efficiency=mm,
+                confidence=confidence, nearest=nearest, **more)
+
+
+def _tpu(name, gen, bf16, hbm_bytes, hbm_gbs, nearest) -> Chip:
+    """A TPU from Google's units (TFLOP/s, GB/s). Assumed: fp32 matmuls run as 3 bf16 passes (XLA precision HIGH),
+    fp8 at the bf16 rate, 85% of peak for the best matmul shapes (no MAMF-style TPU measurement)."""
+    return Chip(name, "tpu", peak_bf16=bf16 * TFLOPS, peak_fp32=bf16 * TFLOPS / 3, peak_tf32=bf16 * TFLOPS / 3,
+                peak_fp8=bf16 * TFLOPS, hbm_bytes=hbm_bytes, hbm_bw=hbm_gbs * GB, mm_efficiency=0.85,
+                confidence=gen, nearest=nearest, generation=gen, source=_TPU)
+
+
+# Every figure is in docs/hardware.md; `source` says where each comes from and of which kind it is: "spec" =
+# datasheet, "meas" = published measurement, "fit" = calibrated by benchmarks/sim_validation.py, "assumed".
+_A100 = "spec: NVIDIA A100 datasheet (SXM); mm 86.9% meas: MAMF (ml-engineering)"
+_H100 = ("spec: NVIDIA {} datasheet; mm 80.3% meas: MAMF; fp8 70% meas: Azure AI-benchmarking-guide (cuBLASLt "
+         "~1,380 of 1,979 TFLOP/s); attention 34% meas: FlashAttention-3 fig. 6 (35-40%), 8xH200 row (33%)")
+_TPU = "spec: Google Cloud TPU docs (bf16 TFLOP/s, HBM size and GB/s); fp32, fp8, mm 85% assumed"
+CHIPS = {
+    "a100-40g": _nvidia("a100-40g", bf16=312, fp32=19.5, tf32=156, fp8=312, hbm_gb=40, hbm_gbs=1555, mm=0.869,
+                        confidence="a100", nearest=("h100", "h200", "b200"), source=_A100),
+    "a100-80g": _nvidia("a100-80g", bf16=312, fp32=19.5, tf32=156, fp8=312, hbm_gb=80, hbm_gbs=2039, mm=0.869,
+                        confidence="a100", nearest=("h100", "h200", "b200"), source=_A100),
+    "h100": _nvidia("h100", bf16=989, fp32=66.9, tf32=494.5, fp8=1979, hbm_gb=80, hbm_gbs=3350, mm=0.803,
+                    confidence="h100", nearest=("h200", "b200", "a100"), attn_efficiency=0.34, fp8_efficiency=0.70,
+                    source=_H100.format("H100 SXM5")),
+    "h200": _nvidia("h200", bf16=989, fp32=67, tf32=494.5, fp8=1979, hbm_gb=141, hbm_gbs=4800, mm=0.803,
+                    confidence="h200", nearest=("h100", "b200", "a100"), attn_efficiency=0.34, fp8_efficiency=0.70,
+                    source=_H100.format("H200 SXM")),
+    "b200": _nvidia("b200", bf16=2250, fp32=80, tf32=1125, fp8=4500, hbm_gb=180, hbm_gbs=8000, mm=0.776,
+                    confidence="b200", nearest=("h200", "h100", "a100"), attn_efficiency=0.4,
+                    source="spec: NVIDIA DGX B200 (180 GB usable); mm 77.6% meas: MAMF; attention 40% assumed "
+                           "(H100's FlashAttention-3 range)"),
+    "tpu-v4": _tpu("tpu-v4", "v4", bf16=275, hbm_bytes=32 * GiB, hbm_gbs=1200, nearest=("v5p", "v5e", "v6e")),
+    "tpu-v5e": _tpu("tpu-v5e", "v5e", bf16=197, hbm_bytes=16 * GB, hbm_gbs=819, nearest=("v6e", "v5p", "v4")),
+    "tpu-v5p": _tpu("tpu-v5p", "v5p", bf16=459, hbm_bytes=95 * GiB, hbm_gbs=2765, nearest=("v4", "v6e", "v5e")),
+    "tpu-v6e": _tpu("tpu-v6e", "v6e", bf16=918, hbm_bytes=32 * GB, hbm_gbs=1640, nearest=("v5e", "v5p", "v4")),
 }
+
+_ICI = "spec: Google Cloud TPU docs, How to Scale Your Model (ICI per link one-way, DCN per chip)"
+NETWORKS = {
+    "dgx-a100": Network("dgx-a100", nvlink_bw=300 * GB, nvlink_efficiency=0.775, nvls=False, nic_bw=25 * GB,
+                        source="spec: NVLink3 300 GB/s via NVSwitch, HDR IB 200 Gb/s per GPU; ring 77.5% meas: "
+                               "nccl-tests busbw 232 of 300 GB/s on 8xA100 (NVIDIA GTC'25 S72583)"),
+    "dgx-h100": Network("dgx-h100", nvlink_bw=450 * GB, nvlink_efficiency=0.822, nvls=True, nic_bw=50 * GB,
+                        source="spec: NVLink4 450 GB/s with NVLink SHARP, NDR IB 400 Gb/s per GPU; ring 82.2% fit "
+                               "(370 of 450 GB/s meas, GTC'25 S72583)"),
+    "dgx-b200": Network("dgx-b200", nvlink_bw=900 * GB, nvlink_efficiency=0.822, nvls=True, nic_bw=50 * GB,
+                        source="spec: NVLink5 900 GB/s, 400 Gb/s per GPU; ring efficiency assumed as H100's"),
+    "v4-pod": Network("v4-pod", ici_link_bw=45 * GB, dcn_bw=25 / 4 * GB, topology=(2, 2, 1),
+                      source=_ICI + "; DCN ~25 GB/s per 4-chip host"),
+    "v5e-pod": Network("v5e-pod", ici_link_bw=45 * GB, dcn_bw=3 * GB, topology=(2, 4), source=_ICI),
+    "v5p-pod": Network("v5p-pod", ici_link_bw=90 * GB, dcn_bw=6 * GB, topology=(2, 2, 1), source=_ICI),
+    "v6e-pod": Network("v6e-pod", ici_link_bw=90 * GB, dcn_bw=12.5 * GB, topology=(2, 4), source=_ICI),
+}
+
+
+def system(chip: Chip, net: Network) -> Hardware:
+    """The Hardware of `chip` joined by `net` (one node, or one slice of the network's default shape)."""
+    fields = {f.name: getattr(chip, f.name) for f in dataclasses.fields(Chip) if f.name in _FIELDS}
+    fields.update({f.name: getattr(net, f.name) for f in dataclasses.fields(Network) if f.name in _FIELDS[1:]})
+    if chip.kind == "tpu":     # XLA fuses elementwise ops: short kernels, small launch cost; assumed
+        fields.update(mm_half_time_s=2e-6, kernel_overhead_s=0.5e-6)
+    return Hardware(**fields)
+
+
+# preset -> its chip in its network
+PRESETS = {name: system(CHIPS[name], NETWORKS[net]) for name, net in (
+    ("a100-40g", "dgx-a100"), ("a100-80g", "dgx-a100"), ("h100", "dgx-h100"), ("h200", "dgx-h100"),
+    ("b200", "dgx-b200"), ("tpu-v4", "v4-pod"), ("tpu-v5e", "v5e-pod"), ("tpu-v5p", "v5p-pod"),
+    ("tpu-v6e", "v6e-pod"))}
+
 _ALIASES = {"a100": "a100-80g", "h100-80g": "h100", "v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p",
             "v6e": "tpu-v6e"}
-_FIELDS = tuple(f.name for f in dataclasses.fields(Hardware))
 
 
 def hardware(name: str, **overrides) -> Hardware:

@@ -36,7 +36,12 @@ import numpy as np
 
 from ..contract import META_RECOMPUTE
 from ..errors import PartitionError
+<<<<<<< HEAD
 from ..propagate.arrays import undecided
+=======
+from ..propagate.state import UNKNOWN
+from .base import declare
+>>>>>>> hw
 from .search_space import Action, axis_candidates, build_axis_space, union
 
 
@@ -114,6 +119,7 @@ class SearchReport:
         return self.table()
 
 
+@declare("automatic")
 @dataclass(frozen=True)
 class AutomaticPartition:
     """Decide `axes` by search (see the module docstring). hardware: a pt.sim.hardware(...); memory_limit: bytes
@@ -298,21 +304,12 @@ class AutomaticPartition:
 
     # -- pieces --------------------------------------------------------------------------------------------------
     def _presets(self, ctx, axis) -> list:
-        from .experts import expert_parallel
-        from .presets import data_parallel, megatron, sequence_parallel, zero
+        """The macro-actions the tactic classes declare (base.declare(macro=True)): presets, then completions."""
+        from . import experts  # noqa: F401  (declares ExpertParallel)
+        from .base import MACRO_TACTICS
 
-        n = self.name
-        out = [("data_parallel", "preset", (data_parallel(axis, name=n),)),
-               ("megatron", "preset", (megatron(axis, name=n),)),
-               ("megatron + sequence_parallel", "preset", (megatron(axis, name=n), sequence_parallel(axis, name=n))),
-               # the embedding tables tiled on the vocabulary too (its gradient is the size of the table)
-               ("megatron(vocab) + sequence_parallel", "preset",
-                (megatron(axis, name=n, vocab=True), sequence_parallel(axis, name=n))),
-               ("expert_parallel", "preset", (expert_parallel(axis, name=n),)),
-               ("zero(3)", "zero", (zero(3, axis, name=n),))]
-        if ctx.captured.fopt is not None:
-            out.append(("zero(1)", "zero", (zero(1, axis, name=n),)))
-        return out
+        acts = [a for cls in MACRO_TACTICS for a in cls.macro_actions(ctx, axis, self.name)]
+        return sorted(acts, key=lambda a: a[1] == "zero")
 
     # seconds per value of the captured graph, measured on a 2-core machine (benchmarks/auto.py; the MoE's are the
     # dearest per value: 6.5e-7 s per estimate, 5.5e-4 s per lowering): one fast estimate, and one lowering + local

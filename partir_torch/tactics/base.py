@@ -6,11 +6,43 @@
   `install(model)` hooks the module for the trace, `transform_step(state, args)` maps the step's inputs,
   `rewrite(captured)` edits the captured graph; `in_eval` says whether eval_step's capture applies it too.
 
-A tactic that only computes seeds derives from SeedTactic and writes `seeds(ctx)`.
+A tactic that only computes seeds derives from SeedTactic and writes `seeds(ctx)`. A tactic class declares what it
+does with `@declare(family, macro=...)`: the automatic search tries the macro-actions of the classes declared
+`macro=True`, and the simulator's confidence reads the families (not the tactic names).
 """
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
+
+from ..contract import TACTIC_FAMILY
+
+# Tactic classes whose `macro_actions(ctx, axis, name)` the automatic search tries, in declaration order.
+MACRO_TACTICS: list = []
+
+
+def declare(family: str, *, macro: bool = False, names: dict | None = None):
+    """Class decorator: what the automatic search and the simulator need to know of a tactic class.
+
+    family: what the tactic does ("data_parallel", "megatron", "sequence", "embedding", "multi_query", "expert",
+    "zero", "manual", "automatic"); it becomes the class attribute `family` unless the class defines one.
+    macro: the automatic search may use it as a macro-action; the class then defines the classmethod
+    `macro_actions(ctx, axis, name) -> [(label, kind, tactics)]` (kind "preset", or "zero" for a completion).
+    names: the default names its collectives carry -> their family (default: {cls.name: family}).
+
+    Example: `@declare("data_parallel", macro=True)` above `@dataclass(frozen=True) class DataParallel(SeedTactic)`.
+    """
+    def wrap(cls):
+        if "family" not in vars(cls):
+            cls.family = family
+        cls.macro = macro
+        if macro:
+            if not callable(getattr(cls, "macro_actions", None)):
+                raise TypeError(f"{cls.__name__} is declared macro=True but defines no macro_actions(ctx, axis, name)")
+            MACRO_TACTICS.append(cls)
+        default = getattr(cls, "name", None)
+        TACTIC_FAMILY.update(names if names is not None else {default: family} if isinstance(default, str) else {})
+        return cls
+    return wrap
 
 
 @runtime_checkable

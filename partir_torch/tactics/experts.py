@@ -7,11 +7,13 @@ from dataclasses import dataclass
 
 from ..capture.graphutil import descendants, forward_nodes
 from ..errors import PartitionError
+from .base import declare
 from .presets import DataParallel
 from .structure import expert_weights, forward_uses
 from ..contract import META_ROLE
 
 
+@declare("expert", macro=True)
 @dataclass(frozen=True)
 class ExpertParallel:
     """EP: stacked expert weights (parameters (E, ., .) used by a batched matmul over E, e.g. w1 (E, d, h) in
@@ -35,6 +37,10 @@ class ExpertParallel:
     axis: str = "expert"
     name: str = "EP"
     params: str | None = None      # FQN glob of the expert weights; None: found by use (structure.expert_weights)
+
+    @classmethod
+    def macro_actions(cls, ctx, axis: str, name: str) -> list:
+        return [("expert_parallel", "preset", (cls(axis, name=name),))]
 
     def apply(self, ctx) -> None:
         ctx.mesh.check_axis(self.axis, self.name)

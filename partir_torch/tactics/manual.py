@@ -8,7 +8,7 @@ from typing import Callable
 
 from ..errors import PartitionError, SelectorError, closest
 from ..sharding import REPLICATED
-from .base import SeedTactic
+from .base import SeedTactic, declare
 
 
 def _matcher(sel):
@@ -22,6 +22,7 @@ def _matcher(sel):
                          f"(name, meta) -> bool.")
 
 
+@declare("manual")
 @dataclass(frozen=True)
 class ManualPartition(SeedTactic):
     """Tile (or replicate) the named values matching each selector on `axis`, then propagate.

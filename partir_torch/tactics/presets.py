@@ -20,13 +20,14 @@ from ..capture.graphutil import forward_nodes
 from ..errors import PartitionError
 from ..sharding import REPLICATED
 from .manual import ManualPartition
-from .base import SeedTactic
+from .base import SeedTactic, declare
 from .structure import (Linear, embedding_tables, find_linear_pairs, is_param_cast, linear_layout,
                         linear_regions, linear_weight, source)
 
 aten = torch.ops.aten
 
 
+@declare("data_parallel", macro=True)
 @dataclass(frozen=True)
 class DataParallel(SeedTactic):
     """BP: tile the batch dim of every input on `axis`. By default the batch dim is dim 0 of each input whose
@@ -36,6 +37,10 @@ class DataParallel(SeedTactic):
     axis: str = "batch"
     dims: dict | None = None
     name: str = "BP"
+
+    @classmethod
+    def macro_actions(cls, ctx, axis: str, name: str) -> list:
+        return [("data_parallel", "preset", (cls(axis, name=name),))]
 
     def seeds(self, ctx) -> list:
         inputs = sorted((n for n in ctx.value_names() if n.startswith("inputs.")), key=lambda n: int(n.split(".")[1]))
@@ -62,6 +67,7 @@ def data_parallel(axis: str = "batch", dims: dict | None = None, name: str = "BP
 
 
 # -- Megatron ------------------------------------------------------------------------------------------------------
+@declare("megatron", macro=True)
 @dataclass(frozen=True)
 class Megatron(SeedTactic):
     """Megatron tensor parallelism on `axis`. plan: {FQN glob: "colwise" | "rowwise" | "vocab"} overrides
@@ -72,6 +78,15 @@ class Megatron(SeedTactic):
     plan: dict | None = None
     name: str = "MP"
     vocab: bool = False
+
+    @classmethod
+    def macro_actions(cls, ctx, axis: str, name: str) -> list:
+        """Megatron alone, with sequence parallelism, and with the embedding tables tiled on the vocabulary too
+        (its gradient is the size of the table)."""
+        return [("megatron", "preset", (cls(axis, name=name),)),
+                ("megatron + sequence_parallel", "preset", (cls(axis, name=name), SequenceParallel(axis, name=name))),
+                ("megatron(vocab) + sequence_parallel", "preset",
+                 (cls(axis, name=name, vocab=True), SequenceParallel(axis, name=name)))]
 
     def decompositions(self) -> dict:
         from ..capture.decompositions import softmax_decompositions
@@ -180,6 +195,7 @@ def megatron(axis: str = "model", plan: dict | None = None, name: str = "MP", vo
     return Megatron(axis, plan, name, vocab)
 
 
+@declare("embedding")
 @dataclass(frozen=True)
 class EmbeddingSharding:
     """EMB: every embedding table tiled on `axis`, on the vocabulary (dim="vocab": masked local lookups, partial
@@ -212,6 +228,7 @@ def embedding(axis: str = "model", dim: str = "vocab", name: str = "EMB") -> Emb
 
 
 # -- sequence parallelism ----------------------------------------------------------------------------------------
+@declare("sequence")
 @dataclass(frozen=True)
 class SequenceParallel:
     """Sequence parallelism (Korthikanti et al. 2022) on the tensor-parallel axis: the activations entering each
@@ -252,6 +269,7 @@ def sequence_parallel(axis: str = "model", seq_dim: int = 1, name: str = "SP") -
 
 
 # -- multi-query attention (expert parallelism is in experts.py) ------------------------------------------------------------------
+@declare("multi_query")
 @dataclass(frozen=True)
 class MultiQuery:
     """MQ (PartIR's inference sharding for multi-query / grouped-query attention): heads="q" tiles the query
@@ -289,6 +307,7 @@ def multi_query(axis: str = "model", mode: str = "q", name: str = "MQ") -> Multi
 
 
 # -- ZeRO ----------------------------------------------------------------------------------------------------------
+@declare("zero", macro=True, names={"Z1": "zero1", "Z2": "zero2", "Z3": "zero3"})
 @dataclass(frozen=True)
 class Zero:
     """ZeRO stage 1/2/3 on `axis`. Each parameter's tiled dim: 0 if its (local) size divides by the axis size,
@@ -305,6 +324,18 @@ class Zero:
             raise PartitionError(f"zero: stage must be 1, 2 or 3, got {self.stage!r}.")
         if not self.name:
             object.__setattr__(self, "name", f"Z{self.stage}")
+
+    @property
+    def family(self) -> str:
+        return f"zero{self.stage}"
+
+    @classmethod
+    def macro_actions(cls, ctx, axis: str, name: str) -> list:
+        """Completions of the search: ZeRO-3, and ZeRO-1 when the step has an optimizer."""
+        out = [("zero(3)", "zero", (cls(3, axis, name=name),))]
+        if ctx.captured.fopt is not None:
+            out.append(("zero(1)", "zero", (cls(1, axis, name=name),)))
+        return out
 
     def _dim(self, ctx, name) -> int | None:
         shape = ctx.value_meta(name)["shape"]

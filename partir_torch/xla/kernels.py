@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 
 import torch
+
 from ..errors import PartitionError
+from ..rules.registry import linked
 
 aten = torch.ops.aten
 
@@ -124,16 +126,9 @@ def upsample_nearest2d_backward(grad_output, output_size, input_size, scales_h=N
     return grad_output.reshape(n, c, h, oh // h, w, ow // w).sum((3, 5))
 
 
-OVERRIDES = {
-    aten.native_group_norm.default: group_norm,
-    aten.native_group_norm_backward.default: group_norm_backward,
-    aten.upsample_nearest2d_backward.default: upsample_nearest2d_backward,
-    aten.native_layer_norm.default: layer_norm,
-    aten.native_layer_norm_backward.default: layer_norm_backward,
-    aten.nll_loss_forward.default: nll_loss_forward,
-    aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_cpu,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: sdpa_cpu_backward,
-}
+# op -> its XLA form, for the ops whose registry row links a function here (rules/registry.py LINKS); view ops are
+# added by xla_target as they are met
+OVERRIDES = linked("xla", "xla.kernels", globals())
 
 
 def xla_target(target):

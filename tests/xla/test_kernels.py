@@ -72,3 +72,23 @@ def test_nll_loss_total_weight_counts_the_targets_not_ignored():
     out, total = kernels.nll_loss_forward(logp, target, None, 2, -100)   # reduction sum
     assert float(total) == 4.0
     torch.testing.assert_close(out, aten.nll_loss_forward(logp, target, None, 2, -100)[0])
+
+
+def test_the_registry_rows_say_how_torch_xla_runs_each_op():
+    """kernels.OVERRIDES is what the rows link; an op declared "as is" has a torch-xla kernel (or a composite one
+    that decomposes for XLA); the ops listed as lacking an XLA form have neither."""
+    from partir_torch.rules import registry as R
+
+    rows = [r for r in R.default_registry().rows() if r.family != R.USER]
+    linked = {r.op for r in rows if (r.xla or "").startswith("xla.kernels.")}
+    assert set(kernels.OVERRIDES) >= linked and all(
+        kernels.OVERRIDES[r.op] is getattr(kernels, r.xla.rsplit(".", 1)[1]) for r in rows if r.op in linked)
+
+    def runs_on_xla(op):
+        keys = ("XLA", "CompositeImplicitAutograd", "CompositeExplicitAutograd",
+                "CompositeExplicitAutogradNonFunctional")
+        return any(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), k) for k in keys)
+
+    assert [str(r.op) for r in rows if r.xla == R.AS_IS and not runs_on_xla(r.op)] == []
+    assert [str(r.op) for r in rows if r.xla is None] == ["aten.glu_backward.default"]
+    assert not runs_on_xla(aten.glu_backward.default)

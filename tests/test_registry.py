@@ -1,0 +1,85 @@
+"""The op registry's rows: every op with a rule says how it runs on its shards, what FLOPs the simulator charges and
+how torch-xla runs it (rules/registry.py), or is listed here as a gap; every link names a function that exists and
+that the package using it finds through the row."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+from partir_torch.lower import indexed
+from partir_torch.rules import registry as R
+from partir_torch.rules.localize import ROWS
+from partir_torch.sim import compute
+
+aten = torch.ops.aten
+ROOT = Path(R.__file__).resolve().parents[1]
+
+# Ops with a rule that lack one of the others. Close a gap by adding what is missing and its LINKS row.
+KNOWN_GAPS = {
+    "aten.dot.default": ["flops"],              # matmul-like, not in torch's flop counter: charged as memory bound
+    "aten.mv.default": ["flops"],
+    "aten.glu_backward.default": ["xla"],       # torch-xla 2.9 has no kernel and no composite for it
+}
+
+
+def test_every_op_with_a_rule_has_its_row_or_is_a_known_gap():
+    rows = [r for r in R.default_registry().rows() if r.family != R.USER]   # other tests register ops of their own
+    assert len(rows) > 200
+    gaps = {str(r.op): r.gaps() for r in rows if r.gaps()}
+    assert gaps == KNOWN_GAPS, "\n".join(f"{op}: lacks {', '.join(g)}" for op, g in sorted(gaps.items()))
+
+
+def test_a_rule_of_the_user_s_lacks_everything_the_op_does_not_tell():
+    reg = R.RuleRegistry({aten.gelu.default: "a->a", aten.mm.default: "mk,kn->mn", aten.t.default: "ab->ba"})
+    assert reg.row(aten.gelu.default).gaps() == ["local", "flops", "xla"]
+    assert reg.row(aten.mm.default).gaps() == ["local", "xla"] and reg.row(aten.mm.default).flops == R.TORCH
+    assert reg.row(aten.t.default).xla == R.VIEW_COPY and reg.row(aten.t.default).family == R.USER
+
+
+def test_links_name_the_functions_their_packages_use():
+    rows = R.default_registry().rows()
+    local = {r.op: r.local for r in rows if (r.local or "").startswith("lower.indexed.")}
+    assert indexed.IMPLS == {op: getattr(indexed, name.rsplit(".", 1)[1]) for op, name in local.items()}
+    assert set(local) == {aten.embedding.default, aten.embedding_dense_backward.default, aten.nll_loss_forward.default,
+                          aten.nll_loss_backward.default, aten.arange.default, aten.arange.start,
+                          aten.arange.start_step}
+    flops = {r.op._schema.name: getattr(compute, r.flops.rsplit(".", 1)[1]) for r in rows
+             if (r.flops or "").startswith("sim.compute.")}
+    assert compute.EXTRA_FLOPS == flops and len(flops) == 2
+    # xla/kernels.py imports torch_xla's package here; its functions are read from the source
+    tree = ast.parse((ROOT / "xla" / "kernels.py").read_text())
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    xla = {r.xla.rsplit(".", 1)[1] for r in rows if r.xla and r.xla.startswith("xla.kernels.")}
+    assert len(xla) == 8 and xla <= defined, xla - defined
+
+
+def test_rows_agree_with_what_torch_and_the_schema_say():
+    for r in R.default_registry().rows():
+        if not (r.flops or "").startswith("sim.compute."):     # a formula of the simulator's own comes first
+            assert (r.flops == R.TORCH) == (r.op.overloadpacket in flop_registry), r
+        if R._view_copy(r.op) is not None and R.LINKS.get(r.op, R.Links()).xla is None:
+            assert r.xla == R.VIEW_COPY, r
+        if r.xla == R.VIEW_COPY:
+            assert r.op.is_view and R._view_copy(r.op) is not None, r
+        assert r.localize is ROWS.get(r.op, R.GENERIC), r
+    assert set(R.LINKS) <= set(R.default_registry().ops())           # no row for an op without a rule
+    assert set(R.FAMILY_LINKS) <= {r.family for r in R.default_registry().rows()}
+
+
+def test_a_row_prints_on_one_line():
+    line = str(R.default_registry().row(aten.embedding.default))
+    assert line == ("aten.embedding.default: rule nn.embedding  localize generic  local lower.indexed.embedding  "
+                    "flops none  xla as is")
+
+
+def test_a_link_to_a_missing_function_fails_at_import(monkeypatch):
+    monkeypatch.setitem(R.LINKS, aten.tril.default, R.Links(local="lower.indexed.tril"))
+    try:
+        R.linked("local", "lower.indexed", vars(indexed))
+    except RuntimeError as e:
+        assert "lower.indexed.tril, which does not exist" in str(e)
+    else:
+        raise AssertionError("a dangling link was accepted")
