@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capture.graphutil import forward_nodes
+from ..contract import forward_nodes
 from ..errors import PartitionError
 from ..propagate.state import REPLICATED as REP
 from .manual import ManualPartition
