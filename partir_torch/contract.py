@@ -67,6 +67,8 @@ META_SRC = "partir_src"                    # the captured node a lowered op comp
 META_COLLECTIVE = "partir_collective"      # a CollectiveRecord, on the collective node
 META_LOCAL_SHAPE = "partir_local_shape"    # shape of an emitted node's local result
 META_IN_SHAPE = "partir_in_shape"          # a collective's local input shape
+# on an exception raised by a per-device op in emulation: the name of the lowered node that raised it
+EXC_NODE = "partir_node"
 
 # -- value names ---------------------------------------------------------------------------------------------------
 PARAMS, BUFFERS, OPT, INPUTS, CONSTS, GRADS, OUTPUTS = "params.", "buffers.", "opt.", "inputs.", "consts.", \

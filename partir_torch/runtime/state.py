@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from ..contract import STATE_ROLES  # noqa: F401  (runtime.executor reads it from here)
 from ..errors import PartitionError
 
 GROUP_SKIP = ("params",)
-STATE_ROLES = ("param", "buffer", "opt_state")
 
 
 def model_keys(model: torch.nn.Module, state_names) -> dict:
