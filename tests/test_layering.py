@@ -163,7 +163,7 @@ def module_cycles(graph: dict) -> list:
                 low[v] = min(low[v], index[w])
         if low[v] == index[v]:
             comp = set()
-            while not comp or w != v:
+            while v not in comp:
                 w = stack.pop()
                 on_stack.discard(w)
                 comp.add(w)
