@@ -21,8 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_mutation, sync_functional_tensor, to_fun
 
-from ..contract import (META_ACCUMULATE, META_NAME, META_OUTPUT, META_ROLE, META_TAG, META_TAGS, forward_nodes,
-    stamp_phases)
+from ..contract import META_ACCUMULATE, META_NAME, META_OUTPUT, META_ROLE, forward_nodes, stamp_phases
 from ..errors import PartitionError, TraceError
 from .decompositions import capture_decompositions
 from .graphutil import source_line, split_for_backward
