@@ -67,6 +67,8 @@ META_SRC = "partir_src"                    # the captured node a lowered op comp
 META_COLLECTIVE = "partir_collective"      # a CollectiveRecord, on the collective node
 META_LOCAL_SHAPE = "partir_local_shape"    # shape of an emitted node's local result
 META_IN_SHAPE = "partir_in_shape"          # a collective's local input shape
+# on an exception raised by a per-device op in emulation: the name of the lowered node that raised it
+EXC_NODE = "partir_node"
 
 # -- value names ---------------------------------------------------------------------------------------------------
 PARAMS, BUFFERS, OPT, INPUTS, CONSTS, GRADS, OUTPUTS = "params.", "buffers.", "opt.", "inputs.", "consts.", \
@@ -121,7 +123,7 @@ def stamp_phases(gm, forward_only: bool) -> None:
 
 
 def phase_of(node) -> Phase:
-    """The node's phase as stamped at capture (nodes added later, by a capture tactic, count as backward)."""
+    """The node's phase as stamped at capture (a node without a stamp counts as backward)."""
     return node.meta.get(META_PHASE, Phase.BACKWARD)
 
 
@@ -135,3 +137,20 @@ TACTIC_FAMILY: dict = {}
 def tactic_family(name: str) -> str:
     """The family declared for a tactic name ("MP", "BP-dcn", "Z3[...]"), or "" for a name no tactic declared."""
     return TACTIC_FAMILY.get(str(name).split("[")[0].split("-")[0], "")
+
+
+def forward_nodes(gm) -> set:
+    """The forward phase of a captured graph, as stamped: the ancestors of the loss; every node of a forward-only
+    or eval graph."""
+    return {n for n in gm.graph.nodes if n.meta.get(META_PHASE) == Phase.FORWARD}
+
+
+def traced_forward(gm) -> tuple:
+    """(nodes in order, the forward as traced): the nodes up to the loss in program order. make_fx traces the
+    forward first, so this is the forward phase plus what it saves for the backward (a norm's mean and rstd,
+    detached activations), which the capture-time memory rewrites (remat, mixed precision) move or recompute."""
+    nodes = list(gm.graph.nodes)
+    loss = nodes[-1].args[0][0]              # the step returns loss.detach()
+    while loss.target in (aten.detach.default, aten.alias.default):
+        loss = loss.args[0]
+    return nodes, set(nodes[:nodes.index(loss) + 1])

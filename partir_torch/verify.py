@@ -27,7 +27,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .lower.indexed import IMPLS
 from .rules.localize import localize_args
 from .rules.factors import BLOCKED, NEED_REP, PASS, REDUCE, OpRule
-from .rules.registry import RuleRegistry, default_registry, result_vals, structural_zero, tensor_operands
+from .rules.indexing import structural_zero
+from .rules.registry import RuleRegistry, default_registry, result_vals, tensor_operands
 
 WRONG, MISSING, ERROR = "wrong", "missing", "error"
 SPLITS = (2, 3)
@@ -166,7 +167,7 @@ def _random(val: torch.Tensor, positive: bool, gen) -> torch.Tensor:
 
 def make_inputs(node: fx.Node, gen: torch.Generator) -> list:
     """Real random tensors for the node's tensor operand slots, shaped and typed like their meta["val"] (zeros
-    for an operand that is zero by construction: a rule may rely on it, see registry.structural_zero)."""
+    for an operand that is zero by construction: a rule may rely on it, see rules/indexing.structural_zero)."""
     slot, bound, unique = INDEX_OPERANDS.get(node.target, (-1, None, False))
     return [_indices(node, a.meta["val"], int(bound(node)), unique, gen) if i == slot
             else torch.zeros(tuple(a.meta["val"].shape), dtype=a.meta["val"].dtype) if structural_zero(a)

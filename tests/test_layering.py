@@ -1,8 +1,14 @@
-"""The architecture stays visible: no import cycles between partir_torch's sub-packages (capture, rules,
-propagate, tactics, lower, runtime, sim, xla), counting every import, also those inside functions; the base modules
-every layer uses (errors, mesh, sharding) import no sub-package. The top (api, program, verify, the package
-__init__) may import anything. No function is longer than 80 lines and no class longer than 300 (a function that
-needs a scroll to read is usually two)."""
+"""The architecture stays visible.
+
+- No import cycle between modules: over every module of partir_torch, the top-level ones (api, program, verify,
+  reporting, the package __init__) included, neither the imports a module runs when it is imported (module-level
+  statements; `if TYPE_CHECKING:` blocks excluded) nor all its imports (also those inside functions) form a cycle.
+- No import cycle between partir_torch's sub-packages (capture, rules, propagate, tactics, lower, runtime, sim,
+  xla), counting every import, also those inside functions; the base modules every layer uses (errors, mesh,
+  sharding, contract, options) import no sub-package. The top (api, program, verify, the package __init__) may
+  import any sub-package.
+- No function is longer than 80 lines and no class longer than 300 (a function that needs a scroll to read is
+  usually two)."""
 from __future__ import annotations
 
 import ast
@@ -72,6 +78,127 @@ def cycles(graph: dict) -> list:
     return found
 
 
+def _modules(root: str = ROOT) -> dict:
+    """Dotted module name -> file, for every module under root (a package by its __init__)."""
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        dirs.sort()
+        for f in sorted(files):
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, os.path.dirname(root))[:-3].replace(os.sep, ".")
+                out[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = path
+    return out
+
+
+def _type_checking(test) -> bool:
+    return isinstance(test, ast.Name) and test.id == "TYPE_CHECKING" or \
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+
+
+def _module_level_imports(body: list):
+    """The import statements a module runs when it is imported: its top-level statements, also inside top-level
+    if / try / with blocks and class bodies; not in functions, not under `if TYPE_CHECKING:`."""
+    for st in body:
+        if isinstance(st, (ast.Import, ast.ImportFrom)):
+            yield st
+        elif isinstance(st, ast.If):
+            if not _type_checking(st.test):
+                yield from _module_level_imports(st.body)
+            yield from _module_level_imports(st.orelse)
+        elif isinstance(st, ast.Try):
+            for block in (st.body, st.orelse, st.finalbody, *(h.body for h in st.handlers)):
+                yield from _module_level_imports(block)
+        elif isinstance(st, (ast.With, ast.ClassDef)):
+            yield from _module_level_imports(st.body)
+
+
+def module_graph(root: str = ROOT, module_level_only: bool = True) -> dict:
+    """module -> {modules of the package it imports}. `from p import x` imports the module p.x where there is
+    one, else p; relative imports are resolved. module_level_only: the imports run at import time (see
+    _module_level_imports); else every import statement, also those inside functions."""
+    mods = _modules(root)
+    graph: dict = {}
+    for mod, path in mods.items():
+        package = mod if path.endswith("__init__.py") else mod.rsplit(".", 1)[0]
+        tree = ast.parse(open(path).read())
+        statements = _module_level_imports(tree.body) if module_level_only else \
+            [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        edges = graph.setdefault(mod, set())
+        for st in statements:
+            if isinstance(st, ast.Import):
+                names = [a.name for a in st.names]
+            else:
+                base = st.module or ""
+                if st.level:
+                    anchor = package.split(".")
+                    base = ".".join(anchor[:len(anchor) - st.level + 1] + ([base] if base else []))
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in st.names]
+            edges |= {n for n in names if n in mods and n != mod}
+    return graph
+
+
+def module_cycles(graph: dict) -> list:
+    """One cycle per strongly connected component of more than one module, as a path ending where it starts."""
+    comps, index, low, stack, on_stack = [], {}, {}, [], set()
+
+    def visit(v):                                  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while v not in comp:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.add(w)
+            if len(comp) > 1:
+                comps.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_cycle_in(graph, comp) for comp in comps]
+
+
+def _cycle_in(graph: dict, comp: set) -> list:
+    """A shortest cycle through the component's first module (breadth first, inside the component)."""
+    start = min(comp)
+    parent, frontier = {start: None}, [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & comp):
+                if w == start:
+                    path = [v]
+                    while parent[path[-1]] is not None:
+                        path.append(parent[path[-1]])
+                    return path[::-1] + [start]
+                if w not in parent:
+                    parent[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle in the component {sorted(comp)}")
+
+
+def test_no_import_cycles_between_modules():
+    at_import = module_graph()
+    assert "partir_torch.plan" in at_import["partir_torch.api"], at_import["partir_torch.api"]
+    assert "partir_torch.reporting" in at_import["partir_torch.program"]          # the walk sees top-level modules
+    found = module_cycles(at_import)
+    assert found == [], "import cycles at import time:\n" + "\n".join(" -> ".join(c) for c in found)
+    every = module_graph(module_level_only=False)
+    assert "partir_torch.rules.tables" in every["partir_torch.rules.registry"]    # imports inside functions too
+    found = module_cycles(every)
+    assert found == [], "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
 def test_no_import_cycles_between_sub_packages():
     graph = import_graph()
     assert graph.get("lower") and "rules" in graph["lower"], graph      # the walk sees real imports
@@ -131,3 +258,21 @@ def test_the_size_walk_finds_planted_long_definitions(tmp_path):
 
 def test_the_walk_finds_a_planted_cycle():
     assert cycles({"rules": {"lower"}, "lower": {"rules"}}) == [["rules", "lower", "rules"], ["lower", "rules", "lower"]]
+
+
+def test_the_module_walk_finds_planted_cycles(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import f\n")
+    (pkg / "a.py").write_text("from .sub import b\n\ndef f():\n    from . import c\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .. import a\n"
+                                      "try:\n    from ..a import f\nexcept ImportError:\n    pass\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    at_import = module_graph(str(pkg))
+    assert at_import == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.sub.b"}, "pkg.c": {"pkg.a"}, "pkg.sub": set(),
+                         "pkg.sub.b": {"pkg.a"}}
+    assert module_cycles(at_import) == [["pkg.a", "pkg.sub.b", "pkg.a"]]
+    every = module_graph(str(pkg), module_level_only=False)
+    assert every["pkg.a"] == {"pkg.sub.b", "pkg.c"}
+    assert module_cycles(every) == [["pkg.a", "pkg.c", "pkg.a"]]

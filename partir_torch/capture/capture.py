@@ -21,10 +21,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_mutation, sync_functional_tensor, to_fun
 
-from ..contract import META_ACCUMULATE, META_NAME, META_OUTPUT, META_ROLE, META_TAG, META_TAGS, stamp_phases
+from ..contract import META_ACCUMULATE, META_NAME, META_OUTPUT, META_ROLE, forward_nodes, stamp_phases
 from ..errors import PartitionError, TraceError
 from .decompositions import capture_decompositions
-from .graphutil import forward_nodes, source_line, split_for_backward
+from .graphutil import source_line, split_for_backward
 from .optim import functional_optimizer
 from .tags import collect_tags, install_hooks
 from .tidy import untie_random_templates
@@ -505,7 +505,6 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     gm.recompile()
     for opt in options:
         opt.rewrite(cap)
-    stamp_phases(cap.gm, forward_only=mode in (FORWARD, EVAL))
     return cap
 
 
@@ -531,13 +530,14 @@ def _split_param_views(gm) -> None:
 
 
 def _annotate(gm, mode, names, roles, out_names, out_spec, fopt, param_fqns, trainable, buffer_fqns, device):
-    if mode != FORWARD:
-        _split_param_views(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     named = {}
     for node, name, role in zip(placeholders, names, roles):
         node.meta[META_NAME], node.meta[META_ROLE] = name, role
         named[name] = node
+    stamp_phases(gm, forward_only=mode in (FORWARD, EVAL))     # the rewrites below stamp the nodes they add
+    if mode != FORWARD:
+        _split_param_views(gm)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outs = list(out_node.args[0])
     for node in outs:

@@ -1,25 +1,13 @@
 """Small walks over captured graphs shared by the passes (capture rewrites, presets, lowering)."""
 from __future__ import annotations
 
-from ..contract import META_TAG, META_TAGS, _reach
+from ..contract import META_PHASE, META_TAG, META_TAGS, Phase, _reach
 from ..errors import source_line  # noqa: F401  (re-exported for the capture passes)
-
-
-def ancestors(roots) -> set:
-    """Every node the roots depend on, the roots included."""
-    return _reach(roots, lambda n: n.all_input_nodes)
 
 
 def descendants(roots) -> set:
     """Every node that depends on the roots, the roots included."""
     return _reach(roots, lambda n: n.users)
-
-
-def forward_nodes(gm) -> set:
-    """The forward of a captured step: the ancestors of the loss (output 0); every node of a forward-only graph."""
-    nodes = list(gm.graph.nodes)
-    loss = nodes[-1].args[0][0]
-    return ancestors([loss])
 
 
 def split_for_backward(gm, n, fwd: set, index: dict) -> bool:
@@ -32,6 +20,7 @@ def split_for_backward(gm, n, fwd: set, index: dict) -> bool:
     with gm.graph.inserting_before(min(late, key=index.__getitem__)):
         dup = gm.graph.call_function(n.target, n.args, n.kwargs)
     dup.meta.update({k: v for k, v in n.meta.items() if k not in (META_TAG, META_TAGS)})
+    dup.meta[META_PHASE] = Phase.BACKWARD
     for u in late:
         u.replace_input_with(n, dup)
     return True

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .records import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, META_COLLECTIVE, CollectiveRecord
-from ..contract import META_IN_SHAPE, META_LOCAL_SHAPE
+from .records import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveRecord
+from ..contract import META_COLLECTIVE, META_IN_SHAPE, META_LOCAL_SHAPE
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -5,7 +5,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from .records import META_NAME
+from ..contract import META_NAME
 
 
 def annotate_local_vals(lowered, captured) -> None:

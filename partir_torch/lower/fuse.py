@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from ..contract import META_NAME, META_PHASE, META_ROLE, META_SRC, Phase, Role
+from ..contract import META_NAME, META_ROLE, META_SRC, Phase, Role, phase_of
 from .order import reorder
 
 aten = torch.ops.aten
@@ -106,7 +106,7 @@ def fuse_optimizer(graph: fx.Graph, captured) -> int:
     phase = {}
     for n in graph.nodes:
         src = cap_nodes.get(n.meta.get(META_SRC))
-        phase[n] = src.meta.get(META_PHASE) if src is not None else None
+        phase[n] = phase_of(src) if src is not None else None
     by_src = {}
     for n in graph.nodes:
         if n.op == "call_function" and META_SRC in n.meta:

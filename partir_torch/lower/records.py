@@ -10,9 +10,6 @@ REDUCE_SCATTER = "reduce_scatter"
 ALL_TO_ALL = "all_to_all"
 KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
 
-# node.meta keys (re-exported for the simulator and the runtimes)
-from ..contract import META_COLLECTIVE, META_NAME, META_ROLE  # noqa: E402,F401
-
 
 @dataclass(frozen=True)
 class CollectiveRecord:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .registry import result_vals
+from .nodes import result_vals
 
 aten = torch.ops.aten
 

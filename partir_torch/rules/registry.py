@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import PartitionError
 from .factors import OpRule, einsum
+from .nodes import result_vals  # noqa: F401 - propagation and verify read it from here
 
 aten = torch.ops.aten
 
@@ -62,33 +63,9 @@ class NodeCtx:
         return self.node.kwargs.get(name, default)
 
 
-_ZEROS = {torch.ops.aten.new_zeros.default, torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default}
-_FULLS = {torch.ops.aten.full.default: 1, torch.ops.aten.new_full.default: 2, torch.ops.aten.full_like.default: 1}
-
-
-def structural_zero(a) -> bool:
-    """Is `a` a graph node that is all zeros by construction (new_zeros, zeros_like, full(..., 0))? Rules may rely
-    on it (accumulating into zeros is a sum over ranks); the verifier then feeds zeros there."""
-    if not isinstance(a, fx.Node) or a.op != "call_function":
-        return False
-    if a.target in _ZEROS:
-        return True
-    i = _FULLS.get(a.target)
-    return i is not None and len(a.args) > i and a.args[i] == 0
-
-
 def tensor_operands(node: fx.Node) -> list:
     flat, _ = tree_flatten((node.args, node.kwargs))
     return [a for a in flat if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-
-
-def result_vals(node: fx.Node) -> list:
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (tuple, list)):
-        return [v if isinstance(v, torch.Tensor) else None for v in val]
-    return []
 
 
 def make_ctx(node: fx.Node) -> NodeCtx:

@@ -50,14 +50,7 @@ class Backend(Protocol):
 
     def program(self, plan):
         """What run() runs for `plan`: an object with gm, input_layouts (per captured placeholder) and local_shapes
-        (the per-device backends: plan.lowered() bound to their process groups, per_device_program)."""
-
-
-def per_device_program(plan, groups: dict):
-    """The plan's per-device program with its collectives on `groups` (lowered once per plan, bound here)."""
-    from ..lower.lower import bind
-
-    return bind(plan.lowered(), groups)
+        (the per-device backends: plan.lowered() bound to their process groups, lower.bind)."""
 
 
 def backend_for(mesh: Mesh, options, emulator) -> Backend:

@@ -100,9 +100,10 @@ class DistributedRuntime:
         return self.dtensor(t, sh, shape)
 
     def program(self, plan):
-        from .backend import per_device_program
+        """The plan's per-device program (lowered once per plan) bound to this runtime's process groups."""
+        from ..lower.lower import bind
 
-        return per_device_program(plan, self.groups)
+        return bind(plan.lowered(), self.groups)
 
     def rank0(self, t) -> torch.Tensor:
         return t

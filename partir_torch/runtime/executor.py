@@ -8,7 +8,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
-from ..contract import META_SRC, STATE_ROLES, Role
+from ..contract import EXC_NODE, META_SRC, STATE_ROLES, Role
 from ..errors import PartitionError, internal_error
 from .backend import backend_for
 from .interpret import InterpretedRuntime
@@ -153,7 +153,7 @@ class Executor:
         """The captured node whose per-device op raised `exc` (from the generated code's line), else None."""
         import traceback
 
-        name = getattr(exc, "partir_node", None)   # emulated: the interpreter names the node of its segment
+        name = getattr(exc, EXC_NODE, None)   # emulated: the interpreter names the node of its segment
         if name is not None:
             node = next((n for n in gm.graph.nodes if n.name == name), None)
             src = node.meta.get(META_SRC) if node is not None else None

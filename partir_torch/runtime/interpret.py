@@ -20,7 +20,7 @@ import traceback
 import torch
 import torch.fx as fx
 
-from ..contract import RANDOM_OPS
+from ..contract import EXC_NODE, RANDOM_OPS
 from ..mesh import Mesh
 from ..sharding import Sharding
 from .layout import assemble, shard_of
@@ -177,9 +177,10 @@ class InterpretedRuntime:
         return self.full(t, sh, shape)
 
     def program(self, plan):
-        from .backend import per_device_program
+        """The plan's per-device program (lowered once per plan) bound to this runtime's process groups."""
+        from ..lower.lower import bind
 
-        return per_device_program(plan, self.groups)
+        return bind(plan.lowered(), self.groups)
 
     def rank0(self, t: PerRank) -> torch.Tensor:
         return t.ts[0].clone()
@@ -215,7 +216,7 @@ class InterpretedRuntime:
                 try:
                     outs.append(s.fn(*[x[r] for x in ins]))
                 except Exception as e:   # name the node that failed (executor.internal_error reads it)
-                    e.partir_node = _failing_name(s.gm, e)
+                    setattr(e, EXC_NODE, _failing_name(s.gm, e))
                     raise
             for j, n in enumerate(s.outputs):
                 env[n] = PerRank([o[j] for o in outs])

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..contract import META_ROLE, STATE_ROLES, Phase, phase_of
 from ..propagate.arrays import partial, partial_code, replicated, replicated_code, tiled, undecided_array, whole
 from ..rules.factors import REDUCE
 from .comm import estimate as comm_estimate
@@ -78,12 +79,12 @@ class ProgramFacts:
                                    for v, s in enumerate(g.shapes)], dtype=np.float64)
         self.ndim = np.array([len(s) for s in g.shapes], dtype=np.int64)
         self.shapes = g.shapes
-        role = [g.values[v].meta.get("partir_role") if g.values[v].op == "placeholder" else None for v in range(nv)]
-        self.is_state = np.array([r in ("param", "opt_state", "buffer") for r in role])
+        role = [g.values[v].meta.get(META_ROLE) if g.values[v].op == "placeholder" else None for v in range(nv)]
+        self.is_state = np.array([r in STATE_ROLES for r in role])
         self.is_placeholder = np.array([g.values[v].op == "placeholder" for v in range(nv)])
-        phases = _phases(g.gm, captured)
-        code = {"forward": 0, "backward": 1}
-        self.op_phase = np.array([code.get(phases.get(op.node), 2) for op in g.ops], dtype=np.int64)
+        code = {Phase.FORWARD: 0, Phase.BACKWARD: 1, Phase.OPTIMIZER: 2}
+        self.op_phase = np.array([2 if captured is None else code[phase_of(op.node)] for op in g.ops],
+                                 dtype=np.int64)
         self.val_phase = np.full(nv, 0, dtype=np.int64)
         for v in range(nv):
             p = g.producer[v]
@@ -438,23 +439,3 @@ def _flops(node, formula) -> tuple:
     except Exception:                  # a formula that cannot read these args (as the simulator does)
         flops = 0
     return flops, dtype or torch.float32
-
-
-def _phases(gm, captured) -> dict:
-    """node -> "forward" / "backward" (absent: optimizer update), as lowering splits the step."""
-    if captured is None:
-        return {}
-    from ..capture.graphutil import ancestors, descendants
-
-    nodes = list(gm.graph.nodes)
-    if captured.mode == "forward":
-        return {n: "forward" for n in nodes}
-    loss = nodes[-1].args[0][0]
-    fwd = ancestors([loss])
-    phases = {n: "forward" for n in fwd}
-    region = descendants([n for n in nodes if n.op == "placeholder"
-                          and n.meta.get("partir_role") in ("opt_state", "lr", "step")])
-    for n in nodes:
-        if n not in fwd and n not in region and n.op != "output":
-            phases[n] = "backward"
-    return phases

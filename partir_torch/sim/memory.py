@@ -21,12 +21,12 @@ from itertools import accumulate
 
 import torch
 
-from ..lower.records import META_NAME, META_ROLE
+from ..contract import META_NAME, META_ROLE, Role
 from .compute import FREE, WAIT, elem_bytes, op_class
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "buffers", "inputs")
-_ROLE_CATEGORY = {"param": "parameters", "opt_state": "optimizer_state", "buffer": "buffers", "input": "inputs",
-                  "lr": "inputs", "coord": "inputs"}
+_ROLE_CATEGORY = {Role.PARAM: "parameters", Role.OPT_STATE: "optimizer_state", Role.BUFFER: "buffers",
+                  Role.INPUT: "inputs", Role.LR: "inputs", Role.COORD: "inputs"}
 _NAME_CATEGORY = (("params.", "parameters"), ("opt.", "optimizer_state"), ("buffers.", "buffers"))
 
 
@@ -188,7 +188,7 @@ def _loss_index(flat_out, names, end, sid_of, born) -> int:
 
 def _optimizer_start(nodes, inputs) -> int:
     """First non-placeholder node that depends on optimizer state or the learning rate (len(nodes) if none)."""
-    state = {n for n in nodes if n.op == "placeholder" and n.meta.get(META_ROLE) in ("opt_state", "lr")}
+    state = {n for n in nodes if n.op == "placeholder" and n.meta.get(META_ROLE) in (Role.OPT_STATE, Role.LR)}
     for i, n in enumerate(nodes):
         if n.op == "call_function" and any(a in state for a in inputs[n]):
             return i

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..lower.records import META_COLLECTIVE, META_NAME, META_ROLE, CollectiveRecord
+from ..contract import META_COLLECTIVE, META_NAME, META_ROLE
+from ..lower.records import CollectiveRecord
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

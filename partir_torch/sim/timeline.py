@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from ..lower.records import META_COLLECTIVE
+from ..contract import META_COLLECTIVE
 from .comm import estimate
 from .compute import COLLECTIVE, COMPUTE, FREE, CostModel
 from .report import CollectiveTiming

@@ -36,12 +36,8 @@ import numpy as np
 
 from ..contract import META_RECOMPUTE
 from ..errors import PartitionError
-<<<<<<< HEAD
 from ..propagate.arrays import undecided
-=======
-from ..propagate.state import UNKNOWN
 from .base import declare
->>>>>>> hw
 from .search_space import Action, axis_candidates, build_axis_space, union
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from ..capture.graphutil import descendants, forward_nodes
+from ..capture.graphutil import descendants
 from ..errors import PartitionError
 from .base import declare
 from .presets import DataParallel
 from .structure import expert_weights, forward_uses
-from ..contract import META_ROLE
+from ..contract import META_ROLE, forward_nodes
 
 
 @declare("expert", macro=True)

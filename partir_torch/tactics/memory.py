@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 
 from ..capture.graphutil import split_for_backward
-from ..contract import (META_NO_PARTIAL_PASS, META_RECOMPUTE, META_RECOMPUTE_OF, META_REMAT, META_ROLE, META_TAG,
-    META_TAGS, RANDOM_OPS)
+from ..contract import (META_NO_PARTIAL_PASS, META_PHASE, META_RECOMPUTE, META_RECOMPUTE_OF, META_REMAT, META_ROLE,
+    META_TAG, META_TAGS, RANDOM_OPS, Phase, traced_forward)
 from ..errors import PartitionError
 
 aten = torch.ops.aten
@@ -71,23 +71,13 @@ def mixed_precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) -> M
     return MixedPrecision(param_dtype, reduce_dtype)
 
 
-def _forward_of(gm) -> tuple:
-    """(nodes in order, the forward: every node traced up to the loss, including results only the backward reads,
-    such as a norm's saved mean and rstd). make_fx traces the forward first; the step returns loss.detach()."""
-    nodes = list(gm.graph.nodes)
-    loss = nodes[-1].args[0][0]
-    while loss.target in (aten.detach.default, aten.alias.default):
-        loss = loss.args[0]
-    return nodes, set(nodes[:nodes.index(loss) + 1])
-
-
 def split_param_casts(gm) -> None:
     """A parameter's cast (mixed precision's `_to_copy` to the compute dtype) used by the forward and by the
     backward (directly, through a view of it, or by a recomputed forward) is duplicated for the backward, as
     capture duplicates parameter views: a tiled parameter is then gathered, already cast, once per phase, and the
     gathered copy does not live from the forward to the backward (ZeRO-3's memory saving, kept under mixed
     precision and remat)."""
-    nodes, fwd = _forward_of(gm)
+    nodes, fwd = traced_forward(gm)
     index = {n: i for i, n in enumerate(nodes)}
     changed = False
     for n in nodes:
@@ -106,7 +96,7 @@ def hoist_gradient_casts(gm) -> None:
     wait for the last backward matmul, and every compute-dtype gradient would live to the end of the step. Each
     such cast (a backward `_to_copy` to fp32 of one backward value) moves right after the value it casts, where
     FSDP's and DDP's hooks make it; the graph computes the same values."""
-    nodes, fwd = _forward_of(gm)
+    nodes, fwd = traced_forward(gm)
     moved = False
     for n in nodes:
         if n in fwd or n.target is not aten._to_copy.default or n.kwargs.get("dtype") != torch.float32 \
@@ -172,7 +162,7 @@ class Remat:
 
     def rewrite(self, cap) -> None:
         gm = cap.gm
-        nodes, fwd = _forward_of(gm)
+        nodes, fwd = traced_forward(gm)
         groups: dict = {}
         for n in nodes:
             fqn = n.meta.get(META_REMAT)
@@ -205,6 +195,7 @@ class Remat:
                     c.meta.pop(META_TAG, None)
                     c.meta[META_RECOMPUTE] = fqn
                     c.meta[META_RECOMPUTE_OF] = n.name
+                    c.meta[META_PHASE] = Phase.BACKWARD
                     clones[n] = c
             for n, us in late.items():
                 for u in us:

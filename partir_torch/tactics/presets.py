@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capture.graphutil import forward_nodes
+from ..contract import forward_nodes
 from ..errors import PartitionError
 from ..sharding import REPLICATED
 from .manual import ManualPartition

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capture.graphutil import forward_nodes
-from ..contract import META_NAME, META_ROLE
+from ..contract import META_NAME, META_ROLE, forward_nodes
 
 aten = torch.ops.aten
 
@@ -194,7 +193,7 @@ def linear_regions(captured) -> list:
     attention; gate and up in SwiGLU) and the linears that region feeds (see find_linear_pairs)."""
     gm = captured.gm
     nodes = list(gm.graph.nodes)
-    fwd = forward_nodes(gm) if captured.mode != "forward" else set(nodes)
+    fwd = forward_nodes(gm)
     rows: list = []            # (row weight, region id)
     regions = _Regions()
     region_of: dict = {}       # node -> region id (find() gives the merged region)

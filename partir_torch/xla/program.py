@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from ..capture import FORWARD
-from ..capture.graphutil import forward_nodes
+from ..contract import META_ROLE, STATE_ROLES, Role, forward_nodes
 from ..errors import PartitionError
 from . import device as xdev
 from .hlo import parse_collectives
@@ -48,7 +48,7 @@ def param_derived(gm) -> set:
     fwd = forward_nodes(gm)
     out = set()
     for n in gm.graph.nodes:
-        if n.op == "placeholder" and n.meta.get("partir_role") == "param":
+        if n.op == "placeholder" and n.meta.get(META_ROLE) == Role.PARAM:
             out.add(n)
         elif n.op == "call_function" and n in fwd and n.all_input_nodes and all(a in out for a in n.all_input_nodes):
             out.add(n)
