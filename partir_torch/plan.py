@@ -146,7 +146,8 @@ def plan(captured, mesh: Mesh, schedule, options: Options | None = None, registr
             if isinstance(t, Tactic):
                 t.apply(ctx)
             decided = sum(1 for st in prop.rec.axes.values() for p in st.prov.values() if p.tactic == t.name)
-            stages.append(Stage(t.name, getattr(t, "axis", ""), Decisions(prop.rec), tuple(prop.rec.conflicts), decided))
+            axis = t.axis if isinstance(t, Tactic) else ""      # a capture rewrite decides no axis
+            stages.append(Stage(t.name, axis, Decisions(prop.rec), tuple(prop.rec.conflicts), decided))
     frozen = lambda d: MappingProxyType({k: tuple(v) for k, v in d.items()})   # noqa: E731
     return Plan(captured, graph, mesh, entries, tuple(stages), options, registry, frozen(planning.notes),
                 frozen(planning.remarks), tuple(planning.searches), MappingProxyType(dict(planning.actions)),
