@@ -24,6 +24,7 @@ from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_m
 from ..contract import META_ACCUMULATE, META_NAME, META_OUTPUT, META_ROLE, META_TAG, META_TAGS, stamp_phases
 from ..errors import PartitionError, TraceError
 from .decompositions import capture_decompositions
+from .framestack import call_in_fresh_chunk
 from .graphutil import forward_nodes, source_line, split_for_backward
 from .optim import functional_optimizer
 from .tags import collect_tags, install_hooks
@@ -90,7 +91,7 @@ def _functional(step):
     torch.func.functionalize, lets autograd run above it): in-place ops become out-of-place ones, and a state
     input the step writes into (a batch norm's running statistics) ends as one `copy_` into its placeholder,
     which _state_mutations turns into a state output."""
-    def wrapped(*args):
+    def body(*args):
         with FunctionalTensorMode():
             fargs = [to_fun(a) for a in args]
             outs = [from_fun(o) for o in step(*fargs)]
@@ -100,6 +101,9 @@ def _functional(step):
                     with torch.no_grad():      # a parameter written in place is refused by name afterwards
                         a.copy_(from_fun(fa))
         return outs
+
+    def wrapped(*args):    # below make_fx's frame of one slot per placeholder: see framestack.py
+        return call_in_fresh_chunk(body, args)
     return wrapped
 
 
