@@ -169,7 +169,7 @@ class XlaProgram:
         copies there make XLA reshard at the same op, the same way (e.g. a dispatch einsum computed on local token
         groups and its result exchanged by all_to_all, not the tokens gathered)."""
         from ..lower.lower import op_layouts
-        from ..propagate.graph import _tensor_operands
+        from ..rules.registry import tensor_operands
 
         g, operands, results = self.prog.graph, {}, {}
         spec_of = lambda v: xdev.partition_spec(self.prog.sharding_of_vid(v))   # noqa: E731
@@ -177,7 +177,7 @@ class XlaProgram:
             if op.node.op != "call_function":      # ops without a rule too: partir makes their operands whole
                 continue
             wants, makes = op_layouts(self.prog, i)
-            for a, v, want in zip(_tensor_operands(op.node), op.operands, wants):
+            for a, v, want in zip(tensor_operands(op.node), op.operands, wants):
                 spec = xdev.partition_spec(want) if want is not None else None
                 if spec is not None and spec != spec_of(v):
                     operands.setdefault(op.node.name, {}).setdefault(a, spec)
