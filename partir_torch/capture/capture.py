@@ -4,6 +4,7 @@ model on `meta` captures without allocating it."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import os
 import traceback
@@ -77,6 +78,21 @@ def _tracing_session():
     the data-dependent fast paths they skip under torch.compile, which a fake-tensor trace cannot take either."""
     ctx = getattr(torch.compiler, "_compile_session_context", None)
     return ctx() if ctx is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """The cyclic garbage collector off while the step is traced: the trace allocates objects that live as long as
+    the graph (nodes, fake tensors), and each full collection walks all of them again (0.4 of 6 CPU s for a
+    48-layer Llama, growing with the graph). The cycles it leaves (360,000 objects for that model) go at the next
+    automatic collection."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -500,7 +516,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         handles += opt.install(model)
     try:
         table = {**capture_decompositions(), **(decompositions or {})}
-        with _tracing_session(), _use_lazy_graph_module(True):   # code generated on first use (see below)
+        with _tracing_session(), _use_lazy_graph_module(True), _gc_paused():   # code generated on first use (below)
             gm = make_fx(_functional(step), tracing_mode="fake", decomposition_table=table)(*lay.flat)
             if step.updated is not None:
                 splice_update(gm, lay, step.updated, step.anchor, _template_tracer(table))
