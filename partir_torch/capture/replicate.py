@@ -50,10 +50,10 @@ class _Splicer:
 
     def _copy(self, template: fx.GraphModule, inputs: list) -> list:
         """Copy the template's ops, its placeholders bound to `inputs`; returns the nodes of its outputs."""
-        env = {}
+        env, bound = {}, iter(inputs)
         for n in template.graph.nodes:
             if n.op == "placeholder":
-                env[n] = inputs[len(env)]
+                env[n] = next(bound)
             elif n.op == "output":
                 return [env[a] for a in n.args[0]]
             elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
