@@ -2,6 +2,7 @@
 torch (forward, backward, AdamW), meta-device models, and untraceable models."""
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import pytest
@@ -156,6 +157,70 @@ def test_replay_train_step_equals_eager_adamw_and_lr_is_an_input():
     b = cap.gm(*_train_args(cap, model, batch, state, 2e-2, 4))
     i = n_out["params.layers.0.mlp.w1.weight"]
     assert not torch.allclose(a[i], b[i])
+
+
+# -- the optimizer update: traced once per class of parameters and copied (capture/replicate.py) -----------------
+def _graph_rows(cap) -> list:
+    """Every node (name, op, target, args, kwargs, its value's shape, stride and dtype, its other meta; seq_nr, a
+    process-wide autograd counter, left out), then the names, ties and named values of the capture."""
+    rows = []
+    for n in cap.gm.graph.nodes:
+        v = n.meta.get("val")
+        val = (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else repr(v)
+        meta = {k: repr(x) for k, x in n.meta.items() if k not in ("val", "seq_nr")}
+        rows.append((n.name, n.op, str(n.target), str(n.args), str(n.kwargs), val, meta))
+    return rows + [cap.input_names, cap.input_roles, cap.output_names, sorted(cap.names),
+                   [(a.name, b.name) for a, b in cap.ties]]
+
+
+class _NormNet(nn.Module):
+    """Batch-norm statistics written in place (their copy_ nodes come after the update) and a float64 layer (a
+    second dtype: its own scalars and template)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+        self.head = nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.head(self.fc2(torch.relu(self.bn(self.fc1(x)))).double())
+
+
+def _update_case(case: str):
+    if case == "batchnorm-float64":
+        model = _NormNet()
+        return model, (torch.randn(6, 8), torch.randn(6, 4, dtype=torch.float64)), \
+            lambda m, x, y: torch.nn.functional.mse_loss(m(x), y), torch.optim.AdamW(model.parameters()), {}
+    spec = get("llama", layers=2)
+    model = spec.build(device="meta")
+    tokens = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    named = list(model.named_parameters())
+    opt = {"adamw-groups": lambda: torch.optim.AdamW(
+               [{"params": [p for k, p in named if "norm" in k], "weight_decay": 0.0},
+                {"params": [p for k, p in named if "norm" not in k], "lr": 1e-3}], lr=3e-4),
+           "adam-amsgrad": lambda: torch.optim.Adam(model.parameters(), weight_decay=0.1, amsgrad=True, maximize=True),
+           "sgd-nesterov": lambda: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True,
+                                                   weight_decay=1e-4),
+           "sgd-plain": lambda: torch.optim.SGD(model.parameters(), lr=0.1),
+           "clip-accumulate": lambda: torch.optim.AdamW(model.parameters())}[case]()
+    kw = dict(clip_grad_norm=1.0, accumulate=2) if case == "clip-accumulate" else {}
+    return model, (tokens, tokens), spec.loss_fn, opt, kw
+
+
+@pytest.mark.parametrize("case", ["adamw-groups", "adam-amsgrad", "sgd-nesterov", "sgd-plain", "clip-accumulate",
+                                  "batchnorm-float64"])
+def test_update_traced_once_per_class_builds_the_inline_graph(case, monkeypatch):
+    capture_module = importlib.import_module("partir_torch.capture.capture")   # the package exports capture()
+    graphs = []
+    for replicate in (False, True):
+        monkeypatch.setattr(capture_module, "REPLICATE_UPDATE", replicate)
+        model, batch, loss_fn, opt, kw = _update_case(case)
+        graphs.append(_graph_rows(capture(model, batch, loss_fn, opt, **kw)))
+    inline, replicated = graphs
+    assert len(inline) == len(replicated)
+    assert [r[0] for r in inline[:-5]] == [r[0] for r in replicated[:-5]]        # names, in order
+    for a, b in zip(inline, replicated):
+        assert a == b
 
 
 # -- meta models: capture without allocating ---------------------------------------------------------------------

@@ -4,6 +4,7 @@ model on `meta` captures without allocating it."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import os
 import traceback
@@ -24,12 +25,17 @@ from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_m
 from ..contract import META_ACCUMULATE, META_NAME, META_OUTPUT, META_ROLE, forward_nodes, stamp_phases
 from ..errors import PartitionError, TraceError
 from .decompositions import capture_decompositions
+from .framestack import call_in_fresh_chunk
 from .graphutil import source_line, split_for_backward
 from .optim import functional_optimizer
-from .tags import collect_tags, install_hooks
+from .replicate import splice_update
+from .tags import tracing_graph, collect_tags, install_hooks
 from .tidy import untie_random_templates
 
 FORWARD, LOSS_AND_GRADS, TRAIN, EVAL = "forward", "loss_and_grads", "train", "eval"
+# TRAIN: trace the optimizer update once per class of parameters and copy it for each (replicate.py), not op by op
+# per parameter; both build the same graph (False: the reference the tests compare with)
+REPLICATE_UPDATE = True
 
 
 @dataclass
@@ -74,6 +80,21 @@ def _tracing_session():
     return ctx() if ctx is not None else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """The cyclic garbage collector off while the step is traced: the trace allocates objects that live as long as
+    the graph (nodes, fake tensors), and each full collection walks all of them again (0.4 of 6 CPU s for a
+    48-layer Llama, growing with the graph). The cycles it leaves (360,000 objects for that model) go at the next
+    automatic collection."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _user_frame(exc: BaseException) -> str:
     """The innermost frame of user code (not torch, not partir_torch) in the traceback."""
     torch_dir = os.path.dirname(torch.__file__)
@@ -90,7 +111,7 @@ def _functional(step):
     torch.func.functionalize, lets autograd run above it): in-place ops become out-of-place ones, and a state
     input the step writes into (a batch norm's running statistics) ends as one `copy_` into its placeholder,
     which _state_mutations turns into a state output."""
-    def wrapped(*args):
+    def body(*args):
         with FunctionalTensorMode():
             fargs = [to_fun(a) for a in args]
             outs = [from_fun(o) for o in step(*fargs)]
@@ -100,6 +121,9 @@ def _functional(step):
                     with torch.no_grad():      # a parameter written in place is refused by name afterwards
                         a.copy_(from_fun(fa))
         return outs
+
+    def wrapped(*args):    # below make_fx's frame of one slot per placeholder: see framestack.py
+        return call_in_fresh_chunk(body, args)
     return wrapped
 
 
@@ -376,6 +400,7 @@ class _Step:
         self.clip_grad_norm, self.accumulate, self.accumulate_dims = clip_grad_norm, accumulate, accumulate_dims
         self.out_names: list = []
         self.out_spec = None
+        self.updated, self.anchor = None, None     # TRAIN: the update's parameters, the last node before it
         self.running_stats = {f"{fqn}.{n}" if fqn else n for fqn, mod in model.named_modules()
                               if isinstance(mod, torch.nn.modules.batchnorm._NormBase)
                               for n, _ in mod.named_buffers(recurse=False)}
@@ -452,13 +477,24 @@ class _Step:
         if self.clip_grad_norm is not None:
             like = {k: next((st[s][k] for s in st if k in st[s]), p[k]) for k in grads}
             grads, norm = _clip_by_global_norm(grads, self.clip_grad_norm, like)
+        self.out_names[:] = ["loss"] + [f"params.{k}" for k in lay.trainable] \
+            + [f"opt.{s}.{k}" for s, k in lay.state_keys] + (["grad_norm"] if norm is not None else [])
+        if REPLICATE_UPDATE:   # the update is spliced in after the trace (replicate.py): return what it reads
+            self.updated, self.anchor = lay.fopt.updated(grads), next(iter(reversed(tracing_graph().nodes)))
+            return [loss] + [grads[k] for k in self.updated] + ([norm] if norm is not None else [])
         with torch.no_grad():
             new_p, new_s = lay.fopt.update({k: p[k] for k in lay.trainable}, grads, st, None, rest[n_s + n_h],
                                            hparams=dict(zip(lay.hyper_keys, rest[n_s:n_s + n_h])))
-        self.out_names[:] = ["loss"] + [f"params.{k}" for k in lay.trainable] \
-            + [f"opt.{s}.{k}" for s, k in lay.state_keys] + (["grad_norm"] if norm is not None else [])
         return [loss] + [new_p[k] for k in lay.trainable] + [new_s[s][k] for s, k in lay.state_keys] \
             + ([norm] if norm is not None else [])
+
+
+def _template_tracer(table):
+    """Traces an optimizer template (replicate.py) as the step is traced: functionalized, under no_grad."""
+    def trace(fn, example_inputs):
+        with torch.no_grad():
+            return make_fx(_functional(fn), tracing_mode="fake", decomposition_table=table)(*example_inputs)
+    return trace
 
 
 def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None, options=(),
@@ -480,8 +516,10 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         handles += opt.install(model)
     try:
         table = {**capture_decompositions(), **(decompositions or {})}
-        with _tracing_session(), _use_lazy_graph_module(True):   # code generated on first use (see below)
+        with _tracing_session(), _use_lazy_graph_module(True), _gc_paused():   # code generated on first use (below)
             gm = make_fx(_functional(step), tracing_mode="fake", decomposition_table=table)(*lay.flat)
+            if step.updated is not None:
+                splice_update(gm, lay, step.updated, step.anchor, _template_tracer(table))
     except PartitionError:
         raise
     except Exception as e:  # noqa: BLE001 - every trace failure becomes one clear error

@@ -138,7 +138,7 @@ class FunctionalOptimizer:
                            "momentum are fed at every step") + "): set it before partition().")
         return out
 
-    def _names_for(self, fqn: str) -> tuple[str, ...]:
+    def names_for(self, fqn: str) -> tuple[str, ...]:
         """State names kept for one parameter (depends on its group)."""
         g = self._opt.param_groups[self._group[fqn]]
         if self.kind == "sgd":
@@ -157,7 +157,7 @@ class FunctionalOptimizer:
         for fqn in self._trainable():
             p, old = params[fqn], self._opt.state.get(self._param[fqn], {})
             symbolic = p.is_meta or isinstance(p, FakeTensor)
-            for name in self._names_for(fqn):
+            for name in self.names_for(fqn):
                 src = old.get(name)
                 if src is None or symbolic:
                     state[name][fqn] = torch.zeros_like(p, requires_grad=False)
@@ -177,7 +177,7 @@ class FunctionalOptimizer:
             st = self._opt.state.get(self._param[fqn], {})
             if self.kind != "sgd":
                 steps.add(float(st["step"]) if "step" in st else 0.0)
-            elif self._names_for(fqn):
+            elif self.names_for(fqn):
                 steps.add(1.0 if st.get("momentum_buffer") is not None else 0.0)
         if len(steps) > 1:
             raise ValueError(f"parameters have different step counts {sorted(steps)}; "
@@ -191,7 +191,7 @@ class FunctionalOptimizer:
             for fqn in self._trainable():
                 self._param[fqn].copy_(params[fqn])
                 st = self._opt.state[self._param[fqn]]
-                for name in self._names_for(fqn):
+                for name in self.names_for(fqn):
                     st[name] = state[name][fqn].detach().clone()
                 if self.kind != "sgd":
                     st["step"] = torch.tensor(float(step), dtype=torch.float32)
@@ -214,27 +214,46 @@ class FunctionalOptimizer:
         step = torch.as_tensor(step).to(torch.float64)
         new_params = dict(params)
         new_state = {n: dict(d) for n, d in state.items()}
-        scalars, apply = (_sgd_scalars, _sgd) if self.kind == "sgd" else (_adam_scalars, _adam)
         memo: dict = {}  # per-group 0-dim scalar math, traced once per group and dtype
-        for fqn in self._trainable():
-            grad = grads.get(fqn)
-            if grad is None:
-                continue
+        for fqn in self.updated(grads):
             gi, dtype = self._group[fqn], params[fqn].dtype
-            group = self._opt.param_groups[gi]
-            if hparams is not None:   # fed tensors replace the group's values (fixed settings stay)
-                group = {**group, **{n: t.to(torch.float64) for (g, n), t in hparams.items() if g == gi}}
-                if "beta1" in group:
-                    group["betas"] = (group.pop("beta1"), group.pop("beta2"))
+            group = self.group_values(gi, hparams)
             key = (gi, dtype, fqn if isinstance(lr, dict) else None)
             if key not in memo:
-                memo[key] = scalars(group, group["lr"] if hparams is not None else self._lr_for(fqn, lr), step,
-                                    dtype)
-            st = {n: state[n][fqn] for n in self._names_for(fqn)}
-            new_params[fqn], st = apply(group, params[fqn], grad, st, memo[key])
+                memo[key] = self.scalars(group, group["lr"] if hparams is not None else self._lr_for(fqn, lr), step,
+                                         dtype)
+            st = {n: state[n][fqn] for n in self.names_for(fqn)}
+            new_params[fqn], st = self.apply(group, params[fqn], grads[fqn], st, memo[key])
             for n, t in st.items():
                 new_state[n][fqn] = t
         return new_params, new_state
+
+    # ------------------------------------- the pieces of update (capture/replicate.py traces them one by one)
+    def updated(self, grads: dict) -> list[str]:
+        """The parameters an update changes, in the order it updates them: trainable, with a gradient."""
+        return [f for f in self._trainable() if grads.get(f) is not None]
+
+    def group_index(self, fqn: str) -> int:
+        return self._group[fqn]
+
+    def group_values(self, gi: int, hparams: dict | None) -> dict:
+        """Param group gi's settings, the fed hyperparameter tensors (``(group, name) -> tensor``, as float64)
+        replacing its values (fixed settings stay)."""
+        group = self._opt.param_groups[gi]
+        if hparams is not None:
+            group = {**group, **{n: t.to(torch.float64) for (g, n), t in hparams.items() if g == gi}}
+            if "beta1" in group:
+                group["betas"] = (group.pop("beta1"), group.pop("beta2"))
+        return group
+
+    def scalars(self, group: dict, lr: Tensor, step: Tensor, dtype: torch.dtype) -> tuple:
+        """The 0-dim scalar math shared by a group's parameters of one dtype (tensors, or None where unused)."""
+        return (_sgd_scalars if self.kind == "sgd" else _adam_scalars)(group, lr, step, dtype)
+
+    def apply(self, group: dict, param: Tensor, grad: Tensor, st: dict[str, Tensor],
+              scalars: tuple) -> tuple[Tensor, dict[str, Tensor]]:
+        """One parameter's update: (new param, its new state tensors by name)."""
+        return (_sgd if self.kind == "sgd" else _adam)(group, param, grad, st, scalars)
 
     def _lr_for(self, fqn: str, lr: LR) -> Tensor:
         if isinstance(lr, dict):

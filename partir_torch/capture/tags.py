@@ -11,7 +11,7 @@ import torch
 from ..contract import META_TAG, META_TAGS
 
 
-def _tracing_graph():
+def tracing_graph():
     mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
     return None if mode is None else mode.tracer.graph
 
@@ -36,7 +36,7 @@ def install_hooks(model: torch.nn.Module) -> list:
             continue
 
         def hook(mod, args, out, fqn=fqn):
-            graph = _tracing_graph()
+            graph = tracing_graph()
             if graph is None:
                 return
             if isinstance(out, torch.Tensor):

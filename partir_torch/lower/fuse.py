@@ -138,7 +138,7 @@ def fuse_optimizer(graph: fx.Graph, captured) -> int:
 
 def _match(fqn, fopt, placeholders, result_of, phase, index):
     """The lowered nodes of one parameter's update, or None when they are not exactly Adam's pattern."""
-    names = fopt._names_for(fqn)
+    names = fopt.names_for(fqn)
     outs = [f"params.{fqn}"] + [f"opt.{s}.{fqn}" for s in names]
     if any(o not in result_of or o not in placeholders for o in outs):
         return None

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from ..rules.factors import OpRule
-from ..rules.registry import RuleRegistry, result_vals
+from ..rules.registry import RuleRegistry, result_vals, tensor_operands
 from ..contract import META_TAG
 
 
@@ -26,27 +26,6 @@ def no_gc():
     finally:
         if was:
             gc.enable()
-
-
-def _tensor_operands(node: fx.Node) -> list:
-    """Tensor-valued fx.Node operands in flattened (args, kwargs) order: rules.registry.tensor_operands without
-    the generic pytree walk (the hot spot of building the graph)."""
-    out: list = []
-
-    def walk(a):
-        if isinstance(a, fx.Node):
-            if isinstance(a.meta.get("val"), torch.Tensor):
-                out.append(a)
-        elif isinstance(a, (list, tuple)):
-            for x in a:
-                walk(x)
-        elif isinstance(a, dict):
-            for x in a.values():
-                walk(x)
-
-    walk(node.args)
-    walk(node.kwargs)
-    return out
 
 
 @dataclass
@@ -89,7 +68,7 @@ class PartGraph:
             if not outs:
                 continue
             rule = registry.build(node)
-            operands = [self.vid[a] for a in _tensor_operands(node)]
+            operands = [self.vid[a] for a in tensor_operands(node)]
             if isinstance(node.meta.get("val"), torch.Tensor):
                 results = [self.vid[node]]
             else:

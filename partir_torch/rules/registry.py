@@ -23,7 +23,6 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
 
 from ..errors import PartitionError
 from .factors import OpRule, einsum
@@ -64,8 +63,24 @@ class NodeCtx:
 
 
 def tensor_operands(node: fx.Node) -> list:
-    flat, _ = tree_flatten((node.args, node.kwargs))
-    return [a for a in flat if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    """Tensor-valued fx.Node operands in flattened (args, kwargs) order (pytree's order, without its generic walk:
+    this runs for every node of the graph, several times)."""
+    out: list = []
+
+    def walk(a):
+        if isinstance(a, fx.Node):
+            if isinstance(a.meta.get("val"), torch.Tensor):
+                out.append(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                walk(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                walk(x)
+
+    walk(node.args)
+    walk(node.kwargs)
+    return out
 
 
 def make_ctx(node: fx.Node) -> NodeCtx:

@@ -130,7 +130,7 @@ class Remat:
     axis = ""
 
     def install(self, model) -> list:
-        from .. capture.tags import _tracing_graph
+        from ..capture.tags import tracing_graph
 
         matched = [(fqn, m) for fqn, m in model.named_modules() if fqn and fnmatch.fnmatchcase(fqn, self.selector)]
         if not matched:
@@ -142,11 +142,11 @@ class Remat:
             start: list = []
 
             def pre(mod, args, start=start):
-                g = _tracing_graph()
+                g = tracing_graph()
                 start.append(None if g is None else len(g.nodes))
 
             def post(mod, args, out, fqn=fqn, start=start):
-                g = _tracing_graph()
+                g = tracing_graph()
                 first = start.pop() if start else None
                 if g is None or first is None:
                     return

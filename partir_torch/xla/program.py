@@ -171,7 +171,7 @@ class XlaBackend:
         copies there make XLA reshard at the same op, the same way (e.g. a dispatch einsum computed on local token
         groups and its result exchanged by all_to_all, not the tokens gathered)."""
         from ..lower.lower import op_layouts
-        from ..propagate.graph import _tensor_operands
+        from ..rules.registry import tensor_operands
 
         g, d, operands, results = self.plan.graph, self.plan.decisions, {}, {}
         spec_of = lambda v: xdev.partition_spec(d.sharding(v))   # noqa: E731
@@ -179,7 +179,7 @@ class XlaBackend:
             if op.node.op != "call_function":      # ops without a rule too: partir makes their operands whole
                 continue
             wants, makes = op_layouts(d, i)
-            for a, v, want in zip(_tensor_operands(op.node), op.operands, wants):
+            for a, v, want in zip(tensor_operands(op.node), op.operands, wants):
                 spec = xdev.partition_spec(want) if want is not None else None
                 if spec is not None and spec != spec_of(v):
                     operands.setdefault(op.node.name, {}).setdefault(a, spec)
