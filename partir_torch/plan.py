@@ -133,6 +133,7 @@ def plan(captured, mesh: Mesh, schedule, options: Options | None = None, registr
     if not isinstance(mesh, Mesh):
         raise PartitionError(f"partition: mesh must be a pt.Mesh, got {type(mesh).__name__}.")
     entries = tuple(flatten_schedule(schedule))
+    _check_captured_for(captured, entries)
     options = options or Options()
     registry = registry or default_registry()
     planning = Planning()
@@ -153,3 +154,21 @@ def plan(captured, mesh: Mesh, schedule, options: Options | None = None, registr
                 frozen(planning.remarks), tuple(planning.searches), MappingProxyType(dict(planning.actions)),
                 dict(planning.lowered))
 
+
+
+def _check_captured_for(captured, entries) -> None:
+    """A schedule plans a captured step only if the step was captured as that schedule needs it: the same capture
+    rewrites (they changed the traced step) and every decomposition its tactics ask for."""
+    rewrites = tuple(t.name for t in entries if isinstance(t, CaptureRewrite))
+    if rewrites != tuple(captured.rewrites):
+        raise PartitionError(f"plan: the schedule's capture rewrites {list(rewrites)} differ from those the step was "
+                             f"captured with {list(captured.rewrites)}; they shape the traced step itself. Capture "
+                             f"it for this schedule: plan.capture_for(model, schedule, example_inputs, ...).")
+    missing = set()
+    for t in entries:
+        missing |= set(decompositions_of(t)) - captured.decompositions
+    if missing:
+        names = sorted(str(op) for op in missing)
+        raise PartitionError(f"plan: the schedule's tactics need {', '.join(names[:3])} decomposed at capture, and "
+                             f"the step was captured without. Capture it for this schedule: "
+                             f"plan.capture_for(model, schedule, example_inputs, ...).")

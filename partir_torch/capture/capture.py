@@ -56,6 +56,8 @@ class Captured:
     buffer_fqns: list = field(default_factory=list)
     device: torch.device = torch.device("cpu")
     consts: dict = field(default_factory=dict)   # "consts.<i>" -> tensor created inside the step (lifted)
+    rewrites: tuple = ()                         # names of the capture rewrites applied (mixed precision, remat)
+    decompositions: frozenset = frozenset()      # the extra decompositions tactics asked for (op overloads)
 
 
 def _trace_device(model, inputs) -> torch.device:
@@ -538,6 +540,8 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     cap = _annotate(gm, mode, names, roles, out_names, step.out_spec, lay.fopt,
                     [k for k, _ in model.named_parameters()], lay.trainable, lay.buffers, device)
     cap.consts = consts
+    cap.rewrites = tuple(opt.name for opt in options)
+    cap.decompositions = frozenset((decompositions or {}).keys())
     # the passes above edit gm.graph only; gm is a lazy GraphModule: its code is generated when first called or
     # read (gm.code), not after each pass (about 0.5 s for a 20k-node step); partitioning reads only the graph
     gm.recompile()

@@ -104,14 +104,12 @@ class Evaluator:
         try:
             # the loss runs in the training step's compute dtype (mixed_precision's casts); remat has no backward here
             tactics = [t for t in train.tactics if t not in train.capture_rewrites]
-            if kind == "loss":
-                cap = capture_for(model, [t for t in train.capture_rewrites if t.in_eval] + tactics, batch,
-                                  self.ex.loss_fn, eval_loss=True)
-            else:
-                cap = capture_for(model, tactics, batch)
+            rewrites = [t for t in train.capture_rewrites if t.in_eval] if kind == "loss" else []
+            cap = capture_for(model, rewrites + tactics, batch, self.ex.loss_fn if kind == "loss" else None,
+                              eval_loss=kind == "loss")
         finally:
             model.train(was)
-        p = plan(cap, train.mesh, [LiveLayout(train)], train.options, train.registry)
+        p = plan(cap, train.mesh, rewrites + [LiveLayout(train)], train.options, train.registry)
         low = bind(p.lowered(), self.ex.rt.groups)
         held = self.ex.held()
         moved = [n for n, sh in zip(cap.input_names, low.input_layouts)

@@ -92,7 +92,7 @@ class Executor:
                 args.append(self.state[name])
             elif role == Role.LR:   # hparams.<group>.<name>: read from the optimizer's param groups at every step
                 if self._hyper is None:
-                    self._hyper = cap.fopt.hyper_values()
+                    self._hyper = cap.fopt.hyper_values(self.optimizer)   # this program's optimizer
                 _, g, h = name.split(".")
                 args.append(self.rt.local(torch.tensor(self._hyper[(int(g), h)], dtype=torch.float64)))
             elif role == Role.CONST:

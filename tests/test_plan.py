@@ -1,0 +1,72 @@
+"""The plan as a value (issue 21): one capture planned many times, programs built from a plan, the checks that a
+plan fits its capture, and what the facade does not do (collectives() holds no state)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import partir_torch as pt
+from partir_torch.plan import capture_for, plan
+from partir_torch.program import Program
+
+import harness
+from harness import train_next_to_eager
+from examples.models import get
+
+T = pt.tactics
+LR, EPS = 1e-3, 1e-5
+
+
+def test_one_capture_planned_on_two_meshes_trains_like_one_device():
+    """A Captured is planned twice (BP+MP on 2x2, BP+Z3 on 4): each Program, over its own copy of the model and
+    its own optimizer, trains equal to eager AdamW; the plans share the captured graph and nothing else."""
+    spec = get("gpt")
+    batch = spec.batch(4)
+    base = spec.build()
+    cap = capture_for(base, [], batch, spec.loss_fn, torch.optim.AdamW(base.parameters(), lr=LR, eps=EPS))
+    schedules = {"BP+MP": (pt.Mesh({"batch": 2, "model": 2}), [T.data_parallel("batch"), T.megatron("model")]),
+                 "BP+Z3": (pt.Mesh({"batch": 4}), [T.data_parallel("batch"), T.zero(3, "batch")])}
+    plans = {k: plan(cap, mesh, sched) for k, (mesh, sched) in schedules.items()}
+    assert plans["BP+MP"].captured is plans["BP+Z3"].captured is cap
+    assert plans["BP+MP"].graph is not plans["BP+Z3"].graph
+    for k, p in plans.items():
+        model = copy.deepcopy(base)
+        ref = copy.deepcopy(base)
+        # another learning rate than the capture's optimizer: the program reads its own optimizer's param groups
+        prog = Program(p, model, torch.optim.AdamW(model.parameters(), lr=2 * LR, eps=EPS), spec.loss_fn)
+        train_next_to_eager(prog, ref, [batch] * 2, spec.loss_fn, make_opt=harness.adamw(lr=2 * LR, eps=EPS),
+                            what=f"gpt {k} from a shared capture")
+
+
+def test_plan_refuses_a_schedule_the_step_was_not_captured_for():
+    spec = get("mlp")
+    model = spec.build()
+    cap = capture_for(model, [], spec.batch(4), spec.loss_fn, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(pt.PartitionError, match=r"capture rewrites \['Remat'\] differ .*capture_for"):
+        plan(cap, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.remat("*")])
+    with pytest.raises(pt.PartitionError, match="mesh must be a pt.Mesh"):
+        plan(cap, {"batch": 2}, [T.data_parallel("batch")])
+
+
+def test_stages_are_frozen_decisions_and_collectives_hold_no_state():
+    """Each stage holds its own Decisions (later tactics do not change an earlier stage's), the plan is lowered
+    once, and listing collectives or printing the summary builds no runtime and no state."""
+    spec = get("gpt")
+    model = spec.build()
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}), [T.data_parallel("batch"), T.megatron("model")],
+                        example_inputs=spec.batch(4), loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters()))
+    w = prog.graph.name_to_vid["params.blocks.0.mlp.fc.weight"] if "params.blocks.0.mlp.fc.weight" in \
+        prog.graph.name_to_vid else next(v for n, v in prog.graph.name_to_vid.items() if n.endswith("weight") and
+                                         prog.sharding(n).tiled_axes().get("model") is not None)
+    first, last = prog.stages
+    assert first.decisions is not last.decisions
+    assert first.decisions.sharding(w).tiled_axes().get("model") is None
+    assert last.decisions.sharding(w).tiled_axes().get("model") is not None
+    assert prog.collectives() and prog.summary()
+    assert prog.plan.lowered() is prog.plan.lowered()
+    assert prog._executor is None                     # nothing ran: no backend, no state
+    prog.train_step(*spec.batch(4))
+    assert prog.executor.lowered.records is prog.plan.lowered().records     # run what was reported
