@@ -40,6 +40,8 @@ import pytest
 import torch
 
 import partir_torch as pt
+from partir_torch.plan import capture_for, plan
+from partir_torch.program import Program
 
 import harness
 from harness import train_next_to_eager
@@ -98,16 +100,35 @@ def reference_run(model, spec, batch, steps=STEPS):
     return losses, {k: p.detach() for k, p in ref.named_parameters()}
 
 
-def train_parity(spec, mesh, tactics, batch, what):
+_CAPTURES: dict = {}     # (model name, batch size) -> Captured: one trace planned for every schedule (issue 21)
+
+
+def captured(name, spec, batch):
+    """The model's training step captured once per batch size (seeded builds: every build has the same weights and
+    the capture reads none of them), planned for each schedule by the tests."""
+    key = (name, batch[0].shape[0])
+    if key not in _CAPTURES:
+        model = spec.build()
+        _CAPTURES[key] = capture_for(model, [], batch, spec.loss_fn, adamw(model))
+    return _CAPTURES[key]
+
+
+def train_parity(spec, mesh, tactics, batch, what, name=None):
+    """`name`: a zoo model name whose step is captured once and planned for every schedule (no capture rewrites
+    in these schedules); None: pt.partition from scratch."""
     model = spec.build()
     ref = copy.deepcopy(model)
-    prog = pt.partition(model, mesh, tactics, example_inputs=batch, loss_fn=spec.loss_fn, optimizer=adamw(model))
+    if name is None:
+        prog = pt.partition(model, mesh, tactics, example_inputs=batch, loss_fn=spec.loss_fn,
+                            optimizer=adamw(model))
+    else:
+        prog = Program(plan(captured(name, spec, batch), mesh, tactics), model, adamw(model), spec.loss_fn)
     train_next_to_eager(prog, ref, [batch] * STEPS, spec.loss_fn, make_opt=harness.adamw(lr=LR, eps=EPS), what=what)
     return prog
 
 
 @pytest.mark.parametrize("sched", list(SCHEDULES))
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.xdist_group(f"parity_{m}")) for m in MODELS])
 def test_train_parity(model, sched):
     spec, s = get(model), SCHEDULES[sched]
     batch = spec.batch(s.batch)
@@ -118,7 +139,7 @@ def test_train_parity(model, sched):
             pt.partition(model_, mesh, s.tactics(spec), example_inputs=batch, loss_fn=spec.loss_fn,
                          optimizer=adamw(model_))
         return
-    train_parity(spec, mesh, s.tactics(spec), batch, f"{model} {sched}")
+    train_parity(spec, mesh, s.tactics(spec), batch, f"{model} {sched}", name=model)
 
 
 def test_gns_edges_tiled():
