@@ -83,13 +83,14 @@ def _schedule():
     return [pt.tactics.data_parallel("batch"), pt.tactics.megatron("model"), pt.tactics.zero(3, "batch")]
 
 
-def _phase_train(spec, batch, mesh):
+def _phase_train(spec, batch, mesh, plans):
     import partir_torch as pt
     from torch.distributed.tensor import DTensor
 
     model, ref_losses, ref_params = _reference(spec, batch)
     prog = pt.partition(model, mesh, _schedule(), example_inputs=batch, loss_fn=spec.loss_fn,
                         optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    plans["train"] = prog.plan          # the local phase runs another program of the same plan
     losses = [prog.train_step(*batch).item() for _ in range(STEPS)]
     gathered = prog.gather_parameters()
     param_errs = {k: _max_err(gathered[k], w) for k, w in ref_params.items() if k in gathered}
@@ -114,12 +115,12 @@ def _phase_train(spec, batch, mesh):
             "full_errs": full_errs}
 
 
-def _phase_local(spec, batch, mesh, rank):
-    import partir_torch as pt
+def _phase_local(spec, batch, mesh, rank, plans):
+    from partir_torch.program import Program
 
     model, ref_losses, ref_params = _reference(spec, batch)
-    prog = pt.partition(model, mesh, _schedule(), example_inputs=batch, loss_fn=spec.loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    # the train phase's plan (one capture and one plan, two programs with their own model and optimizer)
+    prog = Program(plans["train"], model, torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), spec.loss_fn)
     b = mesh.coordinate(rank)["batch"]
     per = batch[0].shape[0] // mesh.shape["batch"]
     local = tuple(t[b * per:(b + 1) * per] for t in batch)     # this rank's rows; replicated on "model"
@@ -168,6 +169,8 @@ def _phase_dcp(ckpt: str) -> dict:
 
     import partir_torch as pt
     from examples.models import get
+    from partir_torch.plan import plan
+    from partir_torch.program import Program
 
     T = pt.tactics
     _train_steps = lambda prog, batch, n: [prog.train_step(*batch) for _ in range(n)]
@@ -179,6 +182,10 @@ def _phase_dcp(ckpt: str) -> dict:
         m = copy.deepcopy(base)
         return pt.partition(m, pt.Mesh(mesh), sched, example_inputs=batch, loss_fn=spec.loss_fn,
                             optimizer=torch.optim.AdamW(m.parameters(), lr=lr, eps=EPS))
+
+    def again(p, lr):       # another program of plan p (its capture planned once more: no new trace)
+        m = copy.deepcopy(base)
+        return Program(p, m, torch.optim.AdamW(m.parameters(), lr=lr, eps=EPS), spec.loss_fn)
 
     z3 = lambda: [T.data_parallel("dp"), T.zero(3, "dp")]
     a = make({"dp": 4}, z3())
@@ -196,14 +203,15 @@ def _phase_dcp(ckpt: str) -> dict:
         fresh = spec.build()
         fresh.load_state_dict(full)
         out["full_err"] = max((p.detach() - params_a[k]).abs().max().item() for k, p in fresh.named_parameters())
-    b = make({"dp": 2, "tp": 2}, [T.data_parallel("dp"), T.megatron("tp"), T.zero(3, "dp")], lr=0.5)
+    b = again(plan(a.captured, pt.Mesh({"dp": 2, "tp": 2}),
+                   [T.data_parallel("dp"), T.megatron("tp"), T.zero(3, "dp")]), lr=0.5)
     sd_b = b.state_dict()
     out["placements_b"] = str(sd_b["model"][w1].placements)
     dcp.load(sd_b, checkpoint_id=ckpt)
     b.load_state_dict(sd_b)
     out.update(lr_b=b.optimizer.param_groups[0]["lr"], steps_b=b.steps)
     out["resharded"] = [t.item() for t in _train_steps(b, batch, 2)]
-    c = make({"dp": 4}, z3(), lr=0.5)
+    c = again(a.plan, lr=0.5)
     sd_c = c.state_dict()
     dcp.load(sd_c, checkpoint_id=ckpt)
     c.load_state_dict(sd_c)
@@ -256,8 +264,9 @@ def _worker(rank, port, ckpt, queue):
         spec = get("gpt_sdpa")
         batch = spec.batch(4)
         mesh = pt.Mesh({"batch": 2, "model": 2})
-        for name, fn in (("train", lambda: _phase_train(spec, batch, mesh)),
-                         ("local", lambda: _phase_local(spec, batch, mesh, rank)),
+        plans: dict = {}
+        for name, fn in (("train", lambda: _phase_train(spec, batch, mesh, plans)),
+                         ("local", lambda: _phase_local(spec, batch, mesh, rank, plans)),
                          ("moe_ep", lambda: _phase_moe_ep(mesh)),
                          ("dcp", lambda: _phase_dcp(ckpt)),
                          ("clip_acc_eval", _phase_clip_accumulate_eval),
