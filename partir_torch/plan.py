@@ -96,7 +96,7 @@ class Plan:
             from .lower.lower import Lowerer, canonical_groups
 
             self._lowered[k] = Lowerer(self.graph, self.stage_decisions(k), self.mesh, self.captured,
-                                       canonical_groups(self.mesh), self.options).run()
+                                       canonical_groups(self.mesh), self.options, self.families).run()
         return self._lowered[k]
 
     def annotated_lowered(self, k: int | None = None):
@@ -107,6 +107,12 @@ class Plan:
         if not low.annotated:
             annotate_local_vals(low, self.captured)
         return low
+
+    @cached_property
+    def families(self) -> dict:
+        """Tactic name -> the family its class declares (tactics.base.declare); lowering puts it on every
+        collective record, so the simulator's confidence classifies a renamed tactic by what it does."""
+        return tactic_families(self.tactics)
 
     @property
     def capture_rewrites(self) -> tuple:
@@ -136,7 +142,7 @@ def plan(captured, mesh: Mesh, schedule, options: Options | None = None, registr
     _check_captured_for(captured, entries)
     options = options or Options()
     registry = registry or default_registry()
-    planning = Planning()
+    planning = Planning(families=tactic_families(entries))
     stages = []
     with no_gc():   # linear time: no full collections over the traced graph's heap while partitioning
         graph = PartGraph(captured.gm, registry, captured.names, captured.ties)
@@ -172,3 +178,9 @@ def _check_captured_for(captured, entries) -> None:
         raise PartitionError(f"plan: the schedule's tactics need {', '.join(names[:3])} decomposed at capture, and "
                              f"the step was captured without. Capture it for this schedule: "
                              f"plan.capture_for(model, schedule, example_inputs, ...).")
+
+
+def tactic_families(entries) -> dict:
+    """Tactic name -> declared family, for the tactics of a schedule that declare one (a user's own tactic class
+    may not: its collectives then carry no family and the simulator falls back to the name)."""
+    return {t.name: t.family for t in entries if isinstance(t, Tactic) and isinstance(getattr(t, "family", None), str)}

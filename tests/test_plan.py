@@ -70,3 +70,21 @@ def test_stages_are_frozen_decisions_and_collectives_hold_no_state():
     assert prog._executor is None                     # nothing ran: no backend, no state
     prog.train_step(*spec.batch(4))
     assert prog.executor.lowered.records is prog.plan.lowered().records     # run what was reported
+
+
+def test_renamed_tactics_are_classified_by_what_they_declare():
+    """The simulator's confidence classifies a program by the families its tactics declare, carried on every
+    collective record: megatron renamed "TP" and data_parallel renamed "DP" are still a tensor-parallel program."""
+    spec = get("gpt")
+    hw = pt.sim.hardware("h100", gpus_per_node=4)
+    reports = {}
+    for names in (("BP", "MP"), ("DP", "TP")):
+        model = spec.build()
+        prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}),
+                            [T.data_parallel("batch", name=names[0]), T.megatron("model", name=names[1])],
+                            example_inputs=spec.batch(4), loss_fn=spec.loss_fn)
+        fams = {(r.tactic, r.family) for r in prog.collectives()}
+        assert (names[1], "megatron") in fams, fams
+        reports[names] = prog.simulate(hw)
+    assert reports[("DP", "TP")].confidence_family == reports[("BP", "MP")].confidence_family != ""
+    assert reports[("DP", "TP")].confidence == reports[("BP", "MP")].confidence

@@ -125,7 +125,8 @@ def _merge(graph, run, order) -> CollectiveRecord:
         graph.erase_node(node)
     rec = CollectiveRecord(first.kind, first.axis, k, sum(r.nbytes for _, r in run), first.dtype,
                            "+".join(dict.fromkeys(r.tactic for _, r in run)),
-                           ", ".join(r.value for _, r in run), coll.name, first.reduce_op, 0, first.phase)
+                           ", ".join(r.value for _, r in run), coll.name, first.reduce_op, 0, first.phase,
+                           "+".join(dict.fromkeys(r.family for _, r in run if r.family)))
     coll.meta[META_COLLECTIVE] = rec
     return rec
 

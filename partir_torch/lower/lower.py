@@ -119,7 +119,8 @@ class Lowerer:
     name used by the collectives. Runs of parameter all_gathers / gradient reduce_scatters are merged into
     buckets of options.bucket_bytes (bucket.py)."""
 
-    def __init__(self, graph, decisions: Decisions, mesh, captured, groups: dict, options: Options | None = None):
+    def __init__(self, graph, decisions: Decisions, mesh, captured, groups: dict, options: Options | None = None,
+                 families: dict | None = None):
         self.g, self.d, self.mesh, self.cap = graph, decisions, mesh, captured
         self.options = options or Options()
         self.new = fx.Graph()
@@ -139,7 +140,7 @@ class Lowerer:
                     self.wants.setdefault(graph.values[vid], set()).add(want)
         self.placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
         coords = self._emit_placeholders(groups)
-        self.em = Emitter(self.new, mesh, groups, coords)
+        self.em = Emitter(self.new, mesh, groups, coords, families)   # families: tactic name -> declared family
 
     def run(self) -> "Lowered":
         current = None

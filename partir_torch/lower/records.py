@@ -31,6 +31,7 @@ class CollectiveRecord:
     reduce_op: str = ""   # "sum" | "max" | "min" for all_reduce / reduce_scatter
     dim: int = -1         # gathered / scattered dim; all_to_all: split dim
     phase: str = ""       # "forward" | "backward" | "optimizer" | "" when unknown
+    family: str = ""      # the family the tactic's class declares (tactics.base.declare), "" when none
 
     def __str__(self):
         op = f"({self.reduce_op})" if self.reduce_op else ""

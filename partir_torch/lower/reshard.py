@@ -29,8 +29,9 @@ c10d = torch.ops._c10d_functional
 class Emitter:
     """Appends nodes to the per-device graph and keeps the collective records."""
 
-    def __init__(self, graph: fx.Graph, mesh, groups: dict, coords: dict):
+    def __init__(self, graph: fx.Graph, mesh, groups: dict, coords: dict, families: dict | None = None):
         self.graph, self.mesh, self.groups, self.coords = graph, mesh, groups, coords
+        self.families = families or {}       # tactic name -> its declared family (on each record)
         self.records: list = []
         self.phase = ""
 
@@ -44,7 +45,7 @@ class Emitter:
         c = self.call(target, *args, meta_shape=shape, dtype=dtype)
         c.meta[META_IN_SHAPE] = tuple(in_shape) if in_shape is not None else None
         rec = CollectiveRecord(kind, axis, self.mesh.shape[axis], int(nbytes), str(dtype).replace("torch.", ""),
-                               tactic, value, c.name, reduce_op, dim, self.phase)
+                               tactic, value, c.name, reduce_op, dim, self.phase, self.families.get(tactic, ""))
         c.meta[META_COLLECTIVE] = rec
         self.records.append(rec)
         return self.call(c10d.wait_tensor.default, c, meta_shape=shape, dtype=dtype)

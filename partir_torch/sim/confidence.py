@@ -58,11 +58,17 @@ NEAR_STRATEGIES = {"fsdp": ("fsdp+dcn", "zero2", "dp"), "fsdp+dcn": ("fsdp", "ze
 TENSOR_PARALLEL = frozenset({"megatron", "sequence", "multi_query", "embedding"})
 
 
-def strategy_of(tactics) -> str:
-    """Strategy family from the tactic names of a program's collectives (``CollectiveRecord.tactic``), through the
-    family each tactic class declares (``contract.TACTIC_FAMILY``)."""
+def strategy_of(tactics, families: dict | None = None) -> str:
+    """Strategy family from the tactic names of a program's collectives (``CollectiveRecord.tactic``; a bucket's
+    "BP+Z3" counts both) and the families their records carry (``CollectiveRecord.family``, declared by the tactic
+    classes: a renamed tactic is still what it does); a name without one is looked up by its class's default name
+    (``contract.TACTIC_FAMILY``)."""
     names = [t for t in tactics if t]
-    fams = {tactic_family(t) for t in names}
+    families = families or {}
+    fams = set()
+    for t in names:
+        known = families.get(t)
+        fams.update(known.split("+") if known else (tactic_family(n) for n in t.split("+")))
     tp = bool(fams & TENSOR_PARALLEL)
     if "expert" in fams:
         return "ep"

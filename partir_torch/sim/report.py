@@ -26,6 +26,7 @@ class CollectiveTiming:
     start_s: float
     end_s: float
     exposed_s: float     # how long compute waited for it
+    family: str = ""     # the tactic's declared family (from the lowering record)
 
 
 @dataclass

@@ -77,7 +77,8 @@ def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue, prefetch) -> S
                      f"of HBM per device on {hw.name} (peak at node {mem.peak_node}).")
     by_dtype = line.flops_by_dtype
     peak = hw.peak_flops(max(by_dtype, key=by_dtype.get) if by_dtype else "bfloat16")   # the dominant dtype
-    family, conf = closest_family(hw.name, strategy_of(c.tactic for c in line.timings))
+    declared = {c.tactic: c.family for c in line.timings if c.family}
+    family, conf = closest_family(hw.name, strategy_of([c.tactic for c in line.timings], declared))
     return SimReport(
         step_time_s=step, compute_s=line.compute_s, comm_s=line.comm_s, exposed_comm_s=line.exposed,
         peak_memory_bytes=mem.peak_bytes, memory_breakdown=mem.breakdown, model_flops=line.model_flops,

@@ -240,7 +240,7 @@ class Timeline:
         self.timings.append(CollectiveTiming(
             kind, axis or "?", getattr(rec, "group_size", 0), int(size), getattr(rec, "dtype", ""),
             getattr(rec, "tactic", ""), getattr(rec, "value", ""), node.name, t,
-            est.tactic if est else "unknown", start, end, 0.0))
+            est.tactic if est else "unknown", start, end, 0.0, getattr(rec, "family", "")))
         self.done[node] = end
 
 

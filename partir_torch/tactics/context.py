@@ -27,6 +27,7 @@ class Planning:
     actions: dict = field(default_factory=dict)          # (canonical vid, axis) -> (tactic, action label)
     lowered: dict = field(default_factory=dict)          # stage index -> lower.Lowered
     stage: int = 0                                       # index of the stage being planned
+    families: dict = field(default_factory=dict)         # tactic name -> declared family (collective records)
 
 
 class TacticContext:
@@ -175,7 +176,7 @@ class TacticContext:
         from ..lower.lower import Lowerer, canonical_groups
 
         return Lowerer(self.graph, Decisions(self.prop.rec), self.mesh, self.captured, canonical_groups(self.mesh),
-                       self.options).run()
+                       self.options, self.planning.families).run()
 
 
 class TrialContext(TacticContext):
@@ -183,4 +184,5 @@ class TrialContext(TacticContext):
     report is dropped."""
 
     def __init__(self, ctx: TacticContext, prop):
-        super().__init__(ctx.captured, ctx.graph, prop, ctx.mesh, ctx.options, Planning())
+        super().__init__(ctx.captured, ctx.graph, prop, ctx.mesh, ctx.options,
+                         Planning(families=ctx.planning.families))
