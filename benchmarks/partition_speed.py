@@ -45,7 +45,8 @@ import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 import partir_torch as pt  # noqa: E402
-import partir_torch.api as api  # noqa: E402
+from partir_torch.plan import plan  # noqa: E402
+from partir_torch.program import Program  # noqa: E402
 from examples.models import get  # noqa: E402
 from partir_torch.capture import capture  # noqa: E402
 from benchmarks.meta_capture import meta_capture  # noqa: E402
@@ -143,27 +144,18 @@ def llama_main(args) -> None:
 
 
 def partition_seconds(model, batch, loss_fn, opt, cap) -> tuple:
-    """(wall s, CPU s, program) of one pt.partition on an already captured step (capture is timed separately)."""
-    real = api.capture
-    api.capture = lambda *a, **k: cap
-    try:
-        t0, c0 = time.perf_counter(), time.process_time()
-        prog = pt.partition(model, pt.Mesh(MESH), schedule(), example_inputs=batch, loss_fn=loss_fn, optimizer=opt)
-        return time.perf_counter() - t0, time.process_time() - c0, prog
-    finally:
-        api.capture = real
+    """(wall s, CPU s, program) of what pt.partition does after capture (plan() + the Program facade), on an
+    already captured step (capture is timed separately)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    prog = Program(plan(cap, pt.Mesh(MESH), schedule()), model, opt, loss_fn)
+    return time.perf_counter() - t0, time.process_time() - c0, prog
 
 
 def profile(model, batch, loss_fn, opt, cap, top: int = 15) -> str:
-    real = api.capture
-    api.capture = lambda *a, **k: cap
-    try:
-        pr = cProfile.Profile()
-        pr.enable()
-        pt.partition(model, pt.Mesh(MESH), schedule(), example_inputs=batch, loss_fn=loss_fn, optimizer=opt)
-        pr.disable()
-    finally:
-        api.capture = real
+    pr = cProfile.Profile()
+    pr.enable()
+    Program(plan(cap, pt.Mesh(MESH), schedule()), model, opt, loss_fn)
+    pr.disable()
     out = io.StringIO()
     pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(top)
     return out.getvalue()
