@@ -18,8 +18,8 @@ aten = torch.ops.aten
 # ops through which a value is still the same tensor, for state and gradients alike: views, copies, dtype casts
 _SAME = VIEW_OPS | {aten._to_copy.default, aten.clone.default, aten.alias.default, aten.detach.default,
                     aten.slice.Tensor, aten.select.int, aten.contiguous.default}
-# a gradient summed (micro-batches, tied weights: every tensor operand) or scaled (clipping, loss scaling: the first);
-# padded back into a parameter's shape (the gradient of wpe[:T])
+# a gradient is still the gradient when padded back into its parameter's shape (wpe[:T]: the first operand), summed
+# (micro-batches, tied weights: every operand of its shape) or scaled (clipping, loss scaling: the first operand)
 _PADDED = {aten.slice_backward.default, aten.select_backward.default}
 _SUMMED = {aten.add.Tensor, aten.sub.Tensor}
 _SCALED = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
@@ -30,7 +30,7 @@ class Causes:
     """The why, source and op of each collective lowering emits (records.py states the rule)."""
 
     def __init__(self, graph, decisions, captured):
-        self.g, self.d = graph, decisions
+        self.d = decisions
         self.op_index = {op.node: i for i, op in enumerate(graph.ops)}
         self.conflicts = {(c.node, c.axis) for c in decisions.conflicts}
         self.state = _state_nodes(graph.gm, captured)
