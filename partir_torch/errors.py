@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
+import warnings
 
 
 class PartitionError(ValueError):
@@ -29,6 +31,17 @@ class RuntimeMismatchError(PartitionError):
     """Ranks disagree about the program, or a rank died."""
 
 
+def warn(message: str, stacklevel: int = 2) -> None:
+    """warnings.warn(message) for partir_torch's warnings: on rank 0 only when torch.distributed is initialised (one
+    copy per job, not one per rank); in one process (emulated ranks) as warnings.warn. stacklevel as there, counted
+    from the caller of warn."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+
+
 def closest(name: str, candidates, n: int = 3) -> list[str]:
     """The few candidates nearest to `name`, for 'did you mean' hints."""
     return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.3)
@@ -52,13 +65,34 @@ def internal_error(node, stage: str, exc: BaseException) -> InternalError:
 def source_line(node) -> str:
     """The user's source line that made `node`: the innermost frame of its stack trace outside torch and
     partir_torch ('' when the node has none)."""
+    frame = _user_frame(node)
+    if frame is None:
+        return ""
+    where, code = frame
+    return where + (f": {code}" if code else "")
+
+
+def source_location(node) -> str:
+    """`source_line` as file:line ("examples/models/gpt.py:102", relative to the working directory when under it),
+    '' when the node has no stack trace."""
+    frame = _user_frame(node)
+    m = re.match(r'"(.*)", line (\d+)', frame[0]) if frame is not None else None
+    if m is None:
+        return ""
+    path = m.group(1)
+    rel = os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
+    return f"{rel}:{m.group(2)}"
+
+
+def _user_frame(node):
+    """('"file", line N, in fn', code) of the innermost user frame of node's stack trace, or None."""
     torch_dir = os.path.dirname(__import__("torch").__file__)
     our_dir = os.path.dirname(__file__)
-    lines = node.meta.get("stack_trace", "").strip().splitlines()
-    found = ""
+    lines = (node.meta.get("stack_trace") or "").strip().splitlines()
+    found = None
     for i, line in enumerate(lines):
         line = line.strip()
         if line.startswith("File \"") and torch_dir not in line and our_dir not in line:
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            found = line[len("File "):] + (f": {code}" if code and not code.startswith("File ") else "")
+            found = (line[len("File "):], code if code and not code.startswith("File ") else "")
     return found

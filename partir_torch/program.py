@@ -81,6 +81,11 @@ class Program:
         """One row per tactic stage: decisions, conflicts, collectives added, bytes per step, memory per device."""
         return self.reports.summary()
 
+    def audit(self) -> str:
+        """The "reshard" collectives (layout changes no tactic asked for: an op without a rule, a conflict), grouped
+        by op and source line with their bytes per step; "no reshard collectives" when there are none."""
+        return self.reports.audit()
+
     def simulate(self, hw, axis_map=None, issue: str = "ready"):
         """SimReport for the final program on hardware `hw` (pt.sim.hardware(...)); `.stages` holds one report per
         tactic stage (the first: nothing partitioned)."""

@@ -9,6 +9,7 @@ from tabulate import tabulate
 
 from .contract import META_COLLECTIVE, META_NAME, META_RECOMPUTE, META_SRC, META_TAG, Role
 from .errors import PartitionError, closest
+from .lower.records import RESHARD, WHYS
 
 
 class Reports:
@@ -197,7 +198,8 @@ class Reports:
             prev = cur
         table = tabulate(rows, headers=["tactic", "axis", "decisions", "conflicts", "collectives added",
                                         "comm bytes/step", "params/device", "opt state/device"], tablefmt="simple")
-        notes = [text for s in self.stages for text in self.plan.remarks.get(s.tactic, ())]
+        notes = [why_line(self.plan.lowered().records)]
+        notes += [text for s in self.stages for text in self.plan.remarks.get(s.tactic, ())]
         conflicts = self.plan.conflicts
         if conflicts:
             shown = "\n".join(f"  {c}" for c in conflicts[:3])
@@ -206,6 +208,11 @@ class Reports:
                          f"stopped there; lowering reshards the values around them; prog.explain(<value or FX node "
                          f"name>) names the cause):\n{shown}{more}")
         return "\n".join([table] + notes)
+
+    def audit(self) -> str:
+        """The "reshard" collectives of the program (records.py: a layout change no tactic asked for), grouped by
+        the op they serve and its source line, with their bytes per step; the fix for each."""
+        return audit_text(self.plan.lowered().records)
 
     def _stage_stats(self, k: int) -> dict:
         low = self.plan.lowered(k)
@@ -224,6 +231,75 @@ class Reports:
                 else:
                     opt += b
         return {"by": by, "bytes": sent, "param": param, "opt": opt}
+
+
+def why_line(records) -> str:
+    """'collectives by why: gradient 4 (1.50 MiB), state 2 (...), tactic 2 (8 B), reshard 0' (bucket members
+    counted one by one)."""
+    count = {w: 0 for w in WHYS}
+    size = {w: 0 for w in WHYS}
+    for r in records:
+        for m in r.parts():
+            if m.why in count:
+                count[m.why] += 1
+                size[m.why] += m.nbytes
+    return "collectives by why: " + ", ".join(f"{w} {count[w]}" + (f" ({_fmt_bytes(size[w])})" if count[w] else "")
+                                              for w in WHYS)
+
+
+def reshard_groups(records) -> list:
+    """The "reshard" collectives by op: [(op, bytes per step, {source: bytes}, [records])], most bytes first."""
+    by_op: dict = {}
+    for r in records:
+        for m in r.parts():
+            if m.why == RESHARD:
+                total, sources, recs = by_op.setdefault(m.op, [0, {}, []])
+                by_op[m.op][0] = total + m.nbytes
+                where = m.source or NO_SOURCE
+                sources[where] = sources.get(where, 0) + m.nbytes
+                recs.append(m)
+    return sorted(((op, t, src, recs) for op, (t, src, recs) in by_op.items()), key=lambda x: -x[1])
+
+
+NO_SOURCE = "(no source line: a backward op, or code outside a forward)"
+_FIX = ("register a rule for the op (pt.register_rule) so that it keeps the split, or add a tactic that decides "
+        "the value's layout there")
+
+
+def audit_text(records) -> str:
+    """What prog.audit() prints: per op, its reshard collectives' bytes per step and the source lines."""
+    groups = reshard_groups(records)
+    if not groups:
+        return "no reshard collectives: every collective is a gradient, state or tactic one (prog.summary())"
+    total = sum(t for _, t, _, _ in groups)
+    lines = [f"{sum(len(recs) for *_, recs in groups)} reshard collectives, {_fmt_bytes(total)} per step "
+             f"(layout changes no tactic asked for; fix: {_FIX}):"]
+    for op, t, sources, recs in groups:
+        kinds = ", ".join(f"{k}[{a}] x{n}" for (k, a), n in _counts((r.kind, r.axis) for r in recs).items())
+        lines.append(f"  {op}: {_fmt_bytes(t)} per step ({kinds})")
+        for src, b in sorted(sources.items(), key=lambda x: -x[1]):
+            values = sorted({r.value for r in recs if (r.source or NO_SOURCE) == src})
+            lines.append(f"    {src}: {_fmt_bytes(b)}  ({', '.join(values[:4])}{' ...' if len(values) > 4 else ''})")
+    return "\n".join(lines)
+
+
+def reshard_warnings(records) -> list:
+    """One warning text per op type with "reshard" collectives: the op, the user's line, the bytes per step, the fix."""
+    out = []
+    for op, t, sources, recs in reshard_groups(records):
+        where = ", ".join(s for s in sources if s != NO_SOURCE) or NO_SOURCE
+        out.append(f"partir_torch: {op} forces {len(recs)} reshard collective{'s' if len(recs) > 1 else ''} "
+                   f"({_fmt_bytes(t)} per step) at {where}: its operand loses its split there (the op has no "
+                   f"rule, needs the dim whole, or propagation met a conflict), so the op runs on the whole "
+                   f"tensor on every rank of the axis. Fix: {_FIX}. prog.audit() lists them.")
+    return out
+
+
+def _counts(items) -> dict:
+    out: dict = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
 
 
 def _dt(val) -> str:

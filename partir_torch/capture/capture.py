@@ -519,7 +519,9 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     try:
         table = {**capture_decompositions(), **(decompositions or {})}
         with _tracing_session(), _use_lazy_graph_module(True), _gc_paused():   # code generated on first use (below)
-            gm = make_fx(_functional(step), tracing_mode="fake", decomposition_table=table)(*lay.flat)
+            # stack traces: the user's line of each forward op, for errors and prog.collectives()' sources
+            gm = make_fx(_functional(step), tracing_mode="fake", decomposition_table=table,
+                         record_stack_traces=True)(*lay.flat)
             if step.updated is not None:
                 splice_update(gm, lay, step.updated, step.anchor, _template_tracer(table))
     except PartitionError:

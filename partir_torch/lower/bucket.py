@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .records import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveRecord
+from .records import ALL_GATHER, ALL_REDUCE, GRADIENT, REDUCE_SCATTER, RESHARD, STATE, TACTIC, CollectiveRecord
 from ..contract import META_COLLECTIVE, META_IN_SHAPE, META_LOCAL_SHAPE
 
 aten = torch.ops.aten
@@ -126,9 +126,18 @@ def _merge(graph, run, order) -> CollectiveRecord:
     rec = CollectiveRecord(first.kind, first.axis, k, sum(r.nbytes for _, r in run), first.dtype,
                            "+".join(dict.fromkeys(r.tactic for _, r in run)),
                            ", ".join(r.value for _, r in run), coll.name, first.reduce_op, 0, first.phase,
-                           "+".join(dict.fromkeys(r.family for _, r in run if r.family)))
+                           "+".join(dict.fromkeys(r.family for _, r in run if r.family)), _why(run),
+                           ", ".join(dict.fromkeys(r.source for _, r in run if r.source)),
+                           "+".join(dict.fromkeys(r.op for _, r in run if r.op)),
+                           tuple(m for _, r in run for m in r.parts()))
     coll.meta[META_COLLECTIVE] = rec
     return rec
+
+
+def _why(run) -> str:
+    """A bucket's why: the first of reshard, tactic, gradient, state that a member has (records.py)."""
+    whys = {r.why for _, r in run}
+    return next((w for w in (RESHARD, TACTIC, GRADIENT, STATE) if w in whys), "")
 
 
 def _numel(shape) -> int:

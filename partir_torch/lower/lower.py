@@ -32,6 +32,7 @@ from .bucket import bucket_collectives
 from .order import reorder
 from .fuse import fuse_optimizer
 from .reshard import Emitter, reshard
+from .why import Causes
 
 
 @dataclass
@@ -133,11 +134,12 @@ class Lowerer:
         self.out_layouts: list = []
         self.op_index = {op.node: i for i, op in enumerate(graph.ops)}
         self.layouts_of = [op_layouts(decisions, i) for i in range(len(graph.ops))]
-        self.wants: dict = {}            # value node -> the layouts its consumers need
+        self.wants: dict = {}            # value node -> {layout its consumers need: the first such consumer}
         for i, op in enumerate(graph.ops):
             for vid, want in zip(op.operands, self.layouts_of[i][0]):
                 if want is not None:
-                    self.wants.setdefault(graph.values[vid], set()).add(want)
+                    self.wants.setdefault(graph.values[vid], {}).setdefault(want, op.node)
+        self.causes = Causes(graph, decisions, captured)
         self.placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
         coords = self._emit_placeholders(groups)
         self.em = Emitter(self.new, mesh, groups, coords, families)   # families: tactic name -> declared family
@@ -195,7 +197,7 @@ class Lowerer:
             v = self.g.vid[o]
             keep = name.startswith(STATE_PREFIXES)
             want = _strip(self.layout[v]) if keep else Sharding.replicate(len(self.g.shapes[v]))
-            x, _ = self.fetch(o, want)
+            x, _ = self.fetch(o, want, None)
             outs.append(x)
             self.out_layouts.append(want)
         self.new.output(tuple(outs))
@@ -222,7 +224,7 @@ class Lowerer:
 
         def mapped(a):
             if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) and a in g.vid:
-                x, shp = self.fetch(a, ins[next(slot)])
+                x, shp = self.fetch(a, ins[next(slot)], node)
                 in_local.append(shp)
                 return x
             return self.env[a] if isinstance(a, fx.Node) else a
@@ -252,16 +254,17 @@ class Lowerer:
         the backward produces it, not when the optimizer first reads it, so the collective can overlap)."""
         want = _strip(self.layout[v])
         if produced is not None and produced != want:
-            self.em.phase = self.phase
+            self.em.phase, self.em.cause = self.phase, self._cause(node, node)
             x = reshard(self.em, self.env[node], self.local_shape[node], node.meta["val"].dtype, produced, want,
                         self.g.name(v), self._tactic_of(v))
             self.env[node], self.local_shape[node] = x, _local(self.g.shapes[v], want, self.mesh)
-        needed = self.wants.get(node, ())
+        needed = self.wants.get(node, {})
         if len(needed) == 1 and next(iter(needed)) != want and not node.meta.get(META_OUTPUT):
-            self.fetch(node, next(iter(needed)))
+            self.fetch(node, *next(iter(needed.items())))
 
-    def fetch(self, node, want: Sharding | None):
-        """node's value in layout `want` (None: as recorded)."""
+    def fetch(self, node, want: Sharding | None, consumer=None):
+        """node's value in layout `want` (None: as recorded), for captured op node `consumer` (None: an output of
+        the step)."""
         g = self.g
         v = g.vid[node]
         have = self.layout[v]
@@ -277,13 +280,18 @@ class Lowerer:
                     and not self.layout[g.vid[src]].partial):
                 # gather the view's source instead (once, shared by all its views: q/k/v of one norm output),
                 # then view the whole tensor again
-                x_src, _ = self.fetch(src, Sharding.replicate(len(g.shapes[g.vid[src]])))
+                x_src, _ = self.fetch(src, Sharding.replicate(len(g.shapes[g.vid[src]])), consumer)
                 x = self.new.call_function(node.target, (x_src, *node.args[1:]), dict(node.kwargs))
             else:
+                self.em.cause = self._cause(node, consumer)
                 x = reshard(self.em, self.env[node], self.local_shape[node], node.meta["val"].dtype, have, want,
                             g.name(v), self._tactic_of(v))
             self.cache[key] = (x, _local(g.shapes[v], want, self.mesh))
         return self.cache[key]
+
+    def _cause(self, value, op):
+        """(kind, axis) -> (why, source, op) of a collective moving captured node `value` for op node `op`."""
+        return lambda kind, axis: self.causes.of(kind, axis, value, op)
 
     def _tactic_of(self, vid):
         return lambda axis: self.d.tactic_of(vid, axis)

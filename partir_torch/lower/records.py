@@ -10,6 +10,31 @@ REDUCE_SCATTER = "reduce_scatter"
 ALL_TO_ALL = "all_to_all"
 KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
 
+# Why a collective is in the program (CollectiveRecord.why), decided by lowering (lower/why.py) from the value it
+# moves and the op it serves, in this order:
+#
+#   "gradient"  a collective on a parameter's gradient: a value the optimizer update reads (or a grads.* output),
+#               or one summed into it through views, casts, adds, scalings and the padding of a sliced parameter
+#               (micro-batch accumulation, tied weights, clipping, wpe[:T]): its reduction (all_reduce,
+#               reduce_scatter, bucketed or not), or its gather into the layout of its parameter (a replicated
+#               position embedding's gradient, tiled by sequence parallelism).
+#   "state"     any collective on a parameter, buffer or optimizer state: the placeholder, a view or cast of it
+#               (ZeRO-3's gathers, mixed precision's gathered bf16 copy) or the updated value tied to it (ZeRO-1/2's
+#               gather of the updated shards).
+#   "tactic"    any other reduction: a partial value propagation made partial (Megatron's activation all_reduces,
+#               sequence parallel's reduce_scatters, batch-norm statistics, the loss); a collective bringing an
+#               output of the step whole (the API returns outputs whole); and an all_gather / all_to_all at an op
+#               that uses the axis itself, on another factor, at no conflict (sequence parallel's gathers in front
+#               of the column-parallel linears, expert parallel's all_to_alls).
+#   "reshard"   everything else: an all_gather / all_to_all at an op that does not use the axis (an op without a
+#               rule is a barrier; a rule that needs the dim whole: the op then runs on the whole tensor on every
+#               rank of the axis), or at an op where propagation recorded a conflict on that axis.
+#
+# A bucket of several collectives takes the first of reshard, tactic, gradient, state that one of its members has;
+# its `members` keep each one's why, bytes and source.
+GRADIENT, STATE, TACTIC, RESHARD = "gradient", "state", "tactic", "reshard"
+WHYS = (GRADIENT, STATE, TACTIC, RESHARD)
+
 
 @dataclass(frozen=True)
 class CollectiveRecord:
@@ -32,6 +57,14 @@ class CollectiveRecord:
     dim: int = -1         # gathered / scattered dim; all_to_all: split dim
     phase: str = ""       # "forward" | "backward" | "optimizer" | "" when unknown
     family: str = ""      # the family the tactic's class declares (tactics.base.declare), "" when none
+    why: str = ""         # one of WHYS (see above); "" for records not made by lowering (sim/synthetic.py)
+    source: str = ""      # the user's file:line of the op it serves ("" when the trace has none: the backward)
+    op: str = ""          # the captured op it serves ("aten.flip.default"); "output" for the step's outputs
+    members: tuple = ()   # a bucket (lower/bucket.py): the records it merged, in program order
+
+    def parts(self) -> tuple:
+        """The collectives this record stands for: a bucket's members, else the record itself."""
+        return self.members or (self,)
 
     def __str__(self):
         op = f"({self.reduce_op})" if self.reduce_op else ""

@@ -34,6 +34,7 @@ class Emitter:
         self.families = families or {}       # tactic name -> its declared family (on each record)
         self.records: list = []
         self.phase = ""
+        self.cause = None     # (kind, axis) -> (why, source, op) of the collective being emitted (lower/why.py)
 
     def call(self, target, *args, meta_shape=None, dtype=None, kwargs=None):
         node = self.graph.call_function(target, tuple(args), dict(kwargs or {}))
@@ -44,8 +45,10 @@ class Emitter:
                    in_shape=None):
         c = self.call(target, *args, meta_shape=shape, dtype=dtype)
         c.meta[META_IN_SHAPE] = tuple(in_shape) if in_shape is not None else None
+        why, source, op = self.cause(kind, axis) if self.cause is not None else ("", "", "")
         rec = CollectiveRecord(kind, axis, self.mesh.shape[axis], int(nbytes), str(dtype).replace("torch.", ""),
-                               tactic, value, c.name, reduce_op, dim, self.phase, self.families.get(tactic, ""))
+                               tactic, value, c.name, reduce_op, dim, self.phase, self.families.get(tactic, ""),
+                               why, source, op)
         c.meta[META_COLLECTIVE] = rec
         self.records.append(rec)
         return self.call(c10d.wait_tensor.default, c, meta_shape=shape, dtype=dtype)

@@ -17,14 +17,13 @@ None: a gap (tests/test_registry.py lists them).
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
 import torch.fx as fx
 
-from ..errors import PartitionError
+from ..errors import PartitionError, warn
 from .factors import OpRule, einsum
 from .nodes import result_vals  # noqa: F401 - propagation and verify read it from here
 
@@ -153,8 +152,8 @@ class RuleRegistry:
         if rule is None:
             if node.target not in self._warned:
                 self._warned.add(node.target)
-                warnings.warn(f"partir_torch: no sharding rule for {node.target}; its operands and results stay "
-                              f"replicated (a barrier). Register one with partir_torch.register_rule.", stacklevel=2)
+                warn(f"partir_torch: no sharding rule for {node.target}; its operands and results stay "
+                     f"replicated (a barrier). Register one with partir_torch.register_rule.", stacklevel=2)
             return None
         ctx = make_ctx(node)
         if isinstance(rule, str):

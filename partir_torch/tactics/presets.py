@@ -11,13 +11,12 @@
 from __future__ import annotations
 
 import fnmatch
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from ..contract import forward_nodes
-from ..errors import PartitionError
+from ..errors import PartitionError, warn
 from ..sharding import REPLICATED
 from .manual import ManualPartition
 from .base import SeedTactic, declare
@@ -184,7 +183,7 @@ class Megatron(SeedTactic):
         for text, ws in by_reason.items():
             lines.append(f"  {', '.join(ws[:6])}{f' and {len(ws) - 6} more' if len(ws) > 6 else ''}: {text}")
         ctx.remark(self.name, "\n".join(lines))
-        warnings.warn("partir_torch: " + "\n".join(lines), stacklevel=2)
+        warn("partir_torch: " + "\n".join(lines), stacklevel=2)
 
 
 def _short(name: str) -> str:

@@ -20,7 +20,6 @@ sharding; neither have strided tilings). State stays on the devices between step
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +27,7 @@ import torch.fx as fx
 
 from ..capture import FORWARD
 from ..contract import META_ROLE, STATE_ROLES, Role, forward_nodes
-from ..errors import PartitionError
+from ..errors import PartitionError, warn
 from . import device as xdev
 from .hlo import parse_collectives
 from .kernels import xla_target
@@ -244,9 +243,9 @@ class XlaBackend:
         new = [op for op, n in _host_op_counts().items() if n > before.get(op, 0) and op not in self.host_ops]
         if new:
             self.host_ops += new
-            warnings.warn(f"to_xla: torch-xla ran {', '.join(new)} on the host: the step is split into several XLA "
-                          f"programs and hlo()/compare() see the largest only. Give the op an XLA form in "
-                          f"partir_torch/xla/kernels.py.", stacklevel=3)
+            warn(f"to_xla: torch-xla ran {', '.join(new)} on the host: the step is split into several XLA "
+                 f"programs and hlo()/compare() see the largest only. Give the op an XLA form in "
+                 f"partir_torch/xla/kernels.py.", stacklevel=3)
 
     def _remember_module(self, mode: str, before: dict) -> None:
         """The largest module compiled by this step's sync is the step (small ones move data)."""
