@@ -1,12 +1,11 @@
 """partition(): capture (plan.capture_for) -> plan (one propagation per tactic) -> Program (run | report)."""
 from __future__ import annotations
 
-from .errors import PartitionError, warn
+from .errors import PartitionError
 from .mesh import Mesh
 from .options import Options
 from .plan import capture_for, plan
 from .program import Program
-from .reporting import reshard_warnings
 from .tactics.base import CaptureRewrite
 from .tactics.schedule import flatten_schedule
 
@@ -56,8 +55,6 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
                            accumulate=accumulate, accumulate_dims=accumulate_dims)
     options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile)
     prog = Program(plan(captured, mesh, tactics, options, registry), model, optimizer, loss_fn)
-    for text in reshard_warnings(prog.collectives()):   # lowers the plan once (it keeps the lowering)
-        warn(text)
     if simulate is not None:
         print(prog.simulate(simulate).table())
     return prog

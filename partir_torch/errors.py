@@ -42,6 +42,18 @@ def warn(message: str, stacklevel: int = 2) -> None:
     warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
 
 
+def user_stacklevel() -> int:
+    """The stacklevel (for warn, counted from warn's caller) of the first frame outside partir_torch: a warning
+    raised deep inside the library points at the user's line that led there."""
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(2), 2          # level k: the frame k above the function that called this one
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def closest(name: str, candidates, n: int = 3) -> list[str]:
     """The few candidates nearest to `name`, for 'did you mean' hints."""
     return difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.3)

@@ -90,13 +90,17 @@ class Plan:
 
     def lowered(self, k: int | None = None):
         """The per-device program (lower.Lowered) after entry k (None: the whole schedule; -1: before any tactic),
-        with collectives on lower.canonical_groups; lowered once per stage, on first use."""
+        with collectives on lower.canonical_groups; lowered once per stage, on first use. The first lowering of
+        the whole schedule (the program's first step or report) warns once per op type that forces "reshard"
+        collectives (reporting.reshard_warnings), at the user's line that asked for it."""
         k = len(self.stages) - 1 if k is None else k
         if k not in self._lowered:
             from .lower.lower import Lowerer, canonical_groups
 
             self._lowered[k] = Lowerer(self.graph, self.stage_decisions(k), self.mesh, self.captured,
                                        canonical_groups(self.mesh), self.options, self.families).run()
+            if k == len(self.stages) - 1:
+                _warn_reshards(self._lowered[k])
         return self._lowered[k]
 
     def annotated_lowered(self, k: int | None = None):
@@ -184,3 +188,11 @@ def tactic_families(entries) -> dict:
     """Tactic name -> declared family, for the tactics of a schedule that declare one (a user's own tactic class
     may not: its collectives then carry no family and the simulator falls back to the name)."""
     return {t.name: t.family for t in entries if isinstance(t, Tactic) and isinstance(getattr(t, "family", None), str)}
+
+
+def _warn_reshards(lowered) -> None:
+    from .errors import user_stacklevel, warn
+    from .reporting import reshard_warnings
+
+    for text in reshard_warnings(lowered.records):
+        warn(text, stacklevel=user_stacklevel())
