@@ -26,6 +26,7 @@ from ..contract import META_ACCUMULATE, META_NAME, META_OUTPUT, META_ROLE, forwa
 from ..errors import PartitionError, TraceError
 from .decompositions import capture_decompositions
 from .framestack import call_in_fresh_chunk
+from .sources import recording_sources
 from .graphutil import source_line, split_for_backward
 from .optim import functional_optimizer
 from .replicate import splice_update
@@ -518,10 +519,9 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         handles += opt.install(model)
     try:
         table = {**capture_decompositions(), **(decompositions or {})}
-        with _tracing_session(), _use_lazy_graph_module(True), _gc_paused():   # code generated on first use (below)
-            # stack traces: the user's line of each forward op, for errors and prog.collectives()' sources
-            gm = make_fx(_functional(step), tracing_mode="fake", decomposition_table=table,
-                         record_stack_traces=True)(*lay.flat)
+        with _tracing_session(), _use_lazy_graph_module(True), _gc_paused(), recording_sources():
+            # lazy: code generated on first use (below); sources: the user's line of each forward op (sources.py)
+            gm = make_fx(_functional(step), tracing_mode="fake", decomposition_table=table)(*lay.flat)
             if step.updated is not None:
                 splice_update(gm, lay, step.updated, step.anchor, _template_tracer(table))
     except PartitionError:
