@@ -18,7 +18,7 @@ from partir_torch.capture import capture  # noqa: E402
 from partir_torch.rules.localize import localize_args  # noqa: E402
 from partir_torch.rules import PASS, REDUCE, OpRule, RuleBuilder, default_registry  # noqa: E402
 from partir_torch.rules.pointwise import pointwise  # noqa: E402
-from partir_torch.verify import MISSING, WRONG, verify_graph, verify_node  # noqa: E402
+from partir_torch.verify import MISSING, WRONG, factor_cases, verify_graph, verify_node  # noqa: E402
 
 aten = torch.ops.aten
 MODELS = sorted(set(ZOO) | set(VARIANTS))
@@ -69,6 +69,76 @@ def test_rules_beyond_the_zoo():
                 torch.randn(8, 8, 1, 1), torch.randn(4, 8, 6, 6), torch.randint(0, 6, (6,)), torch.rand(6, 4) < 0.5)
     report = verify_graph(gm)
     assert report.nodes >= 15 and not report.wrong and not report.missing and not report.errors, str(report)
+
+
+# (x shape, w shape, bias, stride, padding, dilation, groups): grouped and depthwise convolutions (timm's
+# efficientnet / mobilenet / convnext blocks), conv1d and conv2d, bias and none, groups 2, 3, 4 and depthwise
+GROUPED_CONVS = {
+    "groups2-bias": ((6, 8, 5, 5), (4, 4, 3, 3), True, 1, 0, 1, 2),
+    "groups4-stride2-pad1": ((6, 8, 5, 5), (12, 2, 3, 3), False, 2, 1, 1, 4),
+    "groups3-dilation2": ((6, 6, 7, 7), (9, 2, 3, 3), True, 1, 2, 2, 3),
+    "depthwise-pad1": ((6, 6, 5, 5), (6, 1, 3, 3), True, 1, 1, 1, 6),
+    "depthwise-x2-stride2": ((4, 6, 6, 6), (12, 1, 3, 3), False, 2, 1, 1, 6),
+    "depthwise-1d": ((6, 12, 9), (12, 1, 5), True, 1, 2, 1, 12),
+}
+
+
+def _grouped_conv_graph(case, mask):
+    xs, ws, bias, stride, padding, dilation, groups = GROUPED_CONVS[case]
+    nd = len(xs) - 2
+
+    def f(x, w, b):
+        y = aten.convolution(x, w, b if bias else None, [stride] * nd, [padding] * nd, [dilation] * nd, False,
+                             [0] * nd, groups)
+        grads = aten.convolution_backward(y * y, x, w, [ws[0]] if mask[2] else None, [stride] * nd,
+                                          [padding] * nd, [dilation] * nd, False, [0] * nd, groups, mask)
+        return (y, *grads)
+
+    return _trace(f, torch.randn(xs), torch.randn(ws), torch.randn(ws[0]))
+
+
+@pytest.mark.parametrize("mask", [[True, True, True], [False, True, False]], ids=["all-grads", "weight-grad"])
+@pytest.mark.parametrize("case", list(GROUPED_CONVS))
+def test_grouped_convolution_rules(case, mask):
+    """Grouped and depthwise convolution, forward and backward: the batch is PASS in the forward and in grad_input,
+    a reduction (partial sum) in grad_weight and grad_bias; the groups factor is PASS (each rank convolves whole
+    groups, with its local count of groups); the verifier checks every one of them, k = 2 and 3."""
+    groups = GROUPED_CONVS[case][-1]
+    gm = _grouped_conv_graph(case, mask)
+    fwd, bwd = _node(gm, aten.convolution.default), _node(gm, aten.convolution_backward.default)
+    for node, x_slot, batch_kind in ((fwd, 0, PASS), (bwd, 1, REDUCE)):
+        rule = default_registry().build(node)
+        assert rule is not None, node.format_node()
+        (n,), channels = rule.operands[x_slot][:2]         # x: (N, (groups, Cin / groups), *spatial)
+        g = channels[0]
+        assert rule.factors[n].kind == batch_kind and rule.factors[n].size == GROUPED_CONVS[case][0][0], str(rule)
+        assert rule.factors[g].kind == PASS and rule.factors[g].size == groups, str(rule)
+        if node is bwd:
+            assert (rule.results[0] is None) == (not mask[0]) and (rule.results[2] is None) == (not mask[2])
+            if mask[0]:    # grad_input: (N, (groups, ...)) like x
+                assert rule.results[0][0] == (n,) and rule.results[0][1][0] == g, str(rule)
+            # grad_weight: ((groups, ...), ...) without the batch, which it sums over
+            assert rule.results[1][0][0] == g and not any(n in fs for fs in rule.results[1]), str(rule)
+        checked = {f for f, _ in factor_cases(rule)}
+        assert {n, g} <= checked, str(rule)                 # both are checked numerically, k = 2 and/or 3
+        assert not verify_node(node, rule), str(rule)
+    report = verify_graph(gm)
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
+def test_grouped_convolution_needs_its_local_groups(monkeypatch):
+    """Without the groups localisation, a rank holding half of the groups runs the global count: the verifier
+    reports the groups factor wrong (on the forward and the backward)."""
+    import partir_torch.rules.localize as localize
+
+    gm = _grouped_conv_graph("groups4-stride2-pad1", [True, True, False])
+    assert not verify_graph(gm).findings
+    for op in (aten.convolution.default, aten.convolution_backward.default):
+        monkeypatch.delitem(localize.ROWS, op)
+    report = verify_graph(gm)
+    assert report.wrong and {f.op for f in report.wrong} == {str(aten.convolution.default),
+                                                              str(aten.convolution_backward.default)}, str(report)
+    assert all("=4 pass" in f.check for f in report.wrong), str(report)
 
 
 ACTIVATIONS = [torch.nn.Hardsigmoid(), torch.nn.Hardswish(), torch.nn.CELU(), torch.nn.GLU(), torch.nn.LogSigmoid(),

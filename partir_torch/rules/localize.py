@@ -171,7 +171,20 @@ def _repeat(call: _Call) -> None:
     call.set("repeats", [int(o) // int(x[d - lead] if d >= lead else 1) for d, o in enumerate(out)])
 
 
+def _convolution(x_slot: int):
+    """convolution and its backward carry the number of groups: a rank holding whole groups (rules/conv.py tiles
+    the groups factor) runs its local count, x's local channels over w's channels per group."""
+    def row(call: _Call) -> None:
+        if call.get("transposed"):
+            return      # no rule: never tiled
+        x, w = call.in_local[x_slot], call.in_local[x_slot + 1]    # (N, Cin, *sp), (Cout, Cin / groups, *k)
+        call.set("groups", int(x[1]) // int(w[1]))
+    return row
+
+
 ROWS = {
+    aten.convolution.default: _convolution(0),
+    aten.convolution_backward.default: _convolution(1),
     aten.repeat.default: _repeat,
     aten.split.Tensor: _split,
     aten.unsafe_split.Tensor: _split,
