@@ -141,6 +141,52 @@ def test_grouped_convolution_needs_its_local_groups(monkeypatch):
     assert all("=4 pass" in f.check for f in report.wrong), str(report)
 
 
+class _Separable(torch.nn.Module):
+    """A depthwise-separable block as in MobileNet / EfficientNet: pointwise, depthwise, grouped, head."""
+
+    def __init__(self):
+        super().__init__()
+        self.pw = torch.nn.Conv2d(3, 8, 1)
+        self.dw = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.gc = torch.nn.Conv2d(8, 12, 3, stride=2, padding=1, groups=4, bias=False)
+        self.head = torch.nn.Linear(12 * 9, 5)
+
+    def forward(self, x):    # (B, 3, 6, 6) -> (B, 8, 6, 6) -> (B, 12, 3, 3) -> (B, 5)
+        return self.head(self.gc(F.gelu(self.dw(F.relu(self.pw(x))))).flatten(1))
+
+
+@pytest.mark.parametrize("how", ["data-parallel", "groups-tiled"])
+def test_grouped_convolution_trains(how):
+    """Data parallelism trains through depthwise and grouped convolutions (forward and backward) like one device,
+    without an all_gather or all_to_all; tiling the depthwise weight's channels (its groups) does too: each rank
+    convolves its own groups."""
+    import copy
+
+    import partir_torch as pt
+    from partir_torch import tactics as T
+    from tests.harness import adamw, train_next_to_eager
+
+    torch.manual_seed(0)
+    model = _Separable()
+    x, y = torch.randn(8, 3, 6, 6), torch.randint(0, 5, (8,))
+
+    def loss_fn(m, x, y):
+        return F.cross_entropy(m(x), y)
+
+    ref = copy.deepcopy(model)
+    tactic = T.data_parallel("b") if how == "data-parallel" else pt.ManualPartition({"params.dw.weight": 0}, "b")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no sharding rule.*")
+        prog = pt.partition(model, pt.Mesh({"b": 2}), [tactic], example_inputs=(x, y), loss_fn=loss_fn,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    if how == "data-parallel":
+        assert not any(r.kind in ("all_gather", "all_to_all") for r in prog.collectives()), prog.collectives()
+    else:    # the depthwise conv's input, output, weight and bias all hold 4 of the 8 channels on each rank
+        for name in ("params.dw.weight", "params.dw.bias", "dw:out"):
+            assert prog.sharding(name).dims[0 if name.startswith("params") else 1] == ("b",), prog.sharding(name)
+    train_next_to_eager(prog, ref, [(x, y)] * 2, loss_fn, adamw(), what=how)
+
+
 ACTIVATIONS = [torch.nn.Hardsigmoid(), torch.nn.Hardswish(), torch.nn.CELU(), torch.nn.GLU(), torch.nn.LogSigmoid(),
                torch.nn.PReLU(8), torch.nn.Softshrink(), torch.nn.Hardshrink(), torch.nn.Threshold(0.1, 0.0),
                torch.nn.Mish()]
