@@ -187,6 +187,52 @@ def test_grouped_convolution_trains(how):
     train_next_to_eager(prog, ref, [(x, y)] * 2, loss_fn, adamw(), what=how)
 
 
+def _as_strided_graph():
+    """ConvNeXt's pooled head, functionalized: a (B, C, 1, 1) read through odd strides of its size-1 dims, and its
+    gradient built by as_strided_scatter into zeros and read back as views; plus two that are not whole views."""
+    def f(p, g):
+        v = aten.as_strided(p, [6, 8, 1, 1], [8, 1, 8, 8])
+        s = aten.as_strided_scatter(g.new_zeros([48]), g * 2, [6, 8], [8, 1], 0)
+        return (v * 3, aten.as_strided(s, [6, 8, 1, 1], [8, 1, 1, 1], 0) + 1, aten.as_strided(s, [6, 8], [8, 1]),
+                aten.as_strided(p, [3, 8], [8, 1]), aten.as_strided(g.t(), [8, 6], [6, 1]))
+
+    return _trace(f, torch.randn(6, 8, 1, 1), torch.randn(6, 8))
+
+
+def test_as_strided_rules():
+    """as_strided (and as_strided_scatter) that reads all of a contiguous tensor in its order is a reshape: its
+    factors are verified (k = 2, 3 on the batch, k = 2 on the channels); a view of part of it, or of a transposed
+    tensor, has no rule (a barrier)."""
+    gm = _as_strided_graph()
+    views = [n for n in gm.graph.nodes if n.target in (aten.as_strided.default, aten.as_strided_scatter.default)]
+    rules = [default_registry().build(n) for n in views]
+    assert [r is None for r in rules] == [False, False, False, False, True, True], [str(r) for r in rules]
+    assert all(f.kind == PASS and f.size in (6, 8) for r in rules[:4] for f in r.factors)
+    report = verify_graph(gm)
+    assert report.factor_checks >= 4 * 3 and not report.wrong and not report.errors, str(report)
+    assert report.missing and {f.node for f in report.missing} <= {views[4].name, views[5].name}, str(report)
+
+
+def test_as_strided_needs_its_localisation(monkeypatch):
+    """Tiled, the view's size, strides and offset are the local shard's (a rank's shard of the batch starts at
+    offset 0 of its own buffer): without the rewrite, the verifier reports the tiled views wrong; a view left
+    whole keeps its arguments."""
+    import partir_torch.rules.localize as localize
+
+    gm = _as_strided_graph()
+    node = _node(gm, aten.as_strided_scatter.default)
+    args, _ = localize_args(node, ("b", "s", [6, 8], [8, 1], 0), {}, [(24,), (3, 8)], [(24,)])
+    assert args == ("b", "s", [3, 8], [8, 1], None)
+    args, _ = localize_args(node, ("b", "s", [6, 8], [8, 1], 0), {}, [(48,), (6, 8)], [(48,)])
+    assert args == ("b", "s", [6, 8], [8, 1], 0)
+    partial = [n for n in gm.graph.nodes if n.target is aten.as_strided.default][-2]     # [3, 8] of 48: no rule
+    assert localize_args(partial, ("p", [3, 8], [8, 1]), {}, [(6, 8, 1, 1)], [(3, 8)])[0] == ("p", [3, 8], [8, 1])
+    for op in (aten.as_strided.default, aten.as_strided_scatter.default):
+        monkeypatch.delitem(localize.ROWS, op)
+    report = verify_graph(gm)
+    assert len({f.node for f in report.wrong}) >= 3, str(report)
+
+
 ACTIVATIONS = [torch.nn.Hardsigmoid(), torch.nn.Hardswish(), torch.nn.CELU(), torch.nn.GLU(), torch.nn.LogSigmoid(),
                torch.nn.PReLU(8), torch.nn.Softshrink(), torch.nn.Hardshrink(), torch.nn.Threshold(0.1, 0.0),
                torch.nn.Mish()]
