@@ -42,3 +42,43 @@ def test_timm_family_matches_single_device(family):
 
 def test_sample_spans_the_four_mappings():
     assert {m for m, _ in HF_SAMPLE} == set(H.MAPPINGS) and len(HF_SAMPLE) >= 12 and len(TIMM_SAMPLE) >= 4
+
+
+# timm models whose blocks are depthwise / grouped convolutions (efficientnet, convnext: also its as_strided head):
+# float64 where fp32 is too ill-conditioned to compare (efficientnet's batch norms over 1x1 maps of 2 images)
+TIMM_DEPTHWISE = [("efficientnet_b0", "float64"), ("convnext_atto", "float32")]
+
+
+@pytest.mark.parametrize("name,dtype", TIMM_DEPTHWISE, ids=[n for n, _ in TIMM_DEPTHWISE])
+def test_timm_depthwise_data_parallel_gathers_no_activation(name, dtype):
+    """Data parallelism alone on depthwise-convolution nets: every op has a rule (no barrier warning), the
+    program has no all_gather or all_to_all (only the gradients' and batch norms' all_reduces), and 2 AdamW steps
+    (batch norm buffers included) equal one device."""
+    timm = pytest.importorskip("timm")
+    import copy
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+
+    import partir_torch as pt
+    from partir_torch import tactics as T
+    from tests.harness import adamw, train_next_to_eager
+
+    dt = getattr(torch, dtype)
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=10).to(dt).train()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 3, 32, 32, generator=g, dtype=dt), torch.randint(0, 10, (4,), generator=g)
+
+    def loss_fn(m, x, y):
+        return F.cross_entropy(m(x), y)
+
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no sharding rule.*")
+        prog = pt.partition(model, pt.Mesh({"b": 2}), [T.data_parallel("b")], example_inputs=(x, y),
+                            loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    recs = prog.collectives()
+    assert recs and all(r.kind == "all_reduce" for r in recs), [str(r) for r in recs if r.kind != "all_reduce"]
+    train_next_to_eager(prog, ref, [(x, y)] * 2, loss_fn, adamw(), buffers=True, what=name)

@@ -18,7 +18,7 @@ from partir_torch.capture import capture  # noqa: E402
 from partir_torch.rules.localize import localize_args  # noqa: E402
 from partir_torch.rules import PASS, REDUCE, OpRule, RuleBuilder, default_registry  # noqa: E402
 from partir_torch.rules.pointwise import pointwise  # noqa: E402
-from partir_torch.verify import MISSING, WRONG, verify_graph, verify_node  # noqa: E402
+from partir_torch.verify import MISSING, WRONG, factor_cases, verify_graph, verify_node  # noqa: E402
 
 aten = torch.ops.aten
 MODELS = sorted(set(ZOO) | set(VARIANTS))
@@ -69,6 +69,168 @@ def test_rules_beyond_the_zoo():
                 torch.randn(8, 8, 1, 1), torch.randn(4, 8, 6, 6), torch.randint(0, 6, (6,)), torch.rand(6, 4) < 0.5)
     report = verify_graph(gm)
     assert report.nodes >= 15 and not report.wrong and not report.missing and not report.errors, str(report)
+
+
+# (x shape, w shape, bias, stride, padding, dilation, groups): grouped and depthwise convolutions (timm's
+# efficientnet / mobilenet / convnext blocks), conv1d and conv2d, bias and none, groups 2, 3, 4 and depthwise
+GROUPED_CONVS = {
+    "groups2-bias": ((6, 8, 5, 5), (4, 4, 3, 3), True, 1, 0, 1, 2),
+    "groups4-stride2-pad1": ((6, 8, 5, 5), (12, 2, 3, 3), False, 2, 1, 1, 4),
+    "groups3-dilation2": ((6, 6, 7, 7), (9, 2, 3, 3), True, 1, 2, 2, 3),
+    "depthwise-pad1": ((6, 6, 5, 5), (6, 1, 3, 3), True, 1, 1, 1, 6),
+    "depthwise-x2-stride2": ((4, 6, 6, 6), (12, 1, 3, 3), False, 2, 1, 1, 6),
+    "depthwise-1d": ((6, 12, 9), (12, 1, 5), True, 1, 2, 1, 12),
+}
+
+
+def _grouped_conv_graph(case, mask):
+    xs, ws, bias, stride, padding, dilation, groups = GROUPED_CONVS[case]
+    nd = len(xs) - 2
+
+    def f(x, w, b):
+        y = aten.convolution(x, w, b if bias else None, [stride] * nd, [padding] * nd, [dilation] * nd, False,
+                             [0] * nd, groups)
+        grads = aten.convolution_backward(y * y, x, w, [ws[0]] if mask[2] else None, [stride] * nd,
+                                          [padding] * nd, [dilation] * nd, False, [0] * nd, groups, mask)
+        return (y, *grads)
+
+    return _trace(f, torch.randn(xs), torch.randn(ws), torch.randn(ws[0]))
+
+
+@pytest.mark.parametrize("mask", [[True, True, True], [False, True, False]], ids=["all-grads", "weight-grad"])
+@pytest.mark.parametrize("case", list(GROUPED_CONVS))
+def test_grouped_convolution_rules(case, mask):
+    """Grouped and depthwise convolution, forward and backward: the batch is PASS in the forward and in grad_input,
+    a reduction (partial sum) in grad_weight and grad_bias; the groups factor is PASS (each rank convolves whole
+    groups, with its local count of groups); the verifier checks every one of them, k = 2 and 3."""
+    groups = GROUPED_CONVS[case][-1]
+    gm = _grouped_conv_graph(case, mask)
+    fwd, bwd = _node(gm, aten.convolution.default), _node(gm, aten.convolution_backward.default)
+    for node, x_slot, batch_kind in ((fwd, 0, PASS), (bwd, 1, REDUCE)):
+        rule = default_registry().build(node)
+        assert rule is not None, node.format_node()
+        (n,), channels = rule.operands[x_slot][:2]         # x: (N, (groups, Cin / groups), *spatial)
+        g = channels[0]
+        assert rule.factors[n].kind == batch_kind and rule.factors[n].size == GROUPED_CONVS[case][0][0], str(rule)
+        assert rule.factors[g].kind == PASS and rule.factors[g].size == groups, str(rule)
+        if node is bwd:
+            assert (rule.results[0] is None) == (not mask[0]) and (rule.results[2] is None) == (not mask[2])
+            if mask[0]:    # grad_input: (N, (groups, ...)) like x
+                assert rule.results[0][0] == (n,) and rule.results[0][1][0] == g, str(rule)
+            # grad_weight: ((groups, ...), ...) without the batch, which it sums over
+            assert rule.results[1][0][0] == g and not any(n in fs for fs in rule.results[1]), str(rule)
+        checked = {f for f, _ in factor_cases(rule)}
+        assert {n, g} <= checked, str(rule)                 # both are checked numerically, k = 2 and/or 3
+        assert not verify_node(node, rule), str(rule)
+    report = verify_graph(gm)
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
+def test_grouped_convolution_needs_its_local_groups(monkeypatch):
+    """Without the groups localisation, a rank holding half of the groups runs the global count: the verifier
+    reports the groups factor wrong (on the forward and the backward)."""
+    import partir_torch.rules.localize as localize
+
+    gm = _grouped_conv_graph("groups4-stride2-pad1", [True, True, False])
+    assert not verify_graph(gm).findings
+    for op in (aten.convolution.default, aten.convolution_backward.default):
+        monkeypatch.delitem(localize.ROWS, op)
+    report = verify_graph(gm)
+    assert report.wrong and {f.op for f in report.wrong} == {str(aten.convolution.default),
+                                                              str(aten.convolution_backward.default)}, str(report)
+    assert all("=4 pass" in f.check for f in report.wrong), str(report)
+
+
+class _Separable(torch.nn.Module):
+    """A depthwise-separable block as in MobileNet / EfficientNet: pointwise, depthwise, grouped, head."""
+
+    def __init__(self):
+        super().__init__()
+        self.pw = torch.nn.Conv2d(3, 8, 1)
+        self.dw = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.gc = torch.nn.Conv2d(8, 12, 3, stride=2, padding=1, groups=4, bias=False)
+        self.head = torch.nn.Linear(12 * 9, 5)
+
+    def forward(self, x):    # (B, 3, 6, 6) -> (B, 8, 6, 6) -> (B, 12, 3, 3) -> (B, 5)
+        return self.head(self.gc(F.gelu(self.dw(F.relu(self.pw(x))))).flatten(1))
+
+
+@pytest.mark.parametrize("how", ["data-parallel", "groups-tiled"])
+def test_grouped_convolution_trains(how):
+    """Data parallelism trains through depthwise and grouped convolutions (forward and backward) like one device,
+    without an all_gather or all_to_all; tiling the depthwise weight's channels (its groups) does too: each rank
+    convolves its own groups."""
+    import copy
+
+    import partir_torch as pt
+    from partir_torch import tactics as T
+    from tests.harness import adamw, train_next_to_eager
+
+    torch.manual_seed(0)
+    model = _Separable()
+    x, y = torch.randn(8, 3, 6, 6), torch.randint(0, 5, (8,))
+
+    def loss_fn(m, x, y):
+        return F.cross_entropy(m(x), y)
+
+    ref = copy.deepcopy(model)
+    tactic = T.data_parallel("b") if how == "data-parallel" else pt.ManualPartition({"params.dw.weight": 0}, "b")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no sharding rule.*")
+        prog = pt.partition(model, pt.Mesh({"b": 2}), [tactic], example_inputs=(x, y), loss_fn=loss_fn,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    if how == "data-parallel":
+        assert not any(r.kind in ("all_gather", "all_to_all") for r in prog.collectives()), prog.collectives()
+    else:    # the depthwise conv's input, output, weight and bias all hold 4 of the 8 channels on each rank
+        for name in ("params.dw.weight", "params.dw.bias", "dw:out"):
+            assert prog.sharding(name).dims[0 if name.startswith("params") else 1] == ("b",), prog.sharding(name)
+    train_next_to_eager(prog, ref, [(x, y)] * 2, loss_fn, adamw(), what=how)
+
+
+def _as_strided_graph():
+    """ConvNeXt's pooled head, functionalized: a (B, C, 1, 1) read through odd strides of its size-1 dims, and its
+    gradient built by as_strided_scatter into zeros and read back as views; plus two that are not whole views."""
+    def f(p, g):
+        v = aten.as_strided(p, [6, 8, 1, 1], [8, 1, 8, 8])
+        s = aten.as_strided_scatter(g.new_zeros([48]), g * 2, [6, 8], [8, 1], 0)
+        return (v * 3, aten.as_strided(s, [6, 8, 1, 1], [8, 1, 1, 1], 0) + 1, aten.as_strided(s, [6, 8], [8, 1]),
+                aten.as_strided(p, [3, 8], [8, 1]), aten.as_strided(g.t(), [8, 6], [6, 1]))
+
+    return _trace(f, torch.randn(6, 8, 1, 1), torch.randn(6, 8))
+
+
+def test_as_strided_rules():
+    """as_strided (and as_strided_scatter) that reads all of a contiguous tensor in its order is a reshape: its
+    factors are verified (k = 2, 3 on the batch, k = 2 on the channels); a view of part of it, or of a transposed
+    tensor, has no rule (a barrier)."""
+    gm = _as_strided_graph()
+    views = [n for n in gm.graph.nodes if n.target in (aten.as_strided.default, aten.as_strided_scatter.default)]
+    rules = [default_registry().build(n) for n in views]
+    assert [r is None for r in rules] == [False, False, False, False, True, True], [str(r) for r in rules]
+    assert all(f.kind == PASS and f.size in (6, 8) for r in rules[:4] for f in r.factors)
+    report = verify_graph(gm)
+    assert report.factor_checks >= 4 * 3 and not report.wrong and not report.errors, str(report)
+    assert report.missing and {f.node for f in report.missing} <= {views[4].name, views[5].name}, str(report)
+
+
+def test_as_strided_needs_its_localisation(monkeypatch):
+    """Tiled, the view's size, strides and offset are the local shard's (a rank's shard of the batch starts at
+    offset 0 of its own buffer): without the rewrite, the verifier reports the tiled views wrong; a view left
+    whole keeps its arguments."""
+    import partir_torch.rules.localize as localize
+
+    gm = _as_strided_graph()
+    node = _node(gm, aten.as_strided_scatter.default)
+    args, _ = localize_args(node, ("b", "s", [6, 8], [8, 1], 0), {}, [(24,), (3, 8)], [(24,)])
+    assert args == ("b", "s", [3, 8], [8, 1], None)
+    args, _ = localize_args(node, ("b", "s", [6, 8], [8, 1], 0), {}, [(48,), (6, 8)], [(48,)])
+    assert args == ("b", "s", [6, 8], [8, 1], 0)
+    partial = [n for n in gm.graph.nodes if n.target is aten.as_strided.default][-2]     # [3, 8] of 48: no rule
+    assert localize_args(partial, ("p", [3, 8], [8, 1]), {}, [(6, 8, 1, 1)], [(3, 8)])[0] == ("p", [3, 8], [8, 1])
+    for op in (aten.as_strided.default, aten.as_strided_scatter.default):
+        monkeypatch.delitem(localize.ROWS, op)
+    report = verify_graph(gm)
+    assert len({f.node for f in report.wrong}) >= 3, str(report)
 
 
 ACTIVATIONS = [torch.nn.Hardsigmoid(), torch.nn.Hardswish(), torch.nn.CELU(), torch.nn.GLU(), torch.nn.LogSigmoid(),

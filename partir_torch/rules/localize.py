@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from .nodes import result_vals
+from .views import dense
 
 aten = torch.ops.aten
 
@@ -171,7 +172,37 @@ def _repeat(call: _Call) -> None:
     call.set("repeats", [int(o) // int(x[d - lead] if d >= lead else 1) for d, o in enumerate(out)])
 
 
+def _convolution(x_slot: int):
+    """convolution and its backward carry the number of groups: a rank holding whole groups (rules/conv.py tiles
+    the groups factor) runs its local count, x's local channels over w's channels per group."""
+    def row(call: _Call) -> None:
+        if call.get("transposed"):
+            return      # no rule: never tiled
+        x, w = call.in_local[x_slot], call.in_local[x_slot + 1]    # (N, Cin, *sp), (Cout, Cin / groups, *k)
+        call.set("groups", int(x[1]) // int(w[1]))
+    return row
+
+
+def _as_strided(size_from):
+    """as_strided(x, size, stride, offset) / as_strided_scatter(x, src, size, ...) that rules/views.py tiles are
+    dense row-major views of all of x: size becomes the view's local shape, the strides its row-major ones, and the
+    offset x's own (a local x may be a view into a larger buffer). Any other as_strided runs as it is."""
+    def row(call: _Call) -> None:
+        node = _Call(call.node, list(call.node.args), dict(call.node.kwargs), [], [])    # its global arguments
+        local, size, stride = size_from(call), node.get("size"), node.get("stride")
+        if local is None or list(local) == list(size) or node.get("storage_offset") or not dense(size, stride):
+            return      # whole (as it was traced), or not a view the rule tiles
+        call.set("size", [int(n) for n in local])
+        call.set("stride", _strides_like(local, list(range(len(local), 0, -1))))
+        call.set("storage_offset", None)
+    return row
+
+
 ROWS = {
+    aten.as_strided.default: _as_strided(lambda call: call.out_local[0]),
+    aten.as_strided_scatter.default: _as_strided(lambda call: call.in_local[1]),
+    aten.convolution.default: _convolution(0),
+    aten.convolution_backward.default: _convolution(1),
     aten.repeat.default: _repeat,
     aten.split.Tensor: _split,
     aten.unsafe_split.Tensor: _split,

@@ -1,6 +1,8 @@
 """Views and data movement: reshape uses compound factors; permutes map dims; slicing a dim keeps it whole."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .factors import ALL_OPS, RuleBuilder, reshape_factors
@@ -172,6 +174,44 @@ def select_backward(ctx):
     return b.rule([[f for d, f in enumerate(ids) if d != dim]], [ids], MOVES)
 
 
+def dense(size, stride) -> bool:
+    """size/stride lay a tensor out row-major with no gaps (a size-1 dim's stride does not matter)."""
+    acc = 1
+    for n, st in zip(reversed(size), reversed(stride)):
+        if n != 1 and st != acc:
+            return False
+        acc *= n
+    return True
+
+
+def _whole_storage(ctx, base_slot: int, size, stride, offset) -> bool:
+    """The view (size, stride, offset) of the base operand is all of it, in its own row-major order: the base is
+    contiguous from offset 0, the view dense, of as many elements."""
+    val = ctx.operands[base_slot].meta["val"]
+    return (val.is_contiguous() and val.storage_offset() == 0 and (offset or 0) == 0 and dense(size, stride)
+            and math.prod(size) == val.numel())
+
+
+def as_strided(ctx):
+    """as_strided(x, size, stride, offset) that reads all of a contiguous x in its order is x.view(size) (ConvNeXt's
+    pooled head and its gradient, functionalized): reshape's compound factors. Any other as_strided: no rule."""
+    size, stride = ctx.arg(1, "size"), ctx.arg(2, "stride")
+    if not _whole_storage(ctx, 0, size, stride, ctx.arg(3, "storage_offset", 0)):
+        return None
+    return view(ctx)
+
+
+def as_strided_scatter(ctx):
+    """as_strided_scatter(base, src, size, stride, offset) whose view is all of a contiguous base: the result is
+    src.view(base.shape) (base's values are all overwritten); linear in src."""
+    size, stride = ctx.arg(2, "size"), ctx.arg(3, "stride")
+    if not _whole_storage(ctx, 0, size, stride, ctx.arg(4, "storage_offset", 0)):
+        return None
+    b = RuleBuilder()
+    base, src = reshape_factors(b, ctx.in_shapes[0], ctx.in_shapes[1])
+    return b.rule([base, src], [base], [({1}, ALL_OPS)])
+
+
 def rules() -> dict:
     return {
         aten.view.default: view, aten._unsafe_view.default: view, aten.reshape.default: view,
@@ -186,4 +226,5 @@ def rules() -> dict:
         aten.cat.default: cat_rule, aten.constant_pad_nd.default: pad_rule,
         aten.select_scatter.default: scatter_into(2, True), aten.slice_scatter.default: scatter_into(2, False), aten.unbind.int: along(1),
         aten.slice_backward.default: along(2), aten.select_backward.default: select_backward,
+        aten.as_strided.default: as_strided, aten.as_strided_scatter.default: as_strided_scatter,
     }
