@@ -2,6 +2,8 @@
 pt.PartitionError. Programs built on the meta device report (collectives, summary, simulate) but do not run."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -9,6 +11,7 @@ import torch.nn.functional as F
 
 import partir_torch as pt
 from examples.models import ZOO, get
+from harness import train_next_to_eager
 
 T = pt.tactics
 
@@ -77,3 +80,92 @@ def test_megatron_plan_without_colwise_says_what_is_missing():
     with pytest.raises(pt.PartitionError, match=r"names no 'colwise' weight.*'<fqn glob>.weight': 'colwise'"):
         pt.partition(Wide(), pt.Mesh({"model": 2}), [T.megatron("model", plan={"fc2.weight": "rowwise"})],
                      example_inputs=(torch.randn(8, 256),), loss_fn=_sum_loss)
+
+
+# -- example_inputs --------------------------------------------------------------------------------------------------
+def test_a_bare_tensor_is_one_input_in_partition_and_train_step():
+    """example_inputs=x means (x,): partition and train_step(x) train like eager (it used to be unpacked row by
+    row: 'forward() takes 2 positional arguments but 9 were given')."""
+    torch.manual_seed(0)
+    model, x = Wide(16), torch.randn(8, 16)
+    ref = copy.deepcopy(model)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=x,
+                        loss_fn=_sum_loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert prog.sharding("inputs.0").dims[0] == ("batch",)
+    train_next_to_eager(prog, ref, [(x,)] * 2, _sum_loss, make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    fwd = pt.partition(ref, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=x)
+    torch.testing.assert_close(fwd(x), ref(x))
+
+
+class Keywords(nn.Module):
+    """Takes its batch as keywords, as Hugging Face models do: model(input_ids=..., mask=...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, input_ids, mask=None):
+        return self.fc(input_ids) * mask
+
+
+def _dict_batch(n=8):
+    g = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randn(n, 16, generator=g), "mask": (torch.rand(n, 16, generator=g) > 0.3).float()}
+
+
+def _dict_loss(m, batch):
+    return m(**batch).pow(2).mean()
+
+
+def test_a_dict_batch_is_one_input_for_loss_fn_and_keywords_for_the_model():
+    torch.manual_seed(0)
+    model, batch = Keywords(), _dict_batch()
+    ref = copy.deepcopy(model)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=batch,
+                        loss_fn=_dict_loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert prog.sharding("inputs.1").dims[0] == ("batch",)       # inputs.<i> in the dict's order: mask is 1
+    train_next_to_eager(prog, ref, [(batch,)] * 2, _dict_loss, make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    torch.testing.assert_close(prog.eval_step(batch), _dict_loss(ref.eval(), batch))
+    # forward only: the model is called as model(**batch), and so is prog(batch) / prog.forward(batch)
+    fwd = pt.partition(ref, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=batch)
+    torch.testing.assert_close(fwd(batch), ref(**batch))
+    torch.testing.assert_close(fwd.forward(_dict_batch(4)), ref(**_dict_batch(4)))
+
+
+class TakesADict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, graph):
+        return self.fc(graph["nodes"]) + graph["bias"]
+
+
+def test_a_dict_that_names_no_forward_parameter_is_passed_whole():
+    model, graph = TakesADict(), {"nodes": torch.randn(8, 16), "bias": torch.randn(8, 16)}
+    fwd = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=graph)
+    torch.testing.assert_close(fwd(graph), model(graph))
+
+
+def test_a_dict_batch_with_a_loss_fn_taking_keywords_says_how_to_take_it():
+    with pytest.raises(pt.PartitionError) as e:
+        pt.partition(Keywords(), pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=_dict_batch(),
+                     loss_fn=lambda m, input_ids, mask: m(input_ids, mask).sum())
+    assert "A single dict as example_inputs is one input: loss_fn(model, batch)" in str(e.value)
+    assert "loss_fn=lambda m, batch: m(**batch).loss" in str(e.value)
+
+
+def test_a_dict_batch_whose_keys_forward_does_not_take_is_named():
+    batch = {**_dict_batch(), "labels": torch.zeros(8)}
+    with pytest.raises(pt.PartitionError) as e:
+        pt.partition(Keywords(), pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=batch)
+    msg = str(e.value)
+    assert "keys ['input_ids', 'labels', 'mask']" in msg and "Keywords.forward(input_ids, mask=None)" in msg
+    assert "'labels'" in msg and "loss_fn=lambda m, batch:" in msg
+
+
+def test_a_non_tensor_leaf_is_named_by_its_path():
+    with pytest.raises(pt.PartitionError, match=r"example_inputs\[0\]\['mode'\] \(inputs.1\) is a str \('train'\), "
+                                                r"not a tensor"):
+        pt.partition(Wide(16), pt.Mesh({"batch": 2}), [T.data_parallel("batch")],
+                     example_inputs={"x": torch.randn(8, 16), "mode": "train"}, loss_fn=lambda m, b: m(b["x"]).sum())
