@@ -169,3 +169,85 @@ def test_a_non_tensor_leaf_is_named_by_its_path():
                                                 r"not a tensor"):
         pt.partition(Wide(16), pt.Mesh({"batch": 2}), [T.data_parallel("batch")],
                      example_inputs={"x": torch.randn(8, 16), "mode": "train"}, loss_fn=lambda m, b: m(b["x"]).sum())
+
+
+def test_a_hugging_face_batch_dict_trains_and_runs_the_model_with_keywords():
+    """The HF way: batch = {"input_ids", "attention_mask", "labels"}; loss_fn(model, batch) = model(**batch).loss;
+    without a loss_fn, prog(batch) is model(**batch)."""
+    from harness import adamw
+    from test_hf import gpt2
+
+    torch.manual_seed(0)
+    model = gpt2().train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (8, 16))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    def loss_fn(m, b):
+        return m(**b).loss
+
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}), [T.data_parallel("batch"), T.megatron("model")],
+                        example_inputs=batch, loss_fn=loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5))
+    train_next_to_eager(prog, ref, [(batch,)] * 2, loss_fn, make_opt=adamw(eps=1e-5))
+    ref.config.use_cache = False
+    fwd = pt.partition(ref, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs={"input_ids": ids})
+    torch.testing.assert_close(fwd({"input_ids": ids}).logits, ref(input_ids=ids).logits)
+
+
+# -- meta-device models ------------------------------------------------------------------------------------------
+META_CASES = {"gpt": ({"batch": 2, "model": 2}, lambda: [T.data_parallel("batch"), T.megatron("model")]),
+              "llama": ({"batch": 2, "model": 2}, lambda: [T.data_parallel("batch"), T.megatron("model"),
+                                                            T.zero(3, "batch")]),
+              "mlp": ({"batch": 4}, lambda: [T.data_parallel("batch"), T.zero(3, "batch")])}
+
+
+def _meta_program(name, loss=True, device="meta"):
+    spec, (mesh, schedule) = ZOO[name], META_CASES[name]
+    model, batch = spec.build(device=device), spec.batch(8, device=device)
+    assert all(p.device.type == device for p in model.parameters())
+    kw = dict(loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3)) if loss else {}
+    prog = pt.partition(model, pt.Mesh(mesh), schedule(), example_inputs=batch if loss else batch[:-1], **kw)
+    return prog, batch, mesh
+
+
+@pytest.mark.parametrize("name", list(META_CASES))
+def test_meta_model_collectives(name):
+    prog, _, mesh = _meta_program(name)
+    got = prog.collectives()
+    assert got and all(r.nbytes > 0 and r.axis in mesh for r in got)
+    real = _meta_program(name, device="cpu")[0].collectives()      # the same program as the model built for real
+    assert [(r.kind, r.axis, r.nbytes, r.phase) for r in got] == [(r.kind, r.axis, r.nbytes, r.phase) for r in real]
+    if "model" in mesh:      # Megatron: 2 all-reduces per layer forward (the zoo models have 2 layers)
+        assert sum(r.kind == "all_reduce" and r.axis == "model" and r.phase == "forward" for r in got) == 4
+    else:                    # ZeRO-3 gathers the parameters and reduce-scatters their gradients
+        assert {r.kind for r in got} >= {"all_gather", "reduce_scatter"}
+
+
+@pytest.mark.parametrize("name", list(META_CASES))
+def test_meta_model_summary(name):
+    prog, _, _ = _meta_program(name)
+    text = prog.summary()
+    for tactic in ("BP", "MP" if name != "mlp" else "Z3"):
+        assert tactic in text
+
+
+@pytest.mark.parametrize("name", list(META_CASES))
+def test_meta_model_simulate(name):
+    prog, _, mesh = _meta_program(name)
+    n = 1
+    for size in mesh.values():
+        n *= size
+    report = prog.simulate(pt.sim.hardware("h100", gpus_per_node=n))
+    assert report.step_time_s > 0 and report.peak_memory_bytes > 0
+    assert "BP" in report.table()
+
+
+def test_meta_model_does_not_run():
+    prog, batch, _ = _meta_program("gpt")
+    with pytest.raises(pt.PartitionError, match="the model lives on the meta device, so it cannot run"):
+        prog.train_step(*batch)
+    fwd, batch, _ = _meta_program("mlp", loss=False)
+    assert fwd.collectives() and "BP" in fwd.summary()
+    with pytest.raises(pt.PartitionError, match="meta device"):
+        fwd(*batch[:-1])
