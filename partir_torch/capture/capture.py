@@ -157,11 +157,13 @@ def _check_signature(loss_fn, model, example_inputs) -> None:
     try:
         sig.bind(model, *example_inputs)
     except TypeError as e:
-        one = len(example_inputs) == 1 and isinstance(example_inputs[0], (dict, torch.Tensor))
-        hint = (f" A single {'dict' if isinstance(example_inputs[0], dict) else 'tensor'} as example_inputs is one "
-                f"input: loss_fn(model, batch)" + (", e.g. loss_fn=lambda m, batch: m(**batch).loss"
-                                                   if isinstance(example_inputs[0], dict) else "") + "."
-                if one else "")
+        only = example_inputs[0] if len(example_inputs) == 1 else None
+        hint = ""
+        if isinstance(only, dict):
+            hint = (" A single dict as example_inputs is one input: loss_fn(model, batch), e.g. "
+                    "loss_fn=lambda m, batch: m(**batch).loss.")
+        elif isinstance(only, torch.Tensor):
+            hint = " A single tensor as example_inputs is one input: loss_fn(model, x)."
         raise TraceError(f"partition: loss_fn is called as loss_fn(model, *example_inputs), here with the model and "
                          f"{len(example_inputs)} input(s), but its signature {sig} does not accept that ({e}). "
                          f"Give loss_fn one parameter per element of example_inputs after the model.{hint}") from None
