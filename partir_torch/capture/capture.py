@@ -26,6 +26,7 @@ from ..contract import META_ACCUMULATE, META_NAME, META_OUTPUT, META_ROLE, forwa
 from ..errors import PartitionError, TraceError
 from .decompositions import capture_decompositions
 from .framestack import call_in_fresh_chunk
+from .inputs import as_batch, check_leaves, forward_kwargs
 from .sources import recording_sources
 from .graphutil import source_line, split_for_backward
 from .optim import functional_optimizer
@@ -59,6 +60,7 @@ class Captured:
     consts: dict = field(default_factory=dict)   # "consts.<i>" -> tensor created inside the step (lifted)
     rewrites: tuple = ()                         # names of the capture rewrites applied (mixed precision, remat)
     decompositions: frozenset = frozenset()      # the extra decompositions tactics asked for (op overloads)
+    in_spec: object = None                       # pytree spec of the inputs (inputs.<i> in its flattening order)
 
 
 def _trace_device(model, inputs) -> torch.device:
@@ -156,9 +158,16 @@ def _check_signature(loss_fn, model, example_inputs) -> None:
     try:
         sig.bind(model, *example_inputs)
     except TypeError as e:
+        only = example_inputs[0] if len(example_inputs) == 1 else None
+        hint = ""
+        if isinstance(only, dict):
+            hint = (" A single dict as example_inputs is one input: loss_fn(model, batch), e.g. "
+                    "loss_fn=lambda m, batch: m(**batch).loss.")
+        elif isinstance(only, torch.Tensor):
+            hint = " A single tensor as example_inputs is one input: loss_fn(model, x)."
         raise TraceError(f"partition: loss_fn is called as loss_fn(model, *example_inputs), here with the model and "
                          f"{len(example_inputs)} input(s), but its signature {sig} does not accept that ({e}). "
-                         f"Give loss_fn one parameter per element of example_inputs after the model.") from None
+                         f"Give loss_fn one parameter per element of example_inputs after the model.{hint}") from None
 
 
 def _inputs_text(example_inputs) -> str:
@@ -386,11 +395,8 @@ def _layout(model, example_inputs, optimizer, mode, fake_mode, device) -> _Layou
                 lay.add(f"hparams.{g}.{h}", "lr", torch.zeros((), dtype=torch.float64, device=device))
             lay.add("step", "step", torch.zeros((), dtype=torch.float64, device=device))
     lay.n_state = len(lay.flat)
-    in_flat, lay.in_spec = tree_flatten(example_inputs)
-    for i, x in enumerate(in_flat):
-        if not isinstance(x, torch.Tensor):
-            raise TraceError(f"partition: example_inputs leaf {i} is a {type(x).__name__}, not a tensor. Pass "
-                             f"tensors only (close over constants in loss_fn).")
+    _, lay.in_spec = tree_flatten(example_inputs)
+    for i, x in enumerate(check_leaves(example_inputs)):
         lay.add(f"inputs.{i}", "input", fake(x))
     return lay
 
@@ -438,7 +444,8 @@ class _Step:
         return self._update(p, grads, loss, args[nt + nf + nb:lay.n_state])
 
     def _forward(self, p, b, batch):
-        out = functional_call(self.model, {**p, **b}, tuple(batch))
+        kwargs = forward_kwargs(self.model, tuple(batch))     # a dict batch: model(**batch)
+        out = functional_call(self.model, {**p, **b}, () if kwargs is not None else tuple(batch), kwargs)
         flat_out, self.out_spec = tree_flatten(out)
         self.out_names[:] = [f"outputs.{i}" for i in range(len(flat_out))]
         return flat_out
@@ -506,7 +513,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     """options: capture-time tactics (MixedPrecision, Remat) that shape the traced step; decompositions: extra
     ones a tactic needs (see decompositions.py). clip_grad_norm, accumulate, accumulate_dims: see partition().
     eval_loss: the loss only, no gradients (mode EVAL)."""
-    example_inputs = tuple(example_inputs)
+    example_inputs = as_batch(example_inputs)
     mode = FORWARD if loss_fn is None else EVAL if eval_loss else (LOSS_AND_GRADS if optimizer is None else TRAIN)
     if loss_fn is not None:
         _check_signature(loss_fn, model, example_inputs)
@@ -542,6 +549,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     cap = _annotate(gm, mode, names, roles, out_names, step.out_spec, lay.fopt,
                     [k for k, _ in model.named_parameters()], lay.trainable, lay.buffers, device)
     cap.consts = consts
+    cap.in_spec = lay.in_spec
     cap.rewrites = tuple(opt.name for opt in options)
     cap.decompositions = frozenset((decompositions or {}).keys())
     # the passes above edit gm.graph only; gm is a lazy GraphModule: its code is generated when first called or

@@ -11,12 +11,13 @@
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..contract import forward_nodes
-from ..errors import PartitionError, warn
+from ..errors import PartitionError, closest, warn
 from ..sharding import REPLICATED
 from .manual import ManualPartition
 from .base import SeedTactic, declare
@@ -98,18 +99,13 @@ class Megatron(SeedTactic):
         vocab, kept, why = [], [], {}
         lay = linear_layout(ctx.captured)
         if self.plan:
-            col, row = [], []
-            for glob, kind in self.plan.items():
-                hits = [n[len("params."):] for n in names if n.startswith("params.")
-                        and fnmatch.fnmatchcase(n[len("params."):], glob) and n.endswith("weight")]
-                if kind not in ("colwise", "rowwise", "vocab"):
-                    raise PartitionError(f"{self.name}: plan value {kind!r} for {glob!r} must be 'colwise', "
-                                         f"'rowwise' or 'vocab'.")
-                if not hits:
-                    raise PartitionError(f"{self.name}: plan entry {glob!r} matches no parameter weight.")
-                {"colwise": col, "rowwise": row, "vocab": vocab}[kind].extend(f"params.{h}" for h in hits)
+            col, row, vocab = self._planned(names)
+            if not col:
+                raise PartitionError(f"{self.name}: plan={self.plan!r} names no 'colwise' weight; Megatron tiles a "
+                                     f"column-parallel linear's output features and the row-parallel linear it "
+                                     f"feeds. Add the first linear of each pair as '<fqn glob>.weight': 'colwise'.")
         else:
-            col, row, kept, why = self._found(ctx, lay)
+            col, row, kept, why, blocked = self._found(ctx, lay)
             # a weight shared between layers (ALBERT) can sit in a column slot in one and a row slot in another:
             # it cannot be both, so it stays whole there
             both = set(col) & set(row)
@@ -117,10 +113,8 @@ class Megatron(SeedTactic):
                 why[w] = "it is shared between a column-parallel and a row-parallel use (layers sharing weights)"
             col, row = [w for w in col if w not in both], [w for w in row if w not in both]
             kept = list(dict.fromkeys(kept + sorted(both)))
-        if not col:
-            raise PartitionError(f"{self.name}: found no column-parallel/row-parallel linear pair in this model "
-                                 f"(a linear feeding another through activations or attention). Pass "
-                                 f"plan={{'<fqn glob>': 'colwise' | 'rowwise'}}.")
+            if not col:
+                raise _no_pair_error(self.name, self.axis, ctx.mesh.shape[self.axis], blocked)
         if self.vocab and not self.plan:
             vocab = embedding_tables(ctx.captured)
         if not self.plan:
@@ -136,12 +130,13 @@ class Megatron(SeedTactic):
         return seeds + [(w, REPLICATED) for w in kept]
 
     def _found(self, ctx, lay) -> tuple:
-        """(column-parallel, row-parallel, kept whole, {weight: why}) from the structure search: in each region, a
+        """(column-parallel, row-parallel, kept whole, {weight: why}, blocked) from the structure search: in each region, a
         column linear whose heads (or, without heads, output features) the axis cannot divide is kept whole
         (explicitly replicated, as multi_query does for one shared K/V head); a region left with no column linear
-        keeps its row linears whole too. The reasons go to explain() and summary()."""
+        keeps its row linears whole too. The reasons go to explain() and summary(); `blocked` lists each column
+        linear the axis size does not divide as (weight, what, size), for the error when none is left."""
         k = ctx.mesh.shape[self.axis]
-        col, row, kept, why = [], [], [], {}
+        col, row, kept, why, blocked = [], [], [], {}, []
         for cols, rows in linear_regions(ctx.captured):
             ok = []
             for w in cols:
@@ -152,8 +147,10 @@ class Megatron(SeedTactic):
                               f"divisible by axis '{self.axis}' (size {k}): kept whole, each rank slices the heads "
                               f"it needs (as multi_query does for shared K/V)")
                     kept.append(w)
+                    blocked.append((w, "attention heads", lin.heads))
                 elif feats % k:
                     why[w] = f"{feats} output features, not divisible by axis '{self.axis}' (size {k})"
+                    blocked.append((w, "output features", feats))
                 else:
                     ok.append(w)
             if ok:
@@ -162,7 +159,21 @@ class Megatron(SeedTactic):
             else:
                 for w in rows:
                     why[w] = f"the linears feeding it ({', '.join(_short(c) for c in cols)}) stay whole"
-        return col, row, kept, why
+        return col, row, kept, why, blocked
+
+    def _planned(self, names) -> tuple:
+        """(column-parallel, row-parallel, vocabulary-tiled) weights named by `plan`'s FQN globs."""
+        col, row, vocab = [], [], []
+        params = sorted(n[len("params."):] for n in names if n.startswith("params."))
+        for glob, kind in self.plan.items():
+            if kind not in ("colwise", "rowwise", "vocab"):
+                raise PartitionError(f"{self.name}: plan value {kind!r} for {glob!r} must be 'colwise', "
+                                     f"'rowwise' or 'vocab'.")
+            hits = [n for n in params if fnmatch.fnmatchcase(n, glob) and n.endswith("weight")]
+            if not hits:
+                raise _plan_miss_error(self.name, glob, params)
+            {"colwise": col, "rowwise": row, "vocab": vocab}[kind].extend(f"params.{h}" for h in hits)
+        return col, row, vocab
 
     def _report(self, ctx, lay, tiled, why) -> None:
         """One warning and one summary() remark naming the linears left replicated on the axis, with the reason;
@@ -184,6 +195,46 @@ class Megatron(SeedTactic):
             lines.append(f"  {', '.join(ws[:6])}{f' and {len(ws) - 6} more' if len(ws) > 6 else ''}: {text}")
         ctx.remark(self.name, "\n".join(lines))
         warn("partir_torch: " + "\n".join(lines), stacklevel=2)
+
+
+def _no_pair_error(name: str, axis: str, k: int, blocked: list) -> PartitionError:
+    """Megatron found no column linear to tile: none in the model, or (`blocked`: (weight, what, size)) none whose
+    heads or output features axis size k divides."""
+    if not blocked:
+        return PartitionError(f"{name}: found no column-parallel/row-parallel linear pair in this model (a linear "
+                              f"feeding another through activations or attention). Pass "
+                              f"plan={{'<fqn glob>.weight': 'colwise' | 'rowwise'}}.")
+    sizes = [size for _, _, size in blocked]
+    g = math.gcd(*sizes)
+    fits = [d for d in range(2, g + 1) if g % d == 0][:4]
+    groups: dict = {}        # (what, size) -> weights
+    for w, what, size in blocked:
+        groups.setdefault((what, size), []).append(_short(w))
+    listed = "; ".join(f"{size} {what} in {ws[0]}" + (f" and {len(ws) - 1} more" if len(ws) > 1 else "")
+                       for (what, size), ws in groups.items())
+    fix = (f"Give axis '{axis}' a size that divides them ({' or '.join(map(str, fits))} here)" if fits else
+           f"No axis size above 1 divides all of them: give axis '{axis}' a size that divides the dims of the "
+           f"linears you want tiled")
+    return PartitionError(f"{name}: found column-parallel/row-parallel linear pairs, but none can be tiled on axis "
+                          f"'{axis}' (size {k}): {k} does not divide their dims ({listed}). {fix}, or name the "
+                          f"linears to tile with plan={{'<fqn glob>.weight': 'colwise' | 'rowwise'}}.")
+
+
+def _plan_miss_error(name: str, glob: str, params: list) -> PartitionError:
+    """A megatron plan glob that matches no parameter weight: name the modules it matches (a module FQN instead
+    of its '.weight') or the nearest weights."""
+    weights = [p for p in params if p.endswith("weight")]
+    modules = sorted({p.rpartition(".")[0] for p in params if fnmatch.fnmatchcase(p.rpartition(".")[0], glob)})
+    if modules:
+        shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+        hint = (f"; it names the module{'s' if len(modules) > 1 else ''} {shown}, and plan globs name parameters. "
+                f"Use {glob + '.weight'!r}")
+    else:
+        near = closest(glob, weights)
+        hint = f". Did you mean {' or '.join(repr(n) for n in near)}?" if near else \
+            f". Weights look like {', '.join(repr(w) for w in weights[:3])}"
+    return PartitionError(f"{name}: plan entry {glob!r} matches no parameter weight{hint}"
+                          + ("" if hint.endswith("?") else "."))
 
 
 def _short(name: str) -> str:
