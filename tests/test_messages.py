@@ -132,6 +132,22 @@ def test_a_dict_batch_is_one_input_for_loss_fn_and_keywords_for_the_model():
     torch.testing.assert_close(fwd.forward(_dict_batch(4)), ref(**_dict_batch(4)))
 
 
+def test_a_dict_batch_in_another_key_order_feeds_the_same_inputs():
+    """Capture flattens a dict in its key order; a call whose dict has the keys in another order is put in the
+    captured order (train_step, eval_step), and a dict with other keys is refused naming both structures."""
+    torch.manual_seed(0)
+    model, batch = Keywords(), _dict_batch()
+    ref = copy.deepcopy(model)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=batch,
+                        loss_fn=_dict_loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    swapped = {"mask": batch["mask"], "input_ids": batch["input_ids"]}
+    train_next_to_eager(prog, ref, [(swapped,)] * 2, _dict_loss, make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    torch.testing.assert_close(prog.eval_step(swapped), _dict_loss(ref.eval(), batch))
+    torch.testing.assert_close(prog.eval_step(batch), _dict_loss(ref.eval(), batch))
+    with pytest.raises(pt.PartitionError, match="(?s)captured with .*the same dict keys"):
+        prog.train_step({"input_ids": batch["input_ids"]})
+
+
 class TakesADict(nn.Module):
     def __init__(self):
         super().__init__()

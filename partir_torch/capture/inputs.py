@@ -70,3 +70,37 @@ def forward_kwargs(model, batch: tuple) -> dict | None:
 def _short_repr(x) -> str:
     text = repr(x)
     return f"({text})" if len(text) <= 40 else f"({text[:37]}...)"
+
+
+def conform(batch: tuple, spec) -> tuple:
+    """A call's batch (train_step / eval_step / forward arguments) in the structure the step was captured with:
+    mappings read as dicts (an HF BatchEncoding), dict keys in the captured order (pytree flattens a dict in its
+    key order, so a batch with its keys in another order would feed the wrong inputs). A batch of another
+    structure is refused, naming both."""
+    from torch.utils._pytree import tree_flatten
+
+    batch = tuple(dict(x) if isinstance(x, Mapping) and not isinstance(x, dict) else x for x in batch)
+    got = tree_flatten(batch)[1]
+    if spec is None or got == spec:
+        return batch
+    ordered = _like(batch, spec)
+    if ordered is None or tree_flatten(ordered)[1] != spec:
+        raise TraceError(f"the batch has the structure {got}, but the program was captured with {spec}. Pass the "
+                         f"same inputs as example_inputs: the same dict keys and nesting, tensors at the leaves.")
+    return ordered
+
+
+def _like(x, spec):
+    """x rebuilt in spec's order (dict keys in the captured order), or None where the structure differs."""
+    kids = spec.children_specs
+    if spec.type is dict:
+        if not isinstance(x, dict) or set(x) != set(spec.context):
+            return None
+        out = {k: _like(x[k], s) for k, s in zip(spec.context, kids)}
+        return None if any(v is None for v in out.values()) else out
+    if spec.type in (tuple, list):
+        if not isinstance(x, (tuple, list)) or len(x) != len(kids):
+            return None
+        out = [_like(a, s) for a, s in zip(x, kids)]
+        return None if any(v is None for v in out) else spec.type(out)
+    return x

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..capture.inputs import conform
 from ..contract import Role
 from ..errors import PartitionError
 from ..lower.lower import bind
@@ -62,12 +63,15 @@ class Evaluator:
     def _run(self, kind, batch):
         ex = self.ex
         ex.ensure()
-        flat, _ = tree_flatten(tuple(batch))
+        batch = conform(tuple(batch), None)           # mappings as dicts (an HF BatchEncoding)
+        flat, spec = tree_flatten(batch)
         for i, x in enumerate(flat):
             if not isinstance(x, torch.Tensor):
                 raise PartitionError(f"{'eval_step' if kind == 'loss' else 'forward'}: input {i} is a "
                                      f"{type(x).__name__}; pass tensors.")
-        key = (kind, tuple((tuple(x.shape), x.dtype) for x in flat), id(ex.rt))
+        # the structure too: a dict with its keys in another order is another program's inputs (capture flattens
+        # a dict in its key order)
+        key = (kind, str(spec), tuple((tuple(x.shape), x.dtype) for x in flat), id(ex.rt))
         if key not in self.cache:
             self.cache[key] = self._build(kind, tuple(batch))
         plan, low = self.cache[key]

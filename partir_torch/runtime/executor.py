@@ -8,6 +8,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
+from ..capture.inputs import conform
 from ..contract import EXC_NODE, META_SRC, STATE_ROLES, Role
 from ..errors import PartitionError, internal_error
 from .backend import backend_for
@@ -81,7 +82,7 @@ class Executor:
     # -- running ---------------------------------------------------------------------------------------------------
     def _args(self, batch, local: bool):
         cap = self.plan.captured
-        flat, _ = tree_flatten(tuple(batch))
+        flat, _ = tree_flatten(conform(tuple(batch), cap.in_spec))
         n_in = sum(1 for r in cap.input_roles if r == "input")
         if len(flat) != n_in:
             raise PartitionError(f"the program was captured with {n_in} input tensors; got {len(flat)}.")
