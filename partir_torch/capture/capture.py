@@ -4,7 +4,6 @@ model on `meta` captures without allocating it."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import inspect
 import os
 import traceback
@@ -28,7 +27,7 @@ from .decompositions import capture_decompositions
 from .framestack import call_in_fresh_chunk
 from .inputs import as_batch, check_leaves, forward_kwargs
 from .sources import recording_sources
-from .graphutil import source_line, split_for_backward
+from .graphutil import no_gc, source_line, split_for_backward
 from .optim import functional_optimizer
 from .replicate import splice_update
 from .tags import tracing_graph, collect_tags, install_hooks
@@ -83,21 +82,6 @@ def _tracing_session():
     the data-dependent fast paths they skip under torch.compile, which a fake-tensor trace cannot take either."""
     ctx = getattr(torch.compiler, "_compile_session_context", None)
     return ctx() if ctx is not None else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """The cyclic garbage collector off while the step is traced: the trace allocates objects that live as long as
-    the graph (nodes, fake tensors), and each full collection walks all of them again (0.4 of 6 CPU s for a
-    48-layer Llama, growing with the graph). The cycles it leaves (360,000 objects for that model) go at the next
-    automatic collection."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -526,7 +510,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         handles += opt.install(model)
     try:
         table = {**capture_decompositions(), **(decompositions or {})}
-        with _tracing_session(), _use_lazy_graph_module(True), _gc_paused(), recording_sources():
+        with _tracing_session(), _use_lazy_graph_module(True), no_gc(), recording_sources():
             # lazy: code generated on first use (below); sources: the user's line of each forward op (sources.py)
             gm = make_fx(_functional(step), tracing_mode="fake", decomposition_table=table)(*lay.flat)
             if step.updated is not None:

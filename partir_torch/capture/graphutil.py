@@ -1,6 +1,9 @@
 """Small walks over captured graphs shared by the passes (capture rewrites, presets, lowering)."""
 from __future__ import annotations
 
+import contextlib
+import gc
+
 from ..contract import META_PHASE, META_TAG, META_TAGS, Phase, _reach
 from ..errors import source_line  # noqa: F401  (re-exported for the capture passes)
 
@@ -24,3 +27,18 @@ def split_for_backward(gm, n, fwd: set, index: dict) -> bool:
     for u in late:
         u.replace_input_with(n, dup)
     return True
+
+
+@contextlib.contextmanager
+def no_gc():
+    """The cyclic garbage collector off during a bulk pass over a traced graph (the trace itself, propagation):
+    the pass allocates many objects that live as long as the graph (nodes, fake tensors, tables), and each full
+    collection walks all of them again, which made capture and partition time superlinear in the graph's size.
+    The cycles a pass leaves go at the next automatic collection."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

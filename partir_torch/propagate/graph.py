@@ -1,8 +1,6 @@
 """The captured graph as propagation sees it: values (tensor-valued nodes), ops (nodes with rules), names, ties."""
 from __future__ import annotations
 
-import contextlib
-import gc
 import operator
 from dataclasses import dataclass, field
 
@@ -11,21 +9,8 @@ import torch.fx as fx
 
 from ..rules.factors import OpRule
 from ..rules.registry import RuleRegistry, result_vals, tensor_operands
+from ..capture.graphutil import no_gc  # noqa: F401 - plan() and the tactics read it from here
 from ..contract import META_TAG
-
-
-@contextlib.contextmanager
-def no_gc():
-    """Suspend the cyclic garbage collector during a bulk pass over the graph. The passes allocate many small
-    objects while the heap holds the whole traced graph (and its fake tensors); generation-2 collections then
-    cost time proportional to the heap, on every pass, which made partition time superlinear in graph size."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 @dataclass
