@@ -121,28 +121,29 @@ class Program:
             self._executor = Executor(self.plan, self.model, self.optimizer, self.loss_fn)
         return self._executor
 
-    def train_step(self, *batch):
-        """One step (forward, backward, optimizer update) on the global batch; each rank keeps its slice."""
-        return self.executor.train_step(batch)
+    def train_step(self, *batch, **named):
+        """One step (forward, backward, optimizer update) on the global batch; each rank keeps its slice.
+        train_step(**batch) is train_step(batch) for a program captured from one dict."""
+        return self.executor.train_step(_batch(batch, named, "train_step"))
 
-    def train_step_local(self, *local_batch):
+    def train_step_local(self, *local_batch, **named):
         """One step where each rank passes its own shard of the batch (from a real data loader)."""
-        return self.executor.train_step(local_batch, local=True)
+        return self.executor.train_step(_batch(local_batch, named, "train_step_local"), local=True)
 
-    def loss_and_grads(self, *batch):
-        return self.executor.loss_and_grads(batch)
+    def loss_and_grads(self, *batch, **named):
+        return self.executor.loss_and_grads(_batch(batch, named, "loss_and_grads"))
 
-    def __call__(self, *inputs):
-        return self.executor.forward(inputs)
+    def __call__(self, *inputs, **named):
+        return self.executor.forward(_batch(inputs, named, "prog(...)"))
 
-    def eval_step(self, *batch):
+    def eval_step(self, *batch, **named):
         """The loss on the live (sharded) state in eval mode (dropout off, batch norm running statistics), at any
         batch size; no update. The loss-only step is captured once per input shape and cached."""
-        return self.executor.evaluator.eval_step(batch)
+        return self.executor.evaluator.eval_step(_batch(batch, named, "eval_step"))
 
-    def forward(self, *inputs):
+    def forward(self, *inputs, **named):
         """The model's outputs on the live state in eval mode, at any batch size (captured once per shape)."""
-        return self.executor.evaluator.forward(inputs)
+        return self.executor.evaluator.forward(_batch(inputs, named, "forward"))
 
     def gather_parameters(self) -> dict:
         """Full parameter tensors, keyed by FQN."""
@@ -191,3 +192,11 @@ class Program:
         if self.model is None:
             raise PartitionError("to_xla: this program was built without a model to take the state from.")
         return XlaProgram(self.plan, self.model, self.optimizer)
+
+
+def _batch(args: tuple, named: dict, what: str) -> tuple:
+    """The call's batch: positional inputs as given, or keyword arguments as one dict (an HF batch: f(**batch))."""
+    if named and args:
+        raise PartitionError(f"{what}: pass the batch positionally or as keywords, not both (got {len(args)} "
+                             f"positional and {sorted(named)}). A dict batch is f(batch) or f(**batch).")
+    return (named,) if named else args

@@ -146,6 +146,12 @@ def test_a_dict_batch_in_another_key_order_feeds_the_same_inputs():
     torch.testing.assert_close(prog.eval_step(batch), _dict_loss(ref.eval(), batch))
     with pytest.raises(pt.PartitionError, match="(?s)captured with .*the same dict keys"):
         prog.train_step({"input_ids": batch["input_ids"]})
+    # keywords are the dict: train_step(**batch) is train_step(batch)
+    want = _dict_loss(ref.train(), batch)
+    torch.testing.assert_close(prog.eval_step(**swapped), _dict_loss(ref.eval(), batch))
+    torch.testing.assert_close(prog.train_step(**swapped), want)     # the loss before this step's update
+    with pytest.raises(pt.PartitionError, match="positionally or as keywords, not both"):
+        prog.train_step(batch["input_ids"], mask=batch["mask"])
 
 
 class TakesADict(nn.Module):

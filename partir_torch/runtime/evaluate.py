@@ -9,7 +9,6 @@ training step is never partitioned again.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..capture.inputs import conform
 from ..contract import Role
-from ..errors import PartitionError
+from ..errors import PartitionError, user_stacklevel, warn
 from ..lower.lower import bind
 from ..sharding import REPLICATED
 
@@ -119,8 +118,8 @@ class Evaluator:
         moved = [n for n, sh in zip(cap.input_names, low.input_layouts)
                  if n in held.state and not _same(sh, held.layouts[n])]
         if moved:
-            warnings.warn(f"{kind}: {len(moved)} state value(s) settle in another layout in the eval program than in "
-                          f"training ({', '.join(moved[:3])}); they are resharded at every call.", stacklevel=3)
+            warn(f"{kind}: {len(moved)} state value(s) settle in another layout in the eval program than in "
+                 f"training ({', '.join(moved[:3])}); they are resharded at every call.", stacklevel=user_stacklevel())
         return p, low
 
 
