@@ -3,6 +3,7 @@ pt.PartitionError. Programs built on the meta device report (collectives, summar
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -233,9 +234,18 @@ def _meta_program(name, loss=True, device="meta"):
     return prog, batch, mesh
 
 
-@pytest.mark.parametrize("name", list(META_CASES))
+@functools.lru_cache(maxsize=None)
+def _shared_meta_program(name):
+    """One meta-built program per model for the read-only report tests below (collectives, summary, simulate)."""
+    return _meta_program(name)
+
+
+META_NAMES = [pytest.param(n, marks=pytest.mark.xdist_group(f"meta_{n}")) for n in META_CASES]
+
+
+@pytest.mark.parametrize("name", META_NAMES)
 def test_meta_model_collectives(name):
-    prog, _, mesh = _meta_program(name)
+    prog, _, mesh = _shared_meta_program(name)
     got = prog.collectives()
     assert got and all(r.nbytes > 0 and r.axis in mesh for r in got)
     real = _meta_program(name, device="cpu")[0].collectives()      # the same program as the model built for real
@@ -246,17 +256,17 @@ def test_meta_model_collectives(name):
         assert {r.kind for r in got} >= {"all_gather", "reduce_scatter"}
 
 
-@pytest.mark.parametrize("name", list(META_CASES))
+@pytest.mark.parametrize("name", META_NAMES)
 def test_meta_model_summary(name):
-    prog, _, _ = _meta_program(name)
+    prog, _, _ = _shared_meta_program(name)
     text = prog.summary()
     for tactic in ("BP", "MP" if name != "mlp" else "Z3"):
         assert tactic in text
 
 
-@pytest.mark.parametrize("name", list(META_CASES))
+@pytest.mark.parametrize("name", META_NAMES)
 def test_meta_model_simulate(name):
-    prog, _, mesh = _meta_program(name)
+    prog, _, mesh = _shared_meta_program(name)
     n = 1
     for size in mesh.values():
         n *= size
