@@ -130,10 +130,8 @@ def capture_for(model, schedule, example_inputs, loss_fn=None, optimizer=None, c
     decompositions its tactics ask for. The result can be planned with any schedule of the same capture rewrites."""
     entries = flatten_schedule(schedule)
     rewrites = [t for t in entries if isinstance(t, CaptureRewrite)]
-    decomps = {}
-    for t in entries:
-        decomps.update(decompositions_of(t))
-    return capture(model, example_inputs, loss_fn, optimizer, rewrites, decomps, clip_grad_norm=clip_grad_norm,
+    return capture(model, example_inputs, loss_fn, optimizer, rewrites, _decompositions(entries),
+                   clip_grad_norm=clip_grad_norm,
                    accumulate=accumulate, accumulate_dims=accumulate_dims, eval_loss=eval_loss)
 
 
@@ -174,9 +172,7 @@ def _check_captured_for(captured, entries) -> None:
         raise PartitionError(f"plan: the schedule's capture rewrites {list(rewrites)} differ from those the step was "
                              f"captured with {list(captured.rewrites)}; they shape the traced step itself. Capture "
                              f"it for this schedule: plan.capture_for(model, schedule, example_inputs, ...).")
-    missing = set()
-    for t in entries:
-        missing |= set(decompositions_of(t)) - captured.decompositions
+    missing = set(_decompositions(entries)) - captured.decompositions
     if missing:
         names = sorted(str(op) for op in missing)
         raise PartitionError(f"plan: the schedule's tactics need {', '.join(names[:3])} decomposed at capture, and "
@@ -196,3 +192,11 @@ def _warn_reshards(lowered) -> None:
 
     for text in reshard_warnings(lowered.records):
         warn(text, stacklevel=user_stacklevel())
+
+
+def _decompositions(entries) -> dict:
+    """The extra decompositions a schedule's entries ask capture for (op overload -> function)."""
+    out = {}
+    for t in entries:
+        out.update(decompositions_of(t))
+    return out
