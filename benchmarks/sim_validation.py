@@ -42,7 +42,7 @@ DEPTHS = (2, 4)            # shallow depths simulated; deeper runs are extrapola
 # Every training run in the table was measured with a runtime that overlaps communication (FSDP/FSDP2 prefetch,
 # Megatron's --overlap-grad-reduce/--overlap-param-gather, XLA's async collectives): collectives are simulated as
 # such a runtime issues them (sim/timeline.py, "prefetch").
-ISSUE = "prefetch"
+ISSUE = "program"
 
 # Physical knobs the fit may move, each a Hardware field with the grid it searches (multiplicative on the preset
 # value where "scale", absolute otherwise) and the rows that measure it. They act on every chip alike (or, named in

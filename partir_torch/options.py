@@ -12,11 +12,18 @@ class Options:
     this many bytes (one collective each, as DDP/FSDP do; the bytes are unchanged); 0 keeps one collective per
     value. timeout_s: on real ranks, how long the start-up check waits for every rank before naming the missing
     ones. compile: the per-device program runs compiled by TorchInductor (runtime/compiled.py; eager otherwise, with
-    the optimizer update as fused kernels, lower/fuse.py)."""
+    the optimizer update as fused kernels, lower/fuse.py).
+
+    Scheduling (lower/schedule.py): prefetch: state gathers (ZeRO-3's parameters) on one axis are issued this many
+    gathers ahead of their use (FSDP2's default is 1; 0 gathers each where it is used); reduce_in_flight: at most
+    this many gradient reductions per axis are in flight, each waited for before the next one past the bound is
+    issued, which frees its unsharded input (0: no bound, each waited for where the update reads it)."""
 
     bucket_bytes: int = 64 * 2 ** 20
     timeout_s: float = 300.0
     compile: bool = False
+    prefetch: int = 1
+    reduce_in_flight: int = 1
 
     def __post_init__(self):
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
@@ -24,5 +31,9 @@ class Options:
                                  f"{self.bucket_bytes!r}.")
         if not isinstance(self.compile, bool):
             raise PartitionError(f"partition: compile must be True or False, got {self.compile!r}.")
+        for name in ("prefetch", "reduce_in_flight"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise PartitionError(f"partition: {name} must be an int >= 0, got {v!r}.")
         if not self.timeout_s > 0:
             raise PartitionError(f"partition: timeout_s must be a positive number of seconds, got {self.timeout_s!r}.")

@@ -86,7 +86,7 @@ class Program:
         by op and source line with their bytes per step; "no reshard collectives" when there are none."""
         return self.reports.audit()
 
-    def simulate(self, hw, axis_map=None, issue: str = "ready"):
+    def simulate(self, hw, axis_map=None, issue: str = "program"):
         """SimReport for the final program on hardware `hw` (pt.sim.hardware(...)); `.stages` holds one report per
         tactic stage (the first: nothing partitioned)."""
         return self.reports.simulate(hw, axis_map, issue)

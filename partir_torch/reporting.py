@@ -169,7 +169,7 @@ class Reports:
         return "\n".join(lines)
 
     # -- stages: what each tactic changed ------------------------------------------------------------------------
-    def simulate(self, hw, axis_map=None, issue: str = "ready"):
+    def simulate(self, hw, axis_map=None, issue: str = "program"):
         """SimReport for the final program on hardware `hw` (pt.sim.hardware(...)); `.stages` holds one report per
         tactic stage (the first: nothing partitioned), so the table shows what each tactic changed."""
         from .sim import simulate_graph

@@ -54,7 +54,7 @@ def test_program_order_issue_waits_for_earlier_compute():
     c = b.collective("all_reduce", g, "dp")
     b.output([b.call(aten.add.Tensor, y, b.wait(c))])
     gm = b.module()
-    ready = simulate_graph(gm, MESH, HW)                            # g is ready at t=0: overlaps the mm
+    ready = simulate_graph(gm, MESH, HW, issue="ready")                            # g is ready at t=0: overlaps the mm
     program = simulate_graph(gm, MESH, HW, issue="program")         # issued after the mm
     assert ready.collectives[0].start_s == 0.0
     assert program.collectives[0].start_s == pytest.approx(program.compute_s - ready.trace[-1][3], rel=1e-6)

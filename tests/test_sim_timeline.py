@@ -33,7 +33,7 @@ def _gather_of_cast_param(matmuls_before: int):
 
 def test_prefetch_moves_a_state_gather_and_its_cast_off_the_compute_stream():
     gm = _gather_of_cast_param(matmuls_before=4)
-    ready = simulate_graph(gm, MESH, HW)
+    ready = simulate_graph(gm, MESH, HW, issue="ready")
     pre = simulate_graph(gm, MESH, HW, issue="prefetch")
     t_ag = collective_time(HW, "all_gather", 4096 * 4096 * 2, MESH, "dp")
     # "ready": the cast runs in program order after the 4 GEMMs, so the gather starts there and is exposed
@@ -58,7 +58,7 @@ def test_prefetch_gathers_at_most_one_ahead_of_the_one_in_use():
     b.output([y])
     gm = b.module()
     one = simulate_graph(gm, MESH, HW, issue="prefetch")
-    ready = simulate_graph(gm, MESH, HW)
+    ready = simulate_graph(gm, MESH, HW, issue="ready")
     starts = [c.start_s for c in one.collectives]
     t_ag = one.collectives[0].time_s
     t_mm3 = 3 * (one.compute_s / 9)
@@ -81,7 +81,7 @@ def test_prefetch_reduces_a_gradient_when_it_is_produced_not_where_its_cast_sits
     r = b.wait(b.collective("all_reduce", g32, "dp", tactic="BP"))
     b.output([y, r])
     gm = b.module()
-    ready = simulate_graph(gm, MESH, HW)
+    ready = simulate_graph(gm, MESH, HW, issue="ready")
     pre = simulate_graph(gm, MESH, HW, issue="prefetch")
     t_mm = pre.compute_s / 7
     assert pre.collectives[0].start_s == pytest.approx(t_mm) and pre.exposed_comm_s == 0.0

@@ -29,7 +29,7 @@ from ..rules.localize import localize_args
 from ..sharding import Sharding
 from . import indexed
 from .bucket import bucket_collectives
-from .order import reorder
+from .schedule import Scheduled, schedule
 from .fuse import fuse_optimizer
 from .reshard import Emitter, reshard
 from .why import Causes
@@ -46,6 +46,7 @@ class Lowered:
     coord_axes: list                 # extra trailing placeholders: the rank's coordinate on each axis
     local_shapes: list = field(default_factory=list)   # per captured placeholder
     annotated: bool = False          # every node's meta["val"] holds its local FakeTensor (fakeprop.py)
+    scheduled: Scheduled | None = None   # where collectives are issued and waited for (schedule.py)
 
 
 def _local(shape, sh: Sharding, mesh):
@@ -164,14 +165,16 @@ class Lowerer:
             raise internal_error(current, "lowering", e) from e
         cap = self.options.bucket_bytes
         records = bucket_collectives(self.new, self.em.records, cap) if cap else self.em.records
-        _sink_waits(self.new)
+        scheduled = schedule(self.new, self.options.prefetch, self.options.reduce_in_flight)
         if not self.options.compile:   # eager: the optimizer update as fused kernels (Inductor fuses its own)
             fuse_optimizer(self.new, self.cap)
+        at = {n.name: i for i, n in enumerate(self.new.nodes)}
+        records = sorted(records, key=lambda r: at[r.node])   # program order, as scheduled
         # lazy: its code is generated when first called or read (real ranks); emulation runs segments of its graph
         gm = _LazyGraphModule(torch.nn.Module(), self.new)
         in_layouts = [self.layout[self.g.vid[n]] if n in self.g.vid else None for n in self.placeholders]
         return Lowered(gm, records, in_layouts, self.out_layouts, list(self.mesh.axes),
-                       [self.local_shape.get(n) for n in self.placeholders])
+                       [self.local_shape.get(n) for n in self.placeholders], scheduled=scheduled)
 
     # -- steps ---------------------------------------------------------------------------------------------------
     def _emit_placeholders(self, groups) -> dict:
@@ -331,7 +334,7 @@ def bind(lowered: "Lowered", groups: dict) -> "Lowered":
             node.args = tuple(rename.get(a, a) if isinstance(a, str) else a for a in node.args)
     gm = _LazyGraphModule(torch.nn.Module(), graph)
     return Lowered(gm, lowered.records, lowered.input_layouts, lowered.output_layouts, lowered.coord_axes,
-                   lowered.local_shapes)
+                   lowered.local_shapes, scheduled=lowered.scheduled)
 
 
 # A local shard's strides can differ from the traced tensor's (an operand arrives gathered, a kernel lays out its
@@ -342,41 +345,6 @@ _RESHAPE = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
 
 # pure views with static arguments: a replicated copy of the view is the view of a replicated source
 _HOISTABLE = VIEW_OPS - {torch.ops.aten.expand.default}
-
-
-# ops that only unpack a collective's result (a bucket's slices and views, a gathered dim moved back): they move
-# down with their wait, so the collective overlaps everything before the first real use of its result
-_UNPACK = {torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
-           torch.ops.aten._unsafe_view.default, torch.ops.aten.permute.default, torch.ops.aten.clone.default}
-
-
-def _sink_waits(graph: fx.Graph) -> None:
-    """Move each wait_tensor, with the ops that only unpack its result, down to just before the first node that
-    really reads it: the collective is issued where its input is ready and compute runs on until the result is
-    needed. The new order is a topological sort by priority (a node's position, or for a moved node its first
-    reader's), so it is valid whatever the moves."""
-    wait = torch.ops._c10d_functional.wait_tensor.default
-    nodes = list(graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    prio = {n: float(i) for i, n in enumerate(nodes)}
-    for node in nodes:
-        if node.target is not wait or not node.users:
-            continue
-        chain, readers, stack = [node], [], list(node.users)
-        while stack:
-            u = stack.pop()
-            if u.target in _UNPACK and all(a is node or a in chain for a in u.all_input_nodes):
-                if u not in chain:
-                    chain.append(u)
-                    stack.extend(u.users)
-            else:
-                readers.append(u)
-        if readers:
-            first = index[min(readers, key=index.__getitem__)]
-            chain.sort(key=index.__getitem__)
-            for k, n in enumerate(chain):     # just before the first reader, in their own order
-                prio[n] = first - 0.5 + k / (2 * len(chain) + 2)
-    reorder(graph, prio)
 
 
 def _strip(sh: Sharding) -> Sharding:

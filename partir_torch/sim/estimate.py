@@ -19,8 +19,9 @@ the estimate derives, with numpy over all ops and operand slots at once:
 - memory: the liveness of every storage over the captured program's order (sim/memory.py's rules: views alias,
   placeholders live all step), each storage divided by its value's tilings (a partial value every consumer wants
   tiled is reduce-scattered where it is produced), plus each gathered copy at its use. A gradient reduced for the
-  optimizer is waited for where the update reads it (lowering sinks a wait to its first reader), and a
-  collective's input lives until its wait: the whole partial gradient and its reduced copy live until the update.
+  optimizer is waited for a reduction or two after it is issued (lower/schedule.py's bound, Options.reduce_in_flight):
+  its reduced copy lives until the update; unbounded, the whole partial gradient lives there too (a collective's
+  input lives until its wait).
 
 step ~= max(compute + exposed communication, busiest axis's communication + the optimizer update, which waits for
 the last gradient reduction).
@@ -58,8 +59,9 @@ class ProgramFacts:
     """What the estimate needs from one captured program on one hardware, read once (a few hundred ms on a
     48-layer model): per-op FLOPs and roofline constants, per-slot factor positions, value sizes, liveness."""
 
-    def __init__(self, graph, mesh, hw, captured=None, bucket_bytes: int = 64 * 2 ** 20):
+    def __init__(self, graph, mesh, hw, captured=None, bucket_bytes: int = 64 * 2 ** 20, reduce_in_flight: int = 1):
         self.g, self.mesh, self.hw, self.bucket_bytes = graph, mesh, hw, bucket_bytes
+        self.reduce_in_flight = reduce_in_flight
         nodes = list(graph.gm.graph.nodes)
         index = {n: i for i, n in enumerate(nodes)}
         self.n_nodes = len(nodes)
@@ -269,11 +271,13 @@ class ProgramFacts:
             eff_div *= np.where(part, cons, 1.0)
             rs_k *= np.where(part & (cons > 1), cons, 1.0)
             has_ar |= part & (cons == 1)
-        # a gradient's reductions are waited for where the update reads it: the whole partial value lives until then
-        # with its reduced copy (reduce_scatter: 1/rs_k of it), or with the reduced shard and its all-reduced copy
-        # (lowering reduce-scatters first and all-reduces the shard; the reduce-scatter's reader is the all-reduce)
+        # unbounded (reduce_in_flight=0), a gradient's reductions are waited for where the update reads it: the whole
+        # partial value lives until then with its reduced copy (reduce_scatter: 1/rs_k of it), or with the reduced
+        # shard and its all-reduced copy (lowering reduce-scatters first and all-reduces the shard); bounded
+        # (lower/schedule.py), the whole value dies a reduction or two after it is produced: its reduced copy alone
+        # lives until the update (the transient whole gradient, one bucket at most, is not counted)
         grad = self.grad_to_update & ((rs_k > 1) | has_ar)
-        live = np.where(has_ar, 2.0 / rs_k, 1.0 + 1.0 / rs_k)
+        live = np.where(has_ar, 2.0 / rs_k, 1.0 + 1.0 / rs_k) if not self.reduce_in_flight else 1.0
         eff_div = np.where(grad, eff_div / rs_k / live, eff_div)
         return self._exposed(waits), per_axis, by_kind, temps, eff_div
 

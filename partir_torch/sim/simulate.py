@@ -28,13 +28,16 @@ def _cost_model(hw: Hardware) -> CostModel:
 
 
 def simulate_graph(gm, mesh, hw: Hardware, axis_map=None, stage_name: str = "", exclude_flops=None,
-                   issue: str = "ready", prefetch: int = 1) -> SimReport:
+                   issue: str = "program", prefetch: int = 1) -> SimReport:
     """Predict step time, memory and communication of the per-device program ``gm`` on ``mesh`` laid on ``hw``.
 
     ``exclude_flops``: node names whose FLOPs are not model FLOPs (rematerialised recompute); they still take time.
     ``axis_map``: TPU only, mesh axis -> torus dims, e.g. ``{"model": ("z",), "data": ("x", "y")}``.
-    ``issue``: when a collective starts ("ready", "program" or "prefetch", see :mod:`.timeline`); ``prefetch``: how
-    many state gathers per axis a "prefetch" runtime keeps in flight ahead of the one in use.
+    ``issue``: when a collective starts. "program" (the default) is what partir's runtime executes: each collective
+    issued where the program lists it, waited for at its wait_tensor (the order lowering's scheduling pass chose,
+    lower/schedule.py). "ready" and "prefetch" are what-ifs for another runtime (see :mod:`.timeline`) and the report
+    says so in its notes; ``prefetch``: how many state gathers per axis a "prefetch" runtime keeps in flight ahead
+    of the one in use.
     """
     if issue not in ISSUE:
         raise PartitionError(f"simulate_graph: issue must be one of {', '.join(map(repr, ISSUE))}, got {issue!r}.")
@@ -66,6 +69,9 @@ def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue, prefetch) -> S
         line.step(node)
     line.finish()
     notes = line.notes
+    if issue != "program":
+        notes.append(f"what-if: collectives issued as a {issue!r} runtime would issue them (sim/timeline.py); "
+                     f"partir's runtime executes the program's own order (issue='program').")
     t_m = max(line.t_m.values(), default=0.0)
     step = max(line.t_c, t_m)
     if t_m > line.t_c:
