@@ -108,8 +108,8 @@ OPTS = {
 
 @pytest.mark.parametrize("name", sorted(OPTS))
 def test_fused_update_equals_torch_foreach(name):
-    """Eager programs update with partir::adam_update (torch._foreach_* kernels): bitwise torch.optim's foreach
-    step, with the parameters sharded (Z3) so that every rank updates its own shards."""
+    """Eager programs update with lower/fuse.py's adam_update (torch._foreach_* kernels, in place): bitwise
+    torch.optim's foreach step, with the parameters sharded (Z3) so that every rank updates its own shards."""
     torch.manual_seed(0)
     model, x, y = MLP(), torch.randn(8, 16), torch.randn(8, 8)
     ref = copy.deepcopy(model)
@@ -133,8 +133,9 @@ def test_fused_update_equals_torch_foreach(name):
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 @pytest.mark.parametrize("kind", ["adamw", "adam_amsgrad"])
 def test_adam_update_kernel_is_torch_optims(fused, kind):
-    """partir::adam_update over a list of tensors equals torch.optim's foreach step (fused=False) or fused step
-    (fused=True) bitwise, 3 steps, hyperparameters as the program feeds them (0-dim float64 tensors)."""
+    """adam_update over a list of tensors equals torch.optim's foreach step (fused=False) or fused step (fused=True)
+    bitwise, 3 steps, hyperparameters as the program feeds them (0-dim float64 tensors); donated (in place) or
+    not, alternately: donated, the results are the inputs themselves."""
     torch.manual_seed(0)
     params = [torch.randn(37, 5), torch.randn(64)]
     grads = [[torch.randn_like(p) for p in params] for _ in range(3)]
@@ -150,9 +151,13 @@ def test_adam_update_kernel_is_torch_optims(fused, kind):
         for r, gr in zip(ref, g):
             r.grad = gr.clone()
         opt.step()
-        p, m, v, mx2 = torch.ops.partir.adam_update(p, g, m, v, mx, f64(k + 1.0), f64(3e-3), f64(0.8), f64(0.95),
-                                                    f64(0.1), 1e-6, amsgrad, False, not amsgrad, fused)
-        mx = mx2 if amsgrad else mx
+        donate = k % 2 == 1
+        before = [t.clone() for t in p]
+        p2, m, v, mx2 = FUSED_UPDATE(p, g, m, v, mx, f64(k + 1.0), f64(3e-3), f64(0.8), f64(0.95), f64(0.1), 1e-6,
+                                     amsgrad, False, not amsgrad, fused, donate)
+        assert all((a is b) == donate for a, b in zip(p2, p))
+        assert donate or all(torch.equal(a, b) for a, b in zip(p, before))      # not donated: inputs untouched
+        p, mx = p2, (mx2 if amsgrad else mx)
     for got, want in zip(p, ref):
         assert torch.equal(got, want.detach()), (got - want).abs().max()
     for got, want in zip(m, ref):
@@ -168,7 +173,7 @@ def test_fused_optimizer_program_runs_the_fused_kernel():
     prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=(x, y),
                         loss_fn=_loss, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
     node = next(n for n in prog.lowered.gm.graph.nodes if n.target is FUSED_UPDATE)
-    assert node.args[-1] is True
+    assert node.args[-2] is True and node.args[-1] is True          # fused kernel, parameters donated
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     for _ in range(3):
         prog.train_step(x, y)

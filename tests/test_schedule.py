@@ -105,6 +105,9 @@ def test_simulator_replays_the_program_and_its_memory():
     held, freed = _backward_peak(program(0, 0, spec=WIDE)), _backward_peak(program(0, 1, spec=WIDE))
     params = sum(p.numel() * 4 for p in _PROGS[(0, 1, 0, id(WIDE))][0].parameters())
     assert held - freed > 0.4 * params, (held, freed, params)
+    # and the step's peak, now at the in-place update (parameters, gradients, moments and one list of scratch)
+    assert bounded.peak_memory_bytes < program(0, 0, spec=WIDE).simulate(hw).peak_memory_bytes
+    assert bounded.peak_memory_bytes == pytest.approx(params / 2 * 5, rel=0.01)
 
 
 @pytest.mark.parametrize("prefetch,bound,bucket", [(2, 2, 0), (1, 1, 2 ** 20)])

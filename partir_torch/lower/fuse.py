@@ -3,7 +3,8 @@
 Capture traces Adam/AdamW op by op (capture/optim.py: about a dozen elementwise passes per parameter). Here each
 parameter's update is found in the lowered program (the optimizer-phase ops between its parameter, its moments,
 its gradient and the group's hyperparameters, and nothing else), and the updates of one param group and dtype are
-replaced by one node, `partir::adam_update`, over the lists of local shards:
+replaced by one node, `adam_update`, over the lists of local shards, which updates them in place as torch.optim
+does when nothing reads them after it (donate=True):
 
     new_params, new_exp_avgs, new_exp_avg_sqs, new_max = adam_update(params, grads, exp_avgs, exp_avg_sqs, ...)
 
@@ -24,6 +25,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from ..contract import META_NAME, META_ROLE, META_SRC, Phase, Role, phase_of
 from .order import reorder
@@ -37,13 +39,22 @@ _ADAM_OPS = {aten.mul.Tensor, aten.mul.Scalar, aten.lerp.Tensor, aten.lerp.Scala
              aten.maximum.default, aten.sub.Tensor, aten.sub.Scalar}
 
 
-@torch.library.custom_op("partir::adam_update", mutates_args=())
 def adam_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
                 max_exp_avg_sqs: list[Tensor], step: Tensor, lr: Tensor, beta1: Tensor, beta2: Tensor,
                 weight_decay: Optional[Tensor], eps: float, amsgrad: bool, maximize: bool, decoupled: bool,
-                fused: bool) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
-    """One Adam/AdamW step over lists of tensors of one dtype, out of place. Hyperparameters are 0-dim float64
-    tensors (fed at every step); the scalar math is capture/optim.py's _adam_scalars, rounded to the dtype."""
+                fused: bool, donate: bool) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+    """One Adam/AdamW step over lists of tensors of one dtype. Hyperparameters are 0-dim float64 tensors (fed at
+    every step); the scalar math is capture/optim.py's _adam_scalars, rounded to the dtype.
+
+    donate=True: the step's parameters and moments are updated in place, as torch.optim does, and returned (the
+    program donates them: fuse_optimizer checks that nothing reads them after this node, and the runtimes hold
+    state they own, runtime/backend.py); donate=False: on copies, the inputs stay as they were."""
+    if is_fake(step):                   # shapes only (lower/fakeprop.py): the scalar math needs values
+        like = (lambda ts: ts) if donate else (lambda ts: [torch.empty_like(t) for t in ts])  # noqa: E731
+        return like(params), like(exp_avgs), like(exp_avg_sqs), like(max_exp_avg_sqs) if amsgrad else []
+    if not donate:
+        params, exp_avgs, exp_avg_sqs = ([t.clone() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs))
+        max_exp_avg_sqs = [t.clone() for t in max_exp_avg_sqs] if amsgrad else []
     dtype = params[0].dtype
     step64, lr64, b1, b2 = step.double(), lr.double(), beta1.double(), beta2.double()
     if fused:
@@ -55,44 +66,40 @@ def adam_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
     if maximize:
         grads = torch._foreach_neg(grads)
     if weight_decay is not None and decoupled:
-        params = torch._foreach_mul(params, f(1 - lr64 * weight_decay.double()))
+        torch._foreach_mul_(params, f(1 - lr64 * weight_decay.double()))
     elif weight_decay is not None:
         grads = torch._foreach_add(grads, params, alpha=f(weight_decay.double()))
-    m = torch._foreach_lerp(exp_avgs, grads, f(1 - b1))
-    v = torch._foreach_mul(exp_avg_sqs, f(b2))
-    torch._foreach_addcmul_(v, grads, grads, f(1 - b2))
-    mx = torch._foreach_maximum(max_exp_avg_sqs, v) if amsgrad else []
-    denom = torch._foreach_sqrt(mx if amsgrad else v)
+    torch._foreach_lerp_(exp_avgs, grads, f(1 - b1))
+    torch._foreach_mul_(exp_avg_sqs, f(b2))
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, f(1 - b2))
+    if amsgrad:
+        torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+    denom = torch._foreach_sqrt(max_exp_avg_sqs if amsgrad else exp_avg_sqs)
     torch._foreach_div_(denom, f(bc2 ** 0.5))
     torch._foreach_add_(denom, eps)
-    new = torch._foreach_addcdiv(params, m, denom, f(-(lr64 / bc1)))
-    return new, m, v, mx
+    torch._foreach_addcdiv_(params, exp_avgs, denom, f(-(lr64 / bc1)))
+    return params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else []
+
+
+# for the simulator (sim/compute.py, sim/memory.py): a kernel, whose results alias these arguments (lists) when
+# its last argument (donate) is True, and which needs scratch the size of this argument (the denominator)
+adam_update.partir_kernel = True
+adam_update.partir_donates = (0, 2, 3, 4)
+adam_update.partir_scratch = 3
 
 
 def _fused(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, lr, b1, b2, weight_decay, eps, amsgrad,
            maximize, decoupled):
-    """aten._fused_adamw_ / _fused_adam_ (torch.optim's fused=True kernels), on copies: the program is
-    functional, the step's inputs stay as they were."""
-    p = [t.clone() for t in params]
-    m = [t.clone() for t in exp_avgs]
-    v = [t.clone() for t in exp_avg_sqs]
-    mx = [t.clone() for t in max_exp_avg_sqs] if amsgrad else []
-    steps = [step.float() for _ in p]
+    """aten._fused_adamw_ / _fused_adam_ (torch.optim's fused=True kernels), in place."""
+    steps = [step.float() for _ in params]
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    kernel(p, list(grads), m, v, mx, steps, lr=lr.item(), beta1=b1.item(), beta2=b2.item(),
-           weight_decay=0.0 if weight_decay is None else weight_decay.item(), eps=eps, amsgrad=amsgrad,
-           maximize=maximize)
-    return p, m, v, mx
+    kernel(params, list(grads), exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [], steps, lr=lr.item(),
+           beta1=b1.item(), beta2=b2.item(), weight_decay=0.0 if weight_decay is None else weight_decay.item(),
+           eps=eps, amsgrad=amsgrad, maximize=maximize)
+    return params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else []
 
 
-@adam_update.register_fake
-def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, lr, beta1, beta2, weight_decay, eps, amsgrad,
-      maximize, decoupled, fused):
-    like = lambda ts: [torch.empty_like(t) for t in ts]  # noqa: E731
-    return like(params), like(exp_avgs), like(exp_avg_sqs), like(max_exp_avg_sqs) if amsgrad else []
-
-
-FUSED_UPDATE = torch.ops.partir.adam_update.default
+FUSED_UPDATE = adam_update
 
 
 # -- the pass ----------------------------------------------------------------------------------------------------
@@ -133,7 +140,34 @@ def fuse_optimizer(graph: fx.Graph, captured) -> int:
             n_fused += len(members)
     if n_fused:
         reorder(graph)     # every node after its inputs; the current order kept wherever it is valid
+        _donate(graph)
     return n_fused
+
+
+def _donate(graph) -> None:
+    """Let each fused update write its parameters and moments in place (donate=True) when nothing reads them after
+    it: the program's own order then guarantees no reader sees the updated values early."""
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    for node in graph.nodes:
+        if node.target is not FUSED_UPDATE:
+            continue
+        readers, stack = [], [s for k in FUSED_UPDATE.partir_donates for s in node.args[k]]
+        while stack:                      # the states and every view of them (a view would see the update)
+            for u in stack.pop().users:
+                if u is not node:
+                    readers.append(u)
+                    if _aliases(u.target):
+                        stack.append(u)
+        if all(index[u] < index[node] for u in readers):
+            node.args = node.args[:-1] + (True,)
+
+
+def _aliases(target) -> bool:
+    """A view: its result may share its input's storage (reshape may)."""
+    if target is operator.getitem or target is aten.reshape.default:
+        return True
+    rets = getattr(getattr(target, "_schema", None), "returns", ())
+    return any(r.alias_info is not None for r in rets)
 
 
 def _match(fqn, fopt, placeholders, result_of, phase, index):
@@ -196,7 +230,7 @@ def _emit(graph, fopt, gi, members, placeholders, step) -> bool:
         node = graph.call_function(FUSED_UPDATE, (cols[0], grads, cols[1], cols[2], cols[3] if amsgrad else [],
                                                   step, lr, b1, b2, wd, float(group["eps"]), amsgrad,
                                                   bool(group["maximize"]), fopt.kind == "adamw",
-                                                  bool(fopt._opt.defaults.get("fused") or False)))
+                                                  bool(fopt._opt.defaults.get("fused") or False), False))
         node.meta[META_SRC] = members[0]["results"][0].meta.get(META_SRC)
         outs = []
         for k in range(1 + 2 + amsgrad):

@@ -28,7 +28,8 @@ class Backend(Protocol):
         """Still usable (the process group it was built on is alive)."""
 
     def shard(self, full: torch.Tensor, sh: Sharding):
-        """This backend's handle on the local shards of `full` under `sh`."""
+        """This backend's handle on the local shards of `full` under `sh`, in storage of its own (never shared with
+        `full` or between ranks): the program updates held state in place (lower/fuse.py's donated update)."""
 
     def local(self, t: torch.Tensor):
         """Every rank holds `t` as it is (a rank's own slice, or a scalar input)."""

@@ -69,7 +69,8 @@ class DistributedRuntime:
                 f"seed its random generator alike (torch.manual_seed) when the step draws random numbers.")
 
     def shard(self, full: torch.Tensor, sh: Sharding):
-        return shard_of(full.detach().to(self.device), sh, self.mesh, self.coord)
+        return shard_of(full.detach().to(self.device), sh, self.mesh, self.coord).clone(
+            memory_format=torch.contiguous_format)                  # its own storage: updated in place
 
     def local(self, t: torch.Tensor):
         return t.detach().to(self.device)

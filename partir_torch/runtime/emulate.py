@@ -55,7 +55,8 @@ class EmulatedRuntime:
 
     def shard(self, full: torch.Tensor, sh: Sharding):
         full = full.detach()
-        return self.per_rank(lambda r, c: shard_of(full, sh, self.mesh, c))
+        own = torch.contiguous_format           # each rank's shard in storage of its own: updated in place
+        return self.per_rank(lambda r, c: shard_of(full, sh, self.mesh, c).clone(memory_format=own))
 
     def local(self, full: torch.Tensor):
         """A rank's own slice is given by the caller (train_step_local): every rank receives the same tensor."""

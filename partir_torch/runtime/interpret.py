@@ -161,7 +161,8 @@ class InterpretedRuntime:
         full = full.detach()
         if not sh.tiled_axes():           # replicated: every rank holds its own copy
             return PerRank([full.contiguous().clone() for _ in range(self.n)])
-        return self.per_rank(lambda r, c: shard_of(full, sh, self.mesh, c))
+        own = torch.contiguous_format           # each rank's shard in storage of its own: updated in place
+        return self.per_rank(lambda r, c: shard_of(full, sh, self.mesh, c).clone(memory_format=own))
 
     def local(self, full: torch.Tensor) -> PerRank:
         full = full.detach()

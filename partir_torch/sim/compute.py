@@ -8,7 +8,7 @@ without a FLOP formula are memory bound. FLOPs come from ``torch.utils.flop_coun
 addmm, bmm, baddbmm, convolution(+backward), the SDPA kernels), plus the CPU flash-attention kernels below.
 Views, getitem and metadata ops cost nothing.
 
-The fused optimizer update of eager programs (lower/fuse.py's `partir::adam_update`, the kernels of torch.optim's
+The fused optimizer update of eager programs (lower/fuse.py's `adam_update`, the kernels of torch.optim's
 foreach/fused Adam) is costed as the fused kernel runs: one memory-bound kernel per param group, reading parameter,
 gradient and both moments once and writing parameter and moments once (7 passes over the parameter bytes, against
 about 15 for the op-by-op update), plus one kernel overhead.
@@ -68,6 +68,8 @@ def op_class(target) -> tuple:
 def _classify(target) -> tuple:
     if target is operator.getitem:
         return FREE, "getitem"
+    if getattr(target, "partir_kernel", False):
+        return COMPUTE, None                                    # lower/fuse.py's adam_update: memory bound
     if not isinstance(target, torch._ops.OpOverload):
         return FREE, None                                       # Python / SymInt arithmetic
     ns, name = target.namespace, target._schema.name

@@ -1,7 +1,8 @@
 """Peak memory per device from buffer liveness over the program order.
 
 A storage is allocated by the node that produces it and freed after its last use. Views (and getitem of view
-lists, and wait_tensor) alias their base, so a storage is counted once. Placeholders (params, buffers, optimizer
+lists, and wait_tensor) alias their base, so a storage is counted once; so do the results of an in-place kernel
+(the fused optimizer update with donate=True: its parameters and moments, plus one argument list of scratch). Placeholders (params, buffers, optimizer
 state, inputs) live for the whole step; whatever the output node returns lives to the end. A collective's inputs
 stay alive until its wait_tensor (the communication reads them asynchronously).
 
@@ -65,6 +66,7 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
     if classes is None:
         classes = {n: op_class(n.target) for n in nodes if n.op == "call_function"}
     sid_of: dict = {}
+    donated: dict = {}                  # in-place kernel node -> per result list, the storages it writes
     size, born, last, owner = [], [], [], []
 
     def new(node, nbytes, i):
@@ -92,7 +94,16 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
         if target is operator.getitem:
             src, idx = node.args[0], node.args[1]
             srcs = sid_of.get(src, ())
-            sid_of[node] = [srcs[idx]] if isinstance(idx, int) and idx < len(srcs) else []
+            if src in donated:                                     # a list of in-place results
+                sid_of[node] = donated[src][idx]
+            else:
+                sid_of[node] = [srcs[idx]] if isinstance(idx, int) and idx < len(srcs) else []
+        elif getattr(target, "partir_donates", None) and node.args[-1] is True:
+            # an in-place kernel (lower/fuse.py's adam_update, donate=True): its results are its state arguments;
+            # it needs scratch the size of one argument list while it runs
+            donated[node] = [[sid_of[x][0] for x in node.args[k] if sid_of.get(x)] for k in target.partir_donates]
+            sid_of[node] = [s for col in donated[node] for s in col]
+            new(node, sum(sum(elems[x]) for x in node.args[target.partir_scratch]), i)
         elif info == "view" or cls == WAIT or (cls != FREE and _writes_self(target)):
             base = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
             bs = sid_of.get(base, ()) if base is not None else ()
@@ -115,7 +126,12 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
         if node.op == "placeholder":
             last[s] = end
 
-    # Peak by a sweep over allocation/free events.
+    return _sweep(nodes, inputs, sid_of, size, born, last, owner)
+
+
+def _sweep(nodes, inputs, sid_of, size, born, last, owner) -> MemoryResult:
+    """The peak by a sweep over allocation/free events, and what is alive at it by category."""
+    end = len(nodes)
     delta = [0] * (end + 2)
     for s in range(len(size)):
         delta[born[s]] += size[s]
