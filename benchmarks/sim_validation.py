@@ -91,7 +91,7 @@ def _schedule(kind: str, remat: bool, cfg):
 def program(setup: dict, layers: int):
     """(lowered per-device GraphModule, mesh, recomputed node names) of a training row at ``layers`` blocks."""
     key = (repr(sorted(setup["model"].items())), repr(setup["mesh"]), setup["batch"], setup["schedule"],
-           setup["remat"], layers)
+           setup["remat"], layers, repr(sorted(setup.get("options", {}).items())))
     if key not in _PROGRAMS:
         import torch
 
@@ -105,7 +105,7 @@ def program(setup: dict, layers: int):
         tokens = torch.zeros(setup["batch"] * data, cfg.seq, dtype=torch.int64, device="meta")
         prog = pt.partition(model, mesh, _schedule(setup["schedule"], setup["remat"], cfg),
                             example_inputs=(tokens, tokens), loss_fn=M.loss_fn,
-                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), **setup.get("options", {}))
         low = prog.plan.annotated_lowered()
         recompute = {n.name for n in low.gm.graph.nodes if n.meta.get("partir_recompute")}
         _PROGRAMS[key] = (low.gm, mesh, recompute)

@@ -24,6 +24,7 @@ class Options:
     compile: bool = False
     prefetch: int = 1
     reduce_in_flight: int = 1
+    tp_chunks: int = 0
 
     def __post_init__(self):
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
@@ -31,7 +32,7 @@ class Options:
                                  f"{self.bucket_bytes!r}.")
         if not isinstance(self.compile, bool):
             raise PartitionError(f"partition: compile must be True or False, got {self.compile!r}.")
-        for name in ("prefetch", "reduce_in_flight"):
+        for name in ("prefetch", "reduce_in_flight", "tp_chunks"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise PartitionError(f"partition: {name} must be an int >= 0, got {v!r}.")

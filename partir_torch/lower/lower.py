@@ -29,6 +29,7 @@ from ..rules.localize import localize_args
 from ..sharding import Sharding
 from . import indexed
 from .bucket import bucket_collectives
+from .overlap import chunk_tp
 from .schedule import Scheduled, schedule
 from .fuse import fuse_optimizer
 from .reshard import Emitter, reshard
@@ -165,6 +166,7 @@ class Lowerer:
             raise internal_error(current, "lowering", e) from e
         cap = self.options.bucket_bytes
         records = bucket_collectives(self.new, self.em.records, cap) if cap else self.em.records
+        records = chunk_tp(self.new, records, self.options.tp_chunks)
         scheduled = schedule(self.new, self.options.prefetch, self.options.reduce_in_flight)
         if not self.options.compile:   # eager: the optimizer update as fused kernels (Inductor fuses its own)
             fuse_optimizer(self.new, self.cap)
