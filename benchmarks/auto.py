@@ -35,6 +35,7 @@ import partir_torch as pt                                             # noqa: E4
 from partir_torch import tactics as T                                 # noqa: E402
 from partir_torch.api import partition                                # noqa: E402
 from partir_torch.capture import capture                              # noqa: E402
+from partir_torch.capture.graphutil import no_gc                      # noqa: E402
 from partir_torch.plan import plan                                    # noqa: E402
 from partir_torch.program import Program                              # noqa: E402
 from partir_torch.propagate.graph import PartGraph                    # noqa: E402

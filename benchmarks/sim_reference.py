@@ -177,11 +177,15 @@ TRAINING = [
         dict(model=dict(vocab=128256, seq=8192, d=8192, heads=64, kv_heads=8, layers=80, hidden=28672,
                         gated=True, tied=False),
              preset="a100-80g", hw={"nodes": 8}, mesh={"dp": 64}, batch=1, schedule="fsdp", remat=True)),
-    # --- Megatron-LM (Megatron-Core) weak-scaling table, H100: DP 48, distributed optimizer (ZeRO-1)
+    # --- Megatron-LM (Megatron-Core) weak-scaling table, H100: DP 48, distributed optimizer (ZeRO-1), run with
+    #     Megatron's communication overlap: the parameter gather overlapped with the next forward
+    #     (--overlap-param-gather: partir's zero(3, reshard_after_forward=False)) and tensor-parallel communication
+    #     overlapped with the matmuls (--tp-comm-overlap: partir's tp_chunks=4, lower/overlap.py)
     *[Ref(f"GPT-{size} h100 TP{tp} DP48", "training", "h100", "dp" if tp == 1 else "tp", tflops, "TFLOP/s/device",
           MEGATRON, dict(model=dict(vocab=131072, seq=4096, d=d, heads=h, layers=L), preset="h100",
                          hw={"nodes": 6 * tp}, mesh={"dp": 48, "tp": tp} if tp > 1 else {"dp": 48},
-                         batch=192 // 48, schedule="zero1" if tp == 1 else "tp+zero1", remat=False, flops="megatron"))
+                         batch=192 // 48, schedule="zero1-overlap" if tp == 1 else "tp+zero1-overlap", remat=False,
+                         flops="megatron", options={"tp_chunks": 4} if tp > 1 else {}))
       for size, h, d, L, tp, tflops in [("1.7B", 16, 2048, 24, 1, 408.8), ("7.1B", 32, 4096, 30, 2, 465.9),
                                         ("16B", 48, 6144, 32, 4, 489.1), ("32B", 56, 7168, 48, 8, 459.6)]],
     # --- torchtitan async-TP benchmark, vanilla TP rows (bf16), H100 96GB HBM2e (2.4 TB/s, 500 W): _TITAN_H100

@@ -98,7 +98,8 @@ class Plan:
             from .lower.lower import Lowerer, canonical_groups
 
             self._lowered[k] = Lowerer(self.graph, self.stage_decisions(k), self.mesh, self.captured,
-                                       canonical_groups(self.mesh), self.options, self.families).run()
+                                       canonical_groups(self.mesh), self.options, self.families,
+                                       self.kept_gathered).run()
             if k == len(self.stages) - 1:
                 _warn_reshards(self._lowered[k])
         return self._lowered[k]
@@ -117,6 +118,12 @@ class Plan:
         """Tactic name -> the family its class declares (tactics.base.declare); lowering puts it on every
         collective record, so the simulator's confidence classifies a renamed tactic by what it does."""
         return tactic_families(self.tactics)
+
+    @property
+    def kept_gathered(self) -> frozenset:
+        """Names of the tactics whose gathered state lives from the forward to the backward (zero(3,
+        reshard_after_forward=False)): lowering gathers such a value once per step instead of once per phase."""
+        return frozenset(t.name for t in self.tactics if getattr(t, "reshard_after_forward", True) is False)
 
     @property
     def capture_rewrites(self) -> tuple:

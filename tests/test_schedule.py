@@ -148,3 +148,28 @@ def test_tp_chunks_overlap_megatron_all_reduces_and_keep_the_numbers():
     hw = pt.sim.hardware("h100", gpus_per_node=4)
     assert chunked.simulate(hw).exposed_comm_s < plain.simulate(hw).exposed_comm_s
     train_next_to_eager(chunked, ref, [BATCH] * 2, SPEC.loss_fn, make_opt=harness.adamw(lr=1e-3))
+
+
+def test_zero3_without_reshard_after_forward_gathers_once_per_step():
+    """zero(3, reshard_after_forward=False): the forward's gathered copy serves the backward (FSDP2's False): one
+    gather per parameter per step, none in the backward, more memory than resharding, the same training."""
+    def make(reshard):
+        torch.manual_seed(0)
+        model = WIDE.build()
+        ref = copy.deepcopy(model)
+        prog = pt.partition(model, pt.Mesh({"batch": 2}),
+                            [T.data_parallel("batch"), T.zero(3, "batch", reshard_after_forward=reshard)],
+                            example_inputs=WIDE.batch(2), loss_fn=WIDE.loss_fn,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), bucket_bytes=0)
+        return prog, ref
+
+    (again, _), (kept, ref) = make(True), make(False)
+    gathers = lambda p, phase: [r for r in p.collectives() if r.kind == "all_gather" and r.phase == phase]  # noqa
+    assert gathers(again, "backward") and not gathers(kept, "backward")
+    assert len(gathers(kept, "forward")) == len(gathers(again, "forward"))
+    hw = pt.sim.hardware("h100", gpus_per_node=2)
+    assert _backward_peak(kept) > _backward_peak(again)
+    assert kept.simulate(hw).comm_s < again.simulate(hw).comm_s
+    train_next_to_eager(kept, ref, [WIDE.batch(2)] * 2, WIDE.loss_fn, make_opt=harness.adamw(lr=1e-3))
+    with pytest.raises(pt.PartitionError, match="reshard_after_forward"):
+        T.zero(2, "batch", reshard_after_forward=False)

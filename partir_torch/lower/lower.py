@@ -123,8 +123,9 @@ class Lowerer:
     buckets of options.bucket_bytes (bucket.py)."""
 
     def __init__(self, graph, decisions: Decisions, mesh, captured, groups: dict, options: Options | None = None,
-                 families: dict | None = None):
+                 families: dict | None = None, kept: frozenset = frozenset()):
         self.g, self.d, self.mesh, self.cap = graph, decisions, mesh, captured
+        self.kept = kept                 # tactics whose gathered state is shared by forward and backward
         self.options = options or Options()
         self.new = fx.Graph()
         self.env: dict = {}              # captured node -> lowered node (in the value's recorded layout)
@@ -276,8 +277,8 @@ class Lowerer:
         if want is None or want == _strip(have):
             return self.env[node], self.local_shape[node]
         # reshards are shared within a phase: a parameter gathered for the forward is gathered again for the
-        # backward instead of being kept alive in between (ZeRO-3's memory saving)
-        key = (node, want, self.phase if node.op == "placeholder" else "")
+        # backward instead of being kept alive in between (ZeRO-3's memory saving), unless its tactic keeps it
+        key = (node, want, self.phase if node.op == "placeholder" and not self._kept(v) else "")
         if key not in self.cache:
             self.em.phase = self.phase
             src = node.args[0] if node.target in _HOISTABLE and node.args else None
@@ -293,6 +294,9 @@ class Lowerer:
                             g.name(v), self._tactic_of(v))
             self.cache[key] = (x, _local(g.shapes[v], want, self.mesh))
         return self.cache[key]
+
+    def _kept(self, vid) -> bool:
+        return bool(self.kept) and any(self.d.tactic_of(vid, a) in self.kept for a in self.mesh.axes)
 
     def _cause(self, value, op):
         """(kind, axis) -> (why, source, op) of a collective moving captured node `value` for op node `op`."""

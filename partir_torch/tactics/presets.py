@@ -363,15 +363,24 @@ class Zero:
     """ZeRO stage 1/2/3 on `axis`. Each parameter's tiled dim: 0 if its (local) size divides by the axis size,
     else its largest divisible dim; tensors with no divisible dim stay replicated (explain() says so).
     Z1 and Z2 lower to the same program here: the gradient reduction feeding a tiled update is one reduce_scatter
-    either way (the all_reduce + slice peephole), and parameters are gathered once after the update."""
+    either way (the all_reduce + slice peephole), and parameters are gathered once after the update.
+    reshard_after_forward (stage 3, FSDP2's flag): True gathers each parameter again for the backward (the least
+    memory); False keeps the copy gathered in the forward until its last use in the backward: one gather per step,
+    as ZeRO-1/2, issued ahead of its use in the next forward (Megatron's --overlap-param-gather) instead of after
+    the update."""
 
     stage: int
     axis: str = "batch"
     name: str = ""
+    reshard_after_forward: bool = True
 
     def __post_init__(self):
         if self.stage not in (1, 2, 3):
             raise PartitionError(f"zero: stage must be 1, 2 or 3, got {self.stage!r}.")
+        if self.reshard_after_forward is not True and (self.stage != 3 or self.reshard_after_forward is not False):
+            raise PartitionError(f"zero: reshard_after_forward must be True or False and applies to stage 3 (stored "
+                                 f"sharded, gathered at use); got {self.reshard_after_forward!r} with stage "
+                                 f"{self.stage}.")
         if not self.name:
             object.__setattr__(self, "name", f"Z{self.stage}")
 
@@ -439,5 +448,5 @@ class Zero:
         ctx.seed_and_propagate(self.axis, seeds, self.name, region)
 
 
-def zero(stage: int, axis: str = "batch", name: str = "") -> Zero:
-    return Zero(stage, axis, name)
+def zero(stage: int, axis: str = "batch", name: str = "", reshard_after_forward: bool = True) -> Zero:
+    return Zero(stage, axis, name, reshard_after_forward)
