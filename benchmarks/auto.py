@@ -73,9 +73,10 @@ def models() -> dict:
     }
 
 
-def run_schedule(captured, model, opt, mesh, schedule) -> Program:
-    """partition() on an already captured step: the step is captured once per model and planned per schedule."""
-    return Program(plan(captured, mesh, schedule), model, opt, M.loss_fn)
+def run_schedule(captured, model, opt, mesh, schedule, rewrites=()) -> Program:
+    """partition() on an already captured step: the step is captured once per model (with `rewrites`, the capture
+    rewrites every schedule of the model shares) and planned per schedule."""
+    return Program(plan(captured, mesh, list(rewrites) + list(schedule)), model, opt, M.loss_fn)
 
 
 def simulate_last(prog, hw):
@@ -120,7 +121,7 @@ def main(names) -> None:
                       T.zero(3, "batch")]
             expert_name = "BP+Z3[batch] MP+SP[model]"
         t0 = time.perf_counter()
-        eprog = run_schedule(captured, model, opt, mesh, expert)
+        eprog = run_schedule(captured, model, opt, mesh, expert, rewrites)
         erep = simulate_last(eprog, hw)
         print(f"  expert {expert_name}: step {erep.step_time_s * 1e3:.1f} ms, peak "
               f"{erep.peak_memory_bytes / 1e9:.1f} GB (partition + lowering + simulation "
@@ -131,7 +132,7 @@ def main(names) -> None:
             same = [T.data_parallel("batch"), T.megatron("model"), T.sequence_parallel("model")]
         else:
             same = [T.data_parallel("batch"), T.expert_parallel("model")]
-        srep = simulate_last(run_schedule(captured, model, opt, mesh, same), hw)
+        srep = simulate_last(run_schedule(captured, model, opt, mesh, same, rewrites), hw)
         print(f"  same prefix as BP[batch] + auto[model] ({' + '.join(t.name for t in same)}): step "
               f"{srep.step_time_s * 1e3:.1f} ms, peak {srep.peak_memory_bytes / 1e9:.1f} GB", flush=True)
         for sched_name, make in (("BP[batch] + auto[model]",
@@ -141,7 +142,7 @@ def main(names) -> None:
                                   lambda lim: [T.automatic(["batch", "model"], hardware=hw, memory_limit=lim)])):
             for lim in LIMITS:
                 t0 = time.perf_counter()
-                prog = run_schedule(captured, model, opt, mesh, make(lim))
+                prog = run_schedule(captured, model, opt, mesh, make(lim), rewrites)
                 wall = time.perf_counter() - t0
                 rep = prog.search_reports[-1]
                 c = rep.chosen
