@@ -13,7 +13,8 @@ from .tactics.schedule import flatten_schedule
 def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimizer=None, registry=None,
               simulate=None, timeout_s: float = Options.timeout_s, bucket_bytes: int = Options.bucket_bytes,
               clip_grad_norm=None,
-              accumulate: int = 1, accumulate_dims: dict | None = None, compile: bool = False) -> Program:
+              accumulate: int = 1, accumulate_dims: dict | None = None, compile: bool = False,
+              measure_memory: bool = False) -> Program:
     """Trace `model`'s step and partition it over `mesh` with the tactics of `schedule`, in order.
 
     >>> prog = partition(model, Mesh({"batch": 2}), [ManualPartition({"inputs.*": 0}, axis="batch")],
@@ -31,6 +32,8 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     dim (default 0), or None for an input shared by every micro-batch.
     compile: run the per-device program compiled by TorchInductor, its functional collectives kept (real ranks:
     the whole step; emulated ranks: each run of local ops between two collectives). See runtime/compiled.py.
+    measure_memory: every step measures each rank's peak of live tensor bytes; prog.peak_memory() returns the last
+    step's ({rank: bytes}; what is counted: runtime/memtrack.py). Off by default: a Python callback per op.
     """
     if not isinstance(mesh, Mesh):
         raise PartitionError(f"partition: mesh must be a pt.Mesh, got {type(mesh).__name__}.")
@@ -53,7 +56,8 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
         raise PartitionError("partition: accumulate sums the gradients of micro-batches; pass loss_fn=.")
     captured = capture_for(model, tactics, example_inputs, loss_fn, optimizer, clip_grad_norm=clip_grad_norm,
                            accumulate=accumulate, accumulate_dims=accumulate_dims)
-    options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile)
+    options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile,
+                      measure_memory=measure_memory)
     prog = Program(plan(captured, mesh, tactics, options, registry), model, optimizer, loss_fn)
     if simulate is not None:
         print(prog.simulate(simulate).table())

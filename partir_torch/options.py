@@ -12,11 +12,14 @@ class Options:
     this many bytes (one collective each, as DDP/FSDP do; the bytes are unchanged); 0 keeps one collective per
     value. timeout_s: on real ranks, how long the start-up check waits for every rank before naming the missing
     ones. compile: the per-device program runs compiled by TorchInductor (runtime/compiled.py; eager otherwise, with
-    the optimizer update as fused kernels, lower/fuse.py)."""
+    the optimizer update as fused kernels, lower/fuse.py). measure_memory: every step measures each rank's peak of
+    live tensor bytes (runtime/memtrack.py; prog.peak_memory() reads the last step's); it costs a Python callback
+    per op, so it is off by default."""
 
     bucket_bytes: int = 64 * 2 ** 20
     timeout_s: float = 300.0
     compile: bool = False
+    measure_memory: bool = False
 
     def __post_init__(self):
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
@@ -24,5 +27,7 @@ class Options:
                                  f"{self.bucket_bytes!r}.")
         if not isinstance(self.compile, bool):
             raise PartitionError(f"partition: compile must be True or False, got {self.compile!r}.")
+        if not isinstance(self.measure_memory, bool):
+            raise PartitionError(f"partition: measure_memory must be True or False, got {self.measure_memory!r}.")
         if not self.timeout_s > 0:
             raise PartitionError(f"partition: timeout_s must be a positive number of seconds, got {self.timeout_s!r}.")

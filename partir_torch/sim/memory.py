@@ -3,7 +3,13 @@
 A storage is allocated by the node that produces it and freed after its last use. Views (and getitem of view
 lists, and wait_tensor) alias their base, so a storage is counted once. Placeholders (params, buffers, optimizer
 state, inputs) live for the whole step; whatever the output node returns lives to the end. A collective's inputs
-stay alive until its wait_tensor (the communication reads them asynchronously).
+stay alive until its wait_tensor (the communication reads them asynchronously). A node's own temporaries (tensors
+it creates and frees before it returns) count at that node only: partir's fused optimizer update (lower/fuse.py)
+holds its square-root denominators and, with decoupled weight decay, the decayed parameters (`_transient`).
+
+This is the figure the runtime measures (partition(..., measure_memory=True), prog.peak_memory(); what is counted:
+runtime/memtrack.py): live tensor bytes, each storage once. It does not depend on the chip; what a GPU adds
+(allocator rounding and caching, library workspaces) is not in it.
 
 Breakdown at the peak:
 - parameters / optimizer_state / buffers / inputs: placeholders by ``partir_role`` (and the updated values the
@@ -117,6 +123,11 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
 
     # Peak by a sweep over allocation/free events.
     delta = [0] * (end + 2)
+    for i, node in enumerate(nodes):
+        t = _transient(node, elems) if node.op == "call_function" else 0
+        if t:
+            delta[i] += t
+            delta[i + 1] -= t
     for s in range(len(size)):
         delta[born[s]] += size[s]
         delta[last[s] + 1] -= size[s]
@@ -130,6 +141,24 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
             breakdown[category[s]] += size[s]
     names = {owner[s].name: category[s] for s in range(len(size))}
     return MemoryResult(peak, nodes[at].name if nodes else "", breakdown, names, curve)
+
+
+def _transient(node, elems) -> int:
+    """Bytes a node allocates and frees inside itself (0 for aten ops: their scratch is not tensors). partir's
+    fused Adam/AdamW (lower/fuse.py: adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, lr,
+    beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled, fused)): the foreach path holds, at its last
+    kernel, sqrt(v) (one exp_avg_sq each), the decayed parameters (decoupled weight decay) and the modified
+    gradients (maximize, or L2 weight decay); the fused path a 0-dim float32 step per parameter."""
+    name = getattr(getattr(node.target, "_schema", None), "name", "")
+    if name != "partir::adam_update":
+        return 0
+    a = node.args
+    size = lambda ts: sum(sum(elems.get(t) or [0]) for t in ts)  # noqa: E731
+    if a[14]:
+        return 4 * len(a[0])
+    wd, maximize, decoupled = a[9] is not None, a[12], a[13]
+    return size(a[3]) + (size(a[0]) if wd and decoupled else 0) + (size(a[1]) if maximize or (wd and not decoupled)
+                                                                   else 0)
 
 
 def _categorize(nodes, inputs, sid_of, born, last, owner) -> list:
