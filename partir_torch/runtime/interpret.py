@@ -328,7 +328,7 @@ class InterpretedRuntime:
             elif t is c10d.reduce_scatter_tensor.default:
                 parts = _reduce(vals, node.args[1]).chunk(len(grp), 0)
                 for i, r in enumerate(grp):
-                    out[r] = parts[i].contiguous()
+                    out[r] = parts[i].clone()      # its own buffer, not a view of the whole sum
             else:   # all_to_all_single(x, output_split_sizes, input_split_sizes, group)
                 in_sizes = node.args[2]
                 splits = [v.split(list(in_sizes) if in_sizes else v.shape[0] // len(grp), 0) for v in vals]
