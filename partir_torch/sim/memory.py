@@ -121,17 +121,7 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
         if node.op == "placeholder":
             last[s] = end
 
-    # Peak by a sweep over allocation/free events.
-    delta = [0] * (end + 2)
-    for i, node in enumerate(nodes):
-        t = _transient(node, elems) if node.op == "call_function" else 0
-        if t:
-            delta[i] += t
-            delta[i + 1] -= t
-    for s in range(len(size)):
-        delta[born[s]] += size[s]
-        delta[last[s] + 1] -= size[s]
-    curve = list(accumulate(delta[:end]))
+    curve = _sweep(nodes, elems, size, born, last)
     peak = max(curve, default=0)
     at = curve.index(peak) if curve else 0
     category = _categorize(nodes, inputs, sid_of, born, last, owner)
@@ -141,6 +131,21 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
             breakdown[category[s]] += size[s]
     names = {owner[s].name: category[s] for s in range(len(size))}
     return MemoryResult(peak, nodes[at].name if nodes else "", breakdown, names, curve)
+
+
+def _sweep(nodes, elems, size, born, last) -> list:
+    """Live bytes at each node: a sweep over allocation/free events, plus each node's own temporaries there."""
+    end = len(nodes)
+    delta = [0] * (end + 2)
+    for i, node in enumerate(nodes):
+        t = _transient(node, elems) if node.op == "call_function" else 0
+        if t:
+            delta[i] += t
+            delta[i + 1] -= t
+    for s in range(len(size)):
+        delta[born[s]] += size[s]
+        delta[last[s] + 1] -= size[s]
+    return list(accumulate(delta[:end]))
 
 
 def _transient(node, elems) -> int:
