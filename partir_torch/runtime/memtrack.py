@@ -15,7 +15,9 @@ What is counted (CPU ranks and emulation): the bytes of every tensor *storage* a
   rounding and caching, the communication library's staging buffers, and anything outside the step (the caller's
   model, the data loader).
 
-Peak = the maximum over the step of a rank's live bytes, sampled after every op (and at every adoption).
+A storage's size is read when it is first seen and again whenever it is resized (UntypedStorage.resize_: FSDP2
+frees and re-allocates its gathered parameters that way, out of the dispatcher's sight). Peak = the maximum over
+the step of a rank's live bytes, sampled after every op, adoption and resize.
 
 In emulation (interpret.py) all ranks run in one process: the interpreter tells the tracker which rank runs
 (`tracker.rank`), and adopts each rank's collective outputs for it (`adopt`). On real CPU ranks the same tracker
@@ -58,16 +60,18 @@ class MemoryTracker(TorchDispatchMode):
         for x in tree_leaves(t):
             if not isinstance(x, torch.Tensor) or x.device.type == "meta":
                 continue
-            st = x.untyped_storage()
-            key = id(st)
-            rec = self._held.get(key)
-            if rec is None:
-                rec = self._held[key] = [st.nbytes(), set(), weakref.finalize(st, self._freed, key)]
-            if rank not in rec[1]:
-                rec[1].add(rank)
-                self.live[rank] += rec[0]
-                if self.live[rank] > self.peaks[rank]:
-                    self.peaks[rank] = self.live[rank]
+            self._take(rank, x.untyped_storage())
+
+    def _take(self, rank, st) -> None:
+        key = id(st)
+        rec = self._held.get(key)
+        if rec is None:
+            rec = self._held[key] = [st.nbytes(), set(), weakref.finalize(st, self._freed, key)]
+        if rank not in rec[1]:
+            rec[1].add(rank)
+            self.live[rank] += rec[0]
+            if self.live[rank] > self.peaks[rank]:
+                self.peaks[rank] = self.live[rank]
 
     def _freed(self, key) -> None:
         rec = self._held.pop(key, None)
@@ -83,14 +87,33 @@ class MemoryTracker(TorchDispatchMode):
         for r, ts in held.items():
             self.adopt(r, ts)
         self.peaks = dict(self.live)
+        resize = torch.UntypedStorage.resize_
+        torch.UntypedStorage.resize_ = lambda st, n: self._resized(resize, st, n)
         try:
             with self:
                 yield self
         finally:
+            torch.UntypedStorage.resize_ = resize
             self.rank = None
             for rec in self._held.values():         # forget what outlives the step (the new state, the loss)
                 rec[2].detach()
             self._held.clear()
+
+    def _resized(self, resize, st, n):
+        """UntypedStorage.resize_ (FSDP2 frees and re-allocates its gathered parameters so, out of the dispatcher's
+        sight): the storage's bytes change for every rank that holds it; one nobody holds yet is adopted by the
+        running rank."""
+        out = resize(st, n)
+        rec = self._held.get(id(st))
+        if rec is None:
+            if self.rank is not None and st.nbytes():
+                self._take(self.rank, st)
+            return out
+        grow, rec[0] = st.nbytes() - rec[0], st.nbytes()
+        for r in rec[1]:
+            self.live[r] += grow
+            self.peaks[r] = max(self.peaks[r], self.live[r])
+        return out
 
     # -- the dispatch hook -----------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
