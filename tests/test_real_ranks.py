@@ -22,7 +22,7 @@ rank returns plain Python results and the tests below read them:
                   (prog.peak_memory(), the CPU storage tracker in each process) is within 5% of the simulator's.
                   bucket_bytes=0: gloo's worker thread may drop a collective's buffers a little after its wait
                   (a race, measured as it is); one parameter's buffer is at most 2% of this peak, a bucket of
-                  the whole model 25%.
+                  the whole model about 30%.
   phase "mismatch": rank 3 partitions with batch size 8, the others with 4: every rank raises RuntimeMismatchError
                   naming rank 3 (the first rank whose program differs), instead of hanging or running.
 
