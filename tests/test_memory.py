@@ -85,6 +85,16 @@ def test_peak_memory_needs_measure_memory():
         prog.peak_memory()
 
 
+def test_measure_memory_refuses_compiled_cpu_programs():
+    spec = get("mlp")
+    model = spec.build()
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(4),
+                        loss_fn=spec.loss_fn, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        compile=True, measure_memory=True)
+    with pytest.raises(PartitionError, match="Inductor's kernels"):
+        prog.train_step(*spec.batch(4))
+
+
 # -- frozen parameters under ZeRO ------------------------------------------------------------------------------------
 class LoRA(nn.Module):
     """base(x) + x A^T B^T: the base frozen, the rank-r adapters trained."""

@@ -177,6 +177,10 @@ class Executor:
             raise PartitionError("prog.peak_memory() returns the peaks measured during the last step, and this "
                                  "program does not measure them. Partition with measure_memory=True (off by "
                                  "default: it costs a Python callback per op).")
+        if self.rt is not None and not hasattr(self.rt, "last_peak"):
+            raise PartitionError(f"prog.peak_memory(): the {type(self.rt).__name__} backend does not measure memory; "
+                                 f"the interpreted emulator (the default without torch.distributed) and real ranks "
+                                 f"do.")
         peak = getattr(self.rt, "last_peak", None)
         if peak is None:
             raise PartitionError("prog.peak_memory(): no step has run yet; run prog.train_step(...) first.")
