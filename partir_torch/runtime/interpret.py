@@ -64,10 +64,18 @@ class _Segment:
         g.output(tuple(env[n] for n in self.outputs))
         self.gm = fx.GraphModule(torch.nn.Module(), g)
         self.fn = self.gm                # compile_segments replaces it (positional arguments)
-        self.boxed = _boxed(g)           # eager: takes one list and clears it, so inputs die at their last use
+        self._boxed = None
         self.random = any(n.target in RANDOM_OPS or str(n.target).startswith(("aten.rand", "aten.bernoulli",
                                                                                  "aten.normal"))
                           for n in nodes)
+
+
+    @property
+    def boxed(self) -> fx.GraphModule:
+        """The eager form: takes one list and clears it, so that inputs die at their last use (built once)."""
+        if self._boxed is None:
+            self._boxed = _boxed(self.gm.graph)
+        return self._boxed
 
 
 class Plan:
@@ -125,17 +133,17 @@ class Plan:
             else:
                 self.steps.append(("collective", s))
 
-        self.dying = self._dying(steps, owner, wait_at)
+        self.dying = self._dying(steps, owner, wait_at, later)
 
     def _resolve(self, n):
         while n in getattr(self, "alias", {}):
             n = self.alias[n]
         return n
 
-    def _dying(self, steps, owner, wait_at) -> list:
-        """Per step, the values (env keys) whose last use it is: freed after it. A collective's operand lives until
-        its wait (the communication reads it); what the output returns and the placeholders (held by the caller)
-        are never freed here."""
+    def _dying(self, steps, owner, wait_at, later) -> list:
+        """Per step, the set of values kept between steps (env keys) whose last use it is: dropped after it. A
+        collective's operand lives until its wait (the communication reads it); what the output returns and the
+        placeholders (held by the caller) are never dropped here."""
         last: dict = {}
         end = len(steps) - 1
         for n, i in owner.items():
@@ -150,9 +158,10 @@ class Plan:
                     last[a] = max(last.get(a, -1), min(i, end))
         for a in self.output.all_input_nodes:
             last.pop(self._resolve(a), None)
-        dying = [[] for _ in steps]
+        dying = [set() for _ in steps]
         for a, i in last.items():
-            dying[i].append(a)
+            if a in later or a.target in COLLECTIVES:
+                dying[i].add(a)
         return dying
 
     def segments(self) -> list:
@@ -234,8 +243,8 @@ class InterpretedRuntime:
 
     def run(self, gm, args) -> list:
         """Each step in order; a value is dropped after its last use (Plan.dying), so every rank holds what its
-        own device would. With measure_memory, `tracker` (runtime/memtrack.py) counts each rank's live bytes and
-        last_peak holds their peaks ({rank: bytes})."""
+        own device would. With measure_memory, a MemoryTracker (runtime/memtrack.py) counts each rank's live bytes
+        and last_peak holds their peaks ({rank: bytes})."""
         plan = self.plan(gm)
         env: dict = {}
         for ph, a in zip(plan.placeholders, args):
@@ -259,7 +268,7 @@ class InterpretedRuntime:
             else:
                 self._segment(s, env, [n for n in s.inputs if n in dying], tr)
             for n in dying:
-                env.pop(n, None)
+                del env[n]
         res = []
         for o in plan.output.args[0]:
             if isinstance(o, fx.Node):
@@ -362,7 +371,6 @@ def _failing_name(gm, exc) -> str | None:
         if fr.filename.startswith("<eval_with_key>") and 0 < fr.lineno <= len(lines):
             return lines[fr.lineno - 1].strip().split(" = ")[0]
     return None
-
 
 
 def _boxed(g: fx.Graph) -> fx.GraphModule:
