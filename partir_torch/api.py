@@ -14,7 +14,8 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
               simulate=None, timeout_s: float = Options.timeout_s, bucket_bytes: int = Options.bucket_bytes,
               clip_grad_norm=None,
               accumulate: int = 1, accumulate_dims: dict | None = None, compile: bool = False,
-              prefetch: int = 1, reduce_in_flight: int = 1, tp_chunks: int = 0) -> Program:
+              prefetch: int = 1, reduce_in_flight: int = 1, tp_chunks: int = 0,
+              measure_memory: bool = False) -> Program:
     """Trace `model`'s step and partition it over `mesh` with the tactics of `schedule`, in order.
 
     >>> prog = partition(model, Mesh({"batch": 2}), [ManualPartition({"inputs.*": 0}, axis="batch")],
@@ -37,6 +38,8 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     input freed) before the next past the bound is issued (0: no bound). See lower/schedule.py.
     tp_chunks: Megatron's all_reduce after a row-parallel matmul split into this many row chunks, each reduced while
     the next chunk's matmul runs (0: off). See lower/overlap.py.
+    measure_memory: every step measures each rank's peak of live tensor bytes; prog.peak_memory() returns the last
+    step's ({rank: bytes}; what is counted: runtime/memtrack.py). Off by default: a Python callback per op.
     """
     if not isinstance(mesh, Mesh):
         raise PartitionError(f"partition: mesh must be a pt.Mesh, got {type(mesh).__name__}.")
@@ -60,7 +63,8 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     captured = capture_for(model, tactics, example_inputs, loss_fn, optimizer, clip_grad_norm=clip_grad_norm,
                            accumulate=accumulate, accumulate_dims=accumulate_dims)
     options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile, prefetch=prefetch,
-                      reduce_in_flight=reduce_in_flight, tp_chunks=tp_chunks)
+                      reduce_in_flight=reduce_in_flight, tp_chunks=tp_chunks,
+                      measure_memory=measure_memory)
     prog = Program(plan(captured, mesh, tactics, options, registry), model, optimizer, loss_fn)
     if simulate is not None:
         print(prog.simulate(simulate).table())

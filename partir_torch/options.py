@@ -12,12 +12,16 @@ class Options:
     this many bytes (one collective each, as DDP/FSDP do; the bytes are unchanged); 0 keeps one collective per
     value. timeout_s: on real ranks, how long the start-up check waits for every rank before naming the missing
     ones. compile: the per-device program runs compiled by TorchInductor (runtime/compiled.py; eager otherwise, with
-    the optimizer update as fused kernels, lower/fuse.py).
+    the optimizer update as fused kernels, lower/fuse.py). measure_memory: every step measures each rank's peak of
+    live tensor bytes (runtime/memtrack.py; prog.peak_memory() reads the last step's); it costs a Python callback
+    per op, so it is off by default.
 
     Scheduling (lower/schedule.py): prefetch: state gathers (ZeRO-3's parameters) on one axis are issued this many
     gathers ahead of their use (FSDP2's default is 1; 0 gathers each where it is used); reduce_in_flight: at most
     this many gradient reductions per axis are in flight, each waited for before the next one past the bound is
-    issued, which frees its unsharded input (0: no bound, each waited for where the update reads it)."""
+    issued, which frees its unsharded input (0: no bound, each waited for where the update reads it); tp_chunks: a
+    tensor-parallel all_reduce of a matmul's result (Megatron's row-parallel linears) is split into this many row
+    chunks, each reduced while the next chunk's matmul runs (lower/overlap.py; 0 or 1: off)."""
 
     bucket_bytes: int = 64 * 2 ** 20
     timeout_s: float = 300.0
@@ -25,6 +29,7 @@ class Options:
     prefetch: int = 1
     reduce_in_flight: int = 1
     tp_chunks: int = 0
+    measure_memory: bool = False
 
     def __post_init__(self):
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
@@ -36,5 +41,7 @@ class Options:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise PartitionError(f"partition: {name} must be an int >= 0, got {v!r}.")
+        if not isinstance(self.measure_memory, bool):
+            raise PartitionError(f"partition: measure_memory must be True or False, got {self.measure_memory!r}.")
         if not self.timeout_s > 0:
             raise PartitionError(f"partition: timeout_s must be a positive number of seconds, got {self.timeout_s!r}.")

@@ -145,6 +145,12 @@ class Program:
         """The model's outputs on the live state in eval mode, at any batch size (captured once per shape)."""
         return self.executor.evaluator.forward(_batch(inputs, named, "forward"))
 
+    def peak_memory(self) -> dict:
+        """{rank: bytes}: each rank's peak of live tensor bytes during the last step, measured by the runtime
+        (partition(..., measure_memory=True); what is counted: runtime/memtrack.py). On real ranks, this rank's
+        only. Compare prog.simulate(hw).peak_memory_bytes, the simulator's prediction for the same program."""
+        return self.executor.peak_memory()
+
     def gather_parameters(self) -> dict:
         """Full parameter tensors, keyed by FQN."""
         return self.executor.held().gather_parameters()

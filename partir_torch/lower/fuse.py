@@ -82,10 +82,9 @@ def adam_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
 
 
 # for the simulator (sim/compute.py, sim/memory.py): a kernel, whose results alias these arguments (lists) when
-# its last argument (donate) is True, and which needs scratch the size of this argument (the denominator)
+# its last argument (donate) is True (its own temporaries: sim/memory.py's _transient)
 adam_update.partir_kernel = True
 adam_update.partir_donates = (0, 2, 3, 4)
-adam_update.partir_scratch = 3
 
 
 def _fused(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, lr, b1, b2, weight_decay, eps, amsgrad,

@@ -39,6 +39,8 @@ class DistributedRuntime:
         self.groups = {a: self.device_mesh.get_group(a).group_name for a in mesh.axes}
         self.compile = compile
         self._compiled: dict = {}
+        self.measure_memory = False      # the Executor sets it from Options.measure_memory
+        self.last_peak = None            # {this rank: bytes} of the last measured step (runtime/memtrack.py)
 
     def valid(self) -> bool:
         return dist.is_initialized()
@@ -79,6 +81,14 @@ class DistributedRuntime:
         return [torch.tensor(self.coord[a], dtype=torch.int64, device=self.device) for a in self.mesh.axes]
 
     def run(self, gm, args):
+        if self.measure_memory:
+            from .memtrack import measured
+
+            out, self.last_peak = measured(self, gm, args)
+            return out
+        return self._run(gm, args)
+
+    def _run(self, gm, args):
         if not self.compile:
             return gm(*args)
         fn = self._compiled.get(id(gm))

@@ -65,6 +65,8 @@ class Executor:
             self.lowered = rt.program(self.plan)
             if rt.kind == "distributed":
                 rt.check_plan(self._plan_text(self.plan.lowered()))
+            if self.plan.options.measure_memory:
+                rt.measure_memory = True         # the backend measures each step (runtime/memtrack.py)
             self.rt = rt
             self._held.attach(rt)
         return self.lowered
@@ -168,6 +170,21 @@ class Executor:
                 orig = next((n for n in self.plan.captured.gm.graph.nodes if n.name == src), None)
                 return orig or node
         return None
+
+    def peak_memory(self) -> dict:
+        """{rank: peak live tensor bytes} of the last program run (runtime/memtrack.py says what counts)."""
+        if not self.plan.options.measure_memory:
+            raise PartitionError("prog.peak_memory() returns the peaks measured during the last step, and this "
+                                 "program does not measure them. Partition with measure_memory=True (off by "
+                                 "default: it costs a Python callback per op).")
+        if self.rt is not None and not hasattr(self.rt, "last_peak"):
+            raise PartitionError(f"prog.peak_memory(): the {type(self.rt).__name__} backend does not measure memory; "
+                                 f"the interpreted emulator (the default without torch.distributed) and real ranks "
+                                 f"do.")
+        peak = getattr(self.rt, "last_peak", None)
+        if peak is None:
+            raise PartitionError("prog.peak_memory(): no step has run yet; run prog.train_step(...) first.")
+        return dict(peak)
 
     def train_step(self, batch, local=False):
         cap = self.plan.captured

@@ -63,27 +63,43 @@ class _Segment:
         self.outputs = [n for n in nodes if n in later]
         g.output(tuple(env[n] for n in self.outputs))
         self.gm = fx.GraphModule(torch.nn.Module(), g)
-        self.fn = self.gm
+        self.fn = self.gm                # compile_segments replaces it (positional arguments)
+        self._boxed = None
         self.random = any(n.target in RANDOM_OPS or str(n.target).startswith(("aten.rand", "aten.bernoulli",
                                                                                  "aten.normal"))
                           for n in nodes)
 
 
+    @property
+    def boxed(self) -> fx.GraphModule:
+        """The eager form: takes one list and clears it, so that inputs die at their last use (built once)."""
+        if self._boxed is None:
+            self._boxed = _boxed(self.gm.graph)
+        return self._boxed
+
+
 class Plan:
     """The lowered program as a list of steps: ("segment", _Segment) or ("collective", node). Values read by
-    later steps or the output are the only ones kept between steps."""
+    later steps or the output are the only ones kept between steps, each dropped after its last use (`dying`).
+    split_waits (memory measured): a run of local ops also ends at each wait, so that a collective's operand,
+    which the communication holds until its wait, is dropped exactly there."""
 
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, split_waits: bool = False):
         nodes = list(gm.graph.nodes)
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
         self.output = next(n for n in nodes if n.op == "output")
         self.alias: dict = {}            # wait_tensor node -> the collective it waits for (the value itself)
-        steps, run = [], []
+        steps, run, wait_at = [], [], {}
         for n in nodes:
             if n.op in ("placeholder", "output"):
                 continue
             if n.target is WAIT:
                 self.alias[n] = self._resolve(n.args[0])
+                if split_waits and run:          # the run before the wait ends there: its operand dies after it
+                    steps.append(run)
+                    run = []
+                # the step after which the operand dies: the run being built or the next step (or, split, the last)
+                wait_at[n] = max(len(steps) - 1, 0) if split_waits else len(steps)
             elif n.target in COLLECTIVES:
                 if run:
                     steps.append(run)
@@ -117,10 +133,36 @@ class Plan:
             else:
                 self.steps.append(("collective", s))
 
+        self.dying = self._dying(steps, owner, wait_at, later)
+
     def _resolve(self, n):
         while n in getattr(self, "alias", {}):
             n = self.alias[n]
         return n
+
+    def _dying(self, steps, owner, wait_at, later) -> list:
+        """Per step, the set of values kept between steps (env keys) whose last use it is: dropped after it. A
+        collective's operand lives until its wait (the communication reads it); what the output returns and the
+        placeholders (held by the caller) are never dropped here."""
+        last: dict = {}
+        end = len(steps) - 1
+        for n, i in owner.items():
+            for a in n.all_input_nodes:
+                a = self._resolve(a)
+                if a in owner:
+                    last[a] = max(last.get(a, -1), i)
+        for w, i in wait_at.items():
+            for a in self.alias[w].all_input_nodes:
+                a = self._resolve(a)
+                if a in owner:
+                    last[a] = max(last.get(a, -1), min(i, end))
+        for a in self.output.all_input_nodes:
+            last.pop(self._resolve(a), None)
+        dying = [set() for _ in steps]
+        for a, i in last.items():
+            if a in later or a.target in COLLECTIVES:
+                dying[i].add(a)
+        return dying
 
     def segments(self) -> list:
         return [s for kind, s in self.steps if kind == "segment"]
@@ -140,6 +182,8 @@ class InterpretedRuntime:
         self._axis_of = {g: a for a, g in self.groups.items()}
         self._rank_groups = {a: self._groups_of(a) for a in mesh.axes}
         self._plans: dict = {}
+        self.measure_memory = False      # the Executor sets it from Options.measure_memory
+        self.last_peak = None            # {rank: bytes} of the last measured step
 
     def _groups_of(self, axis) -> list:
         """The ranks of each group of `axis` (same coordinates on the other axes), ordered by coordinate."""
@@ -190,7 +234,7 @@ class InterpretedRuntime:
     def plan(self, gm) -> Plan:
         p = self._plans.get(id(gm))
         if p is None or p[0] is not gm:
-            plan = Plan(gm)
+            plan = Plan(gm, split_waits=self.measure_memory)
             if self.compile:
                 from .compiled import compile_segments
 
@@ -199,38 +243,85 @@ class InterpretedRuntime:
         return p[1]
 
     def run(self, gm, args) -> list:
+        """Each step in order; a value is dropped after its last use (Plan.dying), so every rank holds what its
+        own device would. With measure_memory, a MemoryTracker (runtime/memtrack.py) counts each rank's live bytes
+        and last_peak holds their peaks ({rank: bytes})."""
         plan = self.plan(gm)
         env: dict = {}
         for ph, a in zip(plan.placeholders, args):
             env[ph] = a if isinstance(a, PerRank) else PerRank([a] * self.n)
+        if not self.measure_memory:
+            return self._run(plan, env, None)
+        from .memtrack import MemoryTracker, refuse_compiled
+
+        refuse_compiled(self)
+        tr = MemoryTracker(range(self.n))
+        with tr.step({r: [env[ph].ts[r] for ph in plan.placeholders] for r in range(self.n)}):
+            out = self._run(plan, env, tr)
+        self.last_peak = dict(tr.peaks)
+        return out
+
+    def _run(self, plan, env, tr) -> list:
         ranks = range(self.n)
-        for kind, s in plan.steps:
+        for (kind, s), dying in zip(plan.steps, plan.dying):
             if kind == "collective":
-                env[s] = self._collective(s, env[plan._resolve(s.args[0])].ts)
-                continue
-            ins = [env[n].ts for n in s.inputs]
-            rng = torch.get_rng_state() if s.random else None
-            outs = []
-            for r in ranks:
-                if rng is not None:
-                    torch.set_rng_state(rng)
-                try:
-                    outs.append(s.fn(*[x[r] for x in ins]))
-                except Exception as e:   # name the node that failed (executor.internal_error reads it)
-                    setattr(e, EXC_NODE, _failing_name(s.gm, e))
-                    raise
-            for j, n in enumerate(s.outputs):
-                env[n] = PerRank([o[j] for o in outs])
+                env[s] = self._collective(s, env[plan._resolve(s.args[0])].ts, tr)
+            else:
+                self._segment(s, env, [n for n in s.inputs if n in dying], tr)
+            for n in dying:
+                del env[n]
         res = []
         for o in plan.output.args[0]:
             if isinstance(o, fx.Node):
                 res.append(env[plan._resolve(o)])
             else:
-                res.append(PerRank([o] * self.n))
+                res.append(PerRank([o] * len(ranks)))
         return res
 
-    def _collective(self, node, x: list) -> PerRank:
-        """The collective over each group of its axis, from every rank's operand x (exact, in rank order)."""
+    def _segment(self, s, env, dying: list, tr) -> None:
+        """Run segment `s` for every rank. Eager segments take their inputs boxed (a list they clear), and the
+        inputs whose last use this is are dropped from env first, so they die inside the segment at their last
+        use, as in one device's program."""
+        ins = [env[n].ts for n in s.inputs]
+        drop = [env[n].ts for n in dying if not n.op == "placeholder"]
+        rng = torch.get_rng_state() if s.random else None
+        eager = s.fn is s.gm
+        outs = []
+        for r in range(self.n):
+            if rng is not None:
+                torch.set_rng_state(rng)
+            xs = [x[r] for x in ins]
+            for ts in drop:
+                ts[r] = None
+            if tr is not None:
+                tr.rank = r
+            try:
+                outs.append(s.boxed(xs) if eager else s.fn(*xs))
+            except Exception as e:   # name the node that failed (executor.internal_error reads it)
+                setattr(e, EXC_NODE, _failing_name(s.boxed if eager else s.gm, e))
+                raise
+            finally:
+                if tr is not None:
+                    tr.rank = None
+            del xs
+        for j, n in enumerate(s.outputs):
+            env[n] = PerRank([o[j] for o in outs])
+
+    def _collective(self, node, x: list, tr=None) -> PerRank:
+        """The collective over each group of its axis, from every rank's operand x (exact, in rank order). Ranks of
+        a group share one result, except when memory is measured (tr): then each rank holds its own copy, adopted
+        for it as its device's output buffer."""
+        out = self._combine(node, x)
+        if tr is not None:
+            seen: set = set()
+            for r in range(self.n):
+                if id(out[r]) in seen:
+                    out[r] = out[r].clone()
+                seen.add(id(out[r]))
+                tr.adopt(r, out[r])
+        return PerRank(out)
+
+    def _combine(self, node, x: list) -> list:
         t = node.target
         out = [None] * self.n
         axis = self._axis_of[node.args[-1]]
@@ -247,13 +338,13 @@ class InterpretedRuntime:
             elif t is c10d.reduce_scatter_tensor.default:
                 parts = _reduce(vals, node.args[1]).chunk(len(grp), 0)
                 for i, r in enumerate(grp):
-                    out[r] = parts[i].contiguous()
+                    out[r] = parts[i].clone()      # its own buffer, not a view of the whole sum
             else:   # all_to_all_single(x, output_split_sizes, input_split_sizes, group)
                 in_sizes = node.args[2]
                 splits = [v.split(list(in_sizes) if in_sizes else v.shape[0] // len(grp), 0) for v in vals]
                 for i, r in enumerate(grp):
                     out[r] = torch.cat([s[i] for s in splits], 0)
-        return PerRank(out)
+        return out
 
 
 def _reduce(vals: list, op: str) -> torch.Tensor:
@@ -282,3 +373,13 @@ def _failing_name(gm, exc) -> str | None:
             return lines[fr.lineno - 1].strip().split(" = ")[0]
     return None
 
+
+def _boxed(g: fx.Graph) -> fx.GraphModule:
+    """A copy of segment graph `g` compiled with FX's boxed calling convention (one list argument, cleared once
+    read), so that no caller frame keeps an input alive past its last use in the segment."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    g2 = fx.Graph()
+    g2.output(g2.graph_copy(g, {}))
+    g2.set_codegen(_BoxedCodeGen())
+    return fx.GraphModule(torch.nn.Module(), g2)

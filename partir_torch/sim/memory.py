@@ -2,9 +2,15 @@
 
 A storage is allocated by the node that produces it and freed after its last use. Views (and getitem of view
 lists, and wait_tensor) alias their base, so a storage is counted once; so do the results of an in-place kernel
-(the fused optimizer update with donate=True: its parameters and moments, plus one argument list of scratch). Placeholders (params, buffers, optimizer
-state, inputs) live for the whole step; whatever the output node returns lives to the end. A collective's inputs
-stay alive until its wait_tensor (the communication reads them asynchronously).
+(the fused optimizer update with donate=True writes its parameters and moments). Placeholders (params, buffers,
+optimizer state, inputs) live for the whole step; whatever the output node returns lives to the end. A collective's inputs
+stay alive until its wait_tensor (the communication reads them asynchronously). A node's own temporaries (tensors
+it creates and frees before it returns) count at that node only: partir's fused optimizer update (lower/fuse.py)
+holds its square-root denominators and, with maximize or L2 weight decay, the modified gradients (`_transient`).
+
+This is the figure the runtime measures (partition(..., measure_memory=True), prog.peak_memory(); what is counted:
+runtime/memtrack.py): live tensor bytes, each storage once. It does not depend on the chip; what a GPU adds
+(allocator rounding and caching, library workspaces) is not in it.
 
 Breakdown at the peak:
 - parameters / optimizer_state / buffers / inputs: placeholders by ``partir_role`` (and the updated values the
@@ -99,11 +105,9 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
             else:
                 sid_of[node] = [srcs[idx]] if isinstance(idx, int) and idx < len(srcs) else []
         elif getattr(target, "partir_donates", None) and node.args[-1] is True:
-            # an in-place kernel (lower/fuse.py's adam_update, donate=True): its results are its state arguments;
-            # it needs scratch the size of one argument list while it runs
+            # an in-place kernel (lower/fuse.py's adam_update, donate=True): its results are its state arguments
             donated[node] = [[sid_of[x][0] for x in node.args[k] if sid_of.get(x)] for k in target.partir_donates]
             sid_of[node] = [s for col in donated[node] for s in col]
-            new(node, sum(sum(elems[x]) for x in node.args[target.partir_scratch]), i)
         elif info == "view" or cls == WAIT or (cls != FREE and _writes_self(target)):
             base = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
             bs = sid_of.get(base, ()) if base is not None else ()
@@ -126,17 +130,7 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
         if node.op == "placeholder":
             last[s] = end
 
-    return _sweep(nodes, inputs, sid_of, size, born, last, owner)
-
-
-def _sweep(nodes, inputs, sid_of, size, born, last, owner) -> MemoryResult:
-    """The peak by a sweep over allocation/free events, and what is alive at it by category."""
-    end = len(nodes)
-    delta = [0] * (end + 2)
-    for s in range(len(size)):
-        delta[born[s]] += size[s]
-        delta[last[s] + 1] -= size[s]
-    curve = list(accumulate(delta[:end]))
+    curve = _sweep(nodes, elems, size, born, last)
     peak = max(curve, default=0)
     at = curve.index(peak) if curve else 0
     category = _categorize(nodes, inputs, sid_of, born, last, owner)
@@ -146,6 +140,37 @@ def _sweep(nodes, inputs, sid_of, size, born, last, owner) -> MemoryResult:
             breakdown[category[s]] += size[s]
     names = {owner[s].name: category[s] for s in range(len(size))}
     return MemoryResult(peak, nodes[at].name if nodes else "", breakdown, names, curve)
+
+
+def _sweep(nodes, elems, size, born, last) -> list:
+    """Live bytes at each node: a sweep over allocation/free events, plus each node's own temporaries there."""
+    end = len(nodes)
+    delta = [0] * (end + 2)
+    for i, node in enumerate(nodes):
+        t = _transient(node, elems) if node.op == "call_function" else 0
+        if t:
+            delta[i] += t
+            delta[i + 1] -= t
+    for s in range(len(size)):
+        delta[born[s]] += size[s]
+        delta[last[s] + 1] -= size[s]
+    return list(accumulate(delta[:end]))
+
+
+def _transient(node, elems) -> int:
+    """Bytes a node allocates and frees inside itself (0 for aten ops: their scratch is not tensors). partir's
+    fused Adam/AdamW (lower/fuse.py: adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, lr,
+    beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled, fused, donate)): the foreach path holds, at its
+    last kernel, sqrt(v) (one exp_avg_sq each) and the modified gradients (maximize, or L2 weight decay; decoupled
+    weight decay scales the parameters in place); the fused path a 0-dim float32 step per parameter."""
+    if not getattr(node.target, "partir_kernel", False):
+        return 0
+    a = node.args
+    size = lambda ts: sum(sum(elems.get(t) or [0]) for t in ts)  # noqa: E731
+    if a[14]:
+        return 4 * len(a[0])
+    wd, maximize, decoupled = a[9] is not None, a[12], a[13]
+    return size(a[3]) + (size(a[1]) if maximize or (wd and not decoupled) else 0)
 
 
 def _categorize(nodes, inputs, sid_of, born, last, owner) -> list:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..contract import forward_nodes
+from ..contract import Role, forward_nodes
 from ..errors import PartitionError, closest, warn
 from ..sharding import REPLICATED
 from .manual import ManualPartition
@@ -364,6 +364,9 @@ class Zero:
     else its largest divisible dim; tensors with no divisible dim stay replicated (explain() says so).
     Z1 and Z2 lower to the same program here: the gradient reduction feeding a tiled update is one reduce_scatter
     either way (the all_reduce + slice peephole), and parameters are gathered once after the update.
+    Frozen parameters (requires_grad=False: a LoRA base, a frozen encoder) have no gradient and no optimizer state:
+    ZeRO-3 stores them tiled and gathers them at every use, as FSDP2 does; ZeRO-1/2 have nothing of theirs to
+    shard, and explain() says so for each.
     reshard_after_forward (stage 3, FSDP2's flag): True gathers each parameter again for the backward (the least
     memory); False keeps the copy gathered in the forward until its last use in the backward: one gather per step,
     as ZeRO-1/2, issued ahead of its use in the next forward (Megatron's --overlap-param-gather) instead of after
@@ -417,8 +420,13 @@ class Zero:
         seeds = []
         tiled_at: dict = {}     # (module fqn, shape) -> the dim its parameter of that shape is tiled on
         k = ctx.mesh.shape[self.axis]
-        for fqn in cap.trainable:
+        trainable = set(cap.trainable)
+        for fqn in _param_fqns(cap):
             p = f"params.{fqn}"
+            if fqn not in trainable and self.stage < 3:
+                ctx.note(p, f"{self.name}: frozen (requires_grad=False): no gradient and no optimizer state, so "
+                            f"nothing to shard; replicated as the model holds it (zero(3) would shard it)")
+                continue
             if not ctx.is_unknown(self.axis, p):
                 ctx.note(p, f"{self.name}: already decided on axis '{self.axis}' by an earlier tactic; left as is")
                 continue
@@ -432,6 +440,9 @@ class Zero:
                 continue
             seeds += [(s, d) for s in states]
             seeds.append((p, d) if self.stage == 3 else (p, REPLICATED))
+            if fqn not in trainable:
+                ctx.note(p, f"{self.name}: frozen (requires_grad=False): stored tiled on dim {d} over axis "
+                            f"'{self.axis}' and gathered at each use; no gradient, no optimizer state")
             tiled_at[(fqn.rpartition(".")[0], ctx.graph.shapes[ctx.graph.name_to_vid[p]])] = d
         if self.stage == 3:   # a module's buffers shaped like its tiled parameter (running statistics) go with it
             for fqn in cap.buffer_fqns:
@@ -446,6 +457,11 @@ class Zero:
         if self.stage == 3:    # a parameter's cast (mixed precision) runs on the shard: gathered in param_dtype
             region |= {i for i, op in enumerate(ctx.graph.ops) if is_param_cast(op.node)}
         ctx.seed_and_propagate(self.axis, seeds, self.name, region)
+
+
+def _param_fqns(cap) -> list:
+    """Every parameter of the step, trainable first (capture's placeholder order), frozen ones too."""
+    return [n[len("params."):] for n, r in zip(cap.input_names, cap.input_roles) if r == Role.PARAM]
 
 
 def zero(stage: int, axis: str = "batch", name: str = "", reshard_after_forward: bool = True) -> Zero:
