@@ -95,29 +95,8 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
         if op != "call_function":
             sid_of[node] = [new(node, b, i) for b in elems[node]]
             continue
-        target = node.target
         cls, info = classes[node]
-        if target is operator.getitem:
-            src, idx = node.args[0], node.args[1]
-            srcs = sid_of.get(src, ())
-            if src in donated:                                     # a list of in-place results
-                sid_of[node] = donated[src][idx]
-            else:
-                sid_of[node] = [srcs[idx]] if isinstance(idx, int) and idx < len(srcs) else []
-        elif getattr(target, "partir_donates", None) and node.args[-1] is True:
-            # an in-place kernel (lower/fuse.py's adam_update, donate=True): its results are its state arguments
-            donated[node] = [[sid_of[x][0] for x in node.args[k] if sid_of.get(x)] for k in target.partir_donates]
-            sid_of[node] = [s for col in donated[node] for s in col]
-        elif info == "view" or cls == WAIT or (cls != FREE and _writes_self(target)):
-            base = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
-            bs = sid_of.get(base, ()) if base is not None else ()
-            val = node.meta.get("val")
-            n = len(val) if isinstance(val, (tuple, list)) else 1
-            sid_of[node] = [bs[0]] * n if bs else [new(node, b, i) for b in elems[node]]
-        elif cls == FREE and info != "alloc":
-            sid_of[node] = []
-        else:
-            sid_of[node] = [new(node, b, i) for b in elems[node]]
+        sid_of[node] = _storages(node, cls, info, sid_of, donated, elems, lambda b: new(node, b, i))
         for a in inputs[node]:
             for s in sid_of[a]:
                 last[s] = i
@@ -140,6 +119,31 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
             breakdown[category[s]] += size[s]
     names = {owner[s].name: category[s] for s in range(len(size))}
     return MemoryResult(peak, nodes[at].name if nodes else "", breakdown, names, curve)
+
+
+def _storages(node, cls, info, sid_of, donated, elems, new) -> list:
+    """The storage ids a call_function node's results use: its input's (views, waits, in-place ops, an in-place
+    kernel's results), none (metadata), or new ones (`new(nbytes)`)."""
+    target = node.target
+    if target is operator.getitem:
+        src, idx = node.args[0], node.args[1]
+        srcs = sid_of.get(src, ())
+        if src in donated:                                         # a list of in-place results
+            return donated[src][idx]
+        return [srcs[idx]] if isinstance(idx, int) and idx < len(srcs) else []
+    if getattr(target, "partir_donates", None) and node.args[-1] is True:
+        # an in-place kernel (lower/fuse.py's adam_update, donate=True): its results are its state arguments
+        donated[node] = [[sid_of[x][0] for x in node.args[k] if sid_of.get(x)] for k in target.partir_donates]
+        return [s for col in donated[node] for s in col]
+    if info == "view" or cls == WAIT or (cls != FREE and _writes_self(target)):
+        base = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        bs = sid_of.get(base, ()) if base is not None else ()
+        val = node.meta.get("val")
+        n = len(val) if isinstance(val, (tuple, list)) else 1
+        return [bs[0]] * n if bs else [new(b) for b in elems[node]]
+    if cls == FREE and info != "alloc":
+        return []
+    return [new(b) for b in elems[node]]
 
 
 def _sweep(nodes, elems, size, born, last) -> list:
