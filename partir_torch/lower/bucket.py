@@ -7,7 +7,10 @@ collective is paid once per bucket instead of once per parameter. Bytes are unch
   together
   where the last input is ready, when every member's result is first read after that point.
 
-A bucket flattens its members' shards into one buffer, runs one collective and slices each member back out.
+A bucket flattens its members' shards into one buffer, runs one collective and slices each member back out. A
+bucket holds at most `cap` bytes and at most 1/8 of what its kind moves on its axis in its phase (1 MiB at least):
+on a small model one 64 MiB bucket would be the whole model, gathered at once and its gradients all held until the
+last one is produced.
 """
 from __future__ import annotations
 
@@ -19,18 +22,31 @@ from ..contract import META_COLLECTIVE, META_IN_SHAPE, META_LOCAL_SHAPE
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+UNITS = 8                   # a bucket holds at most this fraction (1/UNITS) of its kind's bytes on its axis and phase
+MIN_BUCKET = 2 ** 20        # ... unless that is under 1 MiB
+
+
 def bucket_collectives(graph: fx.Graph, records: list, cap: int) -> list:
     """Merge buckets in place; returns the new record list (program order)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     runs: dict = {}
     groups = []
+    members = []
     for node in list(graph.nodes):
         rec = node.meta.get(META_COLLECTIVE)
         if rec is None or rec.kind not in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) or not _plain(node, rec):
             continue
-        key = (rec.kind, rec.axis, rec.dtype, rec.phase, rec.reduce_op, node.args[-1])
+        members.append((node, rec, (rec.kind, rec.axis, rec.dtype, rec.phase, rec.reduce_op, node.args[-1])))
+    total: dict = {}
+    for _, rec, key in members:
+        total[key] = total.get(key, 0) + rec.nbytes
+    for node, rec, key in members:
+        # at most 1/UNITS of what this kind moves on this axis in this phase: on a model whose whole state fits
+        # one bucket, buckets stay about a block's size (FSDP2's unit), so prefetching one ahead and bounding the
+        # reductions in flight (schedule.py) keep their meaning
+        limit = min(cap, max(total[key] // UNITS, MIN_BUCKET))
         run = runs.get(key)
-        if run is None or sum(m[1].nbytes for m in run) + rec.nbytes > cap or not _fits(run, node, rec, order):
+        if run is None or sum(m[1].nbytes for m in run) + rec.nbytes > limit or not _fits(run, node, rec, order):
             run = []
             runs[key] = run
             groups.append(run)
