@@ -391,6 +391,8 @@ def _worker(rank, port, ckpt, queue):
     except Exception:  # noqa: BLE001
         out["fatal"] = traceback.format_exc()
     report()
+    if rank == 0:       # it hosts the store: it stays until the survivors' roll call (faults.roll_call) is over
+        time.sleep(3)
     os._exit(0)         # rank 3 is gone: no collective teardown of the default group
 
 
@@ -531,6 +533,7 @@ def test_hung_rank_makes_every_other_rank_raise_within_the_timeout(ranks):
         assert waited <= HANG_TIMEOUT_S + 10, f"rank {rank} raised {waited:.1f} s after rank 3 hung"
         msg = r["message"]
         assert "train_step (step 2)" in msg and "mesh axis '" in msg and "ranks [" in msg, msg
+        assert "Rank 3 did not report itself alive" in msg, msg      # the roll call after the failure
         assert "internal error" not in msg
         assert r["again"]["raised"] == "RankFailureError" and "earlier call failed" in r["again"]["message"]
     # rank 3 woke up after its peers had released their groups: it fails too instead of hanging
@@ -546,6 +549,7 @@ def test_dead_rank_makes_every_survivor_raise_rank_failure_within_5_s(ranks):
         assert r["at"] - died_at < 5, f"rank {rank} raised {r['at'] - died_at:.1f} s after rank 3 died"
         msg = r["message"]
         assert "train_step (step 2)" in msg and "mesh axis '" in msg and "died" in msg, msg
+        assert "Rank 3 did not report itself alive" in msg, msg
         assert "internal error" not in msg
         if rank in (1, 2):      # rank 3's peers: the failing group is rank 3's
             assert ", 3])" in msg, msg

@@ -15,6 +15,9 @@ from . import faults
 from .layout import shard_of
 
 
+REPORT_WAIT_S = 1.5      # after a failure, how long a rank waits for the others to say they are alive
+
+
 def real_ranks_active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
 
@@ -102,18 +105,25 @@ class DistributedRuntime:
         except Exception as e:  # noqa: BLE001 - classified below
             if faults.peer_failure_kind(e) is None:
                 raise
-            self.release()
+            missing = self.release(roll_call=True)
             raise faults.step_failure(what, self.rank, self.mesh, None, e, self.timeout_s,
                                       coll=f"the ranks' agreement check before it (an all_gather of 8 bytes on all "
-                                           f"{world} ranks)") from e
+                                           f"{world} ranks)", missing=missing) from e
         raise faults.divergence(everyone, what)
 
-    def release(self) -> None:
+    def release(self, roll_call: bool = False) -> list[int] | None:
         """Destroy this runtime's process groups after a failed step (faults.py): a peer blocked in a collective
         with this rank fails at once instead of at its timeout (dropping a gloo group closes its connections; gloo
-        has no abort that wakes a peer). The default group is the user's and is left alone."""
+        has no abort that wakes a peer). The default group is the user's and is left alone. This rank says it is
+        alive first (faults.roll_call); with roll_call, returns the ranks that did not say so within
+        REPORT_WAIT_S (dead or stuck; None: the store cannot be reached)."""
         import gc
 
+        if self.check_group is None:
+            return None
+        world = dist.get_world_size()
+        key = f"partir_fault/{self.check_group.group_name}"   # one per program: group names agree on all ranks
+        faults.roll_call(key, self.rank, world, 0.0)
         self.failed = True
         pgs = []
         for name in set(self.groups.values()):
@@ -132,6 +142,7 @@ class DistributedRuntime:
         self.device_mesh = self.check_group = None
         del pgs
         gc.collect()
+        return faults.roll_call(key, self.rank, world, REPORT_WAIT_S) if roll_call else None
 
     def shard(self, full: torch.Tensor, sh: Sharding):
         return shard_of(full.detach().to(self.device), sh, self.mesh, self.coord)

@@ -168,14 +168,16 @@ class Executor:
             return list(self.rt.run(gm, args))
         except Exception as e:  # noqa: BLE001 - named below
             if self.rt.kind == "distributed":
-                if faults.peer_failure_kind(e) is not None:
+                peer = faults.peer_failure_kind(e) is not None
+                missing = self.rt.release(roll_call=peer)      # first: the peers waiting on this rank fail now
+                if peer:
                     err = faults.step_failure(what, self.rt.rank, self.plan.mesh,
-                                              faults.collective_of(faults.node_at(gm, e)), e, self.rt.timeout_s)
+                                              faults.collective_of(faults.node_at(gm, e)), e, self.rt.timeout_s,
+                                              missing=missing)
                 else:
                     err = e if isinstance(e, PartitionError) else internal_error(self._failing_node(gm, e),
                                                                                  "running", e)
                 self.failure = err
-                self.rt.release()
                 if err is e:
                     raise
                 raise err from e

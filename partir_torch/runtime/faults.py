@@ -18,7 +18,9 @@ Three mechanisms, all on the DistributedRuntime's own process groups (distribute
 
 `step_failure` turns the exception of a failed collective into RankFailureError: the step, the collective (kind,
 mesh axis, the value it serves, the user's source line: the CollectiveRecord on the lowered node), the group's ranks
-and the likely cause.
+and the likely cause. Which rank is to blame is not in the backend's error (gloo names a peer's address at most):
+after a failure every rank writes one key of the default store and waits REPORT_WAIT_S (1.5 s) for the others
+(`roll_call`); the ranks that never wrote are named as dead or stuck.
 """
 from __future__ import annotations
 
@@ -81,9 +83,10 @@ def group_ranks(mesh, rank: int, axis: str) -> list[int]:
 
 
 def step_failure(what: str, rank: int, mesh, rec, exc: BaseException, timeout_s: float,
-                 coll: str | None = None) -> RankFailureError:
+                 coll: str | None = None, missing: list | None = None) -> RankFailureError:
     """RankFailureError for the collective `rec` of `what` ("step 3") that failed with `exc`; `coll` describes it
-    when it has no record (the agreement check); neither: "a collective of the step" (a compiled step)."""
+    when it has no record (the agreement check); neither: "a collective of the step" (a compiled step). `missing`:
+    the ranks that did not answer the roll call (None: unknown)."""
     kind = peer_failure_kind(exc) or "closed"
     if rec is not None:
         op = f"({rec.reduce_op})" if rec.reduce_op else ""
@@ -101,12 +104,35 @@ def step_failure(what: str, rank: int, mesh, rec, exc: BaseException, timeout_s:
              if kind == "closed" else
              f"a rank in this group did not answer within timeout_s={timeout_s:g} s: it is stuck or much slower; "
              f"see its log")
+    if missing:
+        cause += (f". Rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not report "
+                  f"{'themselves' if len(missing) > 1 else 'itself'} alive after the failure (dead or stuck)")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return RankFailureError(
         f"partir_torch: {what} failed on rank {rank}: {coll}.\n  Likely cause: {cause}.\n"
         f"  The backend said: {type(exc).__name__}: {first[:300]}\n"
         f"  This program's process groups are released; restart the job (torchrun --max-restarts=N) and resume "
         f"from the last checkpoint (examples/train_loop.py shows the recipe).")
+
+
+def roll_call(key: str, rank: int, world: int, wait_s: float) -> list[int] | None:
+    """Say this rank is alive under `key` in the default store, then wait up to wait_s for the others: the ranks
+    that did not say so (dead, or stuck outside the failed step). None when the store cannot be reached."""
+    import time
+
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{key}/{rank}", "alive")
+        deadline = time.monotonic() + wait_s
+        while True:
+            here = [r for r in range(world) if store.check([f"{key}/{r}"])]
+            if len(here) == world or time.monotonic() >= deadline:
+                return [r for r in range(world) if r not in here]
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store is on a rank or agent that is gone: say nothing
+        return None
 
 
 def describe_call(what: str, program: str, step: int, flat) -> dict:
