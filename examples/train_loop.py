@@ -9,6 +9,9 @@ evaluation, a checkpoint every N steps, and resuming after the process is killed
     # a rank dies under torchrun: the others raise RankFailureError at once, torchrun restarts all four, and they
     # resume from the last checkpoint (step 10) with the losses of a run that never stopped
     torchrun --nproc-per-node 4 --max-restarts 1 examples/train_loop.py --ckpt /tmp/run2 --kill-at 13 --kill-rank 3
+    # ... or hangs: the others raise RankFailureError after --timeout seconds, and torchrun restarts all four
+    torchrun --nproc-per-node 4 --max-restarts 1 examples/train_loop.py --ckpt /tmp/run3 --kill-at 13 --kill-rank 3 \
+        --hang --timeout 10
 
 The model is a small GPT on a built-in text; the mesh {batch: 2, model: 2} carries data parallel + Megatron +
 ZeRO-3. Every optimizer step takes a batch of 16 windows as 2 micro-batches of 8 (accumulate=2, one gradient
@@ -27,6 +30,7 @@ import math
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -129,6 +133,8 @@ def main(argv=None):
                     "under torchrun only in the first attempt (TORCHELASTIC_RESTART_COUNT 0), so a restart runs on")
     ap.add_argument("--kill-rank", type=int, default=None, help="with --kill-at under torchrun: only this rank dies "
                     "(the others raise RankFailureError at the next step and torchrun restarts them all)")
+    ap.add_argument("--hang", action="store_true", help="with --kill-at: the rank hangs (sleeps for good) instead "
+                    "of dying; the others raise RankFailureError after --timeout")
     ap.add_argument("--timeout", type=float, default=60.0, help="timeout_s: how long a rank waits for a peer that "
                     "does not answer before RankFailureError")
     args = ap.parse_args(argv)
@@ -176,7 +182,9 @@ def main(argv=None):
             save_checkpoint(args.ckpt, step + 1, prog, sched, real)
         if args.kill_at is not None and step + 1 == args.kill_at and attempt == 0 and \
                 args.kill_rank in (None, rank):
-            print(f"rank {rank}: killed after step {step + 1}", flush=True)
+            print(f"rank {rank}: {'hangs' if args.hang else 'killed'} after step {step + 1}", flush=True)
+            while args.hang:
+                time.sleep(3600)
             os.kill(os.getpid(), signal.SIGKILL)
 
     prog.export_to(model)                         # the trained weights back in the eager module
