@@ -150,7 +150,7 @@ class Executor:
         every process must be seeded alike (checked with the plan at start-up)."""
         low = self.ensure()
         self._hyper = None
-        self.agree(what + (" (train_step_local)" if local else ""), tree_flatten(tuple(batch))[0])
+        self.agree(what, tree_flatten(tuple(batch))[0])
         args = self._args(batch, local)
         return self.execute(low.gm, args, what)
 
@@ -199,7 +199,7 @@ class Executor:
         cap = self.plan.captured
         if cap.mode != TRAIN:
             raise PartitionError("train_step needs partition(..., loss_fn=..., optimizer=...).")
-        outs = self.run(batch, local, f"train_step (step {self.steps + 1})")
+        outs = self.run(batch, local, f"{'train_step_local' if local else 'train_step'} (step {self.steps + 1})")
         self._keep_state(outs)
         self._held.steps += 1
         if self.optimizer is not None:   # the update ran: lr schedulers stepped after it do not warn
