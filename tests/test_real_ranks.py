@@ -392,7 +392,7 @@ def _worker(rank, port, ckpt, queue):
         out["fatal"] = traceback.format_exc()
     report()
     if rank == 0:       # it hosts the store: it stays until the survivors' roll call (faults.roll_call) is over
-        time.sleep(3)
+        time.sleep(2)
     os._exit(0)         # rank 3 is gone: no collective teardown of the default group
 
 
