@@ -56,7 +56,7 @@ STEPS = 2
 LR, EPS = 1e-3, 1e-5   # AdamW; eps as in test_parity.py (bounds AdamW's amplification of rounding)
 SPAWN_TIMEOUT_S = 240
 GLOO_TIMEOUT_S = 60
-HANG_TIMEOUT_S, HANG_S = 5, 8     # the "hang" phase's timeout_s, and how long rank 3 sleeps in its step
+HANG_TIMEOUT_S, HANG_S = 5, 10    # the "hang" phase's timeout_s; rank 3 sleeps past the others' roll call
 LOSS_RTOL = 1e-5
 PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-6   # fp32; see test_parity.py for why an atol is needed with AdamW
 
