@@ -6,6 +6,13 @@ evaluation, a checkpoint every N steps, and resuming after the process is killed
     python examples/train_loop.py --ckpt /tmp/run1 --kill-at 13             # dies (SIGKILL) after step 13 ...
     python examples/train_loop.py --ckpt /tmp/run1                          # ... and resumes from step 10
 
+    # a rank dies under torchrun: the others raise RankFailureError at once, torchrun restarts all four, and they
+    # resume from the last checkpoint (step 10) with the losses of a run that never stopped
+    torchrun --nproc-per-node 4 --max-restarts 1 examples/train_loop.py --ckpt /tmp/run2 --kill-at 13 --kill-rank 3
+    # ... or hangs: the others raise RankFailureError after --timeout seconds, and torchrun restarts all four
+    torchrun --nproc-per-node 4 --max-restarts 1 examples/train_loop.py --ckpt /tmp/run3 --kill-at 13 --kill-rank 3 \
+        --hang --timeout 10
+
 The model is a small GPT on a built-in text; the mesh {batch: 2, model: 2} carries data parallel + Megatron +
 ZeRO-3. Every optimizer step takes a batch of 16 windows as 2 micro-batches of 8 (accumulate=2, one gradient
 reduction per step), clips the gradients to a global norm of 1 and reads the learning rate the scheduler set
@@ -23,6 +30,7 @@ import math
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -91,6 +99,24 @@ def load_checkpoint(path: str, prog, sched, real: bool) -> int:
     return trainer["step"]
 
 
+def init_distributed() -> None:
+    """init_process_group("gloo") under torchrun. With --max-restarts, torchrun (2.13) hands every attempt the same
+    agent store, which still holds the previous attempt's gloo addresses: a rank that reads one before its peer
+    rewrites it fails to connect ("Gloo connectFullMesh failed ... Connection refused"; pytorch/pytorch#135712).
+    The keys of each attempt therefore get a prefix of their own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in
+    torchrun's environment does the same from outside)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group("gloo")
+        return
+    from datetime import timedelta
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt_{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", required=True, help="checkpoint directory (resumes from its newest checkpoint)")
@@ -103,14 +129,22 @@ def main(argv=None):
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-batch", type=int, default=4)
     ap.add_argument("--ckpt-every", type=int, default=5)
-    ap.add_argument("--kill-at", type=int, default=None, help="SIGKILL this process after that step (a crash)")
+    ap.add_argument("--kill-at", type=int, default=None, help="SIGKILL this process after that step (a crash); "
+                    "under torchrun only in the first attempt (TORCHELASTIC_RESTART_COUNT 0), so a restart runs on")
+    ap.add_argument("--kill-rank", type=int, default=None, help="with --kill-at under torchrun: only this rank dies "
+                    "(the others raise RankFailureError at the next step and torchrun restarts them all)")
+    ap.add_argument("--hang", action="store_true", help="with --kill-at: the rank hangs (sleeps for good) instead "
+                    "of dying; the others raise RankFailureError after --timeout")
+    ap.add_argument("--timeout", type=float, default=60.0, help="timeout_s: how long a rank waits for a peer that "
+                    "does not answer before RankFailureError")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(1)
     real = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if real and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        init_distributed()
     rank = dist.get_rank() if real else 0
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))     # torchrun --max-restarts: 0, 1, ...
     say = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(0)                         # every rank alike (dropout draws are compared at start-up)
 
@@ -126,7 +160,7 @@ def main(argv=None):
     mesh = pt.Mesh({"batch": 2, "model": 2})
     schedule = [pt.tactics.data_parallel("batch"), pt.tactics.megatron("model"), pt.tactics.zero(3, "batch")]
     prog = pt.partition(model, mesh, schedule, example_inputs=get_batch(ids, 0, args.batch), loss_fn=spec.loss_fn,
-                        optimizer=opt, clip_grad_norm=args.clip, accumulate=args.accumulate)
+                        optimizer=opt, clip_grad_norm=args.clip, accumulate=args.accumulate, timeout_s=args.timeout)
 
     start = 0
     found = latest_checkpoint(args.ckpt)
@@ -146,8 +180,11 @@ def main(argv=None):
             say(f"step {step + 1:3d} eval loss {val:.7f}")
         if (step + 1) % args.ckpt_every == 0:
             save_checkpoint(args.ckpt, step + 1, prog, sched, real)
-        if args.kill_at is not None and step + 1 == args.kill_at:
-            say(f"killed after step {step + 1}", flush=True)
+        if args.kill_at is not None and step + 1 == args.kill_at and attempt == 0 and \
+                args.kill_rank in (None, rank):
+            print(f"rank {rank}: {'hangs' if args.hang else 'killed'} after step {step + 1}", flush=True)
+            while args.hang:
+                time.sleep(3600)
             os.kill(os.getpid(), signal.SIGKILL)
 
     prog.export_to(model)                         # the trained weights back in the eager module

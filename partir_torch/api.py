@@ -22,7 +22,9 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     ...                  example_inputs=(x, y), loss_fn=lambda m, x, y: F.mse_loss(m(x), y))
 
     simulate: a pt.sim.hardware(...) to print, after the schedule, one simulated row per tactic stage.
-    timeout_s: on real ranks, how long the start-up check waits for every rank before naming the missing ones.
+    timeout_s: on real ranks, how long any wait of the program lasts (the start-up check, the per-call agreement
+    of the ranks, every collective of a step: its process groups are created with it) before the ranks still
+    waiting raise (RankFailureError, runtime/faults.py). Default 300 s.
     bucket_bytes: parameter gathers and gradient reduce-scatters are merged into buckets of up to this many bytes
     (one collective each, as DDP/FSDP do; the bytes are unchanged); 0 keeps one collective per parameter.
     clip_grad_norm: clip the gradients by their global norm before the update, as torch.nn.utils.clip_grad_norm_

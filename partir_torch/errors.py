@@ -28,7 +28,13 @@ class ShardingConflictError(PartitionError):
 
 
 class RuntimeMismatchError(PartitionError):
-    """Ranks disagree about the program, or a rank died."""
+    """Ranks disagree about the program, the step or its inputs' shapes and dtypes (raised on every rank before any
+    collective of the step: runtime/faults.py)."""
+
+
+class RankFailureError(PartitionError):
+    """On real ranks, a peer died or did not answer within timeout_s: raised on every surviving rank, naming the step,
+    the collective (kind, mesh axis, value, the user's source line), the group's ranks and the likely cause."""
 
 
 def warn(message: str, stacklevel: int = 2) -> None:

@@ -10,8 +10,9 @@ from .errors import PartitionError
 class Options:
     """bucket_bytes: parameter gathers and gradient reduce-scatters / all-reduces are merged into buckets of up to
     this many bytes (one collective each, as DDP/FSDP do; the bytes are unchanged); 0 keeps one collective per
-    value. timeout_s: on real ranks, how long the start-up check waits for every rank before naming the missing
-    ones. compile: the per-device program runs compiled by TorchInductor (runtime/compiled.py; eager otherwise, with
+    value. timeout_s: on real ranks, how long any wait lasts (start-up check, the per-call agreement of the ranks,
+    every collective of a step: the program's process groups are created with it) before the waiting ranks raise
+    RankFailureError (runtime/faults.py). compile: the per-device program runs compiled by TorchInductor (runtime/compiled.py; eager otherwise, with
     the optimizer update as fused kernels, lower/fuse.py). measure_memory: every step measures each rank's peak of
     live tensor bytes (runtime/memtrack.py; prog.peak_memory() reads the last step's); it costs a Python callback
     per op, so it is off by default.

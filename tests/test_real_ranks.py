@@ -25,6 +25,14 @@ rank returns plain Python results and the tests below read them:
                   the whole model about 30%.
   phase "mismatch": rank 3 partitions with batch size 8, the others with 4: every rank raises RuntimeMismatchError
                   naming rank 3 (the first rank whose program differs), instead of hanging or running.
+  Faults (issue 25), last because they break the process groups of their program (each phase runs a program of its
+  own, on groups of its own; the default group carries the phase barriers):
+  phase "diverge": at step 2 rank 3 passes a batch of 8 rows, the others 4: every rank raises RuntimeMismatchError
+                  naming rank 3 and both shapes before any collective; step 2 then runs with the right batch.
+  phase "hang":   timeout_s=5; at step 2 rank 3 sleeps HANG_S before its 5th collective: every other rank raises
+                  RankFailureError within timeout_s + 10 s, and the program refuses further steps.
+  phase "dead":   at step 2 rank 3 reports, then exits before its 5th collective: every survivor raises
+                  RankFailureError within 5 s naming the step, the collective and its group.
 
 A watchdog bounds the spawn (SPAWN_TIMEOUT_S); gloo's own timeout (GLOO_TIMEOUT_S) turns a rank stuck in a collective
 into an error instead of a hang.
@@ -53,6 +61,7 @@ STEPS = 2
 LR, EPS = 1e-3, 1e-5   # AdamW; eps as in test_parity.py (bounds AdamW's amplification of rounding)
 SPAWN_TIMEOUT_S = 240
 GLOO_TIMEOUT_S = 60
+HANG_TIMEOUT_S, HANG_S = 5, 10    # the "hang" phase's timeout_s; rank 3 sleeps past the others' roll call
 LOSS_RTOL = 1e-5
 PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-6   # fp32; see test_parity.py for why an atol is needed with AdamW
 
@@ -181,6 +190,96 @@ def _phase_mismatch(spec, mesh, rank):
     return {"raised": None}
 
 
+def _stall_at(prog, k: int, action) -> None:
+    """Make this rank call `action` just before the k-th collective of its next step (a rank that hangs or dies in
+    the middle of a step): the step runs node by node through an fx.Interpreter."""
+    from partir_torch.contract import META_COLLECTIVE
+
+    ex = prog.executor
+    ex.ensure()
+    rt, seen = ex.rt, [0]
+
+    class Stall(torch.fx.Interpreter):
+        def run_node(self, node):
+            if META_COLLECTIVE in node.meta:
+                seen[0] += 1
+                if seen[0] == k:
+                    action()
+            return super().run_node(node)
+
+    rt.run = lambda gm, args: Stall(gm).run(*args)
+
+
+def _fault_program(spec, batch, plans, timeout_s):
+    """Another program of the train phase's plan (no new capture), with its own timeout_s."""
+    from partir_torch.options import Options
+    from partir_torch.plan import plan
+    from partir_torch.program import Program
+
+    base = plans["train"]
+    model = spec.build()
+    p = plan(base.captured, base.mesh, _schedule(), Options(timeout_s=timeout_s))
+    return Program(p, model, torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), spec.loss_fn)
+
+
+def _caught(fn) -> dict:
+    """fn()'s exception as plain data (type, message, wall time when caught), or {"raised": None}."""
+    import partir_torch as pt
+
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects the type and message
+        return {"raised": type(e).__name__, "message": str(e), "at": time.time(),
+                "rank_failure": isinstance(e, pt.errors.RankFailureError),
+                "mismatch": isinstance(e, pt.errors.RuntimeMismatchError)}
+    return {"raised": None, "at": time.time()}
+
+
+def _phase_diverge(spec, batch, plans, rank) -> dict:
+    """Step 2: rank 3 passes a batch of 8 rows, the others 4: every rank raises before any collective; then step 2
+    with the right batch everywhere runs and its loss equals the single-device step 2."""
+    _, ref_losses, _ = _reference(spec, batch)
+    prog = _fault_program(spec, batch, plans, timeout_s=GLOO_TIMEOUT_S)
+    out = {"loss1": prog.train_step(*batch).item(), "ref_losses": ref_losses}
+    t0 = time.time()
+    out["wrong"] = _caught(lambda: prog.train_step(*(spec.batch(8) if rank == 3 else batch)))
+    out["wrong"]["seconds"] = out["wrong"]["at"] - t0
+    out["steps_after"] = prog.steps
+    out["loss2"] = prog.train_step(*batch).item()
+    return out
+
+
+def _phase_hang(spec, batch, plans, rank) -> dict:
+    """timeout_s=5; step 2: rank 3 sleeps HANG_S before its 5th collective; every other rank raises."""
+    prog = _fault_program(spec, batch, plans, timeout_s=HANG_TIMEOUT_S)
+    prog.train_step(*batch)
+    out = {}
+    if rank == 3:
+        def hang():
+            out["hung_at"] = time.time()
+            time.sleep(HANG_S)
+        _stall_at(prog, 5, hang)
+    out.update(_caught(lambda: prog.train_step(*batch)))
+    out["again"] = _caught(lambda: prog.train_step(*batch))       # a failed program refuses further steps
+    return out
+
+
+def _phase_dead(spec, batch, plans, rank, report) -> dict:
+    """Step 2: rank 3 reports its results, then exits (os._exit) just before its 5th collective; every other rank
+    raises RankFailureError. Survivors exit after raising, as an uncaught error would end them."""
+    prog = _fault_program(spec, batch, plans, timeout_s=GLOO_TIMEOUT_S)   # the timeout is not what fires
+    prog.train_step(*batch)
+    out = {}
+    if rank == 3:
+        def die():
+            out["died_at"] = time.time()
+            report(out)
+            os._exit(0)
+        _stall_at(prog, 5, die)
+    out.update(_caught(lambda: prog.train_step(*batch)))
+    return out
+
+
 def _phase_dcp(ckpt: str) -> dict:
     """Save under BP + Z3 on {dp: 4}; load under BP + MP + Z3 on {dp: 2, tp: 2} and under the same schedule."""
     import torch.distributed.checkpoint as dcp
@@ -275,6 +374,13 @@ def _worker(rank, port, ckpt, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     out = {"rank": rank}
+
+    def report(last=None):          # the "dead" phase's rank 3 reports before it dies
+        if last is not None:
+            out["dead"] = last
+        queue.put(out)
+        queue.close()
+        queue.join_thread()
     try:
         import partir_torch as pt
         from examples.models import get
@@ -290,19 +396,24 @@ def _worker(rank, port, ckpt, queue):
                          ("dcp", lambda: _phase_dcp(ckpt)),
                          ("clip_acc_eval", _phase_clip_accumulate_eval),
                          ("memory", lambda: _phase_memory(spec, batch, rank)),
-                         ("mismatch", lambda: _phase_mismatch(spec, mesh, rank))):
+                         ("mismatch", lambda: _phase_mismatch(spec, mesh, rank)),
+                         ("diverge", lambda: _phase_diverge(spec, batch, plans, rank)),
+                         ("hang", lambda: _phase_hang(spec, batch, plans, rank)),
+                         ("dead", lambda: _phase_dead(spec, batch, plans, rank, report))):   # last: rank 3 exits
             t0 = time.perf_counter()
             try:
                 out[name] = fn()
             except Exception:  # noqa: BLE001 - reported to the parent; the next phase still runs
                 out[name] = {"error": traceback.format_exc()}
             out[name]["seconds"] = time.perf_counter() - t0
-            dist.barrier()
+            if name != "dead":
+                dist.barrier()
     except Exception:  # noqa: BLE001
         out["fatal"] = traceback.format_exc()
-    queue.put(out)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    report()
+    if rank == 0:       # it hosts the store: it stays until the survivors' roll call (faults.roll_call) is over
+        time.sleep(2)
+    os._exit(0)         # rank 3 is gone: no collective teardown of the default group
 
 
 @pytest.fixture(scope="module")
@@ -422,3 +533,48 @@ def test_real_ranks_measured_peak_memory_within_5_percent_of_simulated(ranks):
         assert list(r["measured"]) == [rank]              # this rank's own figure
         got, sim = r["measured"][rank], r["simulated"]
         assert abs(sim / got - 1) <= 0.05, f"rank {rank}: measured {got} B, simulated {sim} B"
+
+
+def test_diverging_input_shapes_raise_on_every_rank_before_any_collective(ranks):
+    for rank, r in _phase(ranks, "diverge").items():
+        w = r["wrong"]
+        assert w["raised"] == "RuntimeMismatchError" and w["mismatch"], f"rank {rank}: {w}"
+        assert "ranks [3]: inputs.0 (8, 16) int64" in w["message"], w["message"]
+        assert "ranks [0, 1, 2]: inputs.0 (4, 16) int64" in w["message"], w["message"]
+        assert w["seconds"] < 5, f"rank {rank} raised after {w['seconds']:.1f} s (a collective waited?)"
+        # nothing of step 2 ran: the step counter did not move and step 2, run again with the right batch
+        # everywhere, gives the single-device step-2 loss (a half-run step would have desynchronised the ranks)
+        assert r["steps_after"] == 1
+        assert [r["loss1"], r["loss2"]] == pytest.approx(r["ref_losses"], rel=LOSS_RTOL), f"rank {rank}: {r}"
+
+
+def test_hung_rank_makes_every_other_rank_raise_within_the_timeout(ranks):
+    hung_at = _phase(ranks, "hang")[3]["hung_at"]
+    for rank, r in _phase(ranks, "hang").items():
+        if rank == 3:
+            continue
+        assert r["raised"] == "RankFailureError" and r["rank_failure"], f"rank {rank}: {r}"
+        waited = r["at"] - hung_at
+        assert waited <= HANG_TIMEOUT_S + 10, f"rank {rank} raised {waited:.1f} s after rank 3 hung"
+        msg = r["message"]
+        assert "train_step (step 2)" in msg and "mesh axis '" in msg and "ranks [" in msg, msg
+        assert "Rank 3 did not report itself alive" in msg, msg      # the roll call after the failure
+        assert "internal error" not in msg
+        assert r["again"]["raised"] == "RankFailureError" and "earlier call failed" in r["again"]["message"]
+    # rank 3 woke up after its peers had released their groups: it fails too instead of hanging
+    assert _phase(ranks, "hang")[3]["raised"] == "RankFailureError"
+
+
+def test_dead_rank_makes_every_survivor_raise_rank_failure_within_5_s(ranks):
+    died_at = ranks[3]["dead"]["died_at"]
+    for rank in (0, 1, 2):
+        r = ranks[rank]["dead"]
+        assert "error" not in r, r["error"]
+        assert r["raised"] == "RankFailureError" and r["rank_failure"], f"rank {rank}: {r}"
+        assert r["at"] - died_at < 5, f"rank {rank} raised {r['at'] - died_at:.1f} s after rank 3 died"
+        msg = r["message"]
+        assert "train_step (step 2)" in msg and "mesh axis '" in msg and "died" in msg, msg
+        assert "Rank 3 did not report itself alive" in msg, msg
+        assert "internal error" not in msg
+        if rank in (1, 2):      # rank 3's peers: the failing group is rank 3's
+            assert ", 3])" in msg, msg

@@ -1,4 +1,5 @@
-"""Real ranks: torch.distributed is initialised (torchrun / mp.spawn); one sub-group per mesh axis."""
+"""Real ranks: torch.distributed is initialised (torchrun / mp.spawn); one sub-group per mesh axis, all with the
+program's timeout, and a CPU group for the checks of faults.py (start-up plan check, per-call agreement)."""
 from __future__ import annotations
 
 import hashlib
@@ -7,10 +8,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import RuntimeMismatchError
+from ..errors import RankFailureError, RuntimeMismatchError
 from ..mesh import Mesh
 from ..sharding import Sharding
+from . import faults
 from .layout import shard_of
+
+
+REPORT_WAIT_S = 1.5      # after a failure, how long a rank waits for the others to say they are alive
 
 
 def real_ranks_active() -> bool:
@@ -32,15 +37,32 @@ class DistributedRuntime:
         self.mesh = mesh
         self.rank = dist.get_rank()
         self.coord = mesh.coordinate(self.rank)
+        self.timeout_s = timeout_s
         self.timeout = timedelta(seconds=timeout_s)
         dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
         self.device = torch.device(dev, torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
-        self.device_mesh = init_device_mesh(dev, tuple(mesh.shape.values()), mesh_dim_names=mesh.axes)
+        # every group with the program's timeout (DeviceMesh would give its groups torch's 30-minute default,
+        # whatever init_process_group was given): a peer that does not answer fails the collective (faults.py)
+        opts = self._group_options(dev)
+        self.device_mesh = init_device_mesh(dev, tuple(mesh.shape.values()), mesh_dim_names=mesh.axes,
+                                            backend_override={a: opts for a in mesh.axes})
         self.groups = {a: self.device_mesh.get_group(a).group_name for a in mesh.axes}
+        # the checks' group: CPU tensors on every backend (no device sync), the same timeout
+        self.check_group = dist.new_group(timeout=self.timeout, backend="gloo", group_desc="partir_check")
+        self.failed = False
         self.compile = compile
         self._compiled: dict = {}
         self.measure_memory = False      # the Executor sets it from Options.measure_memory
         self.last_peak = None            # {this rank: bytes} of the last measured step (runtime/memtrack.py)
+
+    def _group_options(self, dev: str):
+        from torch._C._distributed_c10d import Backend as C10dBackend
+
+        if dev == "cuda":       # NCCL's own Options: its watchdog aborts a collective after _timeout
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            return opts
+        return C10dBackend.Options("gloo", self.timeout)
 
     def valid(self) -> bool:
         return dist.is_initialized()
@@ -49,26 +71,80 @@ class DistributedRuntime:
         """All ranks must run the same program: compare hashes; name the first rank that differs."""
         h = hashlib.sha256(text.encode()).hexdigest()[:16]
         hashes = [None] * dist.get_world_size()
-        if dist.get_backend() == "gloo":
-            # a rank that died or never reached partition() is named here instead of hanging everyone
-            try:
-                dist.monitored_barrier(timeout=self.timeout, wait_all_ranks=True)
-            except RuntimeError as e:
-                raise RuntimeMismatchError(f"partition: not every rank reached the start-up check within "
-                                           f"{self.timeout}: {e}. A rank may have died or not called "
-                                           f"partition(); collectives later in the step use the process group's "
-                                           f"timeout (init_process_group(timeout=...)).") from e
+        # a rank that died or never reached its first step is named here instead of hanging everyone
         try:
-            dist.all_gather_object(hashes, h)
+            dist.monitored_barrier(group=self.check_group, timeout=self.timeout, wait_all_ranks=True)
+        except RuntimeError as e:
+            raise RankFailureError(f"partition: not every rank reached the start-up check within "
+                                   f"timeout_s={self.timeout_s:g} s: {e}. A rank may have died or not called "
+                                   f"partition() and its first step.") from e
+        try:
+            dist.all_gather_object(hashes, h, group=self.check_group)
         except Exception as e:  # noqa: BLE001
-            raise RuntimeMismatchError(f"partition: ranks could not agree on the plan within {self.timeout}: {e}. "
-                                       f"A rank may have died or not called partition().") from e
+            raise RankFailureError(f"partition: ranks could not agree on the plan within timeout_s="
+                                   f"{self.timeout_s:g} s: {e}. A rank may have died or not called "
+                                   f"partition().") from e
         bad = [r for r, x in enumerate(hashes) if x != hashes[0]]
         if bad:
             raise RuntimeMismatchError(
                 f"partition: rank {bad[0]} built a different program than rank 0 (plan hash {hashes[bad[0]]} vs "
                 f"{hashes[0]}). Every rank must call partition with the same model, shapes, schedule and code, and "
                 f"seed its random generator alike (torch.manual_seed) when the step draws random numbers.")
+
+    def agree(self, fields: dict, what: str) -> None:
+        """Before `what` runs: every rank describes it (faults.describe_call) and the ranks compare one 8-byte
+        digest; a difference raises RuntimeMismatchError on every rank, naming the ranks and the fields that differ,
+        before any collective of the step. A peer that died or does not answer raises RankFailureError."""
+        world = dist.get_world_size()
+        mine = torch.tensor([faults.digest(fields)], dtype=torch.int64)
+        got = [torch.empty_like(mine) for _ in range(world)]
+        try:
+            dist.all_gather(got, mine, group=self.check_group)
+            if all(bool(g == mine) for g in got):
+                return
+            everyone = [None] * world
+            dist.all_gather_object(everyone, fields, group=self.check_group)
+        except Exception as e:  # noqa: BLE001 - classified below
+            if faults.peer_failure_kind(e) is None:
+                raise
+            missing = self.release(roll_call=True)
+            raise faults.step_failure(what, self.rank, self.mesh, None, e, self.timeout_s,
+                                      coll=f"the ranks' agreement check before it (an all_gather of 8 bytes on all "
+                                           f"{world} ranks)", missing=missing) from e
+        raise faults.divergence(everyone, what)
+
+    def release(self, roll_call: bool = False) -> list[int] | None:
+        """Destroy this runtime's process groups after a failed step (faults.py): a peer blocked in a collective
+        with this rank fails at once instead of at its timeout (dropping a gloo group closes its connections; gloo
+        has no abort that wakes a peer). The default group is the user's and is left alone. This rank says it is
+        alive first (faults.roll_call); with roll_call, returns the ranks that did not say so within
+        REPORT_WAIT_S (dead or stuck; None: the store cannot be reached)."""
+        import gc
+
+        if self.check_group is None:
+            return None
+        world = dist.get_world_size()
+        key = f"partir_fault/{self.check_group.group_name}"   # one per program: group names agree on all ranks
+        faults.roll_call(key, self.rank, world, 0.0)
+        self.failed = True
+        pgs = []
+        for name in set(self.groups.values()):
+            try:
+                pgs.append(dist.distributed_c10d._resolve_process_group(name))
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        pgs.append(self.check_group)
+        for pg in pgs:
+            if pg is None or pg == dist.GroupMember.WORLD or pg is dist.distributed_c10d._get_default_group():
+                continue
+            try:
+                dist.destroy_process_group(pg)
+            except Exception:  # noqa: BLE001 - a group already destroyed or broken: nothing left to release
+                pass
+        self.device_mesh = self.check_group = None
+        del pgs
+        gc.collect()
+        return faults.roll_call(key, self.rank, world, REPORT_WAIT_S) if roll_call else None
 
     def shard(self, full: torch.Tensor, sh: Sharding):
         return shard_of(full.detach().to(self.device), sh, self.mesh, self.coord).clone(

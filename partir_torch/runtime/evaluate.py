@@ -64,6 +64,8 @@ class Evaluator:
         ex.ensure()
         batch = conform(tuple(batch), None)           # mappings as dicts (an HF BatchEncoding)
         flat, spec = tree_flatten(batch)
+        what = "eval_step" if kind == "loss" else "forward"
+        ex.agree(what, flat)                          # real ranks: the same call everywhere (faults.py)
         for i, x in enumerate(flat):
             if not isinstance(x, torch.Tensor):
                 raise PartitionError(f"{'eval_step' if kind == 'loss' else 'forward'}: input {i} is a "
@@ -84,7 +86,7 @@ class Evaluator:
             else:
                 args.append(ex.rt.shard(flat[k], sh))
                 k += 1
-        outs = list(ex.rt.run(low.gm, args + ex.rt.coords()))
+        outs = ex.execute(low.gm, args + ex.rt.coords(), what)
         return [ex.rt.rank0(t) for t, n in zip(outs, cap.output_names) if not n.startswith("buffers.")], cap, low
 
     def _live(self, name, sh):

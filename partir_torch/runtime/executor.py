@@ -11,6 +11,7 @@ from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
 from ..capture.inputs import conform
 from ..contract import EXC_NODE, META_SRC, STATE_ROLES, Role
 from ..errors import PartitionError, internal_error
+from . import faults
 from .backend import backend_for
 from .interpret import InterpretedRuntime
 from .state import HeldState
@@ -34,6 +35,8 @@ class Executor:
         self.last_grad_norm = None
         self._hyper = None                   # this call's optimizer hyperparameters, read from the param groups
         self._evaluator = None
+        self.failure = None                  # real ranks: the error of a step that failed (its groups released)
+        self._digest = ""                    # real ranks: the plan's digest, part of every call's agreement
 
     @property
     def steps(self) -> int:
@@ -60,11 +63,16 @@ class Executor:
 
     # -- set-up ----------------------------------------------------------------------------------------------------
     def ensure(self):
+        if self.failure is not None:
+            raise type(self.failure)(f"partir_torch: this program cannot run on: an earlier call failed on this rank "
+                                     f"and released its process groups. That error:\n{self.failure}")
         if self.rt is None or not self.rt.valid():
             rt = self._backend or backend_for(self.plan.mesh, self.plan.options, self.emulator)
             self.lowered = rt.program(self.plan)
             if rt.kind == "distributed":
-                rt.check_plan(self._plan_text(self.plan.lowered()))
+                text = self._plan_text(self.plan.lowered())
+                rt.check_plan(text)
+                self._digest = hashlib.sha256(text.encode()).hexdigest()[:16]
             if self.plan.options.measure_memory:
                 rt.measure_memory = True         # the backend measures each step (runtime/memtrack.py)
             self.rt = rt
@@ -138,38 +146,56 @@ class Executor:
     def _placeholder(self, name):
         return self.plan.captured.names[name]
 
-    def run(self, batch, local=False):
+    def run(self, batch, local=False, what="the program"):
         """Random ops (dropout) are drawn whole on every rank from the caller's generator and sliced (their rule
         keeps them whole), so a step equals the single-device step given the same generator state; on real ranks
         every process must be seeded alike (checked with the plan at start-up)."""
         low = self.ensure()
         self._hyper = None
+        self.agree(what, tree_flatten(tuple(batch))[0])
         args = self._args(batch, local)
+        return self.execute(low.gm, args, what)
+
+    def agree(self, what: str, flat) -> None:
+        """Real ranks: the ranks agree on the program, the step and the inputs' shapes and dtypes before any
+        collective of `what` (faults.py); a difference raises on every rank."""
+        if self.rt.kind == "distributed":
+            self.rt.agree(faults.describe_call(what, self._digest, self.steps, flat), what)
+
+    def execute(self, gm, args, what: str) -> list:
+        """Run gm; a failure is named: RankFailureError when a peer died or hung (real ranks), else InternalError
+        (a failing per-device op is a bug of ours). On real ranks a failed step releases the process groups, so the
+        peers fail at once too, and the program refuses further calls."""
         try:
-            return list(self.rt.run(low.gm, args))
-        except PartitionError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a failing per-device op is a bug of ours: name its node
-            raise internal_error(self._failing_node(low.gm, e), "running", e) from e
+            return list(self.rt.run(gm, args))
+        except Exception as e:  # noqa: BLE001 - named below
+            if self.rt.kind == "distributed":
+                peer = faults.peer_failure_kind(e) is not None
+                missing = self.rt.release(roll_call=peer)      # first: the peers waiting on this rank fail now
+                if peer:
+                    err = faults.step_failure(what, self.rt.rank, self.plan.mesh,
+                                              faults.collective_of(faults.node_at(gm, e)), e, self.rt.timeout_s,
+                                              missing=missing)
+                else:
+                    err = e if isinstance(e, PartitionError) else internal_error(self._failing_node(gm, e),
+                                                                                 "running", e)
+                self.failure = err
+                if err is e:
+                    raise
+                raise err from e
+            if isinstance(e, PartitionError):
+                raise
+            raise internal_error(self._failing_node(gm, e), "running", e) from e
 
     def _failing_node(self, gm, exc):
         """The captured node whose per-device op raised `exc` (from the generated code's line), else None."""
-        import traceback
-
         name = getattr(exc, EXC_NODE, None)   # emulated: the interpreter names the node of its segment
-        if name is not None:
-            node = next((n for n in gm.graph.nodes if n.name == name), None)
-            src = node.meta.get(META_SRC) if node is not None else None
-            return next((n for n in self.plan.captured.gm.graph.nodes if n.name == src), None) or node
-        lines = gm.code.splitlines()
-        for fr in reversed(traceback.extract_tb(exc.__traceback__)):
-            if fr.filename.startswith("<eval_with_key>") and 0 < fr.lineno <= len(lines):
-                name = lines[fr.lineno - 1].strip().split(" = ")[0]
-                node = next((n for n in gm.graph.nodes if n.name == name), None)
-                src = node.meta.get(META_SRC) if node is not None else None
-                orig = next((n for n in self.plan.captured.gm.graph.nodes if n.name == src), None)
-                return orig or node
-        return None
+        node = next((n for n in gm.graph.nodes if n.name == name), None) if name is not None else \
+            faults.node_at(gm, exc)
+        if node is None:
+            return None
+        src = node.meta.get(META_SRC)
+        return next((n for n in self.plan.captured.gm.graph.nodes if n.name == src), None) or node
 
     def peak_memory(self) -> dict:
         """{rank: peak live tensor bytes} of the last program run (runtime/memtrack.py says what counts)."""
@@ -190,7 +216,7 @@ class Executor:
         cap = self.plan.captured
         if cap.mode != TRAIN:
             raise PartitionError("train_step needs partition(..., loss_fn=..., optimizer=...).")
-        outs = self.run(batch, local)
+        outs = self.run(batch, local, f"{'train_step_local' if local else 'train_step'} (step {self.steps + 1})")
         self._keep_state(outs)
         self._held.steps += 1
         if self.optimizer is not None:   # the update ran: lr schedulers stepped after it do not warn
@@ -203,7 +229,7 @@ class Executor:
         cap = self.plan.captured
         if cap.mode != LOSS_AND_GRADS:
             raise PartitionError("loss_and_grads needs partition(..., loss_fn=...) without an optimizer.")
-        outs = self.run(batch)
+        outs = self.run(batch, what="loss_and_grads")
         self._keep_state(outs)
         return self.rt.rank0(outs[0]), {n[len("grads."):]: self.rt.rank0(t)
                                         for n, t in zip(cap.output_names[1:], outs[1:]) if n.startswith("grads.")}
@@ -219,7 +245,7 @@ class Executor:
         if cap.mode != FORWARD:
             raise PartitionError("calling the program runs the forward; this program was captured with a loss_fn "
                                  "(use train_step or loss_and_grads).")
-        outs = self.run(inputs)
+        outs = self.run(inputs, what="forward")
         self._keep_state(outs)
         n = cap.out_spec.num_leaves
         return tree_unflatten([self.rt.rank0(t) for t in outs[:n]], cap.out_spec)
