@@ -1,19 +1,22 @@
 """partition(): capture (plan.capture_for) -> plan (one propagation per tactic) -> Program (run | report)."""
 from __future__ import annotations
 
+import time
+
 from .errors import PartitionError
 from .mesh import Mesh
 from .options import Options
 from .plan import capture_for, plan
 from .program import Program
+from .runtime.owner import check_free
 from .tactics.base import CaptureRewrite
 from .tactics.schedule import flatten_schedule
 
 
 def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimizer=None, registry=None,
               simulate=None, timeout_s: float = Options.timeout_s, bucket_bytes: int = Options.bucket_bytes,
-              clip_grad_norm=None,
-              accumulate: int = 1, accumulate_dims: dict | None = None, compile: bool = False) -> Program:
+              clip_grad_norm=None, accumulate: int = 1, accumulate_dims: dict | None = None, compile: bool = False,
+              max_shapes: int = Options.max_shapes) -> Program:
     """Trace `model`'s step and partition it over `mesh` with the tactics of `schedule`, in order.
 
     >>> prog = partition(model, Mesh({"batch": 2}), [ManualPartition({"inputs.*": 0}, axis="batch")],
@@ -31,6 +34,11 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     dim (default 0), or None for an input shared by every micro-batch.
     compile: run the per-device program compiled by TorchInductor, its functional collectives kept (real ranks:
     the whole step; emulated ranks: each run of local ops between two collectives). See runtime/compiled.py.
+    max_shapes: input signatures (shapes, dtypes) that keep a program: train_step at a new shape partitions the step
+    again with this schedule on the same state (runtime/shapes.py); beyond max_shapes the least recently used goes.
+
+    A module whose weights a live program has trained since they were last written back (prog.export_to) is
+    refused: the new program would start from its stale weights (runtime/owner.py).
     """
     if not isinstance(mesh, Mesh):
         raise PartitionError(f"partition: mesh must be a pt.Mesh, got {type(mesh).__name__}.")
@@ -51,10 +59,14 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
                              f"{accumulate!r}.")
     if accumulate > 1 and loss_fn is None:
         raise PartitionError("partition: accumulate sums the gradients of micro-batches; pass loss_fn=.")
+    check_free(model)
+    options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile, max_shapes=max_shapes)
+    t0 = time.perf_counter()
     captured = capture_for(model, tactics, example_inputs, loss_fn, optimizer, clip_grad_norm=clip_grad_norm,
                            accumulate=accumulate, accumulate_dims=accumulate_dims)
-    options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile)
-    prog = Program(plan(captured, mesh, tactics, options, registry), model, optimizer, loss_fn)
+    t1 = time.perf_counter()
+    planned = plan(captured, mesh, tactics, options, registry)
+    prog = Program(planned, model, optimizer, loss_fn, costs=(t1 - t0, time.perf_counter() - t1))
     if simulate is not None:
         print(prog.simulate(simulate).table())
     return prog

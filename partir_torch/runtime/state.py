@@ -18,6 +18,8 @@ import torch
 
 from ..contract import STATE_ROLES
 from ..errors import PartitionError
+from .layout import same_layout
+from .owner import Owner
 
 GROUP_SKIP = ("params",)
 
@@ -85,6 +87,7 @@ class HeldState:
         self.rt = None
         self.state: dict | None = None       # placeholder name -> local tensor
         self.steps = 0
+        self.owner = Owner(model)            # who holds the newer weights: this state or the eager module (owner.py)
 
     def attach(self, rt) -> None:
         """Hold the state on backend `rt`: first from the eager model and optimizer, later (a new backend) the
@@ -97,7 +100,9 @@ class HeldState:
     def _init_state(self, full: dict | None):
         """Hold `full` (state name -> full tensor; None: the eager model's and optimizer's) as local shards."""
         cap = self.plan.captured
-        if full is None:
+        taken = full is None
+        if taken:
+            self.owner.claim("the program's first call")
             full, self.steps = self._full_from(self.model, self.optimizer)
         self.state = {}
         for name, role in zip(cap.input_names, cap.input_roles):
@@ -106,6 +111,30 @@ class HeldState:
                     self.state[name] = self.rt.shard(full[name], self.layouts[name])
                 except PartitionError as e:      # a layout this backend cannot hold: name the value
                     raise PartitionError(f"{name}: {e}") from None
+        if taken:
+            self.owner.synced()
+
+    def guard(self, what: str) -> None:
+        """Before a call that reads the state: an eager edit of the module since the state last equalled it is
+        taken again while the program has not moved the state, and refused once it has (owner.py)."""
+        edited = self.owner.edited()
+        if not edited:
+            return
+        if self.owner.ahead:
+            self.owner.refuse_edit(what, edited)
+        steps = self.steps
+        self.import_from(self.model, self.optimizer)
+        if self.plan.captured.fopt is not None and self.plan.captured.fopt.kind == "sgd":
+            self.steps = steps                   # SGD keeps no step count of its own to read back
+
+    def relayout(self, layouts: dict) -> None:
+        """Hold each state value in `layouts` (the layouts of the program of another input shape, runtime/shapes.py);
+        a value in another layout is resharded through its full value (exact; gathers on real ranks)."""
+        for n, sh in layouts.items():
+            have = self.layouts[n]
+            if not same_layout(sh, have):
+                self.state[n] = self.rt.shard(self.rt.full(self.state[n], have, self._shape(n)), sh)
+                self.layouts[n] = sh
 
     def _layout(self, name):
         return self.layouts[name]
@@ -184,6 +213,7 @@ class HeldState:
                                  f"the current ones).")
         self.state.update(new)
         self.steps = steps
+        self.owner.moved()
 
     def full_state_dict(self) -> dict:
         """model.state_dict()'s keys -> full tensors (every rank: gathers are collective)."""
@@ -204,6 +234,7 @@ class HeldState:
                 elif n.startswith("buffers."):
                     buffers[n[len("buffers."):]].copy_(t)
         if optimizer is None or cap.fopt is None:
+            self._exported(model)
             return
         for gi, (group, names) in enumerate(zip(optimizer.param_groups, optimizer_fqns(model, optimizer))):
             if optimizer is not self.optimizer:
@@ -216,6 +247,11 @@ class HeldState:
                 if cap.fopt.kind != "sgd":
                     st["step"] = torch.tensor(float(self.steps), dtype=torch.float32)
                 optimizer.state[p] = st
+        self._exported(model)
+
+    def _exported(self, model) -> None:
+        if model is self.model:
+            self.owner.synced()
 
     def import_from(self, model=None, optimizer=None) -> None:
         """Take the state from an eager module and optimizer (after editing weights): the inverse of export_to."""
@@ -227,6 +263,9 @@ class HeldState:
         self.state = None
         self._init_state(full)
         self.steps = steps
+        self.owner.synced()                  # the module's current tensors are what the program holds (or, from
+        if model is not self.model:          # another module, what it no longer holds: the program is ahead)
+            self.owner.moved()
 
     def _full_from(self, model, optimizer) -> tuple:
         """Full state tensors by name, and the step count, from an eager module and optimizer."""
