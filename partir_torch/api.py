@@ -59,8 +59,8 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
                              f"{accumulate!r}.")
     if accumulate > 1 and loss_fn is None:
         raise PartitionError("partition: accumulate sums the gradients of micro-batches; pass loss_fn=.")
-    check_free(model)
     options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile, max_shapes=max_shapes)
+    check_free(model)
     t0 = time.perf_counter()
     captured = capture_for(model, tactics, example_inputs, loss_fn, optimizer, clip_grad_norm=clip_grad_norm,
                            accumulate=accumulate, accumulate_dims=accumulate_dims)

@@ -235,10 +235,11 @@ class Executor:
 
     def _keep_state(self, outs):
         """Updated state outputs (buffers written by the forward: running statistics) replace the state held."""
-        for name, t in zip(self.plan.captured.output_names, outs):
-            if name in self.state:
-                self.state[name] = t
-                self._held.owner.moved()
+        kept = [(name, t) for name, t in zip(self.plan.captured.output_names, outs) if name in self.state]
+        for name, t in kept:
+            self.state[name] = t
+        if kept:                                   # the held state moved away from the eager module's (owner.py)
+            self._held.owner.moved()
 
     def forward(self, inputs):
         cap = self.plan.captured
