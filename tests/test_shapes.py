@@ -83,9 +83,9 @@ def test_sequence_lengths_change_every_step_and_train_like_eager():
 
 def test_shape_cache_is_bounded_and_evicts_the_least_recently_used_once():
     """max_shapes=2: a third batch size drops the least recently used program (not the example inputs'), said
-    once; a dropped shape coming back is partitioned again; numerics equal eager throughout. train_step_local at a
-    new per-rank shape runs the program of the global shape (every emulated rank is given the same shard, so it
-    equals train_step on the shard repeated)."""
+    once; a dropped shape coming back is partitioned again; numerics equal eager throughout. train_step_local runs
+    the program train_step made for the global shape (every emulated rank is given the same shard, so it equals
+    train_step on the shard repeated), and refuses per-rank shapes of a global shape no program has."""
     spec = get("mlp")
     model = spec.build()
     ref = Eager(model, spec.loss_fn)
@@ -103,6 +103,9 @@ def test_shape_cache_is_bounded_and_evicts_the_least_recently_used_once():
     got = prog.train_step_local(x, y)
     torch.testing.assert_close(got, ref.step((torch.cat([x, x]), torch.cat([y, y]))), rtol=LOSS_RTOL, atol=0)
     assert_parameters_equal(prog, ref.m, what="after local step")
+    with pytest.raises(pt.PartitionError, match=r"each rank's shard must have shapes \[\(2, 16\), \(2, 16\)\].*"
+                                                r"A new shape is partitioned by train_step"):
+        prog.train_step_local(*spec.batch(5))
     with pytest.raises(pt.PartitionError, match="max_shapes must be an int >= 1"):
         pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(4),
                      loss_fn=spec.loss_fn, max_shapes=0)
@@ -166,8 +169,9 @@ def test_repartitioning_a_module_a_program_trained_raises_until_written_back():
 def test_eager_edits_are_taken_before_the_first_step_and_refused_after():
     """While the program has not moved the state, an eager edit is picked up (also after a call that took the
     state, like state_dict(), and after export_to); after a train_step the next train_step, eval_step or forward
-    raises naming import_from; import_from then continues from the eager module and optimizer as they are, and
-    export_to drops an edit; each path gives eager's numbers."""
+    raises naming import_from; import_from then continues from the eager module and optimizer as they are, a
+    write-back by hand (load_state_dict(full_state_dict())) is in sync, and export_to drops an edit; each path gives
+    eager's numbers."""
     spec = get("mlp")
     model = spec.build()
     ref = Eager(model, spec.loss_fn)
@@ -190,6 +194,8 @@ def test_eager_edits_are_taken_before_the_first_step_and_refused_after():
     prog.export_to(model, opt)                            # in sync again: an edit is the module's to make
     _edit(model, ref.m)
     _both(prog, ref, spec.batch(4, seed=3), "edit after export_to")
+    model.load_state_dict(prog.full_state_dict())        # written back by hand: in sync, nothing raises
+    _both(prog, ref, spec.batch(4, seed=5), "after load_state_dict(full_state_dict())")
     _edit(model)                                          # an edit dropped by export_to
     prog.export_to(model, opt)
     assert torch.equal(model.fc1.weight, prog.gather_parameters()["fc1.weight"])   # the program's weights ...

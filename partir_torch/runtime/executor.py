@@ -15,8 +15,8 @@ from ..errors import PartitionError, internal_error, user_stacklevel, warn
 from .backend import backend_for
 from .interpret import InterpretedRuntime
 from .layout import same_layout
-from .shapes import (ShapeCache, ShapeProgram, build, check_divisible, global_signature, meta_batch,
-                     plan_signature, say_new, show, signature)
+from .shapes import (ShapeCache, ShapeProgram, build, check_divisible, global_signature, plan_signature, say_new,
+                     show, signature)
 from .state import HeldState
 
 _KIND = {TRAIN: "train_step", LOSS_AND_GRADS: "loss_and_grads", FORWARD: "prog(...)"}
@@ -105,7 +105,7 @@ class Executor:
         """The program of this call's input signature (shapes.py): cached, or captured and planned now; its
         inputs as a flat list."""
         cap = self.plan.captured
-        flat, spec = tree_flatten(conform(tuple(batch), cap.in_spec))
+        flat, _ = tree_flatten(conform(tuple(batch), cap.in_spec))
         names = [n for n, r in zip(cap.input_names, cap.input_roles) if r == Role.INPUT]
         if len(flat) != len(names):
             raise PartitionError(f"the program was captured with {len(names)} input tensors; got {len(flat)}.")
@@ -115,10 +115,17 @@ class Executor:
         if local:
             sig = global_signature(self.plan, sig)
         entry = self.shapes.get(sig)
+        if entry is None and local:
+            # per-rank shards of a shape no program has: every rank would have to agree on it before capturing,
+            # and a global batch passed by mistake would pass for one; new shapes come through train_step
+            want = [tuple(s) for n, s in zip(cap.input_names, self._first.lowered.local_shapes) if n in names]
+            raise PartitionError(f"{what}: inputs of shapes {[tuple(x.shape) for x in flat]}; each rank's shard "
+                                 f"must have shapes {want} (global [{show(self._first.signature)}]), or those of "
+                                 f"another shape train_step has run. A new shape is partitioned by train_step, "
+                                 f"which takes the global batch; or pad every rank's shard to these shapes.")
         if entry is None:
             check_divisible(self.plan, sig, what)
-            entry = build(self.plan, self.model, self.optimizer, self.loss_fn,
-                          meta_batch(spec, sig) if local else tuple(batch), sig)
+            entry = build(self.plan, self.model, self.optimizer, self.loss_fn, tuple(batch), sig)
             self._bind(entry, self.rt)
             moved = [n for n, sh in entry.layouts.items() if not same_layout(sh, self._first.layouts[n])]
             if moved:

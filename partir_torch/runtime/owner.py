@@ -9,7 +9,9 @@ A program takes the module's (and optimizer's) state on its first call that need
   program edited before its first train_step trains from the edit;
 - once the program has moved the state (a train_step), the program is the owner: an eager edit raises at its next
   call (naming prog.import_from to take the edit, prog.export_to to overwrite it), and partition() of the module, or
-  another program taking the module's state, raises while that program is alive (naming prog.export_to).
+  another program taking the module's state, raises while that program is alive (naming prog.export_to); a module
+  that holds the program's values exactly (written back by hand: model.load_state_dict(prog.full_state_dict())) is
+  in sync again.
 
 Edits are found by each tensor's autograd version counter, identity and storage (cheap: no data is read). Writes
 through `.data` bypass the version counter (`p.data.mul_(2)`) and are not seen; use `with torch.no_grad():
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import gc
 import weakref
+
+import torch
 
 from ..errors import PartitionError
 
@@ -39,8 +43,9 @@ class Owner:
     """What one program's held state knows of its eager module: the module's tensors when they last equalled the
     state (`seen`; None until the state is taken) and whether the state has moved since (`moved_steps`)."""
 
-    def __init__(self, model):
+    def __init__(self, model, values=None):
         self.model = model
+        self.values = values                 # () -> {state name: full tensor} of the held state (a WeakMethod)
         self.seen: dict | None = None
         self.moved_steps = 0                 # calls that changed the held state since it last equalled the module
 
@@ -70,6 +75,24 @@ class Owner:
         now = fingerprint(self.model)
         return sorted(k for k in set(now) | set(self.seen) if now.get(k) != self.seen.get(k))
 
+    def written_back(self) -> bool:
+        """The module was edited since `synced` and now holds the program's values exactly (a write-back by hand:
+        model.load_state_dict(prog.full_state_dict())); then the two are in sync again. Gathers the held state
+        (collective on real ranks): asked only where the answer decides between going on and raising."""
+        values = self.values() if self.values is not None else None
+        if values is None or not self.edited():
+            return False
+        full = values()
+        mine = {f"params.{k}": t for k, t in self.model.named_parameters()}
+        mine.update({f"buffers.{k}": t for k, t in self.model.named_buffers()})
+        for n, t in full.items():
+            if n.startswith(("params.", "buffers.")):
+                m = mine.get(n)
+                if m is None or m.shape != t.shape or m.dtype != t.dtype or not torch.equal(m.detach().to(t.device), t):
+                    return False
+        self.synced()
+        return True
+
     def claim(self, what: str) -> None:
         """Before taking the module's state: no other live program may be ahead of it."""
         check_free(self.model, what, mine=self)
@@ -96,7 +119,7 @@ def check_free(model, what: str = "partition", mine=None) -> None:
     ahead = [h for h in (holders or ()) if h is not mine and h.ahead]
     if ahead:
         gc.collect()                          # a program dropped by the user may only wait for a collection
-        ahead = [h for h in (_HOLDERS.get(model) or ()) if h is not mine and h.ahead]
+        ahead = [h for h in (_HOLDERS.get(model) or ()) if h is not mine and h.ahead and not h.written_back()]
     if ahead:
         n = max(h.moved_steps for h in ahead)
         raise PartitionError(

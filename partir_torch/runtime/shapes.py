@@ -23,8 +23,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
-
 from ..contract import STATE_ROLES, Role
 from ..errors import PartitionError, user_stacklevel, warn
 
@@ -194,7 +192,7 @@ def check_divisible(train, sig, what: str) -> None:
 
 def global_signature(train, local_sig) -> tuple:
     """train_step_local: the global signature of per-rank inputs, each tiled dim times its axes' size (as the
-    program of the example inputs tiles them)."""
+    program of the example inputs tiles them); train_step_local runs the programs train_step made, never a new one."""
     cap, mesh = train.captured, train.mesh
     names = [n for n, r in zip(cap.input_names, cap.input_roles) if r == Role.INPUT]
     out = []
@@ -206,13 +204,6 @@ def global_signature(train, local_sig) -> tuple:
                 shape[d] *= mesh.shape[a]
         out.append((tuple(shape), dtype))
     return tuple(out)
-
-
-def meta_batch(spec, sig) -> tuple:
-    """Meta tensors of signature `sig` in the batch structure `spec` (what capture needs of them: shapes)."""
-    from torch.utils._pytree import tree_unflatten
-
-    return tree_unflatten([torch.empty(s, dtype=d, device="meta") for s, d in sig], spec)
 
 
 def say_new(what: str, entry: ShapeProgram, first: ShapeProgram, count: int, limit: int) -> None:

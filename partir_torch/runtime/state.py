@@ -14,6 +14,8 @@ and mesh, or full tensors.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..contract import STATE_ROLES
@@ -87,7 +89,8 @@ class HeldState:
         self.rt = None
         self.state: dict | None = None       # placeholder name -> local tensor
         self.steps = 0
-        self.owner = Owner(model)            # who holds the newer weights: this state or the eager module (owner.py)
+        # who holds the newer weights: this state or the eager module (owner.py)
+        self.owner = Owner(model, weakref.WeakMethod(self.state_full))
 
     def attach(self, rt) -> None:
         """Hold the state on backend `rt`: first from the eager model and optimizer, later (a new backend) the
@@ -121,6 +124,8 @@ class HeldState:
         if not edited:
             return
         if self.owner.ahead:
+            if self.owner.written_back():
+                return
             self.owner.refuse_edit(what, edited)
         steps = self.steps
         self.import_from(self.model, self.optimizer)
