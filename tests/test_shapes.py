@@ -124,6 +124,36 @@ def test_eval_and_forward_programs_are_listed_with_the_training_ones():
     assert "capture" in str(prog.shapes()[1])
 
 
+def test_a_shape_whose_program_keeps_the_state_in_another_layout_reshards_it_exactly():
+    """White box: the program of batch 6 is planned with the state replicated (as an automatic tactic could decide
+    for another shape) while the example inputs' program shards it (ZeRO-3): switching shapes reshards the held
+    state each way and training equals eager. A forward-only program runs a new batch size too."""
+    from partir_torch.plan import capture_for, plan
+    from partir_torch.runtime.shapes import ShapeProgram, signature
+
+    spec = get("mlp")
+    model = spec.build()
+    ref = Eager(model, spec.loss_fn)
+    mesh = pt.Mesh({"batch": 2})
+    prog = pt.partition(model, mesh, [T.data_parallel("batch"), T.zero(3, "batch")], example_inputs=spec.batch(4),
+                        loss_fn=spec.loss_fn, optimizer=_sgd(model))
+    other = [T.data_parallel("batch")]
+    six = spec.batch(6)
+    ex = prog.executor
+    ex.shapes.add(ShapeProgram(signature(six), plan(capture_for(model, other, six, spec.loss_fn, prog.optimizer),
+                                                    mesh, other), None, None))
+    held = ex.held()
+    for i, b in enumerate([4, 6, 4, 6]):
+        _both(prog, ref, spec.batch(b, seed=i), f"step {i} (batch {b})")
+        tiled = held.layouts["opt.momentum_buffer.fc1.weight"].tiled_axes()
+        assert tiled == ({} if b == 6 else {"batch": 0}), (b, tiled)
+    assert_parameters_equal(prog, ref.m, what="after switching layouts")
+
+    fwd = pt.partition(spec.build(), mesh, [T.data_parallel("batch")], example_inputs=(spec.batch(4)[0],))
+    x = spec.batch(6, seed=7)[0]
+    torch.testing.assert_close(fwd(x), fwd.model(x).detach(), rtol=1e-5, atol=1e-6)
+
+
 # -- 2. one owner of the weights -------------------------------------------------------------------------------------
 def _mlp_prog(model, spec):
     return pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
@@ -168,7 +198,7 @@ def test_repartitioning_a_module_a_program_trained_raises_until_written_back():
 
 def test_eager_edits_are_taken_before_the_first_step_and_refused_after():
     """While the program has not moved the state, an eager edit is picked up (also after a call that took the
-    state, like state_dict(), and after export_to); after a train_step the next train_step, eval_step or forward
+    state, like gather_parameters(), and after export_to; state_dict() shows it); after a train_step the next train_step, eval_step or forward
     raises naming import_from; import_from then continues from the eager module and optimizer as they are, a
     write-back by hand (load_state_dict(full_state_dict())) is in sync, and export_to drops an edit; each path gives
     eager's numbers."""
@@ -178,8 +208,9 @@ def test_eager_edits_are_taken_before_the_first_step_and_refused_after():
     opt = _sgd(model)
     prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
                         example_inputs=spec.batch(4), loss_fn=spec.loss_fn, optimizer=opt)
-    prog.state_dict()                                     # the program takes the state ...
+    before = prog.gather_parameters()["fc1.weight"]      # the program takes the state ...
     _edit(model, ref.m)                                   # ... and the module is edited before any step
+    torch.testing.assert_close(prog.state_dict()["model"]["fc1.weight"], before * 0.5, rtol=0, atol=0)
     _both(prog, ref, spec.batch(4, seed=1), "edit before the first step")
     _edit(model)                                          # after a step: the program owns the weights
     for call in (lambda: prog.train_step(*spec.batch(4)), lambda: prog.eval_step(*spec.batch(4)),

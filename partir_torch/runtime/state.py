@@ -117,16 +117,18 @@ class HeldState:
         if taken:
             self.owner.synced()
 
-    def guard(self, what: str) -> None:
+    def guard(self, what: str, refuse: bool = True) -> None:
         """Before a call that reads the state: an eager edit of the module since the state last equalled it is
-        taken again while the program has not moved the state, and refused once it has (owner.py)."""
+        taken again while the program has not moved the state, and (refuse) refused once it has (owner.py); the
+        readers of the program's own state (gather_parameters, state_dict) pass refuse=False: the program's state
+        is what they ask for."""
         edited = self.owner.edited()
         if not edited:
             return
         if self.owner.ahead:
-            if self.owner.written_back():
-                return
-            self.owner.refuse_edit(what, edited)
+            if refuse and not self.owner.written_back():
+                self.owner.refuse_edit(what, edited)
+            return
         steps = self.steps
         self.import_from(self.model, self.optimizer)
         if self.plan.captured.fopt is not None and self.plan.captured.fopt.kind == "sgd":
@@ -152,6 +154,7 @@ class HeldState:
         return {n: self.rt.full(t, self._layout(n), self._shape(n)) for n, t in self.state.items()}
 
     def gather_parameters(self) -> dict:
+        self.guard("gather_parameters", refuse=False)
         return {n[len("params."):]: self.rt.full(t, self._layout(n), self._shape(n))
                 for n, t in self.state.items() if n.startswith("params.")}
 
@@ -161,6 +164,7 @@ class HeldState:
 
     def state_dict(self) -> dict:
         """{"model": ..., "optimizer": ...} in get_state_dict's layout (see state.py)."""
+        self.guard("state_dict", refuse=False)
         cap = self.plan.captured
         values: dict = {}
         get = lambda n: values[n] if n in values else values.setdefault(n, self._value(n))
@@ -222,6 +226,7 @@ class HeldState:
 
     def full_state_dict(self) -> dict:
         """model.state_dict()'s keys -> full tensors (every rank: gathers are collective)."""
+        self.guard("full_state_dict", refuse=False)
         full = self.state_full()
         return {k: full[n] for k, n in model_keys(self.model, self.state).items()}
 
