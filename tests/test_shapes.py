@@ -198,10 +198,10 @@ def test_repartitioning_a_module_a_program_trained_raises_until_written_back():
 
 def test_eager_edits_are_taken_before_the_first_step_and_refused_after():
     """While the program has not moved the state, an eager edit is picked up (also after a call that took the
-    state, like gather_parameters(), and after export_to; state_dict() shows it); after a train_step the next train_step, eval_step or forward
-    raises naming import_from; import_from then continues from the eager module and optimizer as they are, a
-    write-back by hand (load_state_dict(full_state_dict())) is in sync, and export_to drops an edit; each path gives
-    eager's numbers."""
+    state, like gather_parameters(), and after export_to; state_dict() shows it); after a train_step the next
+    train_step, eval_step or forward raises naming import_from; import_from then continues from the eager module
+    and optimizer as they are, a write-back by hand (load_state_dict(full_state_dict())) is in sync, and export_to
+    drops an edit; each path gives eager's numbers."""
     spec = get("mlp")
     model = spec.build()
     ref = Eager(model, spec.loss_fn)

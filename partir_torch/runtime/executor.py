@@ -158,9 +158,9 @@ class Executor:
                 k += 1
                 if local:
                     if tuple(x.shape) != tuple(shp):
+                        full = tuple(cap.names[name].meta["val"].shape)
                         raise PartitionError(f"{what}: {name} has shape {tuple(x.shape)}, but each rank's shard must "
-                                             f"have shape {tuple(shp)} (global {tuple(cap.names[name].meta['val'].shape)}, "
-                                             f"{sh}).")
+                                             f"have shape {tuple(shp)} (global {full}, {sh}).")
                     args.append(self.rt.local(x))
                 else:
                     args.append(self.rt.shard(x, sh))
