@@ -167,8 +167,8 @@ def _edit(*models):
 
 
 def test_repartitioning_a_module_a_program_trained_raises_until_written_back():
-    """The issue's silent restart: after train_step, partition(model) again raises naming export_to; after
-    prog.export_to(model, opt) the new program continues from the trained weights and momentum like eager; the
+    """The issue's silent restart: after train_step, partition(model) again (and model(x)) raises naming export_to;
+    after prog.export_to(model, opt) the new program continues from the trained weights and momentum like eager; the
     module overwritten by the first program's export_to is refused by the second, which is ahead of it; programs
     dropped by the user (del) free the module: a new program starts from the module's weights, as eager does."""
     spec = get("mlp")
@@ -181,7 +181,12 @@ def test_repartitioning_a_module_a_program_trained_raises_until_written_back():
     with pytest.raises(pt.PartitionError, match=r"updated them 1 time\(s\) since they were last written back.*"
                                                 r"prog\.export_to\(model, optimizer\)"):
         _mlp_prog(model, spec)
+    x = spec.batch(4, seed=9)[0]
+    with pytest.raises(pt.PartitionError, match=r"MLP\(\.\.\.\): this module's weights are held by a live program "
+                                                r"that has updated them 1 time\(s\).*prog\.export_to"):
+        model(x)                                          # the stale module itself
     prog.export_to(model, opt)
+    torch.testing.assert_close(model(x), ref.m(x), rtol=1e-5, atol=1e-6)
     prog2 = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(4),
                          loss_fn=spec.loss_fn, optimizer=opt)
     _both(prog2, ref, spec.batch(4, seed=2), "re-partitioned after export_to")

@@ -13,6 +13,9 @@ A program takes the module's (and optimizer's) state on its first call that need
   that holds the program's values exactly (written back by hand: model.load_state_dict(prog.full_state_dict())) is
   in sync again.
 
+Calling the module itself (model(x)) while a program is ahead of it and it is untouched since raises too (a
+forward pre-hook registered on the module the first time a program takes its state), naming export_to.
+
 Edits are found by each tensor's autograd version counter, identity and storage (cheap: no data is read). Writes
 through `.data` bypass the version counter (`p.data.mul_(2)`) and are not seen; use `with torch.no_grad():
 p.mul_(2)`.
@@ -27,6 +30,7 @@ import torch
 from ..errors import PartitionError
 
 _HOLDERS = weakref.WeakKeyDictionary()      # eager module -> WeakSet of the Owner records of programs holding it
+_WATCHED = weakref.WeakSet()                 # modules with the stale-forward hook (_stale_forward) registered
 
 
 def fingerprint(model) -> dict:
@@ -63,7 +67,8 @@ class Owner:
         try:
             _HOLDERS.setdefault(self.model, weakref.WeakSet()).add(self)
         except TypeError:                    # a module that cannot be weakly referenced: no cross-program check
-            pass
+            return
+        _watch(self.model)
 
     def moved(self) -> None:
         self.moved_steps += 1
@@ -128,3 +133,27 @@ def check_free(model, what: str = "partition", mine=None) -> None:
             f"start from them. Write them back first: prog.export_to(model, optimizer), then partition again (the "
             f"new program continues from there); or drop the old program (del prog) to start over from the "
             f"module's weights.")
+
+
+def _watch(model) -> None:
+    """Register _stale_forward on `model` once (it stays: without a program ahead of the module it does nothing)."""
+    if model not in _WATCHED:
+        model.register_forward_pre_hook(_stale_forward)
+        _WATCHED.add(model)
+
+
+def _stale_forward(module, args) -> None:
+    """model(...) of a module that certainly holds stale weights: a live program has moved them since it took them,
+    and the module is untouched since (a module written to since, e.g. by model.load_state_dict(prog.
+    full_state_dict()), is let through: telling its values apart would need a gather, a collective). Our own
+    captures trace the module (torch.compiler.is_compiling() is True then) and pass."""
+    if torch.compiler.is_compiling():
+        return
+    stale = [h for h in (_HOLDERS.get(module) or ()) if h.ahead and not h.edited()]
+    if stale:
+        n = max(h.moved_steps for h in stale)
+        raise PartitionError(
+            f"{type(module).__name__}(...): this module's weights are held by a live program that has updated them "
+            f"{n} time(s) since they were last written back, so the module would compute with the older weights. "
+            f"Write them back first: prog.export_to(model, optimizer); or run the program: prog.forward(*inputs) / "
+            f"prog.eval_step(*batch) on its live state.")
