@@ -123,6 +123,12 @@ class Executor:
                                  f"must have shapes {want} (global [{show(self._first.signature)}]), or those of "
                                  f"another shape train_step has run. A new shape is partitioned by train_step, "
                                  f"which takes the global batch; or pad every rank's shard to these shapes.")
+        if entry is None and self.rt.kind == "xla":
+            # the XLA backend's shardings and constraints are those of the plan it was built for
+            raise PartitionError(f"{what}: inputs [{show(sig)}]; this torch-xla program runs the shapes it was "
+                                 f"built for, [{show(self._first.signature)}] (its shardings are that plan's). "
+                                 f"Pad batches to these shapes, or build the XLA program from a partition with "
+                                 f"example inputs of the new shape.")
         if entry is None:
             check_divisible(self.plan, sig, what)
             entry = build(self.plan, self.model, self.optimizer, self.loss_fn, tuple(batch), sig)

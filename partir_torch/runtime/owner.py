@@ -142,12 +142,22 @@ def _watch(model) -> None:
         _WATCHED.add(model)
 
 
+def _traced(module, args) -> bool:
+    """The call is a trace (ours: parameters swapped for fake tensors by functional_call, inputs fake or
+    functional), not an eager forward."""
+    from torch.utils._pytree import tree_leaves
+
+    p = next(module.parameters(), None)
+    leaves = [x for x in tree_leaves(args) if isinstance(x, torch.Tensor)]
+    return any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in leaves + ([p] if p is not None else []))
+
+
 def _stale_forward(module, args) -> None:
     """model(...) of a module that certainly holds stale weights: a live program has moved them since it took them,
     and the module is untouched since (a module written to since, e.g. by model.load_state_dict(prog.
     full_state_dict()), is let through: telling its values apart would need a gather, a collective). Our own
     captures trace the module (torch.compiler.is_compiling() is True then) and pass."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _traced(module, args):
         return
     stale = [h for h in (_HOLDERS.get(module) or ()) if h.ahead and not h.edited()]
     if stale:
