@@ -167,10 +167,11 @@ def _edit(*models):
 
 
 def test_repartitioning_a_module_a_program_trained_raises_until_written_back():
-    """The issue's silent restart: after train_step, partition(model) again (and model(x)) raises naming export_to;
-    after prog.export_to(model, opt) the new program continues from the trained weights and momentum like eager; the
-    module overwritten by the first program's export_to is refused by the second, which is ahead of it; programs
-    dropped by the user (del) free the module: a new program starts from the module's weights, as eager does."""
+    """The issue's silent restart: after train_step, partition(model) again (and model(x), model.state_dict())
+    raises naming export_to; after prog.export_to(model, opt) the new program continues from the trained weights
+    and momentum like eager; the module overwritten by the first program's export_to is refused by the second,
+    which is ahead of it; programs dropped by the user (del) free the module: a new program starts from the
+    module's weights, as eager does."""
     spec = get("mlp")
     model = spec.build()
     ref = Eager(model, spec.loss_fn)
@@ -185,6 +186,9 @@ def test_repartitioning_a_module_a_program_trained_raises_until_written_back():
     with pytest.raises(pt.PartitionError, match=r"MLP\(\.\.\.\): this module's weights are held by a live program "
                                                 r"that has updated them 1 time\(s\).*prog\.export_to"):
         model(x)                                          # the stale module itself
+    with pytest.raises(pt.PartitionError, match=r"MLP\.state_dict\(\): .*would save the older weights.*"
+                                                r"prog\.full_state_dict\(\)"):
+        model.state_dict()
     prog.export_to(model, opt)
     torch.testing.assert_close(model(x), ref.m(x), rtol=1e-5, atol=1e-6)
     prog2 = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(4),

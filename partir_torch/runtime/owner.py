@@ -13,8 +13,9 @@ A program takes the module's (and optimizer's) state on its first call that need
   that holds the program's values exactly (written back by hand: model.load_state_dict(prog.full_state_dict())) is
   in sync again.
 
-Calling the module itself (model(x)) while a program is ahead of it and it is untouched since raises too (a
-forward pre-hook registered on the module the first time a program takes its state), naming export_to.
+Using the module itself (model(x), model.state_dict()) while a program is ahead of it and it is untouched since
+raises too (a forward pre-hook and a state_dict pre-hook registered on the module the first time a program takes
+its state), naming export_to.
 
 Edits are found by each tensor's autograd version counter, identity and storage (cheap: no data is read). Writes
 through `.data` bypass the version counter (`p.data.mul_(2)`) and are not seen; use `with torch.no_grad():
@@ -22,6 +23,7 @@ p.mul_(2)`.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -135,10 +137,25 @@ def check_free(model, what: str = "partition", mine=None) -> None:
             f"module's weights.")
 
 
+_INTERNAL = [0]                              # > 0 while partir_torch itself reads a module's state_dict
+
+
+@contextlib.contextmanager
+def internal():
+    """partir_torch's own reads of a module's state_dict (its keys) pass the stale-module check."""
+    _INTERNAL[0] += 1
+    try:
+        yield
+    finally:
+        _INTERNAL[0] -= 1
+
+
 def _watch(model) -> None:
-    """Register _stale_forward on `model` once (it stays: without a program ahead of the module it does nothing)."""
+    """Register the stale-module checks on `model` once (they stay: without a program ahead of the module they do
+    nothing): its forward and its state_dict."""
     if model not in _WATCHED:
         model.register_forward_pre_hook(_stale_forward)
+        model.register_state_dict_pre_hook(_stale_state_dict)
         _WATCHED.add(model)
 
 
@@ -152,18 +169,35 @@ def _traced(module, args) -> bool:
     return any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in leaves + ([p] if p is not None else []))
 
 
+def _stale(module) -> int:
+    """How many updates a live program holds beyond `module`'s weights, where the module certainly holds stale
+    ones: untouched since the program took them (a module written to since, e.g. by model.load_state_dict(prog.
+    full_state_dict()), is let through: telling its values apart would need a gather, a collective)."""
+    stale = [h for h in (_HOLDERS.get(module) or ()) if h.ahead and not h.edited()]
+    return max((h.moved_steps for h in stale), default=0)
+
+
 def _stale_forward(module, args) -> None:
-    """model(...) of a module that certainly holds stale weights: a live program has moved them since it took them,
-    and the module is untouched since (a module written to since, e.g. by model.load_state_dict(prog.
-    full_state_dict()), is let through: telling its values apart would need a gather, a collective). Our own
-    captures trace the module (torch.compiler.is_compiling() is True then) and pass."""
+    """model(...) of a module that holds stale weights. Our own captures trace the module and pass."""
     if torch.compiler.is_compiling() or _traced(module, args):
         return
-    stale = [h for h in (_HOLDERS.get(module) or ()) if h.ahead and not h.edited()]
-    if stale:
-        n = max(h.moved_steps for h in stale)
+    n = _stale(module)
+    if n:
         raise PartitionError(
             f"{type(module).__name__}(...): this module's weights are held by a live program that has updated them "
             f"{n} time(s) since they were last written back, so the module would compute with the older weights. "
             f"Write them back first: prog.export_to(model, optimizer); or run the program: prog.forward(*inputs) / "
             f"prog.eval_step(*batch) on its live state.")
+
+
+def _stale_state_dict(module, prefix, keep_vars) -> None:
+    """model.state_dict() of a module that holds stale weights (a checkpoint, save_pretrained)."""
+    if _INTERNAL[0] or torch.compiler.is_compiling() or _traced(module, ()):
+        return
+    n = _stale(module)
+    if n:
+        raise PartitionError(
+            f"{type(module).__name__}.state_dict(): this module's weights are held by a live program that has "
+            f"updated them {n} time(s) since they were last written back, so this would save the older weights. "
+            f"Write them back first: prog.export_to(model, optimizer); or save the program's: "
+            f"prog.full_state_dict() (consolidated, model.state_dict()'s keys) or prog.state_dict() (DCP).")

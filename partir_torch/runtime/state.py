@@ -21,7 +21,7 @@ import torch
 from ..contract import STATE_ROLES
 from ..errors import PartitionError
 from .layout import same_layout
-from .owner import Owner
+from .owner import Owner, internal
 
 GROUP_SKIP = ("params",)
 
@@ -32,7 +32,9 @@ def model_keys(model: torch.nn.Module, state_names) -> dict:
     canon = {id(p): f"params.{k}" for k, p in model.named_parameters()}
     canon.update({id(b): f"buffers.{k}" for k, b in model.named_buffers()})
     out = {}
-    for k, t in model.state_dict(keep_vars=True).items():
+    with internal():                 # the keys only: not a read of stale values (owner.py)
+        sd = model.state_dict(keep_vars=True)
+    for k, t in sd.items():
         name = canon.get(id(t))
         if name is not None and name in state_names:
             out[k] = name
