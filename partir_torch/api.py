@@ -1,11 +1,14 @@
 """partition(): capture (plan.capture_for) -> plan (one propagation per tactic) -> Program (run | report)."""
 from __future__ import annotations
 
+import time
+
 from .errors import PartitionError
 from .mesh import Mesh
 from .options import Options
 from .plan import capture_for, plan
 from .program import Program
+from .runtime.owner import check_free
 from .tactics.base import CaptureRewrite
 from .tactics.schedule import flatten_schedule
 
@@ -15,7 +18,7 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
               clip_grad_norm=None,
               accumulate: int = 1, accumulate_dims: dict | None = None, compile: bool = False,
               prefetch: int = 1, reduce_in_flight: int = 1, tp_chunks: int = 0,
-              measure_memory: bool = False) -> Program:
+              measure_memory: bool = False, max_shapes: int = Options.max_shapes) -> Program:
     """Trace `model`'s step and partition it over `mesh` with the tactics of `schedule`, in order.
 
     >>> prog = partition(model, Mesh({"batch": 2}), [ManualPartition({"inputs.*": 0}, axis="batch")],
@@ -42,6 +45,11 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     the next chunk's matmul runs (0: off). See lower/overlap.py.
     measure_memory: every step measures each rank's peak of live tensor bytes; prog.peak_memory() returns the last
     step's ({rank: bytes}; what is counted: runtime/memtrack.py). Off by default: a Python callback per op.
+    max_shapes: input signatures (shapes, dtypes) that keep a program: train_step at a new shape partitions the step
+    again with this schedule on the same state (runtime/shapes.py); beyond max_shapes the least recently used goes.
+
+    A module whose weights a live program has trained since they were last written back (prog.export_to) is
+    refused: the new program would start from its stale weights (runtime/owner.py).
     """
     if not isinstance(mesh, Mesh):
         raise PartitionError(f"partition: mesh must be a pt.Mesh, got {type(mesh).__name__}.")
@@ -62,12 +70,16 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
                              f"{accumulate!r}.")
     if accumulate > 1 and loss_fn is None:
         raise PartitionError("partition: accumulate sums the gradients of micro-batches; pass loss_fn=.")
+    options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile, prefetch=prefetch,
+                      reduce_in_flight=reduce_in_flight, tp_chunks=tp_chunks, measure_memory=measure_memory,
+                      max_shapes=max_shapes)
+    check_free(model)
+    t0 = time.perf_counter()
     captured = capture_for(model, tactics, example_inputs, loss_fn, optimizer, clip_grad_norm=clip_grad_norm,
                            accumulate=accumulate, accumulate_dims=accumulate_dims)
-    options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile, prefetch=prefetch,
-                      reduce_in_flight=reduce_in_flight, tp_chunks=tp_chunks,
-                      measure_memory=measure_memory)
-    prog = Program(plan(captured, mesh, tactics, options, registry), model, optimizer, loss_fn)
+    t1 = time.perf_counter()
+    planned = plan(captured, mesh, tactics, options, registry)
+    prog = Program(planned, model, optimizer, loss_fn, costs=(t1 - t0, time.perf_counter() - t1))
     if simulate is not None:
         print(prog.simulate(simulate).table())
     return prog

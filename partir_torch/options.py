@@ -12,10 +12,12 @@ class Options:
     this many bytes (one collective each, as DDP/FSDP do; the bytes are unchanged); 0 keeps one collective per
     value. timeout_s: on real ranks, how long any wait lasts (start-up check, the per-call agreement of the ranks,
     every collective of a step: the program's process groups are created with it) before the waiting ranks raise
-    RankFailureError (runtime/faults.py). compile: the per-device program runs compiled by TorchInductor (runtime/compiled.py; eager otherwise, with
-    the optimizer update as fused kernels, lower/fuse.py). measure_memory: every step measures each rank's peak of
-    live tensor bytes (runtime/memtrack.py; prog.peak_memory() reads the last step's); it costs a Python callback
-    per op, so it is off by default.
+    RankFailureError (runtime/faults.py). compile: the per-device program runs compiled by TorchInductor
+    (runtime/compiled.py; eager otherwise, with the optimizer update as fused kernels, lower/fuse.py). measure_memory:
+    every step measures each rank's peak of live tensor bytes (runtime/memtrack.py; prog.peak_memory() reads the last
+    step's); it costs a Python callback per op, so it is off by default. max_shapes: how many input signatures
+    (shapes and dtypes) keep a partitioned program (runtime/shapes.py); beyond it the least recently used one is
+    dropped (and partitioned again if its shape comes back).
 
     Scheduling (lower/schedule.py): prefetch: state gathers (ZeRO-3's parameters) on one axis are issued this many
     gathers ahead of their use (FSDP2's default is 1; 0 gathers each where it is used); reduce_in_flight: at most
@@ -31,6 +33,7 @@ class Options:
     reduce_in_flight: int = 1
     tp_chunks: int = 0
     measure_memory: bool = False
+    max_shapes: int = 8
 
     def __post_init__(self):
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
@@ -44,5 +47,8 @@ class Options:
                 raise PartitionError(f"partition: {name} must be an int >= 0, got {v!r}.")
         if not isinstance(self.measure_memory, bool):
             raise PartitionError(f"partition: measure_memory must be True or False, got {self.measure_memory!r}.")
+        if not isinstance(self.max_shapes, int) or self.max_shapes < 1:
+            raise PartitionError(f"partition: max_shapes must be an int >= 1 (input shapes that keep a program), "
+                                 f"got {self.max_shapes!r}.")
         if not self.timeout_s > 0:
             raise PartitionError(f"partition: timeout_s must be a positive number of seconds, got {self.timeout_s!r}.")

@@ -13,13 +13,15 @@ class Program:
 
     plan: the frozen decisions (prog.plan.stages, prog.decisions); model, optimizer, loss_fn: what partition was
     given (the state starts from them, eval_step captures with them); the runtime and the state are created on the
-    first call that runs something (collectives(), summary() and simulate() never touch parameter memory)."""
+    first call that runs something (collectives(), summary() and simulate() never touch parameter memory).
+    costs: (capture seconds, plan seconds) of `plan`, as partition() measured them (prog.shapes())."""
 
-    def __init__(self, plan, model=None, optimizer=None, loss_fn=None):
+    def __init__(self, plan, model=None, optimizer=None, loss_fn=None, costs=(None, None)):
         self.plan = plan
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.reports = Reports(plan)
         self._executor = None
+        self._costs = costs
 
     # -- the plan ------------------------------------------------------------------------------------------------
     @property
@@ -118,12 +120,25 @@ class Program:
         if self._executor is None:
             from .runtime import Executor
 
-            self._executor = Executor(self.plan, self.model, self.optimizer, self.loss_fn)
+            self._executor = Executor(self.plan, self.model, self.optimizer, self.loss_fn, costs=self._costs)
         return self._executor
+
+    def shapes(self) -> list:
+        """The programs kept, one per input signature (runtime/shapes.py): train_step (or loss_and_grads, prog(...))
+        captures and partitions the step again for inputs of a new shape or dtype, with the same schedule, on the
+        same state; eval_step and forward keep their own. Each a ShapeInfo: kind, signature ((shape, dtype) per
+        input), capture_s, plan_s, lower_s, calls; least recently used first. The reports (print(prog),
+        collectives(), simulate()) describe the example inputs' program."""
+        ex = self.executor
+        kind = {"train": "train", "loss_and_grads": "loss_and_grads"}.get(self.plan.captured.mode, "forward")
+        rows = [e.info(kind) for e in ex.shapes.entries.values()]
+        return rows + (ex.evaluator.shapes() if ex._evaluator is not None else [])
 
     def train_step(self, *batch, **named):
         """One step (forward, backward, optimizer update) on the global batch; each rank keeps its slice.
-        train_step(**batch) is train_step(batch) for a program captured from one dict."""
+        train_step(**batch) is train_step(batch) for a program captured from one dict. A batch of a new shape
+        (another sequence length) is partitioned on first use with the same schedule, on the same state
+        (prog.shapes()). From its first step the program owns the weights: see README "One owner of the weights"."""
         return self.executor.train_step(_batch(batch, named, "train_step"))
 
     def train_step_local(self, *local_batch, **named):

@@ -17,6 +17,7 @@ rank returns plain Python results and the tests below read them:
                   into BP + MP + Z3 on {dp: 2, tp: 2} (a real reshard) and into the same schedule; the resumed
                   losses equal the uninterrupted run (bitwise under the same schedule); full tensors load too.
   phase "clip_acc_eval": (issue 11) gpt, BP + MP + Z3 on {dp: 2, tp: 2} with clip_grad_norm and accumulate=2,
+                  a third step at a new sequence length (issue 22: partitioned again on every rank, state kept),
                   then eval_step at another batch size: losses, norms, parameters and eval loss equal one device.
   phase "memory": (issue 19) gpt_sdpa, BP + Z3 on {batch: 4}, measure_memory=True: each rank's measured peak
                   (prog.peak_memory(), the CPU storage tracker in each process) is within 5% of the simulator's.
@@ -360,10 +361,11 @@ def _phase_clip_accumulate_eval() -> dict:
                         example_inputs=batch, loss_fn=spec.loss_fn,
                         optimizer=torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS), clip_grad_norm=0.5, accumulate=2)
     out = {"losses": [], "norms": []}
-    for _ in range(2):
-        want, want_norm = _eager_step(ref, ref_opt, spec, batch, 2, 0.5)
-        out["losses"].append((prog.train_step(*batch).item(), want.item()))
+    for b in (batch, batch, spec.batch(8, seed=4, seq=12)):   # the last: a new sequence length (issue 22), its
+        want, want_norm = _eager_step(ref, ref_opt, spec, b, 2, 0.5)   # program partitioned on every rank
+        out["losses"].append((prog.train_step(*b).item(), want.item()))
         out["norms"].append((prog.last_grad_norm.item(), want_norm.item()))
+    out["shapes"] = [r.signature[0][0] for r in prog.shapes()]
     got = prog.gather_parameters()
     out["param_err"] = max(((got[k] - p.detach()).abs() - PARAM_RTOL * p.detach().abs() - PARAM_ATOL).max().item()
                            for k, p in ref.named_parameters())
@@ -529,6 +531,7 @@ def test_real_ranks_clipping_accumulation_and_eval_equal_one_device(ranks):
         for got, want in r["losses"] + r["norms"] + [r["eval"]]:
             assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r}"
         assert r["param_err"] <= 0, f"rank {rank}: parameters outside rtol/atol by {r['param_err']}"
+        assert r["shapes"] == [(8, 16), (8, 12)], f"rank {rank}: {r['shapes']}"
 
 
 def test_real_ranks_measured_peak_memory_within_5_percent_of_simulated(ranks):

@@ -60,6 +60,10 @@ class Captured:
     rewrites: tuple = ()                         # names of the capture rewrites applied (mixed precision, remat)
     decompositions: frozenset = frozenset()      # the extra decompositions tactics asked for (op overloads)
     in_spec: object = None                       # pytree spec of the inputs (inputs.<i> in its flattening order)
+    # what the step was captured with beyond the inputs, so that it can be captured again for other input shapes
+    # (runtime/shapes.py): capture()'s keyword arguments, and each module's training flag (model.modules() order)
+    settings: dict = field(default_factory=dict)
+    modes: tuple = ()
 
 
 def _trace_device(model, inputs) -> torch.device:
@@ -534,6 +538,9 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
                     [k for k, _ in model.named_parameters()], lay.trainable, lay.buffers, device)
     cap.consts = consts
     cap.in_spec = lay.in_spec
+    cap.settings = dict(clip_grad_norm=clip_grad_norm, accumulate=accumulate, accumulate_dims=accumulate_dims,
+                        eval_loss=eval_loss)
+    cap.modes = tuple(m.training for m in model.modules())
     cap.rewrites = tuple(opt.name for opt in options)
     cap.decompositions = frozenset((decompositions or {}).keys())
     # the passes above edit gm.graph only; gm is a lazy GraphModule: its code is generated when first called or

@@ -9,6 +9,7 @@ training step is never partitioned again.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,8 @@ from ..contract import Role
 from ..errors import PartitionError, user_stacklevel, warn
 from ..lower.lower import bind
 from ..sharding import REPLICATED
+from .layout import same_layout
+from .shapes import ShapeCache, ShapeInfo, ShapeProgram, signature
 
 LIVE = "live"
 
@@ -45,7 +48,9 @@ class LiveLayout:
 class Evaluator:
     def __init__(self, executor):
         self.ex = executor
-        self.cache: dict = {}     # (kind, signature, backend) -> (Plan, Lowered bound to the backend)
+        # (kind, structure, signature, backend) -> ShapeProgram (plan, lowering bound to the backend), at most
+        # Options.max_shapes of them, least recently used first out (shapes.py)
+        self.cache = ShapeCache(executor.plan.options.max_shapes, "eval_step / forward")
 
     def eval_step(self, batch):
         if self.ex.loss_fn is None:
@@ -72,10 +77,14 @@ class Evaluator:
                                      f"{type(x).__name__}; pass tensors.")
         # the structure too: a dict with its keys in another order is another program's inputs (capture flattens
         # a dict in its key order)
-        key = (kind, str(spec), tuple((tuple(x.shape), x.dtype) for x in flat), id(ex.rt))
-        if key not in self.cache:
-            self.cache[key] = self._build(kind, tuple(batch))
-        plan, low = self.cache[key]
+        what = "eval_step" if kind == "loss" else "forward"
+        ex.held().guard(what)
+        key = (kind, str(spec), signature(flat), id(ex.rt))
+        entry = self.cache.get(key)
+        if entry is None:
+            entry = self.cache.add(self._build(kind, tuple(batch), key))
+        entry.calls += 1
+        plan, low = entry.plan, entry.lowered
         cap = plan.captured
         args, k = [], 0
         for name, role, sh in zip(cap.input_names, cap.input_roles, low.input_layouts):
@@ -86,26 +95,27 @@ class Evaluator:
             else:
                 args.append(ex.rt.shard(flat[k], sh))
                 k += 1
-        outs = ex.execute(low.gm, args + ex.rt.coords(), what)
+        outs = ex.execute(low.gm, args + ex.rt.coords(), what, plan)
         return [ex.rt.rank0(t) for t, n in zip(outs, cap.output_names) if not n.startswith("buffers.")], cap, low
 
     def _live(self, name, sh):
         """The training program's local shard of a state value, in the eval program's layout `sh`."""
         held = self.ex.held()
         have = held.layouts[name]
-        if _same(sh, have):
+        if same_layout(sh, have):
             return held.state[name]
         # the eval program settled on another layout (a conflict): reshard through the full value (correct, slow)
         full = held.rt.full(held.state[name], have, held._shape(name))
         return held.rt.shard(full, sh)
 
-    def _build(self, kind, batch):
+    def _build(self, kind, batch, key):
         from ..plan import capture_for, plan
 
         train = self.ex.plan
         model = self.ex.model
         was = model.training
         model.eval()
+        t0 = time.perf_counter()
         try:
             # the loss runs in the training step's compute dtype (mixed_precision's casts); remat has no backward here
             tactics = [t for t in train.tactics if t not in train.capture_rewrites]
@@ -114,15 +124,23 @@ class Evaluator:
                               eval_loss=kind == "loss")
         finally:
             model.train(was)
+        t1 = time.perf_counter()
         p = plan(cap, train.mesh, rewrites + [LiveLayout(train)], train.options, train.registry)
+        t2 = time.perf_counter()
         low = bind(p.lowered(), self.ex.rt.groups)
         held = self.ex.held()
         moved = [n for n, sh in zip(cap.input_names, low.input_layouts)
-                 if n in held.state and not _same(sh, held.layouts[n])]
+                 if n in held.state and not same_layout(sh, held.layouts[n])]
         if moved:
             warn(f"{kind}: {len(moved)} state value(s) settle in another layout in the eval program than in "
                  f"training ({', '.join(moved[:3])}); they are resharded at every call.", stacklevel=user_stacklevel())
-        return p, low
+        return ShapeProgram(key, p, t1 - t0, t2 - t1, time.perf_counter() - t2, lowered=low, rt=self.ex.rt)
+
+    def shapes(self) -> list:
+        """ShapeInfo rows of the eval and forward programs kept."""
+        kinds = {"loss": "eval", "forward": "eval forward"}
+        return [ShapeInfo(kinds[e.signature[0]], e.signature[2], e.capture_s, e.plan_s, e.lower_s, e.calls)
+                for e in self.cache.entries.values()]
 
 
 def _seeds(train, cap, axis, tactic, last) -> list:
@@ -156,9 +174,3 @@ def _seeds(train, cap, axis, tactic, last) -> list:
                 if shape[d] % k == 0:
                     seeds.append((name, d))
     return seeds
-
-
-def _same(a, b) -> bool:
-    """The same data layout (explicitly-replicated markers aside)."""
-    return tuple(map(tuple, a.dims)) == tuple(map(tuple, b.dims)) and tuple(a.partial) == tuple(b.partial) and \
-        tuple(a.strides) == tuple(b.strides)

@@ -3,6 +3,7 @@ shards (state.py's HeldState)."""
 from __future__ import annotations
 
 import hashlib
+import time
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -10,11 +11,16 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
 from ..capture.inputs import conform
 from ..contract import EXC_NODE, META_SRC, STATE_ROLES, Role
-from ..errors import PartitionError, internal_error
+from ..errors import PartitionError, internal_error, user_stacklevel, warn
 from . import faults
 from .backend import backend_for
 from .interpret import InterpretedRuntime
+from .layout import same_layout
+from .shapes import (ShapeCache, ShapeProgram, build, check_divisible, global_signature, plan_signature, say_new,
+                     show, signature)
 from .state import HeldState
+
+_KIND = {TRAIN: "train_step", LOSS_AND_GRADS: "loss_and_grads", FORWARD: "prog(...)"}
 
 
 class Executor:
@@ -26,17 +32,20 @@ class Executor:
     # emulate.EmulatedRuntime (LocalTensorMode) as a cross-check
     emulator = InterpretedRuntime
 
-    def __init__(self, plan, model, optimizer, loss_fn=None, backend=None):
+    def __init__(self, plan, model, optimizer, loss_fn=None, backend=None, costs=(None, None)):
         self.plan, self.model, self.optimizer, self.loss_fn = plan, model, optimizer, loss_fn
         self._backend = backend              # a fixed backend (prog.to_xla()); None: backend_for() decides
         self.rt = None
-        self.lowered = None                  # what self.rt runs: plan.lowered() bound to its process groups
+        self.lowered = None                  # the example inputs' program: plan.lowered() bound to self.rt's groups
         self._held = HeldState(plan, model, optimizer)
         self.last_grad_norm = None
         self._hyper = None                   # this call's optimizer hyperparameters, read from the param groups
         self._evaluator = None
         self.failure = None                  # real ranks: the error of a step that failed (its groups released)
         self._digest = ""                    # real ranks: the plan's digest, part of every call's agreement
+        # one program per input signature (shapes.py), sharing the state held; costs: (capture_s, plan_s) of plan
+        self.shapes = ShapeCache(plan.options.max_shapes, _KIND.get(plan.captured.mode, "run"))
+        self._first = self.shapes.add(ShapeProgram(plan_signature(plan), plan, *costs), pinned=True)
 
     @property
     def steps(self) -> int:
@@ -68,16 +77,29 @@ class Executor:
                                      f"and released its process groups. That error:\n{self.failure}")
         if self.rt is None or not self.rt.valid():
             rt = self._backend or backend_for(self.plan.mesh, self.plan.options, self.emulator)
-            self.lowered = rt.program(self.plan)
-            if rt.kind == "distributed":
-                text = self._plan_text(self.plan.lowered())
-                rt.check_plan(text)
-                self._digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+            self._bind(self._first, rt)
             if self.plan.options.measure_memory:
                 rt.measure_memory = True         # the backend measures each step (runtime/memtrack.py)
             self.rt = rt
             self._held.attach(rt)
+        self.lowered = self._first.lowered
         return self.lowered
+
+    def _bind(self, entry, rt) -> None:
+        """entry's program bound to rt's process groups (once per backend); on real ranks, every rank checks that
+        all run the same one."""
+        if entry.rt is rt:
+            return
+        t0 = time.perf_counter()
+        entry.lowered = rt.program(entry.plan)
+        if rt.kind == "distributed":
+            text = self._plan_text(entry.plan.lowered())
+            rt.check_plan(text)
+            if entry is self._first:
+                self._digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        if entry.lower_s is None:
+            entry.lower_s = time.perf_counter() - t0
+        entry.rt = rt
 
     def _plan_text(self, canonical) -> str:
         """What every rank must agree on: the program's code on canonical group names (each rank numbers its own
@@ -90,15 +112,53 @@ class Executor:
         return code
 
     # -- running ---------------------------------------------------------------------------------------------------
-    def _args(self, batch, local: bool):
+    def program_for(self, batch, local: bool, what: str):
+        """The program of this call's input signature (shapes.py): cached, or captured and planned now; its
+        inputs as a flat list."""
         cap = self.plan.captured
         flat, _ = tree_flatten(conform(tuple(batch), cap.in_spec))
-        n_in = sum(1 for r in cap.input_roles if r == "input")
-        if len(flat) != n_in:
-            raise PartitionError(f"the program was captured with {n_in} input tensors; got {len(flat)}.")
+        names = [n for n, r in zip(cap.input_names, cap.input_roles) if r == Role.INPUT]
+        if len(flat) != len(names):
+            raise PartitionError(f"the program was captured with {len(names)} input tensors; got {len(flat)}.")
+        for name, x in zip(names, flat):
+            self._check_input(name, x)
+        sig = signature(flat)
+        if local:
+            sig = global_signature(self.plan, sig)
+        entry = self.shapes.get(sig)
+        if entry is None and local:
+            # per-rank shards of a shape no program has: every rank would have to agree on it before capturing,
+            # and a global batch passed by mistake would pass for one; new shapes come through train_step
+            want = [tuple(s) for n, s in zip(cap.input_names, self._first.lowered.local_shapes) if n in names]
+            raise PartitionError(f"{what}: inputs of shapes {[tuple(x.shape) for x in flat]}; each rank's shard "
+                                 f"must have shapes {want} (global [{show(self._first.signature)}]), or those of "
+                                 f"another shape train_step has run. A new shape is partitioned by train_step, "
+                                 f"which takes the global batch; or pad every rank's shard to these shapes.")
+        if entry is None and self.rt.kind == "xla":
+            # the XLA backend's shardings and constraints are those of the plan it was built for
+            raise PartitionError(f"{what}: inputs [{show(sig)}]; this torch-xla program runs the shapes it was "
+                                 f"built for, [{show(self._first.signature)}] (its shardings are that plan's). "
+                                 f"Pad batches to these shapes, or build the XLA program from a partition with "
+                                 f"example inputs of the new shape.")
+        if entry is None:
+            check_divisible(self.plan, sig, what)
+            entry = build(self.plan, self.model, self.optimizer, self.loss_fn, tuple(batch), sig)
+            self._bind(entry, self.rt)
+            moved = [n for n, sh in entry.layouts.items() if not same_layout(sh, self._first.layouts[n])]
+            if moved:
+                warn(f"{what}: the program for inputs [{show(sig)}] keeps {len(moved)} state value(s) in another "
+                     f"layout than the first program ({', '.join(moved[:3])}); they are resharded whenever the "
+                     f"program switches between the two shapes.", stacklevel=user_stacklevel())
+            self.shapes.add(entry)
+            say_new(what, entry, self._first, len(self.shapes.entries), self.shapes.limit)
+        self._bind(entry, self.rt)
+        entry.calls += 1
+        return entry, flat
+
+    def _args(self, entry, flat, local: bool, what: str):
+        cap, low = entry.plan.captured, entry.lowered
         args, k = [], 0
-        for name, role, sh, shp in zip(cap.input_names, cap.input_roles, self.lowered.input_layouts,
-                                       self.lowered.local_shapes):
+        for name, role, sh, shp in zip(cap.input_names, cap.input_roles, low.input_layouts, low.local_shapes):
             if role in STATE_ROLES:
                 args.append(self.state[name])
             elif role == Role.LR:   # hparams.<group>.<name>: read from the optimizer's param groups at every step
@@ -113,31 +173,23 @@ class Executor:
             else:
                 x = flat[k]
                 k += 1
-                want = self.plan.graph.shapes[self.plan.graph.vid[self._placeholder(name)]]
-                self._check_input(name, x)
                 if local:
                     if tuple(x.shape) != tuple(shp):
-                        raise PartitionError(f"train_step_local: {name} has shape {tuple(x.shape)}, but each rank's "
-                                             f"shard must have shape {tuple(shp)} (global {tuple(want)}, {sh}).")
+                        full = tuple(cap.names[name].meta["val"].shape)
+                        raise PartitionError(f"{what}: {name} has shape {tuple(x.shape)}, but each rank's shard must "
+                                             f"have shape {tuple(shp)} (global {full}, {sh}).")
                     args.append(self.rt.local(x))
                 else:
-                    if tuple(x.shape) != tuple(want):
-                        raise PartitionError(f"{name} has shape {tuple(x.shape)}; the program was captured with "
-                                             f"{tuple(want)}. Re-partition for new shapes.")
                     args.append(self.rt.shard(x, sh))
         return args + self.rt.coords()
 
     def _check_input(self, name, x):
-        """The call's input against the captured one: type, dtype and device (shapes are checked by the caller,
-        against the global or the per-rank shape)."""
+        """The call's input against the captured one: a tensor on the program's device (its shape and dtype select
+        the program: shapes.py)."""
         val = self._placeholder(name).meta["val"]
         if not isinstance(x, torch.Tensor):
             raise PartitionError(f"{name} is a {type(x).__name__}; the program was captured with a tensor "
                                  f"{tuple(val.shape)} {val.dtype} there.")
-        if x.dtype != val.dtype:
-            raise PartitionError(f"{name} has dtype {x.dtype}; the program was captured with {val.dtype} "
-                                 f"(shape {tuple(val.shape)}). Convert it (x.to({val.dtype})) or re-partition with "
-                                 f"example inputs of this dtype.")
         dev = self.plan.captured.device
         if x.device.type == "meta" or (x.device.type != dev.type and dev.type != "meta"):
             raise PartitionError(f"{name} is on {x.device}; the program runs on {dev.type}. Move the batch there "
@@ -146,15 +198,21 @@ class Executor:
     def _placeholder(self, name):
         return self.plan.captured.names[name]
 
-    def run(self, batch, local=False, what="the program"):
+    def run(self, batch, local=False, what="train_step"):
         """Random ops (dropout) are drawn whole on every rank from the caller's generator and sliced (their rule
         keeps them whole), so a step equals the single-device step given the same generator state; on real ranks
         every process must be seeded alike (checked with the plan at start-up)."""
-        low = self.ensure()
+        self.ensure()
+        self._held.guard(what)
         self._hyper = None
-        self.agree(what, tree_flatten(tuple(batch))[0])
-        args = self._args(batch, local)
-        return self.execute(low.gm, args, what)
+        desc = f"{what} (step {self.steps + 1})" if what.startswith("train_step") else what
+        # real ranks agree on the call (program, step, inputs' shapes) before anything that could differ between
+        # them: a new shape's capture, its plan check, the step's collectives
+        self.agree(desc, tree_flatten(tuple(batch))[0])
+        entry, flat = self.program_for(batch, local, what)
+        self._held.relayout(entry.layouts)
+        args = self._args(entry, flat, local, what)
+        return self.execute(entry.lowered.gm, args, desc, entry.plan)
 
     def agree(self, what: str, flat) -> None:
         """Real ranks: the ranks agree on the program, the step and the inputs' shapes and dtypes before any
@@ -162,10 +220,11 @@ class Executor:
         if self.rt.kind == "distributed":
             self.rt.agree(faults.describe_call(what, self._digest, self.steps, flat), what)
 
-    def execute(self, gm, args, what: str) -> list:
-        """Run gm; a failure is named: RankFailureError when a peer died or hung (real ranks), else InternalError
-        (a failing per-device op is a bug of ours). On real ranks a failed step releases the process groups, so the
-        peers fail at once too, and the program refuses further calls."""
+    def execute(self, gm, args, what: str, plan=None) -> list:
+        """Run gm (a program of `plan`, default the first); a failure is named: RankFailureError when a peer died or
+        hung (real ranks), else InternalError (a failing per-device op is a bug of ours). On real ranks a failed step
+        releases the process groups, so the peers fail at once too, and the program refuses further calls."""
+        plan = plan or self.plan
         try:
             return list(self.rt.run(gm, args))
         except Exception as e:  # noqa: BLE001 - named below
@@ -177,7 +236,7 @@ class Executor:
                                               faults.collective_of(faults.node_at(gm, e)), e, self.rt.timeout_s,
                                               missing=missing)
                 else:
-                    err = e if isinstance(e, PartitionError) else internal_error(self._failing_node(gm, e),
+                    err = e if isinstance(e, PartitionError) else internal_error(self._failing_node(gm, e, plan),
                                                                                  "running", e)
                 self.failure = err
                 if err is e:
@@ -185,9 +244,9 @@ class Executor:
                 raise err from e
             if isinstance(e, PartitionError):
                 raise
-            raise internal_error(self._failing_node(gm, e), "running", e) from e
+            raise internal_error(self._failing_node(gm, e, plan), "running", e) from e
 
-    def _failing_node(self, gm, exc):
+    def _failing_node(self, gm, exc, plan):
         """The captured node whose per-device op raised `exc` (from the generated code's line), else None."""
         name = getattr(exc, EXC_NODE, None)   # emulated: the interpreter names the node of its segment
         node = next((n for n in gm.graph.nodes if n.name == name), None) if name is not None else \
@@ -195,7 +254,7 @@ class Executor:
         if node is None:
             return None
         src = node.meta.get(META_SRC)
-        return next((n for n in self.plan.captured.gm.graph.nodes if n.name == src), None) or node
+        return next((n for n in plan.captured.gm.graph.nodes if n.name == src), None) or node
 
     def peak_memory(self) -> dict:
         """{rank: peak live tensor bytes} of the last program run (runtime/memtrack.py says what counts)."""
@@ -216,7 +275,7 @@ class Executor:
         cap = self.plan.captured
         if cap.mode != TRAIN:
             raise PartitionError("train_step needs partition(..., loss_fn=..., optimizer=...).")
-        outs = self.run(batch, local, f"{'train_step_local' if local else 'train_step'} (step {self.steps + 1})")
+        outs = self.run(batch, local, "train_step_local" if local else "train_step")
         self._keep_state(outs)
         self._held.steps += 1
         if self.optimizer is not None:   # the update ran: lr schedulers stepped after it do not warn
@@ -236,16 +295,18 @@ class Executor:
 
     def _keep_state(self, outs):
         """Updated state outputs (buffers written by the forward: running statistics) replace the state held."""
-        for name, t in zip(self.plan.captured.output_names, outs):
-            if name in self.state:
-                self.state[name] = t
+        kept = [(name, t) for name, t in zip(self.plan.captured.output_names, outs) if name in self.state]
+        for name, t in kept:
+            self.state[name] = t
+        if kept:                                   # the held state moved away from the eager module's (owner.py)
+            self._held.owner.moved()
 
     def forward(self, inputs):
         cap = self.plan.captured
         if cap.mode != FORWARD:
             raise PartitionError("calling the program runs the forward; this program was captured with a loss_fn "
                                  "(use train_step or loss_and_grads).")
-        outs = self.run(inputs, what="forward")
+        outs = self.run(inputs, what="prog(...)")
         self._keep_state(outs)
         n = cap.out_spec.num_leaves
         return tree_unflatten([self.rt.rank0(t) for t in outs[:n]], cap.out_spec)

@@ -51,3 +51,9 @@ def assemble(locals_by_rank: dict, sh: Sharding, mesh: Mesh, shape) -> torch.Ten
             flat[where] = vals
         seen[where] = True
     return flat.reshape(tuple(shape))
+
+
+def same_layout(a: Sharding, b: Sharding) -> bool:
+    """The same data layout (explicitly-replicated markers aside)."""
+    return tuple(map(tuple, a.dims)) == tuple(map(tuple, b.dims)) and tuple(a.partial) == tuple(b.partial) and \
+        tuple(a.strides) == tuple(b.strides)

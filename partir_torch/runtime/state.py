@@ -14,10 +14,14 @@ and mesh, or full tensors.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..contract import STATE_ROLES
 from ..errors import PartitionError
+from .layout import same_layout
+from .owner import Owner, internal
 
 GROUP_SKIP = ("params",)
 
@@ -28,7 +32,9 @@ def model_keys(model: torch.nn.Module, state_names) -> dict:
     canon = {id(p): f"params.{k}" for k, p in model.named_parameters()}
     canon.update({id(b): f"buffers.{k}" for k, b in model.named_buffers()})
     out = {}
-    for k, t in model.state_dict(keep_vars=True).items():
+    with internal():                 # the keys only: not a read of stale values (owner.py)
+        sd = model.state_dict(keep_vars=True)
+    for k, t in sd.items():
         name = canon.get(id(t))
         if name is not None and name in state_names:
             out[k] = name
@@ -85,6 +91,8 @@ class HeldState:
         self.rt = None
         self.state: dict | None = None       # placeholder name -> local tensor
         self.steps = 0
+        # who holds the newer weights: this state or the eager module (owner.py)
+        self.owner = Owner(model, weakref.WeakMethod(self.state_full))
 
     def attach(self, rt) -> None:
         """Hold the state on backend `rt`: first from the eager model and optimizer, later (a new backend) the
@@ -97,7 +105,9 @@ class HeldState:
     def _init_state(self, full: dict | None):
         """Hold `full` (state name -> full tensor; None: the eager model's and optimizer's) as local shards."""
         cap = self.plan.captured
-        if full is None:
+        taken = full is None
+        if taken:
+            self.owner.claim("the program's first call")
             full, self.steps = self._full_from(self.model, self.optimizer)
         self.state = {}
         for name, role in zip(cap.input_names, cap.input_roles):
@@ -106,6 +116,34 @@ class HeldState:
                     self.state[name] = self.rt.shard(full[name], self.layouts[name])
                 except PartitionError as e:      # a layout this backend cannot hold: name the value
                     raise PartitionError(f"{name}: {e}") from None
+        if taken:
+            self.owner.synced()
+
+    def guard(self, what: str, refuse: bool = True) -> None:
+        """Before a call that reads the state: an eager edit of the module since the state last equalled it is
+        taken again while the program has not moved the state, and (refuse) refused once it has (owner.py); the
+        readers of the program's own state (gather_parameters, state_dict) pass refuse=False: the program's state
+        is what they ask for."""
+        edited = self.owner.edited()
+        if not edited:
+            return
+        if self.owner.ahead:
+            if refuse and not self.owner.written_back():
+                self.owner.refuse_edit(what, edited)
+            return
+        steps = self.steps
+        self.import_from(self.model, self.optimizer)
+        if self.plan.captured.fopt is not None and self.plan.captured.fopt.kind == "sgd":
+            self.steps = steps                   # SGD keeps no step count of its own to read back
+
+    def relayout(self, layouts: dict) -> None:
+        """Hold each state value in `layouts` (the layouts of the program of another input shape, runtime/shapes.py);
+        a value in another layout is resharded through its full value (exact; gathers on real ranks)."""
+        for n, sh in layouts.items():
+            have = self.layouts[n]
+            if not same_layout(sh, have):
+                self.state[n] = self.rt.shard(self.rt.full(self.state[n], have, self._shape(n)), sh)
+                self.layouts[n] = sh
 
     def _layout(self, name):
         return self.layouts[name]
@@ -118,6 +156,7 @@ class HeldState:
         return {n: self.rt.full(t, self._layout(n), self._shape(n)) for n, t in self.state.items()}
 
     def gather_parameters(self) -> dict:
+        self.guard("gather_parameters", refuse=False)
         return {n[len("params."):]: self.rt.full(t, self._layout(n), self._shape(n))
                 for n, t in self.state.items() if n.startswith("params.")}
 
@@ -127,6 +166,7 @@ class HeldState:
 
     def state_dict(self) -> dict:
         """{"model": ..., "optimizer": ...} in get_state_dict's layout (see state.py)."""
+        self.guard("state_dict", refuse=False)
         cap = self.plan.captured
         values: dict = {}
         get = lambda n: values[n] if n in values else values.setdefault(n, self._value(n))
@@ -184,9 +224,11 @@ class HeldState:
                                  f"the current ones).")
         self.state.update(new)
         self.steps = steps
+        self.owner.moved()
 
     def full_state_dict(self) -> dict:
         """model.state_dict()'s keys -> full tensors (every rank: gathers are collective)."""
+        self.guard("full_state_dict", refuse=False)
         full = self.state_full()
         return {k: full[n] for k, n in model_keys(self.model, self.state).items()}
 
@@ -204,6 +246,7 @@ class HeldState:
                 elif n.startswith("buffers."):
                     buffers[n[len("buffers."):]].copy_(t)
         if optimizer is None or cap.fopt is None:
+            self._exported(model)
             return
         for gi, (group, names) in enumerate(zip(optimizer.param_groups, optimizer_fqns(model, optimizer))):
             if optimizer is not self.optimizer:
@@ -216,6 +259,11 @@ class HeldState:
                 if cap.fopt.kind != "sgd":
                     st["step"] = torch.tensor(float(self.steps), dtype=torch.float32)
                 optimizer.state[p] = st
+        self._exported(model)
+
+    def _exported(self, model) -> None:
+        if model is self.model:
+            self.owner.synced()
 
     def import_from(self, model=None, optimizer=None) -> None:
         """Take the state from an eager module and optimizer (after editing weights): the inverse of export_to."""
@@ -227,6 +275,9 @@ class HeldState:
         self.state = None
         self._init_state(full)
         self.steps = steps
+        self.owner.synced()                  # the module's current tensors are what the program holds (or, from
+        if model is not self.model:          # another module, what it no longer holds: the program is ahead)
+            self.owner.moved()
 
     def _full_from(self, model, optimizer) -> tuple:
         """Full state tensors by name, and the step count, from an eager module and optimizer."""

@@ -78,6 +78,14 @@ def test_three_adamw_steps_equal_one_device(program):
         torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {k}: {m}")
 
 
+def test_a_new_input_shape_is_refused_by_name(program):
+    """Issue 22: the partir program partitions a new shape again; the XLA program's shardings are its plan's, so it
+    refuses one, naming both shapes (nothing runs: the state and later steps are untouched)."""
+    spec, _, _, batch_size = PROGRAMS[program["name"]]
+    with pytest.raises(pt.PartitionError, match=r"this torch-xla program runs the shapes it was built for"):
+        program["xprog"].train_step(*spec.batch(2 * batch_size))
+
+
 def test_every_partir_collective_kind_and_axis_is_in_xlas_program(program):
     cmp = program["xprog"].compare()
     print(f"\n{program['name']}\n{cmp.table()}")

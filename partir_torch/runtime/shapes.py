@@ -1,0 +1,216 @@
+"""A program per input shape, one state: train_step (and loss_and_grads, prog(...)) at any input shape.
+
+partition() plans the step for its example inputs' shapes. A call whose inputs have another signature (each input's
+shape and dtype: a sequence length padded per batch, another batch size) captures the step again for it with what
+the first capture used (the schedule, its capture rewrites, clip_grad_norm, accumulate, each module's training
+flag: plan.capture_for), plans it with the same schedule, options and rule registry (plan.plan), lowers it, and runs
+it on the state the program already holds: the state's names and shapes do not depend on the inputs, and the
+tactics seed it alike. Where the new plan keeps a state value in another layout (an automatic tactic that decided
+otherwise for this shape), the held value is resharded when the program switches shapes (exact; warned once).
+
+    prog.train_step(tokens_8x32, targets_8x32)     # the program of partition()'s example inputs
+    prog.train_step(tokens_8x48, targets_8x48)     # warns once: partitioned for (8, 48) in 0.4 s; state carried
+    prog.shapes()                                  # [ShapeInfo(train (8, 32) ...), ShapeInfo(train (8, 48) ...)]
+
+Programs are kept by signature, at most Options.max_shapes (default 8; partition(max_shapes=...)); beyond it the
+least recently used one is dropped (the example inputs' program stays) and partitioned again if its shape comes
+back (said once). A dim that the program tiles over mesh axes must stay divisible by their size: a ragged last
+batch is refused with the fix (drop_last=True), since shards are even.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ..contract import STATE_ROLES, Role
+from ..errors import PartitionError, user_stacklevel, warn
+
+
+def signature(flat) -> tuple:
+    """The input signature of a call: (shape, dtype) of each input tensor, in flattening order."""
+    return tuple((tuple(x.shape), x.dtype) for x in flat)
+
+
+def plan_signature(plan) -> tuple:
+    """The input signature a plan was captured with."""
+    cap = plan.captured
+    vals = [cap.names[n].meta["val"] for n, r in zip(cap.input_names, cap.input_roles) if r == Role.INPUT]
+    return signature(vals)
+
+
+def show(sig) -> str:
+    """(8, 32) int64, (8, 32) int64"""
+    return ", ".join(f"{tuple(s)} {str(d).replace('torch.', '')}" for s, d in sig)
+
+
+@dataclass
+class ShapeProgram:
+    """The program of one input signature: its plan, what building it cost, and its lowering bound to the backend
+    (rt) it last ran on."""
+
+    signature: tuple
+    plan: object
+    capture_s: float | None        # None: not measured (a Program built from a plan directly)
+    plan_s: float | None
+    lower_s: float | None = None
+    calls: int = 0
+    lowered: object = None
+    rt: object = None
+
+    @property
+    def layouts(self) -> dict:
+        """State value name -> the Sharding this plan keeps it in between steps."""
+        cap, g = self.plan.captured, self.plan.graph
+        return {n: self.plan.sharding(g.vid[cap.names[n]]) for n, r in zip(cap.input_names, cap.input_roles)
+                if r in STATE_ROLES}
+
+    def info(self, kind: str) -> "ShapeInfo":
+        return ShapeInfo(kind, self.signature, self.capture_s, self.plan_s, self.lower_s, self.calls)
+
+
+@dataclass(frozen=True)
+class ShapeInfo:
+    """A row of prog.shapes(): the kind of program ("train", "loss_and_grads", "forward" for the partitioned step;
+    "eval", "eval forward" for eval_step / forward), its input signature, its capture, plan and lowering times in
+    seconds (None where not measured: lowering before the first call), and how many calls ran it."""
+
+    kind: str
+    signature: tuple
+    capture_s: float | None
+    plan_s: float | None
+    lower_s: float | None
+    calls: int
+
+    @property
+    def seconds(self) -> float:
+        """capture + plan + lowering (the parts measured)."""
+        return sum(t for t in (self.capture_s, self.plan_s, self.lower_s) if t is not None)
+
+    def __str__(self):
+        part = lambda k, t: f"{k} {t:.2f} s" if t is not None else f"{k} -"   # noqa: E731
+        return (f"{self.kind} [{show(self.signature)}]: {part('capture', self.capture_s)}, "
+                f"{part('plan', self.plan_s)}, {part('lower', self.lower_s)}; {self.calls} call(s)")
+
+
+class ShapeCache:
+    """ShapePrograms by signature, least recently used first out beyond `limit`; `pinned` (the example inputs'
+    signature) is never dropped."""
+
+    def __init__(self, limit: int, what: str):
+        self.limit, self.what = limit, what
+        self.entries: OrderedDict = OrderedDict()
+        self.pinned = None
+        self._said_evict = False
+
+    def __len__(self):
+        return len(self.entries)
+
+    def get(self, sig):
+        entry = self.entries.get(sig)
+        if entry is not None:
+            self.entries.move_to_end(sig)
+        return entry
+
+    def add(self, entry: ShapeProgram, pinned: bool = False) -> ShapeProgram:
+        self.entries[entry.signature] = entry
+        if pinned:
+            self.pinned = entry.signature
+        while len(self.entries) > self.limit:
+            old = next(s for s in self.entries if s != self.pinned and s != entry.signature)
+            del self.entries[old]
+            if not self._said_evict:
+                self._said_evict = True
+                warn(f"{self.what}: more than {self.limit} input shapes: the program for [{show(old)}], the least "
+                     f"recently used, is dropped and partitioned again if that shape comes back (said once). Pad "
+                     f"batches to a few lengths (pad_to_multiple_of=... in Hugging Face's data collators), or keep "
+                     f"more programs: partition(..., max_shapes=...).", stacklevel=user_stacklevel())
+        return entry
+
+
+def build(train, model, optimizer, loss_fn, batch, sig) -> ShapeProgram:
+    """The step captured and planned again for `batch` (signature `sig`) as `train` (a Plan) was."""
+    from ..plan import capture_for, plan
+
+    cap = train.captured
+    t0 = time.perf_counter()
+    modules = list(model.modules())
+    was = [m.training for m in modules]
+    try:
+        if len(cap.modes) == len(modules):
+            for m, mode in zip(modules, cap.modes):
+                m.training = mode
+        new = capture_for(model, train.tactics, batch, loss_fn, optimizer, **cap.settings)
+    finally:
+        for m, mode in zip(modules, was):
+            m.training = mode
+    t1 = time.perf_counter()
+    p = plan(new, train.mesh, train.tactics, train.options, train.registry)
+    entry = ShapeProgram(sig, p, t1 - t0, time.perf_counter() - t1)
+    _check_same_state(train, p, sig)
+    return entry
+
+
+def _check_same_state(train, p, sig) -> None:
+    """The held state must fit the new program: the same state values with the same shapes and dtypes."""
+    def state(pl):
+        cap = pl.captured
+        return {n: (tuple(cap.names[n].meta["val"].shape), cap.names[n].meta["val"].dtype)
+                for n, r in zip(cap.input_names, cap.input_roles) if r in STATE_ROLES}
+
+    have, new = state(train), state(p)
+    if have != new:
+        diff = sorted(set(have.items()) ^ set(new.items()), key=str)[:3]
+        raise PartitionError(f"the step captured for inputs [{show(sig)}] holds other state than the program's "
+                             f"(differing: {diff}): the model's parameters or buffers depend on the input shape. "
+                             f"Partition such a model once per shape (each its own program and state).")
+
+
+def check_divisible(train, sig, what: str) -> None:
+    """A dim the program tiles over mesh axes must stay divisible by their size (shards are even)."""
+    cap, mesh = train.captured, train.mesh
+    names = [n for n, r in zip(cap.input_names, cap.input_roles) if r == Role.INPUT]
+    old = plan_signature(train)
+    for name, (shape, _), (was, _) in zip(names, sig, old):
+        if len(shape) != len(was):
+            continue                      # another rank: capture names what the model makes of it
+        sh = train.sharding(train.graph.vid[cap.names[name]])
+        for d, axes in enumerate(sh.dims):
+            k = 1
+            for a in axes:
+                k *= mesh.shape[a]
+            if k > 1 and shape[d] % k:
+                on = ", ".join(f"'{a}' (size {mesh.shape[a]})" for a in axes)
+                fix = (f"A last batch smaller than the others: pass drop_last=True to the DataLoader, or use a "
+                       f"batch size divisible by {k}" if d == 0 else
+                       f"Pad dim {d} to a multiple of {k} (pad_to_multiple_of={k} in Hugging Face's data "
+                       f"collators)")
+                raise PartitionError(f"{what}: {name} has shape {tuple(shape)}; the program tiles its dim {d} on "
+                                     f"{on}, and {k} does not divide {shape[d]} (shards are even; the program was "
+                                     f"partitioned for {tuple(was)}). {fix}.")
+
+
+def global_signature(train, local_sig) -> tuple:
+    """train_step_local: the global signature of per-rank inputs, each tiled dim times its axes' size (as the
+    program of the example inputs tiles them); train_step_local runs the programs train_step made, never a new one."""
+    cap, mesh = train.captured, train.mesh
+    names = [n for n, r in zip(cap.input_names, cap.input_roles) if r == Role.INPUT]
+    out = []
+    for name, (shape, dtype) in zip(names, local_sig):
+        sh = train.sharding(train.graph.vid[cap.names[name]])
+        shape = list(shape)
+        for d, axes in enumerate(sh.dims[:len(shape)]):
+            for a in axes:
+                shape[d] *= mesh.shape[a]
+        out.append((tuple(shape), dtype))
+    return tuple(out)
+
+
+def say_new(what: str, entry: ShapeProgram, first: ShapeProgram, count: int, limit: int) -> None:
+    """The one line a new shape costs."""
+    t = entry.info("").seconds
+    was = first.info("").seconds if first.capture_s is not None else None
+    rel = f" ({t / was:.0%} of the first partition's {was:.2f} s)" if was else ""
+    warn(f"{what}: new input shape [{show(entry.signature)}] (partitioned for [{show(first.signature)}]): captured, "
+         f"planned with the same schedule and lowered in {t:.2f} s{rel}; the state carries over. "
+         f"{count} program(s) kept (at most {limit}); prog.shapes() lists them.", stacklevel=user_stacklevel())

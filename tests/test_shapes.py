@@ -1,0 +1,244 @@
+"""Issue 22 items 1-2: a program per input shape on one state, and one owner of the weights (runtime/shapes.py,
+runtime/owner.py). Emulated ranks; every step is compared with single-device eager torch (SGD with momentum, so
+that parameters and optimizer state are judged exactly: fp32, losses rtol 1e-5, parameters rtol 1e-5 + atol 1e-6).
+Every combination of partition / train_step / eager edit / re-partition either gives eager's numbers or raises."""
+from __future__ import annotations
+
+import copy
+import gc
+import warnings
+
+import pytest
+import torch
+
+import partir_torch as pt
+from examples.models import get
+from tests.harness import assert_parameters_equal
+
+T = pt.tactics
+LOSS_RTOL = 1e-5
+
+
+def _sgd(m):
+    return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+
+class Eager:
+    """The single-device reference: the same module deep-copied before partition, trained with torch.optim."""
+
+    def __init__(self, model, loss_fn):
+        self.m, self.loss_fn = copy.deepcopy(model), loss_fn
+        self.opt = _sgd(self.m)
+
+    def step(self, batch):
+        self.opt.zero_grad()
+        loss = self.loss_fn(self.m, *batch)
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+
+def _both(prog, ref, batch, what):
+    got = prog.train_step(*batch)
+    torch.testing.assert_close(got, ref.step(batch), rtol=LOSS_RTOL, atol=0, msg=lambda m: f"{what}: {m}")
+
+
+def _new_shape_warnings(record) -> list:
+    return [str(w.message) for w in record if "new input shape" in str(w.message)]
+
+
+# -- 1. a program per input shape ------------------------------------------------------------------------------------
+def test_sequence_lengths_change_every_step_and_train_like_eager():
+    """The issue's run: batches of 8x32, 8x48, 8x40 tokens (and 8x32, 8x48 again) on BP + MP + Z3 over {batch: 2,
+    model: 2} equal eager step by step with no user action beyond train_step; each new shape is partitioned once
+    (one warning each), the state is never taken again from the eager module, and a ragged 5x32 batch is refused
+    with the drop_last fix, leaving the program untouched."""
+    spec = get("gpt")
+    model = spec.build(seq=48)
+    ref = Eager(model, spec.loss_fn)
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}),
+                        [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")],
+                        example_inputs=spec.batch(8, seq=32), loss_fn=spec.loss_fn, optimizer=_sgd(model))
+    lengths = [32, 48, 40, 32, 48]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for i, n in enumerate(lengths):
+            _both(prog, ref, spec.batch(8, seq=n, seed=i), f"step {i} (8 x {n})")
+    said = _new_shape_warnings(record)
+    assert len(said) == 2 and "(8, 48) int64" in said[0] and "(8, 40) int64" in said[1], said
+    assert all("the state carries over" in s for s in said)
+    rows = prog.shapes()
+    assert [(r.kind, r.signature[0][0], r.calls) for r in rows] == \
+        [("train", (8, 40), 1), ("train", (8, 32), 2), ("train", (8, 48), 2)]     # least recently used first
+    assert all(r.capture_s > 0 and r.plan_s > 0 and r.lower_s > 0 for r in rows), rows
+    assert prog.steps == len(lengths)
+    assert_parameters_equal(prog, ref.m, what="after 5 steps of 3 shapes")
+    with pytest.raises(pt.PartitionError, match=r"inputs\.0 has shape \(5, 32\); the program tiles its dim 0 on "
+                                                r"'batch' \(size 2\), and 2 does not divide 5 .*drop_last=True"):
+        prog.train_step(*spec.batch(5, seq=32))
+    _both(prog, ref, spec.batch(8, seq=40, seed=9), "after the refused batch")
+    assert_parameters_equal(prog, ref.m, what="after the refused batch")
+    assert len(prog.shapes()) == 3
+
+
+def test_shape_cache_is_bounded_and_evicts_the_least_recently_used_once():
+    """max_shapes=2: a third batch size drops the least recently used program (not the example inputs'), said
+    once; a dropped shape coming back is partitioned again; numerics equal eager throughout. train_step_local runs
+    the program train_step made for the global shape (every emulated rank is given the same shard, so it equals
+    train_step on the shard repeated), and refuses per-rank shapes of a global shape no program has."""
+    spec = get("mlp")
+    model = spec.build()
+    ref = Eager(model, spec.loss_fn)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(4),
+                        loss_fn=spec.loss_fn, optimizer=_sgd(model), max_shapes=2)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for i, b in enumerate([4, 6, 4, 8, 6, 4]):
+            _both(prog, ref, spec.batch(b, seed=i), f"step {i} (batch {b})")
+    evicted = [str(w.message) for w in record if "more than 2 input shapes" in str(w.message)]
+    assert len(evicted) == 1 and "[(6, 16) float32, (6, 16) float32], the least recently used" in evicted[0], evicted
+    assert len(_new_shape_warnings(record)) == 3          # 6, 8, then 6 again after it was dropped
+    assert sorted(r.signature[0][0][0] for r in prog.shapes()) == [4, 6]
+    x, y = spec.batch(3, seed=20)
+    got = prog.train_step_local(x, y)
+    torch.testing.assert_close(got, ref.step((torch.cat([x, x]), torch.cat([y, y]))), rtol=LOSS_RTOL, atol=0)
+    assert_parameters_equal(prog, ref.m, what="after local step")
+    with pytest.raises(pt.PartitionError, match=r"each rank's shard must have shapes \[\(2, 16\), \(2, 16\)\].*"
+                                                r"A new shape is partitioned by train_step"):
+        prog.train_step_local(*spec.batch(5))
+    with pytest.raises(pt.PartitionError, match="max_shapes must be an int >= 1"):
+        pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(4),
+                     loss_fn=spec.loss_fn, max_shapes=0)
+
+
+def test_eval_and_forward_programs_are_listed_with_the_training_ones():
+    spec = get("mlp")
+    model = spec.build()
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(4),
+                        loss_fn=spec.loss_fn, optimizer=_sgd(model))
+    prog.train_step(*spec.batch(4))
+    prog.eval_step(*spec.batch(6))
+    prog.forward(spec.batch(2)[0])
+    kinds = [(r.kind, r.signature[0][0]) for r in prog.shapes()]
+    assert kinds == [("train", (4, 16)), ("eval", (6, 16)), ("eval forward", (2, 16))], kinds
+    assert "capture" in str(prog.shapes()[1])
+
+
+def test_a_shape_whose_program_keeps_the_state_in_another_layout_reshards_it_exactly():
+    """White box: the program of batch 6 is planned with the state replicated (as an automatic tactic could decide
+    for another shape) while the example inputs' program shards it (ZeRO-3): switching shapes reshards the held
+    state each way and training equals eager. A forward-only program runs a new batch size too."""
+    from partir_torch.plan import capture_for, plan
+    from partir_torch.runtime.shapes import ShapeProgram, signature
+
+    spec = get("mlp")
+    model = spec.build()
+    ref = Eager(model, spec.loss_fn)
+    mesh = pt.Mesh({"batch": 2})
+    prog = pt.partition(model, mesh, [T.data_parallel("batch"), T.zero(3, "batch")], example_inputs=spec.batch(4),
+                        loss_fn=spec.loss_fn, optimizer=_sgd(model))
+    other = [T.data_parallel("batch")]
+    six = spec.batch(6)
+    ex = prog.executor
+    ex.shapes.add(ShapeProgram(signature(six), plan(capture_for(model, other, six, spec.loss_fn, prog.optimizer),
+                                                    mesh, other), None, None))
+    held = ex.held()
+    for i, b in enumerate([4, 6, 4, 6]):
+        _both(prog, ref, spec.batch(b, seed=i), f"step {i} (batch {b})")
+        tiled = held.layouts["opt.momentum_buffer.fc1.weight"].tiled_axes()
+        assert tiled == ({} if b == 6 else {"batch": 0}), (b, tiled)
+    assert_parameters_equal(prog, ref.m, what="after switching layouts")
+
+    fwd = pt.partition(spec.build(), mesh, [T.data_parallel("batch")], example_inputs=(spec.batch(4)[0],))
+    x = spec.batch(6, seed=7)[0]
+    torch.testing.assert_close(fwd(x), fwd.model(x).detach(), rtol=1e-5, atol=1e-6)
+
+
+# -- 2. one owner of the weights -------------------------------------------------------------------------------------
+def _mlp_prog(model, spec):
+    return pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                        example_inputs=spec.batch(4), loss_fn=spec.loss_fn, optimizer=_sgd(model))
+
+
+def _edit(*models):
+    with torch.no_grad():
+        for m in models:
+            m.fc1.weight.mul_(0.5)
+
+
+def test_repartitioning_a_module_a_program_trained_raises_until_written_back():
+    """The issue's silent restart: after train_step, partition(model) again (and model(x), model.state_dict())
+    raises naming export_to; after prog.export_to(model, opt) the new program continues from the trained weights
+    and momentum like eager; the module overwritten by the first program's export_to is refused by the second,
+    which is ahead of it; programs dropped by the user (del) free the module: a new program starts from the
+    module's weights, as eager does."""
+    spec = get("mlp")
+    model = spec.build()
+    ref = Eager(model, spec.loss_fn)
+    opt = _sgd(model)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                        example_inputs=spec.batch(4), loss_fn=spec.loss_fn, optimizer=opt)
+    _both(prog, ref, spec.batch(4, seed=1), "first program")
+    with pytest.raises(pt.PartitionError, match=r"updated them 1 time\(s\) since they were last written back.*"
+                                                r"prog\.export_to\(model, optimizer\)"):
+        _mlp_prog(model, spec)
+    x = spec.batch(4, seed=9)[0]
+    with pytest.raises(pt.PartitionError, match=r"MLP\(\.\.\.\): this module's weights are held by a live program "
+                                                r"that has updated them 1 time\(s\).*prog\.export_to"):
+        model(x)                                          # the stale module itself
+    with pytest.raises(pt.PartitionError, match=r"MLP\.state_dict\(\): .*would save the older weights.*"
+                                                r"prog\.full_state_dict\(\)"):
+        model.state_dict()
+    prog.export_to(model, opt)
+    torch.testing.assert_close(model(x), ref.m(x), rtol=1e-5, atol=1e-6)
+    prog2 = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(4),
+                         loss_fn=spec.loss_fn, optimizer=opt)
+    _both(prog2, ref, spec.batch(4, seed=2), "re-partitioned after export_to")
+    assert_parameters_equal(prog2, ref.m, what="re-partitioned after export_to")
+    prog.export_to(model, opt)                            # the first program's (older) weights into the module ...
+    with pytest.raises(pt.PartitionError, match=r"changed after the program took the weights"):
+        prog2.train_step(*spec.batch(4))                  # ... which prog2, ahead of it, does not silently ignore
+    del prog, prog2
+    gc.collect()
+    fresh = Eager(model, spec.loss_fn)
+    prog3 = _mlp_prog(model, spec)
+    _both(prog3, fresh, spec.batch(4, seed=3), "after the old programs were dropped")
+
+
+def test_eager_edits_are_taken_before_the_first_step_and_refused_after():
+    """While the program has not moved the state, an eager edit is picked up (also after a call that took the
+    state, like gather_parameters(), and after export_to; state_dict() shows it); after a train_step the next
+    train_step, eval_step or forward raises naming import_from; import_from then continues from the eager module
+    and optimizer as they are, a write-back by hand (load_state_dict(full_state_dict())) is in sync, and export_to
+    drops an edit; each path gives eager's numbers."""
+    spec = get("mlp")
+    model = spec.build()
+    ref = Eager(model, spec.loss_fn)
+    opt = _sgd(model)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                        example_inputs=spec.batch(4), loss_fn=spec.loss_fn, optimizer=opt)
+    before = prog.gather_parameters()["fc1.weight"]      # the program takes the state ...
+    _edit(model, ref.m)                                   # ... and the module is edited before any step
+    torch.testing.assert_close(prog.state_dict()["model"]["fc1.weight"], before * 0.5, rtol=0, atol=0)
+    _both(prog, ref, spec.batch(4, seed=1), "edit before the first step")
+    _edit(model)                                          # after a step: the program owns the weights
+    for call in (lambda: prog.train_step(*spec.batch(4)), lambda: prog.eval_step(*spec.batch(4)),
+                 lambda: prog.forward(spec.batch(4)[0])):
+        with pytest.raises(pt.PartitionError, match=r"params\.fc1\.weight changed after the program took the "
+                                                    r"weights.*prog\.import_from\(model, optimizer\)"):
+            call()
+    prog.import_from(model, opt)                          # the eager module and optimizer as they are: ...
+    ref.m.load_state_dict(model.state_dict())             # (the module's weights, the optimizer never stepped)
+    ref.opt.state.clear()
+    _both(prog, ref, spec.batch(4, seed=2), "after import_from")
+    prog.export_to(model, opt)                            # in sync again: an edit is the module's to make
+    _edit(model, ref.m)
+    _both(prog, ref, spec.batch(4, seed=3), "edit after export_to")
+    model.load_state_dict(prog.full_state_dict())        # written back by hand: in sync, nothing raises
+    _both(prog, ref, spec.batch(4, seed=5), "after load_state_dict(full_state_dict())")
+    _edit(model)                                          # an edit dropped by export_to
+    prog.export_to(model, opt)
+    assert torch.equal(model.fc1.weight, prog.gather_parameters()["fc1.weight"])   # the program's weights ...
+    torch.testing.assert_close(model.fc1.weight, ref.m.fc1.weight, rtol=1e-5, atol=1e-6)   # ... eager's, unedited
+    _both(prog, ref, spec.batch(4, seed=4), "after export_to dropped the edit")
+    assert_parameters_equal(prog, ref.m, what="end")
