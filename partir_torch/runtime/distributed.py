@@ -15,7 +15,7 @@ from . import faults
 from .layout import shard_of
 
 
-REPORT_WAIT_S = 1.5      # after a failure, how long a rank waits for the others to say they are alive
+REPORT_WAIT_S = faults.REPORT_WAIT_S
 
 
 def real_ranks_active() -> bool:

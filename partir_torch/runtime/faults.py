@@ -82,11 +82,16 @@ def group_ranks(mesh, rank: int, axis: str) -> list[int]:
             if all(v == coord[a] for a, v in mesh.coordinate(r).items() if a != axis)]
 
 
+REPORT_WAIT_S = 1.5      # after a failure, how long a rank waits for the others to say they are alive (a survivor
+                         # busy computing learns of it at its next collective: it may be named, as still to notice)
+
+
 def step_failure(what: str, rank: int, mesh, rec, exc: BaseException, timeout_s: float,
-                 coll: str | None = None, missing: list | None = None) -> RankFailureError:
+                 coll: str | None = None, missing: list | None = None,
+                 wait_s: float = REPORT_WAIT_S) -> RankFailureError:
     """RankFailureError for the collective `rec` of `what` ("step 3") that failed with `exc`; `coll` describes it
     when it has no record (the agreement check); neither: "a collective of the step" (a compiled step). `missing`:
-    the ranks that did not answer the roll call (None: unknown)."""
+    the ranks that did not answer the roll call within wait_s (None: unknown)."""
     kind = peer_failure_kind(exc) or "closed"
     if rec is not None:
         op = f"({rec.reduce_op})" if rec.reduce_op else ""
@@ -105,8 +110,9 @@ def step_failure(what: str, rank: int, mesh, rec, exc: BaseException, timeout_s:
              f"a rank in this group did not answer within timeout_s={timeout_s:g} s: it is stuck or much slower; "
              f"see its log")
     if missing:
-        cause += (f". Rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not report "
-                  f"{'themselves' if len(missing) > 1 else 'itself'} alive after the failure (dead or stuck)")
+        cause += (f". Rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} had not reported "
+                  f"{'themselves' if len(missing) > 1 else 'itself'} alive {wait_s:g} s after the failure (dead, "
+                  f"stuck, or still to notice it: see {'their logs' if len(missing) > 1 else 'its log'})")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return RankFailureError(
         f"partir_torch: {what} failed on rank {rank}: {coll}.\n  Likely cause: {cause}.\n"
