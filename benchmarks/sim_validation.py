@@ -84,7 +84,8 @@ def _schedule(kind: str, remat: bool, cfg):
          "dcn+fsdp": [mp, T.data_parallel("dcn", name="BP-dcn"), T.data_parallel("dp"), T.zero(3, "dp")],
          # Megatron's distributed optimizer with --overlap-param-gather: the updated shards are gathered ahead of
          # their use in the next forward, the gathered copy kept for the backward (one gather per step, as ZeRO-1)
-         "zero1-overlap": [mp, T.data_parallel("dp"), T.zero(3, "dp", reshard_after_forward=False)],
+         "dp": [mp, T.data_parallel("dp")],
+         "tp": [T.data_parallel("dp"), tp, mp],
          "tp+zero1-overlap": [T.data_parallel("dp"), tp, mp, T.zero(3, "dp", reshard_after_forward=False)],
          "fsdp+tp": [T.data_parallel("dp"), tp, mp, T.zero(3, "dp")]}[kind]
     return s + ([T.remat("layers.*")] if remat else [])

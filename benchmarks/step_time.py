@@ -175,7 +175,8 @@ def make_partir(spec, batch, compile_: bool):
                         [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")], example_inputs=batch,
                         loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                         compile=compile_)
-    return (lambda: prog.train_step(*batch)), (lambda loss: loss.item())
+    held = lambda: list(prog.executor.state.values())   # noqa: E731 - this rank's shards of the state
+    return (lambda: prog.train_step(*batch)), (lambda loss: loss.item()), held
 
 
 def make_hand_written(name, spec, batch, compile_: bool):
@@ -200,7 +201,11 @@ def make_hand_written(name, spec, batch, compile_: bool):
         dist.all_reduce(loss, group=device_mesh.get_group("batch"))
         return (loss / DP).item()
 
-    return step, global_loss
+    def held():              # this rank's shards of parameters and optimizer state, and its rows of the batch
+        ts = list(model.parameters()) + [t for st in opt.state.values() for t in st.values()] + list(batch)
+        return [t.to_local() if hasattr(t, "to_local") else t for t in ts if isinstance(t, torch.Tensor)]
+
+    return step, global_loss, held
 
 
 IMPLS = ("partir eager", "partir compiled", "DTensor eager", "DTensor compiled")
@@ -211,16 +216,17 @@ def measure(name, args) -> dict:
     so that load changes on the machine hit all alike; finally count the collectives of one more step of each."""
     spec, bsz = model_spec(name, args)
     batch = spec.batch(bsz)
-    built, out = {}, {}
+    built, out, holds = {}, {}, {}
     for impl in IMPLS:
         if "compiled" in impl and not args.compile:
             continue
         t0 = time.perf_counter()
         try:
-            step, global_loss = make_partir(spec, batch, "compiled" in impl) if impl.startswith("partir") else \
-                make_hand_written(name, spec, batch, "compiled" in impl)
+            step, global_loss, held = make_partir(spec, batch, "compiled" in impl) if impl.startswith("partir") \
+                else make_hand_written(name, spec, batch, "compiled" in impl)
             loss = global_loss(step())
             built[impl] = step
+            holds[impl] = held
             out[impl] = {"loss": loss, "times": [], "first": time.perf_counter() - t0}
         except Exception as e:  # noqa: BLE001 - reported in the table
             out[impl] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
@@ -242,7 +248,21 @@ def measure(name, args) -> dict:
             step()
         r = out[impl]
         r.update(secs=statistics.median(r.pop("times")), bytes=counter.total, by_kind=counter.by_kind)
+        if "eager" in impl:       # Inductor allocates out of the tracker's sight: eager programs only
+            r["peak"] = _peak(step, holds[impl]())
     return out
+
+
+def _peak(step, held) -> int:
+    """This rank's peak of live tensor bytes over one step (partir_torch/runtime/memtrack.py: every storage once;
+    the state and the batch it holds from the start)."""
+    from partir_torch.runtime.memtrack import MemoryTracker
+
+    tr = MemoryTracker([0])
+    with tr.step({0: held}):
+        tr.rank = 0
+        step()
+    return tr.peaks[0]
 
 
 def _worker(rank, port, args, queue):
@@ -262,7 +282,7 @@ def emulation_and_bound(name, args) -> dict:
     import copy
 
     import partir_torch as pt
-    from partir_torch.lower.lower import lower
+    from partir_torch.lower.lower import bind
     from partir_torch.runtime.emulate import _ensure_world
 
     T = pt.tactics
@@ -281,8 +301,9 @@ def emulation_and_bound(name, args) -> dict:
 
     _ensure_world(WORLD)
     dm = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("batch", "model"))
-    low = lower(prog, {a: dm.get_group(a).group_name for a in ("batch", "model")})
-    per_rank = [[a.ts[r] for a in ex._args(batch, False)] for r in range(WORLD)]
+    low = bind(prog.plan.lowered(), {a: dm.get_group(a).group_name for a in ("batch", "model")})
+    entry, flat = ex.program_for(batch, False, "train_step")
+    per_rank = [[a.ts[r] for a in ex._args(entry, flat, False, "train_step")] for r in range(WORLD)]
 
     def one_step():
         one_opt.zero_grad()
@@ -347,16 +368,17 @@ def main(argv=None):
                 continue
             label = f"{name} ({n_params / 1e6:.1f}M, batch {bsz}x128)"
             if "error" in r:
-                rows.append([label, impl, "failed", "", "", "", "", "", r["error"]])
+                rows.append([label, impl, "failed", "", "", "", "", "", "", "", r["error"]])
                 continue
             kinds = ", ".join(f"{k} x{n}" for k, (n, _) in sorted(r["by_kind"].items()))
             ratio = lambda k: f"{r['secs'] / peer[k]:.2f}" if k in peer else "n/a"  # noqa: E731
+            peak = f"{r['peak'] / 2**20:.2f}" if "peak" in r else "n/a"
             rows.append([label, impl, f"{r['loss']:.6f}", f"{r['secs'] * 1e3:.0f}", ratio("DTensor eager"),
-                         ratio("DTensor compiled"), f"{r['secs'] / bound:.2f}", f"{r['bytes'] / 1e6:.3f}",
+                         ratio("DTensor compiled"), f"{r['secs'] / bound:.2f}", f"{r['bytes'] / 1e6:.3f}", peak,
                          f"{r['first']:.0f}", kinds])
     print(tabulate(rows, headers=["model", "implementation", "step-1 loss", "ms/step", "vs DTensor eager",
-                                  "vs DTensor compiled", "vs bound", "MB/step", "build+1st step s",
-                                  "collectives per step"], disable_numparse=True))
+                                  "vs DTensor compiled", "vs bound", "MB/step", "peak MiB (rank 0)",
+                                  "build+1st step s", "collectives per step"], disable_numparse=True), flush=True)
     print("\nemulation (this process, 1 thread): partir's emulated step of the 4 ranks vs the 4 local steps as "
           "plain eager programs, summed")
     rows = []

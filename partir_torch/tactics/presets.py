@@ -411,6 +411,19 @@ class Zero:
         ok = [d for s, d in sorted(sizes, reverse=True) if s % k == 0]
         return ok[0] if ok else None
 
+    def _shards_nothing(self, ctx, indivisible, k) -> None:
+        """Raise: the axis divides no dim of any parameter left to this tactic (a no-op would pass silently)."""
+        def local(p):
+            return tuple(ctx.local_dim(p, d) for d in range(len(ctx.graph.shapes[ctx.graph.name_to_vid[p]])))
+
+        shown = ", ".join(f"{p[len('params.'):]} {local(p)}" for p in indivisible[:3])
+        more = " ..." if len(indivisible) > 3 else ""
+        raise PartitionError(f"{self.name}: axis '{self.axis}' (size {k}) divides no dim of any parameter it could "
+                             f"shard ({len(indivisible)} parameters, local shapes e.g. {shown}{more}): "
+                             f"zero({self.stage}) would shard nothing. Use a mesh axis whose size divides the "
+                             f"parameters' dims, or leave zero out of the schedule (dims a mesh axis does not divide "
+                             f"are not sharded unevenly yet).")
+
     def apply(self, ctx) -> None:
         ctx.mesh.check_axis(self.axis, self.name)
         cap = ctx.captured
@@ -421,6 +434,7 @@ class Zero:
         tiled_at: dict = {}     # (module fqn, shape) -> the dim its parameter of that shape is tiled on
         k = ctx.mesh.shape[self.axis]
         trainable = set(cap.trainable)
+        indivisible = []
         for fqn in _param_fqns(cap):
             p = f"params.{fqn}"
             if fqn not in trainable and self.stage < 3:
@@ -437,6 +451,7 @@ class Zero:
                 ctx.note(p, f"{self.name}: no dim of {tuple(ctx.graph.shapes[ctx.graph.name_to_vid[p]])} is "
                             f"divisible by axis '{self.axis}' (size {k}) (a dim an earlier axis tiles strided does "
                             f"not count); replicated")
+                indivisible.append(p)
                 continue
             seeds += [(s, d) for s in states]
             seeds.append((p, d) if self.stage == 3 else (p, REPLICATED))
@@ -444,6 +459,8 @@ class Zero:
                 ctx.note(p, f"{self.name}: frozen (requires_grad=False): stored tiled on dim {d} over axis "
                             f"'{self.axis}' and gathered at each use; no gradient, no optimizer state")
             tiled_at[(fqn.rpartition(".")[0], ctx.graph.shapes[ctx.graph.name_to_vid[p]])] = d
+        if indivisible and not tiled_at:
+            self._shards_nothing(ctx, indivisible, k)
         if self.stage == 3:   # a module's buffers shaped like its tiled parameter (running statistics) go with it
             for fqn in cap.buffer_fqns:
                 b = f"buffers.{fqn}"
