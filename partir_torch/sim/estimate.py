@@ -59,7 +59,8 @@ class ProgramFacts:
     """What the estimate needs from one captured program on one hardware, read once (a few hundred ms on a
     48-layer model): per-op FLOPs and roofline constants, per-slot factor positions, value sizes, liveness."""
 
-    def __init__(self, graph, mesh, hw, captured=None, bucket_bytes: int = 64 * 2 ** 20, reduce_in_flight: int = 1):
+    def __init__(self, graph, mesh, hw, captured=None, bucket_bytes: int = 64 * 2 ** 20, reduce_in_flight: int = 1,
+                 compile: bool = False):
         self.g, self.mesh, self.hw, self.bucket_bytes = graph, mesh, hw, bucket_bytes
         self.reduce_in_flight = reduce_in_flight
         nodes = list(graph.gm.graph.nodes)
@@ -68,7 +69,12 @@ class ProgramFacts:
         self._values(captured)
         self._ops(index)
         self._slots()
-        self.st_owner, self.st_born, self.st_last, self.st_size = _storages(graph, nodes)
+        # the eager program's fused Adam update writes parameters and moments in place (lower/fuse.py): the updated
+        # values share their state's storage; compiled or other optimizers' updates are out of place
+        fopt = getattr(captured, "fopt", None)
+        fused = fopt is not None and fopt.kind in ("adam", "adamw") and not compile
+        in_place = {new: old for old, new in captured.ties} if fused else {}
+        self.st_owner, self.st_born, self.st_last, self.st_size = _storages(graph, nodes, in_place)
         self._comm_tables()
 
     def _values(self, captured) -> None:
@@ -362,9 +368,10 @@ def _other_div(facts: ProgramFacts, axis: str, want: dict, have: dict) -> dict:
     return {"all_gather": gather, "all_to_all": gather, "reduce_scatter": scatter, "all_reduce": reduce}
 
 
-def _storages(g, nodes) -> tuple:
+def _storages(g, nodes, in_place: dict) -> tuple:
     """Liveness over the captured program (sim/memory.py's rules: views alias, placeholders live all step): per
-    storage its owning value (-1: none), the node it is born at and the last node that reads it, and its bytes."""
+    storage its owning value (-1: none), the node it is born at and the last node that reads it, and its bytes.
+    in_place: updated value -> the state placeholder whose storage it is written into."""
     end = len(nodes)
     sid_of: dict = {}
     owner, born, last, size = [], [], [], []
@@ -392,7 +399,9 @@ def _storages(g, nodes) -> tuple:
             continue
         if n.op != "call_function":
             continue
-        if n.target is operator.getitem:
+        if n in in_place and sid_of.get(in_place[n]):
+            sid_of[n] = [sid_of[in_place[n]][0]]
+        elif n.target is operator.getitem:
             srcs = sid_of.get(n.args[0], ())
             k = n.args[1]
             sid_of[n] = [srcs[k]] if isinstance(k, int) and k < len(srcs) else []
