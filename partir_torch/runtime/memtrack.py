@@ -6,11 +6,11 @@ What is counted (CPU ranks and emulation): the bytes of every tensor *storage* a
 
 - held at the start: every tensor the step is called with (parameters, buffers and optimizer state held by the
   program, the batch shards, the learning rate and the coordinates), counted from the start to the end of the step
-  (the program holds its state across steps; the old state is released only after the step returns);
+  (the program holds its state across steps);
 - created during the step: every storage an op of the per-device program returns, counted from that op until the
   storage is freed (its last reference dropped: FX frees a value after its last use; a collective's output from its
-  issue); the temporaries inside one of partir's own ops (the fused optimizer update, lower/fuse.py) are counted
-  too: its Python body runs under the tracker, op by op, as torch.optim's would;
+  issue); the temporaries inside the fused optimizer update (lower/fuse.py, a Python function of torch._foreach_*
+  ops) are counted op by op, as torch.optim's would be; the old state the update writes in place is not new;
 - not counted: a kernel's internal workspace that is not a tensor (a matmul's packing buffers), allocator
   rounding and caching, the communication library's staging buffers, and anything outside the step (the caller's
   model, the data loader).
@@ -118,30 +118,10 @@ class MemoryTracker(TorchDispatchMode):
     # -- the dispatch hook -----------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        body = _python_body(func)
-        if body is not None:             # one of partir's own ops: its tensors are counted op by op
-            with self:
-                out = body(*args, **kwargs)
-        else:
-            out = func(*args, **kwargs)
+        out = func(*args, **kwargs)
         if self.rank is not None:
             self.adopt(self.rank, out)
         return out
-
-
-_BODIES: dict = {}
-
-
-def _python_body(func):
-    """The Python function behind a partir custom op (torch.library.custom_op), else None."""
-    if func.namespace != "partir":
-        return None
-    if func not in _BODIES:
-        from torch._library.custom_ops import OPDEFS
-
-        opdef = OPDEFS.get(f"{func.namespace}::{func._schema.name.split('::')[-1]}")
-        _BODIES[func] = getattr(opdef, "_init_fn", None)
-    return _BODIES[func]
 
 
 class CudaPeak:
