@@ -18,7 +18,8 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
               clip_grad_norm=None,
               accumulate: int = 1, accumulate_dims: dict | None = None, compile: bool = False,
               prefetch: int = 1, reduce_in_flight: int = 1, tp_chunks: int = 0,
-              measure_memory: bool = False, max_shapes: int = Options.max_shapes) -> Program:
+              measure_memory: bool = False, max_shapes: int = Options.max_shapes,
+              memory_budget: float | None = None) -> Program:
     """Trace `model`'s step and partition it over `mesh` with the tactics of `schedule`, in order.
 
     >>> prog = partition(model, Mesh({"batch": 2}), [ManualPartition({"inputs.*": 0}, axis="batch")],
@@ -43,6 +44,8 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     input freed) before the next past the bound is issued (0: no bound). See lower/schedule.py.
     tp_chunks: Megatron's all_reduce after a row-parallel matmul split into this many row chunks, each reduced while
     the next chunk's matmul runs (0: off). See lower/overlap.py.
+    memory_budget: bytes per device the program's peak must fit: fewer prefetched gathers, then one reduction in
+    flight, are tried until it does (a warning when none fits). See plan.py.
     measure_memory: every step measures each rank's peak of live tensor bytes; prog.peak_memory() returns the last
     step's ({rank: bytes}; what is counted: runtime/memtrack.py). Off by default: a Python callback per op.
     max_shapes: input signatures (shapes, dtypes) that keep a program: train_step at a new shape partitions the step
@@ -72,7 +75,7 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
         raise PartitionError("partition: accumulate sums the gradients of micro-batches; pass loss_fn=.")
     options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile, prefetch=prefetch,
                       reduce_in_flight=reduce_in_flight, tp_chunks=tp_chunks, measure_memory=measure_memory,
-                      max_shapes=max_shapes)
+                      max_shapes=max_shapes, memory_budget=memory_budget)
     check_free(model)
     t0 = time.perf_counter()
     captured = capture_for(model, tactics, example_inputs, loss_fn, optimizer, clip_grad_norm=clip_grad_norm,

@@ -24,7 +24,9 @@ class Options:
     this many gradient reductions per axis are in flight, each waited for before the next one past the bound is
     issued, which frees its unsharded input (0: no bound, each waited for where the update reads it); tp_chunks: a
     tensor-parallel all_reduce of a matmul's result (Megatron's row-parallel linears) is split into this many row
-    chunks, each reduced while the next chunk's matmul runs (lower/overlap.py; 0 or 1: off)."""
+    chunks, each reduced while the next chunk's matmul runs (lower/overlap.py; 0 or 1: off); memory_budget: bytes
+    per device the program's peak (its liveness, what prog.peak_memory() measures) must fit: fewer gathers in flight,
+    then one reduction in flight, are tried until it does (plan.py; None: the options as given)."""
 
     bucket_bytes: int = 64 * 2 ** 20
     timeout_s: float = 300.0
@@ -34,6 +36,7 @@ class Options:
     tp_chunks: int = 0
     measure_memory: bool = False
     max_shapes: int = 8
+    memory_budget: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
@@ -50,5 +53,10 @@ class Options:
         if not isinstance(self.max_shapes, int) or self.max_shapes < 1:
             raise PartitionError(f"partition: max_shapes must be an int >= 1 (input shapes that keep a program), "
                                  f"got {self.max_shapes!r}.")
+        if self.memory_budget is not None and (isinstance(self.memory_budget, bool) or
+                                               not isinstance(self.memory_budget, (int, float)) or
+                                               not self.memory_budget > 0):
+            raise PartitionError(f"partition: memory_budget must be a positive number of bytes per device or None, "
+                                 f"got {self.memory_budget!r}.")
         if not self.timeout_s > 0:
             raise PartitionError(f"partition: timeout_s must be a positive number of seconds, got {self.timeout_s!r}.")

@@ -18,7 +18,7 @@ from functools import cached_property
 from types import MappingProxyType
 
 from .capture import capture
-from .errors import PartitionError
+from .errors import PartitionError, user_stacklevel, warn
 from .mesh import Mesh
 from .options import Options
 from .propagate.decisions import Decisions
@@ -95,14 +95,47 @@ class Plan:
         collectives (reporting.reshard_warnings), at the user's line that asked for it."""
         k = len(self.stages) - 1 if k is None else k
         if k not in self._lowered:
-            from .lower.lower import Lowerer, canonical_groups
-
-            self._lowered[k] = Lowerer(self.graph, self.stage_decisions(k), self.mesh, self.captured,
-                                       canonical_groups(self.mesh), self.options, self.families,
-                                       self.kept_gathered).run()
+            low = self._lower(k, self.options)
+            if self.options.memory_budget is not None:
+                low = self._within_budget(k, low)
+            self._lowered[k] = low
             if k == len(self.stages) - 1:
                 _warn_reshards(self._lowered[k])
         return self._lowered[k]
+
+    def _lower(self, k: int, options: Options):
+        from .lower.lower import Lowerer, canonical_groups
+
+        return Lowerer(self.graph, self.stage_decisions(k), self.mesh, self.captured, canonical_groups(self.mesh),
+                       options, self.families, self.kept_gathered).run()
+
+    def _within_budget(self, k: int, low):
+        """Options.memory_budget: the first schedule whose peak (sim/memory.py's liveness of the lowered program, the
+        figure prog.peak_memory() measures) fits, trying fewer gathers in flight first, then one reduction in
+        flight; none fits: the one with the least peak, said once."""
+        import dataclasses
+
+        from .lower.fakeprop import annotate_local_vals
+        from .sim.memory import analyze_memory
+
+        budget, o = self.options.memory_budget, self.options
+        tries = [(p, o.reduce_in_flight) for p in range(o.prefetch, -1, -1)]
+        if o.reduce_in_flight != 1:
+            tries += [(p, 1) for p in range(o.prefetch, -1, -1)]
+        best = None
+        for i, (pf, rif) in enumerate(tries):
+            cand = low if i == 0 else self._lower(k, dataclasses.replace(o, prefetch=pf, reduce_in_flight=rif))
+            annotate_local_vals(cand, self.captured)
+            peak = analyze_memory(list(cand.gm.graph.nodes)).peak_bytes
+            if peak <= budget:
+                return cand
+            if best is None or peak < best[0]:
+                best = (peak, cand, pf, rif)
+        if k == len(self.stages) - 1:
+            warn(f"memory_budget: no schedule of this plan fits {budget / 2**30:.2f} GiB per device; the smallest "
+                 f"peaks at {best[0] / 2**30:.2f} GiB (prefetch={best[2]}, reduce_in_flight={best[3]}). Add a "
+                 f"tactic that shards more (zero(3), remat) or raise the budget.", stacklevel=user_stacklevel())
+        return best[1]
 
     def annotated_lowered(self, k: int | None = None):
         """lowered(k) with every node's local FakeTensor in meta["val"] (what the simulator and reports read)."""

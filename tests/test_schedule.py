@@ -173,3 +173,30 @@ def test_zero3_without_reshard_after_forward_gathers_once_per_step():
     train_next_to_eager(kept, ref, [WIDE.batch(2)] * 2, WIDE.loss_fn, make_opt=harness.adamw(lr=1e-3))
     with pytest.raises(pt.PartitionError, match="reshard_after_forward"):
         T.zero(2, "batch", reshard_after_forward=False)
+
+
+def test_memory_budget_picks_the_schedule_that_fits():
+    """Options.memory_budget: prefetching one gather ahead holds one more gathered copy (SGD: no optimizer state, so
+    the peak is in the backward); a budget between the two peaks makes the plan lower with prefetch=0; a budget
+    nothing fits keeps the smallest and warns."""
+    from partir_torch.sim.memory import analyze_memory
+
+    def make(**kw):
+        model = WIDE.build()
+        return pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                            example_inputs=WIDE.batch(2), loss_fn=WIDE.loss_fn,
+                            optimizer=torch.optim.SGD(model.parameters(), lr=1e-2), bucket_bytes=0, **kw)
+
+    def peak(prog):
+        return analyze_memory(list(prog.plan.annotated_lowered().gm.graph.nodes)).peak_bytes
+
+    ahead, at_use = peak(make(prefetch=1)), peak(make(prefetch=0))
+    assert at_use < ahead
+    fit = make(prefetch=1, memory_budget=(ahead + at_use) / 2)
+    assert peak(fit) == at_use and fit.plan.lowered().scheduled.prefetch == 0
+    with pytest.warns(UserWarning, match="memory_budget: no schedule"):
+        tiny = make(prefetch=1, memory_budget=1024)
+        tiny.plan.lowered()
+    assert peak(tiny) == at_use
+    with pytest.raises(pt.PartitionError, match="memory_budget"):
+        make(memory_budget=-1)
