@@ -200,3 +200,21 @@ def test_memory_budget_picks_the_schedule_that_fits():
     assert peak(tiny) == at_use
     with pytest.raises(pt.PartitionError, match="memory_budget"):
         make(memory_budget=-1)
+
+
+def test_kept_gathers_under_mixed_precision_serve_the_backward():
+    """The backward traces its own bf16 casts of the parameters; with reshard_after_forward=False they are the
+    forward's values and share its gathered copies (they had been gathered again: a silent no-op of the flag)."""
+    def gathers(reshard):
+        model = WIDE.build()
+        prog = pt.partition(model, pt.Mesh({"batch": 2}),
+                            [T.mixed_precision(torch.bfloat16), T.data_parallel("batch"),
+                             T.zero(3, "batch", reshard_after_forward=reshard)],
+                            example_inputs=WIDE.batch(2), loss_fn=WIDE.loss_fn,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), bucket_bytes=0)
+        recs = [r for r in prog.collectives() if r.kind == "all_gather"]
+        return [r for r in recs if r.phase == "forward"], [r for r in recs if r.phase == "backward"]
+
+    (fwd, bwd), (kept_fwd, kept_bwd) = gathers(True), gathers(False)
+    assert bwd and not kept_bwd
+    assert len(kept_fwd) == len(fwd) and all(r.dtype == "bfloat16" for r in kept_fwd)

@@ -278,7 +278,8 @@ class Lowerer:
             return self.env[node], self.local_shape[node]
         # reshards are shared within a phase: a parameter gathered for the forward is gathered again for the
         # backward instead of being kept alive in between (ZeRO-3's memory saving), unless its tactic keeps it
-        key = (node, want, self.phase if node.op == "placeholder" and not self._kept(v) else "")
+        kept = self._kept(v)
+        key = (_state_key(node) if kept else node, want, self.phase if node.op == "placeholder" and not kept else "")
         if key not in self.cache:
             self.em.phase = self.phase
             src = node.args[0] if node.target in _HOISTABLE and node.args else None
@@ -351,6 +352,21 @@ _RESHAPE = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
 
 # pure views with static arguments: a replicated copy of the view is the view of a replicated source
 _HOISTABLE = VIEW_OPS - {torch.ops.aten.expand.default}
+
+
+# ops that compute the same value from the same input wherever they run (a cast, a copy, a view)
+_PURE_UNARY = VIEW_OPS | {torch.ops.aten._to_copy.default, torch.ops.aten.clone.default,
+                          torch.ops.aten.alias.default, torch.ops.aten.detach.default}
+
+
+def _state_key(node):
+    """A kept state value's identity for sharing its gathered copy: the placeholder and the chain of casts and views
+    that lead from it (a mixed-precision cast traced again in the backward is the forward's value), else the node."""
+    chain, n = [], node
+    while n.op == "call_function" and n.target in _PURE_UNARY and n.args and isinstance(n.args[0], fx.Node):
+        chain.append((n.target, repr(n.args[1:]), repr(sorted(n.kwargs.items()))))
+        n = n.args[0]
+    return (n, tuple(chain)) if n.op == "placeholder" else node
 
 
 def _strip(sh: Sharding) -> Sharding:
