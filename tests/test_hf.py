@@ -123,17 +123,21 @@ def assert_same_cache(got, want):
 @pytest.mark.parametrize("build", [gpt2, llama, mistral],
                          ids=["GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM"])
 def test_forward_and_eval_step_with_the_default_kv_cache_equal_eager(build):
-    """prog.forward(tokens) on a stock causal LM with its default use_cache=True returns what eager returns: the
-    logits and the KV cache, gathered whole into a new cache of eager's class, which eager decoding continues from
-    as from its own. eval_step with the documented loss_fn (cache on) too. BP + MP on 2x2."""
+    """prog.forward(tokens) on a stock causal LM with its default use_cache=True, after a training step and at
+    another batch size, returns what eager returns: the logits and the KV cache, gathered whole into a new cache of
+    eager's class, which eager decoding continues from as from its own. eval_step with the documented loss_fn
+    (cache on) too. BP + MP on 2x2."""
     torch.manual_seed(0)
     model = build().train()
     assert model.config.use_cache
-    ref = copy.deepcopy(model).eval()
-    tokens = torch.randint(0, 64, (4, 8))
+    ref = copy.deepcopy(model)
+    batch = torch.randint(0, 64, (8, 8))
     prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}), [T.data_parallel("batch"), T.megatron("model")],
-                        example_inputs=(tokens,), loss_fn=loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+                        example_inputs=(batch,), loss_fn=loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5))
+    train_next_to_eager(prog, ref, [(batch,)], loss_fn, make_opt=adamw(eps=1e-5))
+    ref.eval()
+    tokens = batch[:4]
     out = prog.forward(tokens)
     with torch.no_grad():
         want = ref(tokens)
