@@ -266,3 +266,44 @@ def test_data_dependent_control_flow_raises_trace_error_naming_the_line():
     assert isinstance(ei.value, pt.PartitionError)
     assert f"{__file__}:{line} in forward" in msg
     assert "DataDependent" in msg and "torch.where" in msg
+
+
+# -- objects among the outputs (a KV cache) ----------------------------------------------------------------------
+class _Memory:
+    """An output object as HF's caches are: tensors in its attributes (and a list of them), and plain values."""
+
+    def __init__(self, h):
+        self.steps, self.last, self.all = h.shape[1], h[:, -1], [h, h * 2]
+
+
+class _Slotted:
+    __slots__ = ("h",)
+
+    def __init__(self, h):
+        self.h = h
+
+
+class _Remember(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.fc, self.kind = nn.Linear(8, 8), kind
+
+    def forward(self, x):
+        h = self.fc(x)
+        return {"y": h.sum(-1), "memory": self.kind(h)}
+
+
+def test_an_object_output_is_rebuilt_around_its_tensors_and_one_without_attributes_is_refused():
+    """prog(x) returns a new object of the output's class: its tensors computed by the step (sharded on 'batch'
+    and gathered), its other attributes as traced; a tensor held where attributes cannot reach it is refused."""
+    model, x = _Remember(_Memory), torch.randn(4, 3, 8)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [pt.tactics.data_parallel("batch")], example_inputs=(x,))
+    assert prog.captured.output_names == ["outputs.0", "outputs.1", "outputs.2", "outputs.3"]
+    got, want = prog(x), model(x)
+    assert isinstance(got["memory"], _Memory) and got["memory"] is not want["memory"]
+    assert got["memory"].steps == 3 and len(got["memory"].all) == 2
+    torch.testing.assert_close(got["y"], want["y"])
+    torch.testing.assert_close(got["memory"].last, want["memory"].last)
+    torch.testing.assert_close(got["memory"].all[1], want["memory"].all[1])
+    with pytest.raises(TraceError, match=r"output 1 \(_Slotted\) is a _Slotted holding tensors .* use_cache=False"):
+        capture(_Remember(_Slotted), (x,))

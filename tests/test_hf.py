@@ -93,3 +93,82 @@ def test_mixtral_bp_mp_z3_matches_single_device_and_refuses_expert_parallel():
     with pytest.raises(pt.PartitionError, match=r"experts.gate_up_proj .* aten.index.Tensor"):
         pt.partition(mixtral(), pt.Mesh({"expert": 2}), [T.expert_parallel("expert")], example_inputs=(tokens,),
                      loss_fn=loss_fn)
+
+
+def mistral():
+    """Mistral with a sliding window shorter than the sequence: its cache layers (DynamicSlidingWindowLayer) keep
+    the last window - 1 tokens, a cumulative length and a window tensor."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, sliding_window=4,
+                        bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    return MistralForCausalLM(cfg)
+
+
+def assert_same_cache(got, want):
+    """The same cache class, layer classes and attributes: tensors equal (keys, values, a window tensor), the rest
+    (lengths, flags, devices) identical."""
+    assert type(got) is type(want) and len(got.layers) == len(want.layers)
+    for a, b in zip(got.layers, want.layers):
+        assert type(a) is type(b) and vars(a).keys() == vars(b).keys()
+        for k, v in vars(b).items():
+            if isinstance(v, torch.Tensor):
+                torch.testing.assert_close(vars(a)[k], v, rtol=1e-5, atol=1e-6, msg=k)
+            else:
+                assert vars(a)[k] == v, (k, vars(a)[k], v)
+
+
+@pytest.mark.parametrize("build", [gpt2, llama, mistral],
+                         ids=["GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM"])
+def test_forward_and_eval_step_with_the_default_kv_cache_equal_eager(build):
+    """prog.forward(tokens) on a stock causal LM with its default use_cache=True, after a training step and at
+    another batch size, returns what eager returns: the logits and the KV cache, gathered whole into a new cache of
+    eager's class, which eager decoding continues from as from its own. eval_step with the documented loss_fn
+    (cache on) too. BP + MP on 2x2."""
+    torch.manual_seed(0)
+    model = build().train()
+    assert model.config.use_cache
+    ref = copy.deepcopy(model)
+    batch = torch.randint(0, 64, (8, 8))
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}), [T.data_parallel("batch"), T.megatron("model")],
+                        example_inputs=(batch,), loss_fn=loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5))
+    train_next_to_eager(prog, ref, [(batch,)], loss_fn, make_opt=adamw(eps=1e-5))
+    ref.eval()
+    tokens = batch[:4]
+    out = prog.forward(tokens)
+    with torch.no_grad():
+        want = ref(tokens)
+        torch.testing.assert_close(prog.eval_step(tokens), loss_fn(ref, tokens), rtol=1e-5, atol=1e-6)
+    assert type(out) is type(want) and list(out.keys()) == list(want.keys()) == ["logits", "cache"]
+    torch.testing.assert_close(out.logits, want.logits, rtol=1e-5, atol=1e-6)
+    assert_same_cache(out.cache, want.cache)
+    nxt = torch.randint(0, 64, (4, 1))
+    with torch.no_grad():                       # decoding goes on from the program's cache as from eager's
+        torch.testing.assert_close(ref(nxt, cache=out.cache).logits, ref(nxt, cache=want.cache).logits,
+                                   rtol=1e-5, atol=1e-6)
+    assert_same_cache(out.cache, want.cache)    # both grew by the same token
+    assert prog.forward(tokens).cache is not out.cache      # a new cache per call
+
+
+def test_forward_program_without_loss_fn_returns_the_cache_and_a_flag_or_cache_passed_in_is_refused():
+    """partition(model, ..., example_inputs) without a loss_fn: prog(tokens) is model(tokens), cache included.
+    A flag or a cache passed to forward is refused naming it and the fix (inputs are tensors)."""
+    torch.manual_seed(0)
+    model = llama().eval()
+    tokens = torch.randint(0, 64, (4, 8))
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}), [T.data_parallel("batch"), T.megatron("model")],
+                        example_inputs=(tokens,))
+    out = prog(tokens)
+    with torch.no_grad():
+        want = model(tokens)
+    torch.testing.assert_close(out.logits, want.logits, rtol=1e-5, atol=1e-6)
+    assert_same_cache(out.cache, want.cache)
+    with pytest.raises(pt.PartitionError, match=r"forward: input\[0\]\['use_cache'\] is a bool \(False\); .*"
+                                                r"model.config.use_cache = False"):
+        prog.forward(input_ids=tokens, use_cache=False)
+    with pytest.raises(pt.PartitionError, match=r"forward: input\[1\] is a DynamicCache .* continue decoding "
+                                                r"eagerly from it"):
+        prog.forward(tokens[:, -1:], out.cache)

@@ -29,6 +29,7 @@ from .inputs import as_batch, check_leaves, forward_kwargs
 from .sources import recording_sources
 from .graphutil import no_gc, source_line, split_for_backward
 from .optim import functional_optimizer
+from .outputs import flatten_outputs
 from .replicate import splice_update
 from .tags import tracing_graph, collect_tags, install_hooks
 from .tidy import untie_random_templates
@@ -50,7 +51,7 @@ class Captured:
     output_names: list               # per flat output: "loss", "params.fc1.weight", "grads.fc1.weight", "outputs.0"
     names: dict                      # named value -> node (placeholders, module output tags)
     ties: list                       # (placeholder node, output node): one value for propagation
-    out_spec: object = None          # forward mode: pytree spec of the model's outputs
+    out_spec: object = None          # forward mode: the structure of the model's outputs (outputs.OutputSpec)
     fopt: object = None              # FunctionalOptimizer
     param_fqns: list = field(default_factory=list)
     trainable: list = field(default_factory=list)
@@ -434,7 +435,7 @@ class _Step:
     def _forward(self, p, b, batch):
         kwargs = forward_kwargs(self.model, tuple(batch))     # a dict batch: model(**batch)
         out = functional_call(self.model, {**p, **b}, () if kwargs is not None else tuple(batch), kwargs)
-        flat_out, self.out_spec = tree_flatten(out)
+        flat_out, self.out_spec = flatten_outputs(out)     # an HF KV cache: its tensors, rebuilt per call
         self.out_names[:] = [f"outputs.{i}" for i in range(len(flat_out))]
         return flat_out
 

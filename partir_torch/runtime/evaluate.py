@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from ..capture.inputs import conform
 from ..contract import Role
@@ -61,7 +61,7 @@ class Evaluator:
 
     def forward(self, inputs):
         outs, cap, _ = self._run("forward", inputs)
-        return tree_unflatten(outs[:cap.out_spec.num_leaves], cap.out_spec)
+        return cap.out_spec.unflatten(outs[:cap.out_spec.num_leaves])
 
     # -------------------------------------------------------------------------------------------------------------
     def _run(self, kind, batch):
@@ -71,13 +71,9 @@ class Evaluator:
         flat, spec = tree_flatten(batch)
         what = "eval_step" if kind == "loss" else "forward"
         ex.agree(what, flat)                          # real ranks: the same call everywhere (faults.py)
-        for i, x in enumerate(flat):
-            if not isinstance(x, torch.Tensor):
-                raise PartitionError(f"{'eval_step' if kind == 'loss' else 'forward'}: input {i} is a "
-                                     f"{type(x).__name__}; pass tensors.")
+        _refuse_non_tensors(what, batch)
         # the structure too: a dict with its keys in another order is another program's inputs (capture flattens
         # a dict in its key order)
-        what = "eval_step" if kind == "loss" else "forward"
         ex.held().guard(what)
         key = (kind, str(spec), signature(flat), id(ex.rt))
         entry = self.cache.get(key)
@@ -141,6 +137,20 @@ class Evaluator:
         kinds = {"loss": "eval", "forward": "eval forward"}
         return [ShapeInfo(kinds[e.signature[0]], e.signature[2], e.capture_s, e.plan_s, e.lower_s, e.calls)
                 for e in self.cache.entries.values()]
+
+
+def _refuse_non_tensors(what, batch) -> None:
+    """The inputs of a step are tensors: a flag (use_cache=False) or a cache passed in is refused by its path."""
+    for path, x in tree_flatten_with_path(tuple(batch))[0]:
+        if isinstance(x, torch.Tensor):
+            continue
+        fix = ("A KV cache comes back in forward's outputs but cannot be passed in: continue decoding eagerly from "
+               "it (model(next_ids, cache=out.cache))." if not isinstance(x, (bool, int, float, str, type(None)))
+               else "Flags are not inputs: set them on the model before partition (model.config.use_cache = "
+                    "False), or close over them in loss_fn; the default use_cache=True works (the cache is "
+                    "returned with the outputs).")
+        raise PartitionError(f"{what}: input{keystr(path)} is a {type(x).__name__} ({str(x)[:40]}); the inputs of "
+                             f"a step are tensors. {fix}")
 
 
 def _seeds(train, cap, axis, tactic, last) -> list:

@@ -6,7 +6,7 @@ import hashlib
 import time
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
 from ..capture.inputs import conform
@@ -309,4 +309,4 @@ class Executor:
         outs = self.run(inputs, what="prog(...)")
         self._keep_state(outs)
         n = cap.out_spec.num_leaves
-        return tree_unflatten([self.rt.rank0(t) for t in outs[:n]], cap.out_spec)
+        return cap.out_spec.unflatten([self.rt.rank0(t) for t in outs[:n]])
