@@ -77,13 +77,15 @@ class ProgramFacts:
         self._values(captured)
         self._ops(index)
         self._slots()
-        _schedule_facts(self, index)
+        _schedule_facts(self, index, captured)
         # the eager program's fused Adam update writes parameters and moments in place (lower/fuse.py): the updated
         # values share their state's storage; compiled or other optimizers' updates are out of place
         fopt = getattr(captured, "fopt", None)
         fused = fopt is not None and fopt.kind in ("adam", "adamw") and not compile
         in_place = {new: old for old, new in captured.ties} if fused else {}
-        self.st_owner, self.st_born, self.st_last, self.st_size = _storages(graph, nodes, in_place)
+        self.fused = bool(in_place)
+        self.st_owner, self.st_born, self.st_last, self.st_size, self.al_val, self.al_sid = _storages(graph, nodes,
+                                                                                                     in_place)
         self._comm_tables()
 
     def _values(self, captured) -> None:
@@ -201,10 +203,10 @@ class ProgramFacts:
         all_div = np.ones(len(self.canon))
         for axis in decisions:
             all_div *= val_tdiv[axis]
-        exposed, per_axis, by_kind, temps, eff_div = self._comm(decisions, want, have, val_tdiv, all_div)
+        exposed, per_axis, by_kind, temps, eff_div, grad = self._comm(decisions, want, have, val_tdiv, all_div)
         comm = sum(per_axis.values())
         step = max(compute + exposed, max(per_axis.values(), default=0.0) + update)
-        return Estimate(step, compute, exposed, comm, self._peak(eff_div, temps), by_kind)
+        return Estimate(step, compute, exposed, comm, self._peak(eff_div, temps, grad), by_kind)
 
     def _layouts(self, decisions: dict) -> tuple:
         """Per axis and slot: the state its op wants (want) and the state its value has (have); over all axes: the
@@ -291,12 +293,13 @@ class ProgramFacts:
         # shard and its all-reduced copy (lowering reduce-scatters first and all-reduces the shard); bounded
         # (lower/schedule.py), its reduced copy alone lives until the update, the whole value a reduction or so
         grad = self.grad_to_update & ((rs_k > 1) | has_ar)
+        temps.append(_state_outputs(self, want, have, all_div))
         if self.reduce_in_flight:
             temps.append(_gradient_transients(self, grad, self.val_bytes / all_div))
         else:
             live = np.where(has_ar, 2.0 / rs_k, 1.0 + 1.0 / rs_k)
             eff_div = np.where(grad, eff_div / rs_k / live, eff_div)
-        return self._exposed(waits), per_axis, by_kind, temps, eff_div
+        return self._exposed(waits), per_axis, by_kind, temps, eff_div, grad
 
     def _exposed(self, waits: dict) -> float:
         """Exposed seconds: per window of the program, each axis's exposed collectives summed, the longest axis
@@ -341,11 +344,13 @@ class ProgramFacts:
             temp = (_issued(self, idx, lo, w), hi, nbytes / np.where(tiled(w[idx]), self.mesh.shape[axis], 1))
         return t_exp, lo[~over], t_over, len(idx), float(nbytes.sum()), temp
 
-    def _peak(self, eff_div: np.ndarray, temps: list) -> float:
-        """Peak bytes: the liveness sweep with each storage divided by its value's layout, plus each resharded
-        copy from its first to its last use."""
+    def _peak(self, eff_div: np.ndarray, temps: list, grad: np.ndarray) -> float:
+        """Peak bytes: the liveness sweep with each storage divided by its value's layout (a gradient's storage by
+        the gradient's, when the update reads a view of it), plus each resharded copy while it lives."""
         owner = self.st_owner
         div = np.where(owner >= 0, eff_div[self.canon[np.maximum(owner, 0)]], 1.0)
+        alias = grad[self.canon[self.al_val]]
+        div[self.al_sid[alias]] = eff_div[self.canon[self.al_val[alias]]]
         size = self.st_size / div
         delta = np.zeros(self.n_nodes + 2)
         np.add.at(delta, self.st_born, size)
@@ -356,7 +361,7 @@ class ProgramFacts:
         return float(np.max(np.cumsum(delta[:self.n_nodes]))) if self.n_nodes else 0.0
 
 
-def _schedule_facts(facts: ProgramFacts, index: dict) -> None:
+def _schedule_facts(facts: ProgramFacts, index: dict, captured) -> None:
     """What lowering's placement needs (lower/lower.py, lower/schedule.py): per value the node that produces it
     (a value every consumer wants in one layout is resharded right there), whether it is state or made from
     state alone by casts and views (its gather is a state gather: prefetched), and the update's first node."""
@@ -372,19 +377,25 @@ def _schedule_facts(facts: ProgramFacts, index: dict) -> None:
     facts.state_like = state_like
     upd = facts.op_node_index[facts.op_phase == 2]
     facts.update_node = int(upd.min()) if len(upd) else facts.n_nodes
+    ties = [(g.vid[old], g.vid[new]) for old, new in getattr(captured, "ties", ()) if old in g.vid and new in g.vid]
+    facts.tie_old, facts.tie_new = np.asarray(ties, dtype=np.int64).reshape(-1, 2).T
+    result_slot = {v: k for k, v in enumerate(facts.s_val) if facts.s_res[k]}
+    keep = np.array([v in result_slot for v in facts.tie_new], dtype=bool)
+    facts.tie_old, facts.tie_new = facts.tie_old[keep], facts.tie_new[keep]
+    facts.tie_slot = np.array([result_slot[v] for v in facts.tie_new], dtype=np.int64)
 
 
 def _issued(facts: ProgramFacts, idx: np.ndarray, lo: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Where lowering issues the reshards of slots idx (one per key, sorted by key) first used at lo: a value
-    every consumer wants in one layout right where it is produced (lower/lower.py; a parameter re-gathered in a
-    later phase at its use there); then state gathers (of state, or of its casts) at most `prefetch` gathers
+    """Where lowering issues the reshards of slots idx (one per key, sorted by key) first used at lo: an op's
+    result every consumer wants in one layout right where it is produced (lower/lower.py), a program input and any
+    other at its first use; then state gathers (of state, or of its casts) at most `prefetch` gathers
     ahead of their use, the first ones where the earliest is (lower/schedule.py)."""
     v = facts.s_val[idx]
     layouts = np.unique(v * 64 + (w[idx] + 8)) // 64
     single = np.bincount(layouts, minlength=len(facts.val_bytes))[v] == 1
     first = np.zeros(len(idx), dtype=bool)
     first[np.unique(v, return_index=True)[1]] = True          # keys sorted: a value's earliest phase first
-    at = np.where(single & first, np.minimum(facts.val_node[v], lo), lo)
+    at = np.where(single & first & ~facts.is_placeholder[v], np.minimum(facts.val_node[v], lo), lo)
     state = np.nonzero(facts.state_like[v])[0]
     if facts.prefetch and len(state):
         order = state[np.argsort(lo[state], kind="stable")]
@@ -430,6 +441,19 @@ def _gradient_transients(facts: ProgramFacts, grad: np.ndarray, whole: np.ndarra
             np.concatenate([b, buf]))
 
 
+def _state_outputs(facts: ProgramFacts, want: dict, have: dict, all_div: np.ndarray) -> tuple:
+    """The eager fused update writes its state in place only where it computes the state in the state's own
+    layout: where it computes a more finely tiled copy (ZeRO-1/2), the updated value is gathered into a new tensor
+    that lives from the update to the end of the step (the step returns it)."""
+    slot = facts.tie_slot
+    moved = np.zeros(len(slot), dtype=bool)
+    if facts.fused:
+        for axis in want:
+            moved |= tiled(want[axis][slot]) & whole(have[axis][slot])
+    new = facts.tie_new[moved]
+    return facts.val_node[new], np.full(len(new), facts.n_nodes), facts.val_bytes[new] / all_div[facts.canon[new]]
+
+
 def _other_div(facts: ProgramFacts, axis: str, want: dict, have: dict) -> dict:
     """Per collective kind and slot: the divisor of its value's bytes from the other axes while lowering reshards
     it on `axis` (lower/reshard.py): gathers and all_to_alls un-tile the innermost axis first (an axis before this
@@ -455,11 +479,12 @@ def _other_div(facts: ProgramFacts, axis: str, want: dict, have: dict) -> dict:
 
 def _storages(g, nodes, in_place: dict) -> tuple:
     """Liveness over the captured program (sim/memory.py's rules: views alias, placeholders live all step): per
-    storage its owning value (-1: none), the node it is born at and the last node that reads it, and its bytes.
-    in_place: updated value -> the state placeholder whose storage it is written into."""
+    storage its owning value (-1: none), the node it is born at and the last node that reads it, and its bytes;
+    then the values that view another's storage, and that storage. in_place: updated value -> the state placeholder
+    whose storage it is written into."""
     end = len(nodes)
     sid_of: dict = {}
-    owner, born, last, size = [], [], [], []
+    owner, born, last, size, aliases = [], [], [], [], []
 
     def new(v, nbytes, i):
         owner.append(v)
@@ -495,6 +520,8 @@ def _storages(g, nodes, in_place: dict) -> tuple:
             base = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
             if (info == "view" or cls == WAIT) and base is not None and sid_of.get(base):
                 sid_of[n] = [sid_of[base][0]]
+                if n in g.vid:
+                    aliases.append((g.vid[n], sid_of[n][0]))
             elif cls == FREE and info != "alloc":
                 sid_of[n] = []
             elif isinstance(val, torch.Tensor):
@@ -509,8 +536,9 @@ def _storages(g, nodes, in_place: dict) -> tuple:
     for s, v in enumerate(owner):
         if born[s] == 0 and v >= 0 and g.values[v].op == "placeholder":
             last[s] = end
+    al = np.asarray(aliases, dtype=np.int64).reshape(-1, 2)
     return (np.asarray(owner, dtype=np.int64), np.asarray(born, dtype=np.int64), np.asarray(last, dtype=np.int64),
-            np.asarray(size, dtype=np.float64))
+            np.asarray(size, dtype=np.float64), al[:, 0], al[:, 1])
 
 
 def _nbytes(val) -> float:
