@@ -18,10 +18,13 @@ the estimate derives, with numpy over all ops and operand slots at once:
   per window of the program of each axis, and the longest axis counts per window;
 - memory: the liveness of every storage over the captured program's order (sim/memory.py's rules: views alias,
   placeholders live all step), each storage divided by its value's tilings (a partial value every consumer wants
-  tiled is reduce-scattered where it is produced), plus each gathered copy at its use. A gradient reduced for the
-  optimizer is waited for a reduction or two after it is issued (lower/schedule.py's bound, Options.reduce_in_flight):
-  its reduced copy lives until the update; unbounded, the whole partial gradient lives there too (a collective's
-  input lives until its wait).
+  tiled is reduce-scattered where it is produced), plus each resharded copy from where lowering issues it (right
+  after its value is produced when every consumer wants one layout; state gathers at most `prefetch` ahead of their
+  use, lower/schedule.py) to its last use. A gradient reduced for the optimizer is waited for reduce_in_flight
+  buckets after its own (lower/schedule.py's bound, lower/bucket.py's buckets of 1/UNITS of the bytes): its reduced
+  copy lives until the update, the whole gradient (and its bucket's buffer) until then; unbounded
+  (reduce_in_flight=0), the whole partial gradient lives until the update too (a collective's input lives until its
+  wait).
 
 step ~= max(compute + exposed communication, busiest axis's communication + the optimizer update, which waits for
 the last gradient reduction).
@@ -38,10 +41,15 @@ import torch
 from ..contract import META_ROLE, STATE_ROLES, Phase, phase_of
 from ..propagate.arrays import partial, partial_code, replicated, replicated_code, tiled, undecided_array, whole
 from ..rules.factors import REDUCE
+from ..lower.bucket import MIN_BUCKET, UNITS
 from .comm import estimate as comm_estimate
 from .compute import COMPUTE, FREE, WAIT, op_class
 
 KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+aten = torch.ops.aten
+# ops that make a state gather's input from the state alone (lower/schedule.py moves them up with the gather)
+_PREPARE = {aten._to_copy.default, aten.clone.default, aten.contiguous.default, aten.detach.default,
+            aten.alias.default}
 _SIZES = np.array([0.0] + [2.0 ** i for i in range(6, 42)])      # collective sizes tabulated (bytes)
 
 
@@ -60,21 +68,24 @@ class ProgramFacts:
     48-layer model): per-op FLOPs and roofline constants, per-slot factor positions, value sizes, liveness."""
 
     def __init__(self, graph, mesh, hw, captured=None, bucket_bytes: int = 64 * 2 ** 20, reduce_in_flight: int = 1,
-                 compile: bool = False):
+                 compile: bool = False, prefetch: int = 1):
         self.g, self.mesh, self.hw, self.bucket_bytes = graph, mesh, hw, bucket_bytes
-        self.reduce_in_flight = reduce_in_flight
+        self.reduce_in_flight, self.prefetch = reduce_in_flight, prefetch
         nodes = list(graph.gm.graph.nodes)
         index = {n: i for i, n in enumerate(nodes)}
         self.n_nodes = len(nodes)
         self._values(captured)
         self._ops(index)
         self._slots()
+        _schedule_facts(self, index, captured)
         # the eager program's fused Adam update writes parameters and moments in place (lower/fuse.py): the updated
         # values share their state's storage; compiled or other optimizers' updates are out of place
         fopt = getattr(captured, "fopt", None)
         fused = fopt is not None and fopt.kind in ("adam", "adamw") and not compile
         in_place = {new: old for old, new in captured.ties} if fused else {}
-        self.st_owner, self.st_born, self.st_last, self.st_size = _storages(graph, nodes, in_place)
+        self.fused = bool(in_place)
+        self.st_owner, self.st_born, self.st_last, self.st_size, self.al_val, self.al_sid = _storages(graph, nodes,
+                                                                                                     in_place)
         self._comm_tables()
 
     def _values(self, captured) -> None:
@@ -192,10 +203,10 @@ class ProgramFacts:
         all_div = np.ones(len(self.canon))
         for axis in decisions:
             all_div *= val_tdiv[axis]
-        exposed, per_axis, by_kind, temps, eff_div = self._comm(decisions, want, have, val_tdiv, all_div)
+        exposed, per_axis, by_kind, temps, eff_div, grad = self._comm(decisions, want, have, val_tdiv, all_div)
         comm = sum(per_axis.values())
         step = max(compute + exposed, max(per_axis.values(), default=0.0) + update)
-        return Estimate(step, compute, exposed, comm, self._peak(eff_div, temps), by_kind)
+        return Estimate(step, compute, exposed, comm, self._peak(eff_div, temps, grad), by_kind)
 
     def _layouts(self, decisions: dict) -> tuple:
         """Per axis and slot: the state its op wants (want) and the state its value has (have); over all axes: the
@@ -280,12 +291,15 @@ class ProgramFacts:
         # unbounded (reduce_in_flight=0), a gradient's reductions are waited for where the update reads it: the whole
         # partial value lives until then with its reduced copy (reduce_scatter: 1/rs_k of it), or with the reduced
         # shard and its all-reduced copy (lowering reduce-scatters first and all-reduces the shard); bounded
-        # (lower/schedule.py), the whole value dies a reduction or two after it is produced: its reduced copy alone
-        # lives until the update (the transient whole gradient, one bucket at most, is not counted)
+        # (lower/schedule.py), its reduced copy alone lives until the update, the whole value a reduction or so
         grad = self.grad_to_update & ((rs_k > 1) | has_ar)
-        live = np.where(has_ar, 2.0 / rs_k, 1.0 + 1.0 / rs_k) if not self.reduce_in_flight else 1.0
-        eff_div = np.where(grad, eff_div / rs_k / live, eff_div)
-        return self._exposed(waits), per_axis, by_kind, temps, eff_div
+        temps.append(_state_outputs(self, want, have, all_div))
+        if self.reduce_in_flight:
+            temps.append(_gradient_transients(self, grad, self.val_bytes / all_div))
+        else:
+            live = np.where(has_ar, 2.0 / rs_k, 1.0 + 1.0 / rs_k)
+            eff_div = np.where(grad, eff_div / rs_k / live, eff_div)
+        return self._exposed(waits), per_axis, by_kind, temps, eff_div, grad
 
     def _exposed(self, waits: dict) -> float:
         """Exposed seconds: per window of the program, each axis's exposed collectives summed, the longest axis
@@ -323,18 +337,20 @@ class ProgramFacts:
                 t_over += nb * float(self.comm_time(kind, axis, np.array([b / nb]))[0])
         temp = None
         if kind in ("all_gather", "all_to_all"):
-            # one resharded copy per (value, layout[, phase]) is shared by its uses: it lives from the first to the
-            # last of them (an activation gathered for the forward is kept for the backward)
+            # one resharded copy per (value, layout[, phase]) is shared by its uses: it lives from where lowering
+            # issues it to the last of them (an activation gathered for the forward is kept for the backward)
             hi = np.zeros(len(idx), dtype=np.int64)
             np.maximum.at(hi, inverse, self.s_node[uses])
-            temp = (lo, hi, nbytes / np.where(tiled(w[idx]), self.mesh.shape[axis], 1))
+            temp = (_issued(self, idx, lo, w), hi, nbytes / np.where(tiled(w[idx]), self.mesh.shape[axis], 1))
         return t_exp, lo[~over], t_over, len(idx), float(nbytes.sum()), temp
 
-    def _peak(self, eff_div: np.ndarray, temps: list) -> float:
-        """Peak bytes: the liveness sweep with each storage divided by its value's layout, plus each resharded
-        copy from its first to its last use."""
+    def _peak(self, eff_div: np.ndarray, temps: list, grad: np.ndarray) -> float:
+        """Peak bytes: the liveness sweep with each storage divided by its value's layout (a gradient's storage by
+        the gradient's, when the update reads a view of it), plus each resharded copy while it lives."""
         owner = self.st_owner
         div = np.where(owner >= 0, eff_div[self.canon[np.maximum(owner, 0)]], 1.0)
+        alias = grad[self.canon[self.al_val]]
+        div[self.al_sid[alias]] = eff_div[self.canon[self.al_val[alias]]]
         size = self.st_size / div
         delta = np.zeros(self.n_nodes + 2)
         np.add.at(delta, self.st_born, size)
@@ -343,6 +359,99 @@ class ProgramFacts:
             np.add.at(delta, lo, b)
             np.add.at(delta, hi + 1, -b)
         return float(np.max(np.cumsum(delta[:self.n_nodes]))) if self.n_nodes else 0.0
+
+
+def _schedule_facts(facts: ProgramFacts, index: dict, captured) -> None:
+    """What lowering's placement needs (lower/lower.py, lower/schedule.py): per value the node that produces it
+    (a value every consumer wants in one layout is resharded right there), whether it is state or made from
+    state alone by casts and views (its gather is a state gather: prefetched), and the update's first node."""
+    g = facts.g
+    nv = len(g.values)
+    facts.val_node = np.array([index[g.values[v]] for v in range(nv)], dtype=np.int64)
+    state_like = facts.is_state.copy()
+    for op in g.ops:
+        if op_class(op.node.target)[1] == "view" or op.node.target in _PREPARE:
+            srcs = [v for v in op.operands if v is not None]
+            if srcs and all(state_like[v] for v in srcs):
+                state_like[[v for v in op.results if v is not None]] = True
+    facts.state_like = state_like
+    upd = facts.op_node_index[facts.op_phase == 2]
+    facts.update_node = int(upd.min()) if len(upd) else facts.n_nodes
+    ties = [(g.vid[old], g.vid[new]) for old, new in getattr(captured, "ties", ()) if old in g.vid and new in g.vid]
+    facts.tie_old, facts.tie_new = np.asarray(ties, dtype=np.int64).reshape(-1, 2).T
+    result_slot = {v: k for k, v in enumerate(facts.s_val) if facts.s_res[k]}
+    keep = np.array([v in result_slot for v in facts.tie_new], dtype=bool)
+    facts.tie_old, facts.tie_new = facts.tie_old[keep], facts.tie_new[keep]
+    facts.tie_slot = np.array([result_slot[v] for v in facts.tie_new], dtype=np.int64)
+
+
+def _issued(facts: ProgramFacts, idx: np.ndarray, lo: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Where lowering issues the reshards of slots idx (one per key, sorted by key) first used at lo: an op's
+    result every consumer wants in one layout right where it is produced (lower/lower.py), a program input and any
+    other at its first use; then state gathers (of state, or of its casts) at most `prefetch` gathers
+    ahead of their use, the first ones where the earliest is (lower/schedule.py)."""
+    v = facts.s_val[idx]
+    layouts = np.unique(v * 64 + (w[idx] + 8)) // 64
+    single = np.bincount(layouts, minlength=len(facts.val_bytes))[v] == 1
+    first = np.zeros(len(idx), dtype=bool)
+    first[np.unique(v, return_index=True)[1]] = True          # keys sorted: a value's earliest phase first
+    at = np.where(single & first & ~facts.is_placeholder[v], np.minimum(facts.val_node[v], lo), lo)
+    state = np.nonzero(facts.state_like[v])[0]
+    if facts.prefetch and len(state):
+        order = state[np.argsort(lo[state], kind="stable")]
+        ahead = np.full(len(order), at[order].min())       # the first `prefetch`: where the earliest is
+        ahead[facts.prefetch:] = lo[order[:max(len(order) - facts.prefetch, 0)]]
+        at[order] = np.minimum(at[order], ahead)
+    return at
+
+
+def _gradient_transients(facts: ProgramFacts, grad: np.ndarray, whole: np.ndarray) -> tuple:
+    """The whole gradients of bounded reductions (lower/bucket.py, lower/schedule.py), as (born, last, bytes):
+    in the order they are produced, gradients fill buckets of at most 1/UNITS of their bytes (bucket_bytes at
+    most); a bucket is issued when its last member is produced and waited for just before the bucket
+    reduce_in_flight later is issued (its input lives until then). A bucket of several members copies them
+    into one buffer where it is issued (they die there); a bucket of one reduces the gradient itself."""
+    c = np.nonzero(grad)[0]
+    c = c[np.argsort(facts.val_node[c], kind="stable")]
+    born, b = facts.val_node[c], whole[c]
+    if not len(c):
+        return born, born, b
+    limit = min(facts.bucket_bytes, max(b.sum() / UNITS, MIN_BUCKET)) if facts.bucket_bytes else 0
+    if limit:
+        # a gradient over the limit is a bucket alone; between two such, each bucket holds what ends in its
+        # limit-sized stretch of the running total (no more than the limit, as lowering's greedy fill)
+        big = b > limit
+        seg = np.cumsum(big)
+        cum = np.cumsum(np.where(big, 0.0, b))
+        local = cum - np.maximum.accumulate(np.where(big, cum, 0.0))
+        ids = seg * (len(c) + 2) + np.where(big, 0, np.maximum(np.ceil(local / limit), 1))
+    else:
+        ids = np.arange(len(c))
+    _, start, bucket = np.unique(ids, return_index=True, return_inverse=True)
+    issue = np.maximum.reduceat(born, start)                 # per bucket: where its last member is produced
+    n_members = np.diff(np.append(start, len(c)))
+    nxt = np.arange(len(start)) + facts.reduce_in_flight
+    end = np.where(nxt < len(start), issue[np.minimum(nxt, len(start) - 1)], facts.update_node)
+    end = np.maximum(end, issue)
+    single = n_members[bucket] == 1
+    member_last = np.where(single, end[bucket], issue[bucket])
+    multi = n_members > 1
+    buf = np.add.reduceat(b, start)[multi]
+    return (np.concatenate([born, issue[multi]]), np.concatenate([member_last, end[multi]]),
+            np.concatenate([b, buf]))
+
+
+def _state_outputs(facts: ProgramFacts, want: dict, have: dict, all_div: np.ndarray) -> tuple:
+    """The eager fused update writes its state in place only where it computes the state in the state's own
+    layout: where it computes a more finely tiled copy (ZeRO-1/2), the updated value is gathered into a new tensor
+    that lives from the update to the end of the step (the step returns it)."""
+    slot = facts.tie_slot
+    moved = np.zeros(len(slot), dtype=bool)
+    if facts.fused:
+        for axis in want:
+            moved |= tiled(want[axis][slot]) & whole(have[axis][slot])
+    new = facts.tie_new[moved]
+    return facts.val_node[new], np.full(len(new), facts.n_nodes), facts.val_bytes[new] / all_div[facts.canon[new]]
 
 
 def _other_div(facts: ProgramFacts, axis: str, want: dict, have: dict) -> dict:
@@ -370,11 +479,12 @@ def _other_div(facts: ProgramFacts, axis: str, want: dict, have: dict) -> dict:
 
 def _storages(g, nodes, in_place: dict) -> tuple:
     """Liveness over the captured program (sim/memory.py's rules: views alias, placeholders live all step): per
-    storage its owning value (-1: none), the node it is born at and the last node that reads it, and its bytes.
-    in_place: updated value -> the state placeholder whose storage it is written into."""
+    storage its owning value (-1: none), the node it is born at and the last node that reads it, and its bytes;
+    then the values that view another's storage, and that storage. in_place: updated value -> the state placeholder
+    whose storage it is written into."""
     end = len(nodes)
     sid_of: dict = {}
-    owner, born, last, size = [], [], [], []
+    owner, born, last, size, aliases = [], [], [], [], []
 
     def new(v, nbytes, i):
         owner.append(v)
@@ -410,6 +520,8 @@ def _storages(g, nodes, in_place: dict) -> tuple:
             base = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
             if (info == "view" or cls == WAIT) and base is not None and sid_of.get(base):
                 sid_of[n] = [sid_of[base][0]]
+                if n in g.vid:
+                    aliases.append((g.vid[n], sid_of[n][0]))
             elif cls == FREE and info != "alloc":
                 sid_of[n] = []
             elif isinstance(val, torch.Tensor):
@@ -424,8 +536,9 @@ def _storages(g, nodes, in_place: dict) -> tuple:
     for s, v in enumerate(owner):
         if born[s] == 0 and v >= 0 and g.values[v].op == "placeholder":
             last[s] = end
+    al = np.asarray(aliases, dtype=np.int64).reshape(-1, 2)
     return (np.asarray(owner, dtype=np.int64), np.asarray(born, dtype=np.int64), np.asarray(last, dtype=np.int64),
-            np.asarray(size, dtype=np.float64))
+            np.asarray(size, dtype=np.float64), al[:, 0], al[:, 1])
 
 
 def _nbytes(val) -> float:

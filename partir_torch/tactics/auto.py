@@ -165,7 +165,7 @@ class AutomaticPartition:
             # 1. the space
             bar.set_description(f"{self.name} {'+'.join(self.axes)}: trial propagations")
             facts = ProgramFacts(ctx.graph, ctx.mesh, hw, ctx.captured, ctx.options.bucket_bytes,
-                                 ctx.options.reduce_in_flight, ctx.options.compile)
+                                 ctx.options.reduce_in_flight, ctx.options.compile, ctx.options.prefetch)
             spaces = self._spaces(ctx, report, bar)
             t_space = time.perf_counter()
             report.seconds["space"] = t_space - t_start
