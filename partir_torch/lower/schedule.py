@@ -141,8 +141,9 @@ def _prefetch(run, waits, prio, depth) -> None:
     run = sorted(run, key=lambda cc: prio[waits[cc[0]]])
     first = min(prio[c] for c, _ in run)
     for i, (c, chain) in enumerate(run):
+        # later than lowering emitted it too: a mixed-precision cast's gather is emitted right after the cast, at
+        # the start of the forward, which would put the whole model's gathered weights in flight at once
         at = first if i < depth else prio[waits[run[i - depth][0]]]
-        at = min(at, prio[c])            # never later than the program had it
         members = sorted(chain, key=prio.__getitem__) + [c]
         for k, n in enumerate(members):
             prio[n] = at + (k + 1) / (2 * len(members) + 2) * 1e-3 + i * 1e-6
