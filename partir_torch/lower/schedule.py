@@ -85,9 +85,8 @@ def schedule(graph: fx.Graph, prefetch: int = 1, reduce_in_flight: int = 1) -> S
             out.roles[c.name] = "gradient"
             continue
         out.roles[c.name] = "overlap"
-    if prefetch:
-        for run in state.values():
-            _prefetch(run, waits, prio, prefetch)
+    for run in state.values():
+        _prefetch(run, waits, prio, prefetch)
     if reduce_in_flight:
         for run in grads.values():
             _bound(run, waits, prio, reduce_in_flight)
@@ -137,13 +136,17 @@ def _prep_chain(c) -> list | None:
 
 def _prefetch(run, waits, prio, depth) -> None:
     """Gathers of one axis in the order compute uses them (their waits): gather i issued right after the wait of
-    gather i - depth, the first `depth` where the first one is issued."""
+    gather i - depth, the first `depth` where the first one is issued; depth 0: each just before its wait."""
     run = sorted(run, key=lambda cc: prio[waits[cc[0]]])
     first = min(prio[c] for c, _ in run)
     for i, (c, chain) in enumerate(run):
         # later than lowering emitted it too: a mixed-precision cast's gather is emitted right after the cast, at
-        # the start of the forward, which would put the whole model's gathered weights in flight at once
-        at = first if i < depth else prio[waits[run[i - depth][0]]]
+        # the start of the forward, which would put the whole model's gathered weights in flight at once;
+        # depth 0: just before its own wait (gathered where it is used)
+        if depth == 0:
+            at = prio[waits[c]] - 1e-2
+        else:
+            at = first if i < depth else prio[waits[run[i - depth][0]]]
         members = sorted(chain, key=prio.__getitem__) + [c]
         for k, n in enumerate(members):
             prio[n] = at + (k + 1) / (2 * len(members) + 2) * 1e-3 + i * 1e-6
