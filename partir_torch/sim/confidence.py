@@ -18,7 +18,7 @@ from .hardware import CHIPS
 FAMILY_ERROR = {
     "a100/all_reduce": 0.004,
     "a100/attention": 0.042,
-    "a100/fsdp": 0.060,
+    "a100/fsdp": 0.061,
     "a100/gemm": 0.175,
     "a100/hbm": 0.076,
     "b200/all_reduce": 0.153,
@@ -27,9 +27,9 @@ FAMILY_ERROR = {
     "h100/all_to_all": 0.084,
     "h100/attention": 0.023,
     "h100/dp": 0.094,
-    "h100/fsdp": 0.076,
-    "h100/fsdp+dcn": 0.046,
-    "h100/fsdp+tp": 0.260,
+    "h100/fsdp": 0.058,
+    "h100/fsdp+dcn": 0.044,
+    "h100/fsdp+tp": 0.257,
     "h100/gemm": 0.063,
     "h100/hbm": 0.076,
     "h100/tp": 0.149,
@@ -38,10 +38,10 @@ FAMILY_ERROR = {
     "h200/attention": 0.019,
     "h200/gemm": 0.179,
     "h200/hbm": 0.043,
-    "v4/fsdp": 0.187,
-    "v5e/fsdp": 0.067,
-    "v5e/fsdp+dcn": 0.050,
-    "v5p/fsdp+tp": 0.073,
+    "v4/fsdp": 0.184,
+    "v5e/fsdp": 0.036,
+    "v5e/fsdp+dcn": 0.041,
+    "v5p/fsdp+tp": 0.075,
 }  # end FAMILY_ERROR
 
 # chip class of each preset, and the classes nearest to each: declared on the chips (sim/hardware.py CHIPS)
