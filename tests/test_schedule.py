@@ -218,3 +218,18 @@ def test_kept_gathers_under_mixed_precision_serve_the_backward():
     (fwd, bwd), (kept_fwd, kept_bwd) = gathers(True), gathers(False)
     assert bwd and not kept_bwd
     assert len(kept_fwd) == len(fwd) and all(r.dtype == "bfloat16" for r in kept_fwd)
+
+
+def test_tp_backward_all_reduce_overlaps_the_weight_gradient_matmuls():
+    """Megatron's backward all_reduce of an input gradient is issued before the independent weight-gradient matmuls
+    the program listed just before it: they run while it is in flight (they had run before its issue)."""
+    model = SPEC.build()
+    prog = pt.partition(model, pt.Mesh({"model": 2}), [T.megatron("model")], example_inputs=BATCH,
+                        loss_fn=SPEC.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    low = prog.plan.lowered()
+    nodes = list(low.gm.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    spans = [(at[n], at[next(iter(n.users))]) for n in nodes
+             if n.meta.get("partir_collective") is not None and n.meta["partir_collective"].phase == "backward"
+             and n.meta["partir_collective"].axis == "model"]
+    assert spans and all(sum(m.target in MM for m in nodes[i:w]) >= 1 for i, w in spans), spans

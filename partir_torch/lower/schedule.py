@@ -8,7 +8,9 @@ collective asynchronously and block only at its wait), which is also the order t
 
 - every wait (with the ops that only unpack its result: a bucket's slices and views) moves down to just before
   the first node that really reads it, so compute runs on while the collective is in flight (tensor and sequence
-  parallel collectives overlap whatever independent compute the program has before their first reader);
+  parallel collectives overlap whatever independent compute the program has before their first reader), and the
+  independent compute listed just before such a collective (a weight-gradient matmul next to the input-gradient
+  matmul whose partial sum it reduces) moves after its issue;
 - state gathers (ZeRO-3's parameter all_gathers, and the casts and bucket copies that only prepare their input)
   on one mesh axis are issued ``prefetch`` gathers ahead of their use: gather i is issued when compute starts
   using gather i - prefetch (its wait), the next unit's gather while the current unit computes, as FSDP2 does;
@@ -90,6 +92,9 @@ def schedule(graph: fx.Graph, prefetch: int = 1, reduce_in_flight: int = 1) -> S
     if reduce_in_flight:
         for run in grads.values():
             _bound(run, waits, prio, reduce_in_flight)
+    for c in colls:
+        if out.roles[c.name] == "overlap" and c in waits:
+            _overlap(c, waits[c], nodes, index, prio)
     reorder(graph, prio)
     return out
 
@@ -150,6 +155,32 @@ def _prefetch(run, waits, prio, depth) -> None:
         members = sorted(chain, key=prio.__getitem__) + [c]
         for k, n in enumerate(members):
             prio[n] = at + (k + 1) / (2 * len(members) + 2) * 1e-3 + i * 1e-6
+
+
+def _overlap(c, wait, nodes, index, prio, window: int = 24) -> None:
+    """Compute the program lists just before collective `c` that `c` does not depend on (the weight-gradient matmul
+    next to the input-gradient one whose partial sum `c` reduces) runs after `c` is issued, so the two overlap.
+    Looks back at most `window` nodes, not past another collective or wait."""
+    lo = index[c]
+    start = lo
+    while start > 0 and lo - start < window:
+        n = nodes[start - 1]
+        if n.op != "call_function" or META_COLLECTIVE in n.meta or n.target is WAIT:
+            break
+        start -= 1
+    span = set(nodes[start:lo])
+    needed, stack = set(), list(c.all_input_nodes)
+    while stack:                          # what c reads, within the span
+        n = stack.pop()
+        if n in span and n not in needed:
+            needed.add(n)
+            stack.extend(n.all_input_nodes)
+    movable = [n for n in nodes[start:lo] if n not in needed and prio[n] < prio[c]]
+    if not movable or prio[wait] <= prio[c]:
+        return
+    step = min(prio[wait] - prio[c], 1.0) / (2 * len(movable) + 2)
+    for k, n in enumerate(movable):       # after c, before its wait, in their own order
+        prio[n] = prio[c] + (k + 1) * step
 
 
 def _bound(run, waits, prio, depth) -> None:
