@@ -32,7 +32,7 @@ FAMILY_ERROR = {
     "h100/fsdp+tp": 0.257,
     "h100/gemm": 0.063,
     "h100/hbm": 0.076,
-    "h100/tp": 0.149,
+    "h100/tp": 0.138,
     "h100/zero2": 0.034,
     "h200/all_reduce": 0.012,
     "h200/attention": 0.019,
