@@ -160,6 +160,17 @@ def _mlp_prog(model, spec):
                         example_inputs=spec.batch(4), loss_fn=spec.loss_fn, optimizer=_sgd(model))
 
 
+def _mlp_setup():
+    """(spec, model, its eager reference, its optimizer, a BP+Z3 program of it) for the ownership tests."""
+    spec = get("mlp")
+    model = spec.build()
+    ref = Eager(model, spec.loss_fn)
+    opt = _sgd(model)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                        example_inputs=spec.batch(4), loss_fn=spec.loss_fn, optimizer=opt)
+    return spec, model, ref, opt, prog
+
+
 def _edit(*models):
     with torch.no_grad():
         for m in models:
@@ -172,12 +183,7 @@ def test_repartitioning_a_module_a_program_trained_raises_until_written_back():
     and momentum like eager; the module overwritten by the first program's export_to is refused by the second,
     which is ahead of it; programs dropped by the user (del) free the module: a new program starts from the
     module's weights, as eager does."""
-    spec = get("mlp")
-    model = spec.build()
-    ref = Eager(model, spec.loss_fn)
-    opt = _sgd(model)
-    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
-                        example_inputs=spec.batch(4), loss_fn=spec.loss_fn, optimizer=opt)
+    spec, model, ref, opt, prog = _mlp_setup()
     _both(prog, ref, spec.batch(4, seed=1), "first program")
     with pytest.raises(pt.PartitionError, match=r"updated them 1 time\(s\) since they were last written back.*"
                                                 r"prog\.export_to\(model, optimizer\)"):
@@ -211,12 +217,7 @@ def test_eager_edits_are_taken_before_the_first_step_and_refused_after():
     train_step, eval_step or forward raises naming import_from; import_from then continues from the eager module
     and optimizer as they are, a write-back by hand (load_state_dict(full_state_dict())) is in sync, and export_to
     drops an edit; each path gives eager's numbers."""
-    spec = get("mlp")
-    model = spec.build()
-    ref = Eager(model, spec.loss_fn)
-    opt = _sgd(model)
-    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
-                        example_inputs=spec.batch(4), loss_fn=spec.loss_fn, optimizer=opt)
+    spec, model, ref, opt, prog = _mlp_setup()
     before = prog.gather_parameters()["fc1.weight"]      # the program takes the state ...
     _edit(model, ref.m)                                   # ... and the module is edited before any step
     torch.testing.assert_close(prog.state_dict()["model"]["fc1.weight"], before * 0.5, rtol=0, atol=0)

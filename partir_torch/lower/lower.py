@@ -33,7 +33,7 @@ from .overlap import chunk_tp
 from .schedule import Scheduled, schedule
 from .fuse import fuse_optimizer
 from .reshard import Emitter, reshard
-from .why import Causes
+from .why import SAME_VALUE, Causes
 
 
 @dataclass
@@ -354,16 +354,11 @@ _RESHAPE = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
 _HOISTABLE = VIEW_OPS - {torch.ops.aten.expand.default}
 
 
-# ops that compute the same value from the same input wherever they run (a cast, a copy, a view)
-_PURE_UNARY = VIEW_OPS | {torch.ops.aten._to_copy.default, torch.ops.aten.clone.default,
-                          torch.ops.aten.alias.default, torch.ops.aten.detach.default}
-
-
 def _state_key(node):
     """A kept state value's identity for sharing its gathered copy: the placeholder and the chain of casts and views
     that lead from it (a mixed-precision cast traced again in the backward is the forward's value), else the node."""
     chain, n = [], node
-    while n.op == "call_function" and n.target in _PURE_UNARY and n.args and isinstance(n.args[0], fx.Node):
+    while n.op == "call_function" and n.target in SAME_VALUE and n.args and isinstance(n.args[0], fx.Node):
         chain.append((n.target, repr(n.args[1:]), repr(sorted(n.kwargs.items()))))
         n = n.args[0]
     return (n, tuple(chain)) if n.op == "placeholder" else node

@@ -16,7 +16,7 @@ from .records import ALL_REDUCE, GRADIENT, REDUCE_SCATTER, RESHARD, STATE, TACTI
 aten = torch.ops.aten
 
 # ops through which a value is still the same tensor, for state and gradients alike: views, copies, dtype casts
-_SAME = VIEW_OPS | {aten._to_copy.default, aten.clone.default, aten.alias.default, aten.detach.default,
+SAME_VALUE = VIEW_OPS | {aten._to_copy.default, aten.clone.default, aten.alias.default, aten.detach.default,
                     aten.slice.Tensor, aten.select.int, aten.contiguous.default}
 # a gradient is still the gradient when padded back into its parameter's shape (wpe[:T]: the first operand), summed
 # (micro-batches, tied weights: every operand of its shape) or scaled (clipping, loss scaling: the first operand)
@@ -63,7 +63,7 @@ def _state_nodes(gm, captured) -> set:
     out = {n for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get(META_ROLE) in STATE_ROLES}
     out |= {b for _, b in captured.ties}
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in _SAME and n.args and n.args[0] in out:
+        if n.op == "call_function" and n.target in SAME_VALUE and n.args and n.args[0] in out:
             out.add(n)
     return out
 
@@ -84,7 +84,7 @@ def _gradient_nodes(gm, captured) -> set:
         if n in seen or n.op != "call_function":
             continue
         seen.add(n)
-        if n.target in _SAME or n.target in _SCALED or n.target in _PADDED:
+        if n.target in SAME_VALUE or n.target in _SCALED or n.target in _PADDED:
             nxt = n.args[:1]
         elif n.target in _SUMMED:
             nxt = [a for a in n.args if hasattr(a, "meta") and _same_shape(a, n)]
