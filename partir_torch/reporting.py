@@ -174,12 +174,17 @@ class Reports:
         tactic stage (the first: nothing partitioned), so the table shows what each tactic changed."""
         from .sim import simulate_graph
 
-        reports = []
+        reports, per_device = [], None
         for k, name in [(-1, "replicated")] + [(k, s.tactic) for k, s in enumerate(self.stages)]:
             low = self.plan.annotated_lowered(k)
             recompute = {n.name for n in low.gm.graph.nodes if n.meta.get(META_RECOMPUTE)}
-            reports.append(simulate_graph(low.gm, self.mesh, hw, axis_map=axis_map, stage_name=name, issue=issue,
-                                          exclude_flops=recompute))
+            rep = simulate_graph(low.gm, self.mesh, hw, axis_map=axis_map, stage_name=name, issue=issue,
+                                 exclude_flops=recompute, model_flops=per_device)
+            if per_device is None:        # the replicated program is the whole step on every device: the model's
+                per_device = rep.model_flops / self.mesh.size     # FLOPs, the same for every plan, shared out
+                rep = simulate_graph(low.gm, self.mesh, hw, axis_map=axis_map, stage_name=name, issue=issue,
+                                     exclude_flops=recompute, model_flops=per_device)
+            reports.append(rep)
         final = reports[-1]
         final.stages = reports
         return final

@@ -46,7 +46,7 @@ class Lowered:
     output_layouts: list             # per output: Sharding
     coord_axes: list                 # extra trailing placeholders: the rank's coordinate on each axis
     local_shapes: list = field(default_factory=list)   # per captured placeholder
-    annotated: bool = False          # every node's meta["val"] holds its local FakeTensor (fakeprop.py)
+    annotated: bool = False          # every node's meta["val"] holds its local shape as a meta tensor (fakeprop.py)
     scheduled: Scheduled | None = None   # where collectives are issued and waited for (schedule.py)
 
 
