@@ -110,3 +110,12 @@ def test_table_flags_out_of_memory_and_lists_the_notes():
     assert " OOM" in table and "exceeds the" in table and str(r) == table
     ok = prog.simulate(pt.sim.hardware("h100", gpus_per_node=2))
     assert not ok.out_of_memory and "OOM" not in ok.table()
+
+
+def test_simulate_without_stages_is_the_final_row():
+    prog = gpt_program({"batch": 2, "model": 2}, [T.data_parallel("batch"), T.megatron("model")])
+    hw = pt.sim.hardware("h100", gpus_per_node=4)
+    one = prog.simulate(hw, stages=False)
+    full = prog.simulate(hw)
+    assert one.stages == [] and one.stage_name == "MP"
+    assert one.step_time_s == full.step_time_s and one.mfu == full.mfu and one.model_flops == full.model_flops

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from ..errors import PartitionError
 from .comm import check_mesh
-from .compute import CostModel, op_class, val_facts
+from .compute import COMPUTE, CostModel, op_class, val_facts
 from .confidence import closest_family, strategy_of
 from .hardware import Hardware
 from .memory import analyze_memory
@@ -101,6 +101,18 @@ def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue, prefetch, mode
         hfu=executed / (step * peak) if step > 0 else 0.0, hbm_bytes=hw.hbm_bytes, collectives=line.timings, notes=notes,
         stage_name=stage_name, hardware=hw.describe(), peak_flops=peak, trace=line.trace, confidence=conf,
         confidence_family=family)
+
+
+def step_flops(gm, hw: Hardware, exclude=()) -> float:
+    """FLOPs of one run of ``gm`` as the cost model counts them (matmuls, convolutions, attention), less the nodes
+    named in ``exclude``. On the captured (unpartitioned) step: the model's FLOPs per step, what MFU counts."""
+    nodes = list(gm.graph.nodes)
+    facts, cm, total = _scan(nodes), _cost_model(hw), 0.0
+    for n in nodes:
+        cls, info = facts.classes.get(n, (None, None))
+        if cls == COMPUTE and info is not None and n.name not in exclude:
+            total += cm.cost(n, n.target, info, facts.sigs, facts.nbytes)[0]
+    return total
 
 
 @dataclass
