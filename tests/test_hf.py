@@ -231,3 +231,20 @@ def test_grouped_mm_experts_keep_tokens_on_their_rank(schedule):
         with pytest.raises(pt.PartitionError, match="grouped-mm experts"):
             pt.partition(mixtral_default(), pt.Mesh({"expert": 2}), [T.expert_parallel("expert")],
                          example_inputs=(tokens,), loss_fn=loss_fn)
+
+
+def test_mfu_is_the_models_whatever_the_schedule():
+    """Issue 23: MFU counts the model's FLOPs (the captured step's), so MFU x step time is one figure for every
+    schedule of a stock model; a schedule with redundant work (megatron's replicated head) has the lower MFU."""
+    tokens = torch.randint(0, 64, (8, 16))
+    hw = pt.sim.hardware("h100", gpus_per_node=4)
+    work = []
+    for mesh, schedule in (({"batch": 4}, [T.data_parallel("batch")]),
+                           ({"batch": 4}, [T.data_parallel("batch"), T.zero(3, "batch")]),
+                           ({"batch": 2, "model": 2}, [T.data_parallel("batch"), T.megatron("model")])):
+        torch.manual_seed(0)
+        model = gpt2()
+        prog = pt.partition(model, pt.Mesh(mesh), schedule, example_inputs=(tokens,), loss_fn=loss_fn,
+                            optimizer=torch.optim.AdamW(model.parameters()))
+        work += [r.mfu * r.step_time_s for r in prog.simulate(hw).stages]
+    assert max(work) == pytest.approx(min(work), rel=1e-3)
