@@ -71,6 +71,20 @@ def test_rules_beyond_the_zoo():
     assert report.nodes >= 15 and not report.wrong and not report.missing and not report.errors, str(report)
 
 
+def test_complex_pairs_rules():
+    """Rotary embeddings through complex numbers (DeepSeek-V2, Llama's original code): view_as_complex and
+    view_as_real keep the leading dims split and the (real, imaginary) pair whole."""
+    def f(x, freqs):
+        z = torch.view_as_complex(x.reshape(4, 6, 3, 2)) * freqs
+        return torch.view_as_real(z).flatten(2)
+
+    gm = _trace(f, torch.randn(4, 6, 6), torch.randn(6, 3, dtype=torch.complex64))
+    report = verify_graph(gm)
+    ops = {str(n.target) for n in gm.graph.nodes}
+    assert {"aten.view_as_complex.default", "aten.view_as_real.default"} <= ops
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
 # (x shape, w shape, bias, stride, padding, dilation, groups): grouped and depthwise convolutions (timm's
 # efficientnet / mobilenet / convnext blocks), conv1d and conv2d, bias and none, groups 2, 3, 4 and depthwise
 GROUPED_CONVS = {
