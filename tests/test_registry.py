@@ -22,6 +22,8 @@ KNOWN_GAPS = {
     "aten.dot.default": ["flops"],              # matmul-like, not in torch's flop counter: charged as memory bound
     "aten.mv.default": ["flops"],
     "aten.glu_backward.default": ["xla"],       # torch-xla 2.9 has no kernel and no composite for it
+    "aten.im2col.default": ["xla"],             # nn.Unfold / nn.Fold: not checked on torch-xla
+    "aten.col2im.default": ["xla"],
     "partir.experts_grouped.default": ["xla"],  # HF's grouped-mm experts (rules/moe.py): not traced on XLA yet
     "partir.experts_grouped_backward.default": ["xla"],
 }

@@ -71,6 +71,20 @@ def test_rules_beyond_the_zoo():
     assert report.nodes >= 15 and not report.wrong and not report.missing and not report.errors, str(report)
 
 
+def test_patches_and_vector_norm_rules():
+    """nn.Unfold / nn.Fold (im2col, col2im: ConvBERT) and linalg_vector_norm over some dims (ConvNeXt-V2's GRN)."""
+    def f(img, x):
+        cols = F.unfold(img, kernel_size=(3, 1), padding=(1, 0))
+        return cols, F.fold(cols, (6, 5), kernel_size=(3, 1), padding=(1, 0)), torch.linalg.vector_norm(
+            x, dim=(1, 2), keepdim=True), torch.linalg.vector_norm(x, ord=1, dim=1)
+
+    gm = _trace(f, torch.randn(4, 6, 6, 5), torch.randn(4, 6, 5, 3))
+    report = verify_graph(gm)
+    ops = {str(n.target) for n in gm.graph.nodes}
+    assert {"aten.im2col.default", "aten.col2im.default", "aten.linalg_vector_norm.default"} <= ops
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
 def test_complex_pairs_rules():
     """Rotary embeddings through complex numbers (DeepSeek-V2, Llama's original code): view_as_complex and
     view_as_real keep the leading dims split and the (real, imaginary) pair whole."""

@@ -246,6 +246,8 @@ LINKS = {
                                                     xla="xla.kernels.upsample_nearest2d_backward"),
     # torch-xla 2.9 has no kernel and no composite for glu's backward: the XLA form is missing
     aten.glu_backward.default: Links(local=AS_IS, flops=NONE),
+    # nn.Unfold / nn.Fold: memory-bound rearrangements; not checked on torch-xla
+    aten.im2col.default: Links(local=AS_IS, flops=NONE), aten.col2im.default: Links(local=AS_IS, flops=NONE),
     # HF's grouped-mm experts as one per-token op (rules/moe.py): its kernel is HF's function on the local tokens;
     # torch-xla would need grouped_mm (or its fallback's per-expert loop) traced on XLA tensors: not declared
     EXPERTS_OP: Links(local=AS_IS, flops="sim.compute.experts_flops"),
