@@ -324,6 +324,8 @@ def split_partial(x: torch.Tensor, op: str, k: int, gen: torch.Generator) -> lis
 def check_linear(node, rule: OpRule, inputs: list, ref: list, slots: tuple, op: str, k: int, gen) -> list:
     """Operands in `slots` are partial(op) over k ranks, the others replicated: reducing the results must give ref."""
     check = f"linear {op} in {set(slots)} k={k}"
+    if op != "sum" and any(isinstance(t, torch.Tensor) and t.is_complex() for t in [*ref, *inputs]):
+        return []                      # complex numbers have no order: no partial(max/min) of them exists
     parts = {i: split_partial(inputs[i], op, k, gen) for i in slots}
     try:
         outs = [run_node(node, [parts[i][r] if i in parts else x for i, x in enumerate(inputs)]) for r in range(k)]

@@ -85,6 +85,19 @@ def test_patches_and_vector_norm_rules():
     assert not report.wrong and not report.missing and not report.errors, str(report)
 
 
+def test_fft_rules():
+    """FNet mixes tokens with FFTs over (seq, hidden): the batch passes, the transformed dims stay whole."""
+    def f(x):
+        return (torch.fft.fftn(x.to(torch.complex64), dim=(1, 2)).real, torch.fft.rfft(x, dim=1),
+                torch.fft.irfft(torch.fft.rfft(x, dim=2), n=5, dim=2))
+
+    gm = _trace(f, torch.randn(4, 6, 5))
+    ops = {str(n.target) for n in gm.graph.nodes}
+    assert {"aten._fft_c2c.default", "aten._fft_r2c.default", "aten._fft_c2r.default"} <= ops, ops
+    report = verify_graph(gm)
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
 def test_complex_pairs_rules():
     """Rotary embeddings through complex numbers (DeepSeek-V2, Llama's original code): view_as_complex and
     view_as_real keep the leading dims split and the (real, imaginary) pair whole."""

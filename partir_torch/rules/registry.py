@@ -248,6 +248,9 @@ LINKS = {
     aten.glu_backward.default: Links(local=AS_IS, flops=NONE),
     # nn.Unfold / nn.Fold: memory-bound rearrangements; not checked on torch-xla
     aten.im2col.default: Links(local=AS_IS, flops=NONE), aten.col2im.default: Links(local=AS_IS, flops=NONE),
+    # FFTs (FNet): charged as memory bound; not checked on torch-xla
+    aten._fft_c2c.default: Links(local=AS_IS, flops=NONE), aten._fft_r2c.default: Links(local=AS_IS, flops=NONE),
+    aten._fft_c2r.default: Links(local=AS_IS, flops=NONE),
     # HF's grouped-mm experts as one per-token op (rules/moe.py): its kernel is HF's function on the local tokens;
     # torch-xla would need grouped_mm (or its fallback's per-expert loop) traced on XLA tensors: not declared
     EXPERTS_OP: Links(local=AS_IS, flops="sim.compute.experts_flops"),
