@@ -24,6 +24,9 @@ KNOWN_GAPS = {
     "aten.glu_backward.default": ["xla"],       # torch-xla 2.9 has no kernel and no composite for it
     "aten.im2col.default": ["xla"],             # nn.Unfold / nn.Fold: not checked on torch-xla
     "aten.col2im.default": ["xla"],
+    "aten.upsample_bilinear2d.default": ["xla"],    # MobileViT: not checked on torch-xla
+    "aten.upsample_bilinear2d.vec": ["xla"],
+    "aten.upsample_bilinear2d_backward.default": ["xla"],
     "aten._fft_c2c.default": ["xla"],           # FFTs (FNet): not checked on torch-xla
     "aten._fft_r2c.default": ["xla"],
     "aten._fft_c2r.default": ["xla"],

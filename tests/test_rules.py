@@ -85,6 +85,19 @@ def test_patches_and_vector_norm_rules():
     assert not report.wrong and not report.missing and not report.errors, str(report)
 
 
+def test_bilinear_upsampling_rules():
+    """MobileViT's bilinear upsampling and its backward: batch and channels pass, the image stays whole."""
+    def f(img, g):
+        return (F.interpolate(img, size=(8, 10), mode="bilinear", align_corners=False),
+                aten.upsample_bilinear2d_backward(g, [8, 10], [4, 6, 6, 5], False))
+
+    gm = _trace(f, torch.randn(4, 6, 6, 5), torch.randn(4, 6, 8, 10))
+    ops = {str(n.target) for n in gm.graph.nodes}
+    assert any(o.startswith("aten.upsample_bilinear2d") for o in ops), ops
+    report = verify_graph(gm)
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
 def test_fft_rules():
     """FNet mixes tokens with FFTs over (seq, hidden): the batch passes, the transformed dims stay whole."""
     def f(x):

@@ -201,6 +201,8 @@ def rules() -> dict:
         aten.tril.default: last_two_whole, aten.triu.default: last_two_whole,
         aten.upsample_nearest2d.default: spatial, aten.upsample_nearest2d.vec: spatial,
         aten.upsample_nearest2d_backward.default: spatial, aten.avg_pool2d.default: spatial,
+        aten.upsample_bilinear2d.default: spatial, aten.upsample_bilinear2d.vec: spatial,
+        aten.upsample_bilinear2d_backward.default: spatial,
         aten.avg_pool2d_backward.default: spatial, aten.max_pool2d_with_indices.default: spatial,
         aten.max_pool2d_with_indices_backward.default: spatial,
     }

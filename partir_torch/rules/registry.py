@@ -248,6 +248,10 @@ LINKS = {
     aten.glu_backward.default: Links(local=AS_IS, flops=NONE),
     # nn.Unfold / nn.Fold: memory-bound rearrangements; not checked on torch-xla
     aten.im2col.default: Links(local=AS_IS, flops=NONE), aten.col2im.default: Links(local=AS_IS, flops=NONE),
+    # bilinear upsampling (MobileViT): not checked on torch-xla
+    aten.upsample_bilinear2d.default: Links(local=AS_IS, flops=NONE),
+    aten.upsample_bilinear2d.vec: Links(local=AS_IS, flops=NONE),
+    aten.upsample_bilinear2d_backward.default: Links(local=AS_IS, flops=NONE),
     # FFTs (FNet): charged as memory bound; not checked on torch-xla
     aten._fft_c2c.default: Links(local=AS_IS, flops=NONE), aten._fft_r2c.default: Links(local=AS_IS, flops=NONE),
     aten._fft_c2r.default: Links(local=AS_IS, flops=NONE),
