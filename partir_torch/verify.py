@@ -138,6 +138,7 @@ INDEX_OPERANDS = {
     aten.scatter.value: (1, _along_dim, True),
     aten.scatter_add.default: (1, _along_dim, False),
     aten.index_add.default: (1, _along_dim, False),
+    aten.scatter_reduce.two: (1, _along_dim, False),
     aten.nll_loss_forward.default: (1, lambda n: _shape(n, 0)[-1], False),
     aten.nll_loss_backward.default: (2, lambda n: _shape(n, 1)[-1], False),
 }

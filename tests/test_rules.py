@@ -98,6 +98,19 @@ def test_bilinear_upsampling_rules():
     assert not report.wrong and not report.missing and not report.errors, str(report)
 
 
+def test_flip_and_scatter_reduce_rules():
+    """flip over the sequence (Bamba's reversed scans) and scatter_reduce (TAPAS's segment means): the batch passes."""
+    def f(x, idx):
+        seg = torch.zeros(4, 3).scatter_reduce(1, idx, x[:, :, 0], reduce="amax", include_self=False)
+        return x.flip(1), x.flip((1, 2)), seg, torch.zeros(4, 3).scatter_reduce(1, idx, x[:, :, 1], reduce="sum")
+
+    gm = _trace(f, torch.randn(4, 6, 5), torch.randint(0, 3, (4, 6)))
+    ops = {str(n.target) for n in gm.graph.nodes}
+    assert {"aten.flip.default", "aten.scatter_reduce.two"} <= ops, ops
+    report = verify_graph(gm)
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
 def test_fft_rules():
     """FNet mixes tokens with FFTs over (seq, hidden): the batch passes, the transformed dims stay whole."""
     def f(x):

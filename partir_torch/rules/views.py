@@ -212,6 +212,16 @@ def as_strided_scatter(ctx):
     return b.rule([base, src], [base], [({1}, ALL_OPS)])
 
 
+def flip(ctx):
+    """flip(x, dims): the flipped dims stay whole (a rank's shard would land on another rank), the others pass.
+    A permutation of elements: a partial value of any reduction stays partial."""
+    x = ctx.in_shapes[0]
+    flipped = {d % len(x) for d in ctx.arg(1, "dims")}
+    b = RuleBuilder()
+    fs = [(b.new(n),) if d not in flipped and n > 1 else () for d, n in enumerate(x)]
+    return b.rule([fs], [fs], [({0}, ALL_OPS)])
+
+
 def complex_pairs(ctx):
     """view_as_complex (..., 2) -> (...) and view_as_real (...) -> (..., 2): the leading dims pass, the pair of
     (real, imaginary) parts stays whole. Linear: a partial value stays partial."""
@@ -239,4 +249,5 @@ def rules() -> dict:
         aten.slice_backward.default: along(2), aten.select_backward.default: select_backward,
         aten.as_strided.default: as_strided, aten.as_strided_scatter.default: as_strided_scatter,
         aten.view_as_complex.default: complex_pairs, aten.view_as_real.default: complex_pairs,
+        aten.flip.default: flip,                          # Mamba-style scans over a reversed sequence
     }
