@@ -9,6 +9,26 @@ from .mesh import Mesh
 REDUCE_OPS = ("sum", "max", "min")
 
 
+def chunk_size(n: int, ks) -> int:
+    """Positions of a dim of size n each rank holds when axes of sizes ks (major to minor) tile it, as DTensor's
+    Shard does (torch.chunk: the first chunks have ceil(n / k) positions, the last fewer, possibly none). Lowering
+    keeps every rank's shard at this size (the largest), the last ranks' ending in padding that no value sees:
+    collectives pad and unpad, reductions mask (lower/uneven.py).
+
+    >>> chunk_size(1001, [2]), chunk_size(8, [2, 2]), chunk_size(5, [4])
+    (501, 2, 2)
+    """
+    for k in ks:
+        n = -(-n // k)
+    return n
+
+
+def chunk_extent(n: int, k: int, coord: int) -> int:
+    """How many of its chunk_size(n, [k]) positions the rank at `coord` holds (the rest is padding)."""
+    c = -(-n // k)
+    return max(0, min(c, n - coord * c))
+
+
 class _Replicated:
     """Seed value meaning 'explicitly replicated on this axis' (never tiled later)."""
 
@@ -109,13 +129,20 @@ class Sharding:
         return None
 
     def local_shape(self, shape, mesh: Mesh) -> tuple:
-        out = []
-        for d, size in enumerate(shape):
-            k = 1
-            for a in self.dims[d]:
-                k *= mesh.shape[a]
-            out.append(size // k)
-        return tuple(out)
+        """Each rank's local shape: a dim of size n tiled on axes of sizes k1, k2, ... holds chunk_size(n, ks)
+        positions on every rank (uneven: the largest chunk; the last ranks' chunks end in padding)."""
+        return tuple(chunk_size(size, [mesh.shape[a] for a in self.dims[d]]) for d, size in enumerate(shape))
+
+    def uneven_dims(self, shape, mesh: Mesh) -> dict:
+        """dim -> (parent size P, its innermost axis) for every dim its innermost axis tiles unevenly: the axes
+        before it split the dim exactly into P positions per rank, and that axis does not divide P."""
+        out = {}
+        for d, axes in enumerate(self.dims):
+            if axes:
+                parent = chunk_size(shape[d], [mesh.shape[a] for a in axes[:-1]])
+                if parent % mesh.shape[axes[-1]]:
+                    out[d] = (parent, axes[-1])
+        return out
 
     def is_replicated(self) -> bool:
         return not self.partial and all(not axes for axes in self.dims)

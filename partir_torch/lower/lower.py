@@ -9,7 +9,6 @@ else of the Program:
 """
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field
 
@@ -26,13 +25,14 @@ from ..propagate.decisions import Decisions
 from ..propagate.engine import place_axis
 from ..rules.factors import stride_of
 from ..rules.localize import localize_args
-from ..sharding import Sharding
+from ..sharding import Sharding, chunk_size
 from . import indexed
 from .bucket import bucket_collectives
 from .overlap import chunk_tp
 from .schedule import Scheduled, schedule
 from .fuse import fuse_optimizer
 from .reshard import Emitter, reshard
+from .uneven import FILL_FROM_ARG, fill_padding, identity
 from .why import SAME_VALUE, Causes
 
 
@@ -228,10 +228,16 @@ class Lowerer:
         slot = iter(range(len(op.operands)))
         in_local = []
 
+        padded = self._padded_reductions(i)
+
         def mapped(a):
             if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) and a in g.vid:
-                x, shp = self.fetch(a, ins[next(slot)], node)
+                j = next(slot)
+                x, shp = self.fetch(a, ins[j], node)
                 in_local.append(shp)
+                for d, (parent, axis, op_) in padded.get(j, {}).items():
+                    fill = _fill(node, j, op_, a.meta["val"].dtype)
+                    x = fill_padding(self.em, x, shp, d, parent, axis, fill, a.meta["val"].dtype)
                 return x
             return self.env[a] if isinstance(a, fx.Node) else a
 
@@ -262,7 +268,7 @@ class Lowerer:
         if produced is not None and produced != want:
             self.em.phase, self.em.cause = self.phase, self._cause(node, node)
             x = reshard(self.em, self.env[node], self.local_shape[node], node.meta["val"].dtype, produced, want,
-                        self.g.name(v), self._tactic_of(v))
+                        self.g.name(v), self._tactic_of(v), self.g.shapes[v])
             self.env[node], self.local_shape[node] = x, _local(self.g.shapes[v], want, self.mesh)
         needed = self.wants.get(node, {})
         if len(needed) == 1 and next(iter(needed)) != want and not node.meta.get(META_OUTPUT):
@@ -292,7 +298,7 @@ class Lowerer:
             else:
                 self.em.cause = self._cause(node, consumer)
                 x = reshard(self.em, self.env[node], self.local_shape[node], node.meta["val"].dtype, have, want,
-                            g.name(v), self._tactic_of(v))
+                            g.name(v), self._tactic_of(v), g.shapes[v])
             self.cache[key] = (x, _local(g.shapes[v], want, self.mesh))
         return self.cache[key]
 
@@ -306,6 +312,26 @@ class Lowerer:
     def _tactic_of(self, vid):
         return lambda axis: self.d.tactic_of(vid, axis)
 
+    def _padded_reductions(self, i) -> dict:
+        """operand slot -> {dim: (parent size, axis, reduce op)} for the dims op i reduces over (a REDUCE factor of
+        its rule) that an axis tiles unevenly: their padding must hold the reduction's identity (lower/uneven.py).
+        An indexed factor (embedding's vocabulary) needs none: no position addresses the padding."""
+        op, g = self.g.ops[i], self.g
+        out: dict = {}
+        ins = self.layouts_of[i][0]
+        for f, axes in self.d.op_factor_axes(i).items():
+            factor = op.rule.factors[f]
+            if factor.kind != "reduce" or factor.indexed or not axes:
+                continue
+            for j, dims in enumerate(op.rule.operands):
+                if dims is None or ins[j] is None:
+                    continue
+                uneven = ins[j].uneven_dims(g.shapes[op.operands[j]], self.mesh)
+                for d, fs in enumerate(dims):
+                    if f in fs and d in uneven:
+                        out.setdefault(j, {})[d] = (*uneven[d], factor.reduce_op)
+        return out
+
     def _indexed(self, i, args, kwargs):
         """The local kernel of an op whose indexed factor (vocabulary, classes) is tiled, else None."""
         op = self.g.ops[i]
@@ -315,8 +341,8 @@ class Lowerer:
                 impl = indexed.IMPLS.get(op.node.target)
                 if impl is None:
                     raise RuntimeError(f"no indexed kernel for {op.node.target}")
-                n = factor.size // math.prod(self.mesh.shape[a] for a in axes)
-                return impl(self.em, args, kwargs, indexed.offset(self.em, self.mesh, axes, n), n)
+                n = chunk_size(factor.size, [self.mesh.shape[a] for a in axes])
+                return impl(self.em, args, kwargs, indexed.offset(self.em, self.mesh, axes, factor.size), n)
         return None
 
 
@@ -362,6 +388,15 @@ def _state_key(node):
         chain.append((n.target, repr(n.args[1:]), repr(sorted(n.kwargs.items()))))
         n = n.args[0]
     return (n, tuple(chain)) if n.op == "placeholder" else node
+
+
+def _fill(node, slot: int, op: str, dtype):
+    """What the padding of operand `slot` of `node` holds when the op reduces over it: the reduction's identity,
+    or an argument of the op (nll_loss's ignore_index for its target)."""
+    arg = FILL_FROM_ARG.get(node.target, {}).get(slot)
+    if arg is not None:
+        return node.args[arg] if len(node.args) > arg else -100
+    return identity(op, dtype)
 
 
 def _strip(sh: Sharding) -> Sharding:

@@ -42,17 +42,20 @@ class Propagator:
         prop.rec.value_states("batch")
     """
 
-    def __init__(self, graph: PartGraph, mesh: Mesh, record: DecisionRecord | None = None):
+    def __init__(self, graph: PartGraph, mesh: Mesh, record: DecisionRecord | None = None, uneven: bool = True):
         self.g, self.mesh = graph, mesh
         self.rec = record if record is not None else DecisionRecord(graph, mesh)
+        # a dim an axis does not divide may be tiled unevenly (torch.chunk sizes, as DTensor's Shard); False:
+        # Options.strict, the divisibility error of old
+        self.uneven = uneven
 
     def snapshot(self) -> "Propagator":
         """A propagator over a full copy of the decisions so far."""
-        return Propagator(self.g, self.mesh, self.rec.snapshot())
+        return Propagator(self.g, self.mesh, self.rec.snapshot(), self.uneven)
 
     def trial(self, axes) -> "Propagator":
         """A propagator over a copy-on-write copy that may decide `axes` (DecisionRecord.trial)."""
-        return Propagator(self.g, self.mesh, self.rec.trial(axes))
+        return Propagator(self.g, self.mesh, self.rec.trial(axes), self.uneven)
 
     # -- seeding -------------------------------------------------------------------------------------------------
     def seed(self, axis: str, vid: int, state, tactic: str, stride: int = 1) -> None:
@@ -77,11 +80,19 @@ class Propagator:
                 raise ShardingConflictError(f"{tactic}: {name} has shape {tuple(shape)}; there is no dim {state} to "
                                             f"tile on axis '{axis}'. Use a dim in 0..{len(shape) - 1}.")
             size, k = self.rec.local_dim(vid, state), self.mesh.shape[axis]
-            if size % k:
+            before = self._uneven_axis(c, state)
+            if before is not None:
+                raise ShardingConflictError(
+                    f"{tactic}: dim {state} of {name} (size {shape[state]}) is tiled unevenly on axis '{before}' "
+                    f"(size {self.mesh.shape[before]}), so it cannot also be tiled on axis '{axis}' (size {k}): an "
+                    f"unevenly tiled dim takes no further axis. Tile another dim on '{axis}'.")
+            if size % k and (not self.uneven or stride > 1):
                 raise ShardingConflictError(
                     f"{tactic}: dim {state} of {name} (size {size}{' after earlier tilings' if size != shape[state] else ''}) "
-                    f"cannot be tiled on axis '{axis}' (size {k}): {k} does not divide {size}. Use a size divisible "
-                    f"by {k}, or tile another dim.")
+                    f"cannot be tiled on axis '{axis}' (size {k}): {k} does not divide {size}"
+                    f"{' (strict=True asks for divisible dims)' if not self.uneven else ' and the tiling is strided'}. "
+                    f"Use a size divisible by {k}, or tile another dim"
+                    f"{', or drop strict=True to tile it unevenly' if not self.uneven else ''}.")
         if stride > 1:
             self.rec.strides[(c, axis)] = stride
         self.rec.set_state(st, c, state, Provenance(tactic))
@@ -209,9 +220,11 @@ class Propagator:
         fits = factor.size % (done * k) == 0 if inner == 1 else \
             (factor.size // inner) % k == 0 and inner % done == 0 and factor.size % inner == 0
         if not fits:
-            self._conflict(st, i, tactic, [source], f"factor of size {factor.size} (already split {done} ways) is not "
-                                                   f"divisible by axis '{st.axis}' (size {k})")
-            return []
+            if not self.uneven:
+                self._conflict(st, i, tactic, [source], f"factor of size {factor.size} (already split {done} ways) is "
+                                                       f"not divisible by axis '{st.axis}' (size {k})")
+                return []
+            self._check_uneven(st, i, f, slots, inner, done, tactic, source)
         # every slot holding f gets it tiled (strided when f is a minor factor of its dim); a slot already set
         # otherwise is a conflict
         targets = []
@@ -233,8 +246,12 @@ class Propagator:
                 self._conflict(st, i, tactic, [vid, source], f"dim {d} is already tiled on a more minor factor "
                                                              f"that the chunks of axis '{st.axis}' would split")
                 return []
+            if s == UNKNOWN and self._uneven_axis(c, d) is not None:
+                self._conflict(st, i, tactic, [vid, source], f"dim {d} is tiled unevenly on axis "
+                                                             f"'{self._uneven_axis(c, d)}' and takes no further axis")
+                return []
             if s == UNKNOWN:
-                if self.rec.local_dim(vid, d) % k:
+                if self.rec.local_dim(vid, d) % k and (not self.uneven or fits):
                     self._conflict(st, i, tactic, [vid, source], f"dim {d} (local size {self.rec.local_dim(vid, d)}) is "
                                                                  f"not divisible by axis '{st.axis}' (size {k})")
                     return []
@@ -266,6 +283,36 @@ class Propagator:
                         self.rec.set_state(st, c, p, prov)
                         changed.append(c)
         return changed
+
+    def _uneven_axis(self, c: int, d: int):
+        """The axis tiling dim d of canonical value c unevenly (it is then the dim's innermost), else None."""
+        size = self.g.shapes[c][d]
+        for a in self.rec.dim_axes.get((c, d), ()):
+            k = self.mesh.shape[a]
+            if size % k:
+                return a
+            size //= k
+        return None
+
+    def _check_uneven(self, st, i, f, slots, inner, done, tactic, source) -> None:
+        """Raise unless factor f of op i may be tiled unevenly on st.axis: a contiguous split (not strided), after
+        axes that split it exactly, of a factor that is a whole dim wherever it appears (a dim merged with others
+        by a view would hold padding in its middle)."""
+        g, rule = self.g, self.g.ops[i].rule
+        factor, k = rule.factors[f], self.mesh.shape[st.axis]
+        node = g.ops[i].node
+        merged = [(g.name(vid), d, tuple(g.shapes[vid])) for _, _, dims, vid in slots
+                  for d, fs in enumerate(dims) if f in fs and fs != (f,)]
+        why = ("the tiling is strided (a minor part of a merged dim)" if inner > 1 else
+               f"an earlier axis already splits it {done} ways unevenly" if factor.size % done else
+               f"{node.format_node()} merges it with other dims (dim {merged[0][1]} of {merged[0][0]}, shape "
+               f"{merged[0][2]}), so padding would sit inside the merged dim" if merged else None)
+        if why is not None:
+            raise ShardingConflictError(
+                f"{tactic}: a dim of size {factor.size} cannot be tiled unevenly on axis '{st.axis}' (size {k}, "
+                f"which does not divide {factor.size // done}): {why}. Make the size divisible by {k} (for a "
+                f"batch: drop_last=True in the DataLoader, or pad the batch), or tile another dim.")
+        del source
 
     def _pass_partial(self, st, i, partial_ops, tactic) -> list:
         """A partial operand flows through a linear op, if that op is its only consumer (otherwise it is reduced

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..mesh import Mesh
+from ..sharding import chunk_size
 from .graph import PartGraph
 from .state import UNKNOWN, AxisState
 
@@ -90,10 +91,8 @@ class DecisionRecord:
         return UNKNOWN if st is None else st.value[self.g.canon[vid]]
 
     def local_dim(self, vid: int, dim: int) -> int:
-        size = self.g.shapes[vid][dim]
-        for a in self.dim_axes.get((self.g.canon[vid], dim), ()):
-            size //= self.mesh.shape[a]
-        return size
+        return chunk_size(self.g.shapes[vid][dim], [self.mesh.shape[a]
+                                                    for a in self.dim_axes.get((self.g.canon[vid], dim), ())])
 
     def conflicts_recorded(self) -> int:
         """Conflicts recorded so far, standing or not (a trial counts the ones it adds)."""
