@@ -285,7 +285,8 @@ def test_meta_model_does_not_run():
 
 
 def test_zero_that_shards_nothing_raises_with_the_sizes():
-    """issue 20: zero(k) on an axis that divides no dim of any parameter was a silent no-op."""
+    """issue 20: zero(k) on an axis that divides no dim of any parameter was a silent no-op. Under strict=True (no
+    uneven tiling; without it the dims are tiled unevenly, tests/test_uneven.py) it raises."""
     from examples.models import get
 
     spec = get("gpt_sdpa")                     # d=32, vocab 64, seq 16: no dim divides by 3
@@ -293,4 +294,4 @@ def test_zero_that_shards_nothing_raises_with_the_sizes():
     with pytest.raises(pt.PartitionError, match=r"axis 'batch' \(size 3\) divides no dim .* zero\(3\) would shard "
                                                 r"nothing"):
         pt.partition(model, pt.Mesh({"batch": 3}), [pt.tactics.zero(3, "batch")], example_inputs=spec.batch(3),
-                     loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+                     loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), strict=True)
