@@ -1,0 +1,223 @@
+"""Uneven sharding (issue 22 item 3): a dim a mesh axis does not divide is split as DTensor's Shard splits it
+(torch.chunk sizes), each rank holding the largest chunk with padding that no value sees. Every numerics test trains
+next to eager torch with the harness's fp32 tolerances (3 AdamW steps, emulated ranks). Real ranks (DTensor local
+shapes, DCP save and reshard to a divisible layout): tests/test_real_ranks.py, phase "uneven"."""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import partir_torch as pt
+from examples.models import get
+from harness import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL, adamw, assert_parameters_equal, train_next_to_eager
+from partir_torch.errors import ShardingConflictError
+from partir_torch.sharding import Sharding, chunk_extent, chunk_size
+
+T = pt.tactics
+
+
+def test_chunk_sizes_are_torch_chunk_sizes():
+    for n, k in [(1001, 2), (1001, 3), (5, 4), (10, 4), (3, 4), (8, 4)]:
+        c = chunk_size(n, [k])
+        sizes = [chunk_extent(n, k, r) for r in range(k)]
+        want = [len(t) for t in torch.arange(n).chunk(k)]
+        assert sizes == want + [0] * (k - len(want)) and c == max(sizes), (n, k, sizes)
+    sh = Sharding(((), ("a",)))
+    assert sh.local_shape((4, 1001), pt.Mesh({"a": 2})) == (4, 501)
+    assert sh.uneven_dims((4, 1001), pt.Mesh({"a": 2})) == {1: (1001, "a")}
+    assert sh.uneven_dims((4, 1000), pt.Mesh({"a": 2})) == {}
+
+
+def _gpt(vocab, schedule, mesh, **kw):
+    spec = get("gpt_sdpa", vocab=vocab)
+    model = spec.build()
+    ref = copy.deepcopy(model)
+    data = spec.batch(4)
+    prog = pt.partition(model, pt.Mesh(mesh), schedule, example_inputs=data, loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), **kw)
+    return prog, ref, data, spec
+
+
+# -- (a) a vocabulary the axis does not divide -------------------------------------------------------------------
+@pytest.mark.parametrize("vocab,k,schedule", [
+    (1001, 2, lambda: [T.megatron("model", vocab=True)]),      # 501 / 500 rows
+    (1001, 3, lambda: [T.embedding("model")]),                 # 334 / 334 / 333 (heads do not divide by 3)
+    (5, 4, lambda: [T.embedding("model")]),                    # 2 / 2 / 1 / 0: one rank holds no row
+], ids=["1001-on-2-megatron", "1001-on-3-embedding", "5-on-4-one-rank-empty"])
+def test_vocabulary_tiled_unevenly_trains_like_one_device(vocab, k, schedule):
+    prog, ref, data, spec = _gpt(vocab, schedule(), {"model": k}, bucket_bytes=0)
+    assert prog.sharding("params.wte.weight").dims[0] == ("model",)
+    assert not prog.conflicts
+    # AdamW's atol as test_presets.py states it (a near-zero gradient summed in another order)
+    train_next_to_eager(prog, ref, [data] * 3, spec.loss_fn, adamw(), param_atol=1e-5, what=f"vocab {vocab}")
+
+
+def test_uneven_vocabulary_costs_the_collectives_of_an_even_one():
+    """Padding adds no collective: vocabulary 1001 on 2 ranks has the collectives of vocabulary 1002 (both hold 501
+    rows per rank), with the same bytes, so the simulator costs the largest shard."""
+    def records(vocab):
+        prog, *_ = _gpt(vocab, [T.megatron("model", vocab=True)], {"model": 2}, bucket_bytes=0)
+        return prog, Counter((r.kind, r.axis, r.phase, r.nbytes) for r in prog.collectives())
+
+    odd, c_odd = records(1001)
+    even, c_even = records(1002)
+    assert c_odd == c_even
+    hw = pt.sim.hardware("h100")
+    assert odd.simulate(hw).compute_s == pytest.approx(even.simulate(hw).compute_s, rel=1e-9)
+
+
+# -- (b) ZeRO-3 of parameters no dim of which the axis divides ------------------------------------------------------
+def _tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.GELU(), nn.LayerNorm(7), nn.Linear(7, 3))
+
+
+def _mse(m, x, y):
+    return F.mse_loss(m(x), y)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_zero3_shards_indivisible_parameters_unevenly_with_clipping(k):
+    """Linear(5, 7) -> LayerNorm(7) -> Linear(7, 3) under BP + Z3 on {batch: k}: every parameter is tiled (a bias of
+    3 on 4 ranks: 1 / 1 / 1 / 0), and the clipped AdamW steps equal eager clip_grad_norm_ + AdamW (the norm's sum
+    of squares reads no padding)."""
+    model = _tiny()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 5), torch.randn(8, 3)
+    prog = pt.partition(model, pt.Mesh({"batch": k}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                        example_inputs=(x, y), loss_fn=_mse, clip_grad_norm=0.05,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for name in ("0.weight", "0.bias", "2.weight", "3.weight", "3.bias"):
+        assert prog.sharding(f"params.{name}").tiled_axes() == {"batch": 1 if name == "3.weight" else 0}, name
+    for step in range(3):
+        got = prog.train_step(x, y)
+        opt.zero_grad()
+        want = _mse(ref, x, y)
+        want.backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        opt.step()
+        assert norm > 0.05, "the test must clip"
+        torch.testing.assert_close(got, want.detach(), rtol=LOSS_RTOL, atol=0, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(prog.last_grad_norm, norm, rtol=LOSS_RTOL, atol=0)
+    assert_parameters_equal(prog, ref, PARAM_RTOL, PARAM_ATOL)
+
+
+# -- (c) a ragged last batch ---------------------------------------------------------------------------------------
+def test_ragged_last_batch_trains_unevenly_where_no_view_merges_the_batch():
+    """mlp under BP + Z3 on {batch: 2}: batches of 8, then 5 (3 / 2 rows: a new shape, partitioned again), then 8
+    again, equal eager."""
+    spec = get("mlp")
+    model = spec.build()
+    ref = copy.deepcopy(model)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                        example_inputs=spec.batch(8), loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with pytest.warns(UserWarning, match="new input shape"):
+        train_next_to_eager(prog, ref, [spec.batch(8), spec.batch(5, seed=3), spec.batch(8, seed=4)],
+                            spec.loss_fn, adamw())
+    assert sorted(r.signature[0][0] for r in prog.shapes()) == [(5, 16), (8, 16)]
+
+
+def test_ragged_batch_merged_with_the_sequence_is_refused_with_drop_last():
+    """gpt flattens (B, T) into B*T for its loss: padding would sit inside that dim, so a batch of 5 on 2 ranks is
+    refused with the fix; the program stays usable."""
+    spec = get("gpt")
+    model = spec.build()
+    ref = copy.deepcopy(model)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(4),
+                        loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with pytest.raises(ShardingConflictError) as e, pytest.warns(UserWarning):
+        prog.train_step(*spec.batch(5))
+    msg = str(e.value)
+    assert msg.startswith("BP: a dim of size 5 cannot be tiled unevenly on axis 'batch' (size 2, which does not "
+                          "divide 5)") and "merges it with other dims" in msg
+    assert "drop_last=True in the DataLoader" in msg
+    train_next_to_eager(prog, ref, [spec.batch(4)] * 2, spec.loss_fn, adamw())
+
+
+# -- (d) stock Hugging Face GPT-2 with its real vocabulary -----------------------------------------------------------
+def test_hf_gpt2_vocabulary_50257_bp_mp_vocab_z3_on_2x2_matches_single_device():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=50257, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "eager"
+    model = GPT2LMHeadModel(cfg).train()
+    ref = copy.deepcopy(model)
+    loss_fn = lambda m, x: m(input_ids=x, labels=x).loss      # noqa: E731
+    tokens = torch.randint(0, 50257, (4, 16))
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}),
+                        [T.data_parallel("batch"), T.megatron("model", vocab=True), T.zero(3, "batch")],
+                        example_inputs=(tokens,), loss_fn=loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5))
+    # the tied embedding / head: vocabulary on "model" (25129 / 25128 rows), features on "batch" (ZeRO-3)
+    assert str(prog.sharding("params.transformer.wte.weight")) == "[{model}, {batch}]"
+    assert prog.conflicts == []
+    train_next_to_eager(prog, ref, [(tokens,)] * 3, loss_fn, make_opt=adamw(eps=1e-5))
+
+
+# -- (e) state round trip ----------------------------------------------------------------------------------------
+def test_state_dict_of_an_uneven_layout_loads_into_a_divisible_one():
+    """vocabulary 1001 tiled 501 / 500 on {model: 2}: its state_dict (full tensors in emulation) loads into a
+    program on {batch: 4} (BP + Z3, where wte's features divide), and both continue alike."""
+    prog, ref, data, spec = _gpt(1001, [T.megatron("model", vocab=True)], {"model": 2})
+    train_next_to_eager(prog, ref, [data] * 2, spec.loss_fn, adamw(), param_atol=1e-5)
+    sd = prog.state_dict()
+    other = spec.build()
+    b = pt.partition(other, pt.Mesh({"batch": 4}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                     example_inputs=data, loss_fn=spec.loss_fn,
+                     optimizer=torch.optim.AdamW(other.parameters(), lr=1e-3))
+    assert str(b.sharding("params.wte.weight")) == "[{}, {batch}]"
+    b.load_state_dict(sd)
+    for k, v in prog.gather_parameters().items():
+        torch.testing.assert_close(b.gather_parameters()[k], v, rtol=0, atol=0)
+    for _ in range(2):
+        torch.testing.assert_close(b.train_step(*data), prog.train_step(*data), rtol=LOSS_RTOL, atol=0)
+    # and back: the divisible layout's state loads into the uneven one
+    prog.load_state_dict(b.state_dict())
+    torch.testing.assert_close(prog.train_step(*data), b.train_step(*data), rtol=LOSS_RTOL, atol=0)
+
+
+# -- (f) strict=True keeps the divisibility error ----------------------------------------------------------------
+def test_strict_keeps_the_divisibility_error():
+    with pytest.raises(ShardingConflictError, match=r"dim 0 of params\.wte\.weight \(size 1001\) cannot be tiled "
+                                                    r"on axis 'model' \(size 2\): 2 does not divide 1001 "
+                                                    r"\(strict=True asks for divisible dims\)"):
+        _gpt(1001, [T.megatron("model", vocab=True)], {"model": 2}, strict=True)
+
+
+def test_interpreter_equals_local_tensor_mode_on_an_uneven_program():
+    """The padded program run by the interpreter and through LocalTensorMode (the cross-check emulator): the same
+    losses and parameters, bitwise. SGD: LocalTensors refuse the fused Adam node's .item()."""
+    from partir_torch.runtime import executor
+    from partir_torch.runtime.emulate import EmulatedRuntime
+    from partir_torch.runtime.interpret import InterpretedRuntime
+
+    def train(make):
+        spec = get("gpt_sdpa", vocab=1001)
+        model = spec.build()
+        old = executor.Executor.emulator
+        executor.Executor.emulator = staticmethod(make)
+        try:
+            prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}),
+                                [T.data_parallel("batch"), T.megatron("model", vocab=True), T.zero(3, "batch")],
+                                example_inputs=spec.batch(4), loss_fn=spec.loss_fn,
+                                optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+            return [prog.train_step(*spec.batch(4)) for _ in range(2)], prog.gather_parameters()
+        finally:
+            executor.Executor.emulator = old
+
+    got, p_got = train(lambda mesh, compile=False: InterpretedRuntime(mesh))
+    want, p_want = train(lambda mesh, compile=False: EmulatedRuntime(mesh))
+    assert got[0] != got[-1]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for k in p_want:
+        torch.testing.assert_close(p_got[k], p_want[k], rtol=0, atol=0)
