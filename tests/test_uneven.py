@@ -59,7 +59,8 @@ def test_vocabulary_tiled_unevenly_trains_like_one_device(vocab, k, schedule):
 
 def test_uneven_vocabulary_costs_the_collectives_of_an_even_one():
     """Padding adds no collective: vocabulary 1001 on 2 ranks has the collectives of vocabulary 1002 (both hold 501
-    rows per rank), with the same bytes, so the simulator costs the largest shard."""
+    rows per rank), with the same bytes; the simulator costs the largest shard (the same FLOPs per device) plus the
+    masks that keep the padding out of the reductions."""
     def records(vocab):
         prog, *_ = _gpt(vocab, [T.megatron("model", vocab=True)], {"model": 2}, bucket_bytes=0)
         return prog, Counter((r.kind, r.axis, r.phase, r.nbytes) for r in prog.collectives())
@@ -67,8 +68,10 @@ def test_uneven_vocabulary_costs_the_collectives_of_an_even_one():
     odd, c_odd = records(1001)
     even, c_even = records(1002)
     assert c_odd == c_even
-    hw = pt.sim.hardware("h100")
-    assert odd.simulate(hw).compute_s == pytest.approx(even.simulate(hw).compute_s, rel=1e-9)
+    hw = pt.sim.hardware("h100", gpus_per_node=2)
+    r_odd, r_even = odd.simulate(hw), even.simulate(hw)
+    assert r_odd.model_flops == r_even.model_flops > 0
+    assert r_even.compute_s < r_odd.compute_s < 1.2 * r_even.compute_s
 
 
 # -- (b) ZeRO-3 of parameters no dim of which the axis divides ------------------------------------------------------
@@ -132,13 +135,14 @@ def test_ragged_batch_merged_with_the_sequence_is_refused_with_drop_last():
     ref = copy.deepcopy(model)
     prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(4),
                         loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-    with pytest.raises(ShardingConflictError) as e, pytest.warns(UserWarning):
+    with pytest.raises(ShardingConflictError) as e:
         prog.train_step(*spec.batch(5))
     msg = str(e.value)
     assert msg.startswith("BP: a dim of size 5 cannot be tiled unevenly on axis 'batch' (size 2, which does not "
-                          "divide 5)") and "merges it with other dims" in msg
+                          "divide 5): aten.view.default (view_") and "merges it with other dims" in msg
     assert "drop_last=True in the DataLoader" in msg
-    train_next_to_eager(prog, ref, [spec.batch(4)] * 2, spec.loss_fn, adamw())
+    # param_atol as test_presets.py states it for gpt under AdamW (a near-zero gradient summed in another order)
+    train_next_to_eager(prog, ref, [spec.batch(4)] * 2, spec.loss_fn, adamw(), param_atol=1e-5)
 
 
 # -- (d) stock Hugging Face GPT-2 with its real vocabulary -----------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 
 from .. import contract
 from ..contract import META_NO_PARTIAL_PASS, META_OUTPUT
-from ..errors import ShardingConflictError
+from ..errors import ShardingConflictError, source_location
 from ..sharding import REPLICATED
 from ..rules.factors import PASS, REDUCE, stride_of
 from .graph import no_gc
@@ -301,12 +301,14 @@ class Propagator:
         g, rule = self.g, self.g.ops[i].rule
         factor, k = rule.factors[f], self.mesh.shape[st.axis]
         node = g.ops[i].node
+        where = source_location(node)
         merged = [(g.name(vid), d, tuple(g.shapes[vid])) for _, _, dims, vid in slots
                   for d, fs in enumerate(dims) if f in fs and fs != (f,)]
         why = ("the tiling is strided (a minor part of a merged dim)" if inner > 1 else
                f"an earlier axis already splits it {done} ways unevenly" if factor.size % done else
-               f"{node.format_node()} merges it with other dims (dim {merged[0][1]} of {merged[0][0]}, shape "
-               f"{merged[0][2]}), so padding would sit inside the merged dim" if merged else None)
+               f"{node.target} ({node.name}{' at ' + where if where else ''}) merges it with other dims (dim "
+               f"{merged[0][1]} of {merged[0][0]}, shape {merged[0][2]}), so padding would sit inside the merged "
+               f"dim" if merged else None)
         if why is not None:
             raise ShardingConflictError(
                 f"{tactic}: a dim of size {factor.size} cannot be tiled unevenly on axis '{st.axis}' (size {k}, "
