@@ -74,6 +74,19 @@ def test_uneven_vocabulary_costs_the_collectives_of_an_even_one():
     assert r_even.compute_s < r_odd.compute_s < 1.2 * r_even.compute_s
 
 
+def test_megatron_tiles_mlp_features_unevenly_and_keeps_indivisible_heads_whole():
+    """gpt_sdpa on {model: 3}: the MLP's 128 hidden features split 43 / 43 / 42 (the row-parallel matmul's
+    contraction reads no padding), the 4 attention heads stay whole (a view folds them with the head dim); Megatron's
+    2 all-reduces per layer, one layer's MLP each way."""
+    prog, ref, data, spec = _gpt(64, [T.megatron("model")], {"model": 3}, bucket_bytes=0)
+    assert str(prog.sharding("params.layers.0.mlp.w1.weight")) == "[{model}, {}]"
+    assert str(prog.sharding("params.layers.0.mlp.w2.weight")) == "[{}, {model}]"
+    assert prog.sharding("params.layers.0.attn.wq.weight").replicated == {"model"}
+    c = Counter((r.kind, r.phase) for r in prog.collectives())
+    assert c == {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 2}, c
+    train_next_to_eager(prog, ref, [data] * 3, spec.loss_fn, adamw(), param_atol=1e-5)
+
+
 # -- (b) ZeRO-3 of parameters no dim of which the axis divides ------------------------------------------------------
 def _tiny():
     torch.manual_seed(0)

@@ -148,7 +148,9 @@ class Megatron(SeedTactic):
                               f"it needs (as multi_query does for shared K/V)")
                     kept.append(w)
                     blocked.append((w, "attention heads", lin.heads))
-                elif feats % k:
+                elif feats % k and (ctx.options.strict or lin.chunks > 1):
+                    # uneven features split as torch.chunk does, unless strict=True or a packed projection (its
+                    # chunks are tiled strided, which an uneven split cannot be)
                     why[w] = f"{feats} output features, not divisible by axis '{self.axis}' (size {k})"
                     blocked.append((w, "output features", feats))
                 else:
