@@ -23,7 +23,7 @@ from ..errors import PartitionError, internal_error
 from ..options import Options
 from ..propagate.decisions import Decisions
 from ..propagate.engine import place_axis
-from ..rules.factors import stride_of
+from ..rules.factors import minor_of, stride_of
 from ..rules.localize import localize_args
 from ..sharding import Sharding, chunk_size
 from . import indexed
@@ -66,6 +66,8 @@ def op_layouts(decisions: Decisions, i: int):
     in_part = [[] for _ in range(nops)]
     in_strides = [[] for _ in range(nops)]
     out_strides = [[] for _ in range(nres)]
+    in_blocks = [[] for _ in range(nops)]      # uneven tilings in blocks (Sharding.blocks)
+    out_blocks = [[] for _ in range(nres)]
     out_dims = [None if v is None else [[] for _ in g.shapes[v]] for v in op.results]
     out_part = [[] for _ in range(nres)]
     ignored = [rule is not None and rule.operands[j] is None for j in range(nops)]
@@ -74,6 +76,9 @@ def op_layouts(decisions: Decisions, i: int):
             for axis in axes:
                 _place_factor(rule, f, axis, d.op_inner(i, axis), in_dims, in_strides, out_dims, out_strides,
                               out_part)
+                block = d.op_uneven(i, axis)
+                if block is not None:
+                    _place_blocks(rule, f, axis, block, in_blocks, out_blocks, out_dims)
         for axis in d.axes:
             opname = d.op_partial(i, axis)
             if opname is not None:
@@ -91,10 +96,23 @@ def op_layouts(decisions: Decisions, i: int):
                 for a in axes:
                     place_axis(ordered, a, lambda x: sf.get(x, 1), mesh)
                 dims[dd] = ordered
-    ins = [None if ignored[j] else Sharding(in_dims[j], in_part[j], strides=in_strides[j]) for j in range(nops)]
-    outs = [None if out_dims[j] is None else Sharding(out_dims[j], out_part[j], strides=out_strides[j])
-            for j in range(nres)]
+    ins = [None if ignored[j] else Sharding(in_dims[j], in_part[j], strides=in_strides[j], blocks=in_blocks[j])
+           for j in range(nops)]
+    outs = [None if out_dims[j] is None else Sharding(out_dims[j], out_part[j], strides=out_strides[j],
+                                                      blocks=out_blocks[j]) for j in range(nres)]
     return ins, outs
+
+
+def _place_blocks(rule, f, axis, block, in_blocks, out_blocks, out_dims) -> None:
+    """`axis` tiles factor f unevenly by blocks of `block` of its positions: each dim holding f (its major part)
+    is split by block x its minor factors' positions (propagate/engine.py records the same for values)."""
+    for blocks, slots in ((in_blocks, rule.operands), (out_blocks, rule.results)):
+        for j, dims in enumerate(slots):
+            if dims is None or (blocks is out_blocks and out_dims[j] is None):
+                continue
+            fs = next((fs for fs in dims if f in fs), None)
+            if fs is not None:
+                blocks[j].append((axis, block * minor_of(rule, fs, f)))
 
 
 def _place_factor(rule, f, axis, inner, in_dims, in_strides, out_dims, out_strides, out_part) -> None:
@@ -235,9 +253,9 @@ class Lowerer:
                 j = next(slot)
                 x, shp = self.fetch(a, ins[j], node)
                 in_local.append(shp)
-                for d, (parent, axis, op_) in padded.get(j, {}).items():
+                for d, (parent, axis, m, op_) in padded.get(j, {}).items():
                     fill = _fill(node, j, op_, a.meta["val"].dtype)
-                    x = fill_padding(self.em, x, shp, d, parent, axis, fill, a.meta["val"].dtype)
+                    x = fill_padding(self.em, x, shp, d, parent, axis, m, fill, a.meta["val"].dtype)
                 return x
             return self.env[a] if isinstance(a, fx.Node) else a
 
@@ -313,7 +331,7 @@ class Lowerer:
         return lambda axis: self.d.tactic_of(vid, axis)
 
     def _padded_reductions(self, i) -> dict:
-        """operand slot -> {dim: (parent size, axis, reduce op)} for the dims op i reduces over (a REDUCE factor of
+        """operand slot -> {dim: (parent size, axis, block, reduce op)} for the dims op i reduces over (a REDUCE factor of
         its rule) that an axis tiles unevenly: their padding must hold the reduction's identity (lower/uneven.py).
         An indexed factor (embedding's vocabulary) needs none: no position addresses the padding."""
         op, g = self.g.ops[i], self.g
@@ -401,4 +419,4 @@ def _fill(node, slot: int, op: str, dtype):
 
 def _strip(sh: Sharding) -> Sharding:
     """The layout part of a sharding (explicitly-replicated markers do not change the data)."""
-    return Sharding(sh.dims, sh.partial, strides=sh.strides) if sh.replicated else sh
+    return Sharding(sh.dims, sh.partial, strides=sh.strides, blocks=sh.blocks) if sh.replicated else sh

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..sharding import Sharding, chunk_size
-from .uneven import narrow_dim, pad_dim
+from .uneven import chunk_of, narrow_dim, pad_dim
 from .records import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, CollectiveRecord
 from ..contract import META_COLLECTIVE, META_IN_SHAPE, META_LOCAL_SHAPE
 
@@ -128,14 +128,15 @@ def all_reduce(em, x, shape, op, axis, dtype, value, tactic):
     return out, tuple(shape)
 
 
-def reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic, stride=1):
+def reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic, stride=1, block=1):
+    """Reduce-scatter dim d over `axis`; block: an uneven split goes by whole blocks of that many positions."""
     k = em.mesh.shape[axis]
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     y, first, perm = _to_front(em, x, shape, d, dtype)
     if stride > 1:   # (s, k, m) -> (k, s, m): each rank's strided chunk becomes contiguous
         y = _interleave(em, y, first, stride, k, dtype)
-    if first[0] % k:    # uneven: zeros past the dim's end, so the last ranks' chunks end in padding
-        y, first = pad_dim(em, y, first, 0, chunk_size(first[0], [k]) * k, dtype)
+    if (first[0] // block) % k:    # uneven: zeros past the dim's end, so the last ranks' chunks end in padding
+        y, first = pad_dim(em, y, first, 0, chunk_of(first[0], k, block) * k, dtype)
         first = list(first)
     in_shape = tuple(first)
     first[0] //= k
@@ -144,13 +145,13 @@ def reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic, stride=1):
     return _from_front(em, r, first, perm, dtype)
 
 
-def local_slice(em, x, shape, d, axis, dtype, stride=1):
+def local_slice(em, x, shape, d, axis, dtype, stride=1, block=1):
     """This rank's chunk of dim d: index_select with arange(chunk) + coord * chunk (the coordinate is a graph
     input, so the same program serves every rank). stride s > 1: chunk the minor part of (s, n / s)."""
     k = em.mesh.shape[axis]
     inner = shape[d] // stride
-    if stride == 1 and inner % k:    # uneven: pad the dim to k chunks of ceil(n / k)
-        x, shape = pad_dim(em, x, shape, d, chunk_size(inner, [k]) * k, dtype)
+    if stride == 1 and (inner // block) % k:    # uneven: pad the dim to k chunks (torch.chunk sizes, in blocks)
+        x, shape = pad_dim(em, x, shape, d, chunk_of(inner, k, block) * k, dtype)
         inner = shape[d]
     chunk = inner // k
     idx = em.call(aten.arange.default, chunk, meta_shape=(chunk,), dtype=torch.int64)
@@ -235,8 +236,8 @@ def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tacti
             continue
         s1 = _stride_before(cur_dims[d1], src_sf, axis, em.mesh)
         s2 = _stride_before(dst.dims[d2], dst_sf, axis, em.mesh)
-        if shape[d1] % s1 or shape[d2] % (s2 * em.mesh.shape[axis]) or \
-                (gshape is not None and parent(d1, cur_dims[d1][:-1]) % em.mesh.shape[axis]):
+        if shape[d1] % s1 or shape[d2] % (s2 * em.mesh.shape[axis]) or src.block(axis) > 1 or \
+                dst.block(axis) > 1 or (gshape is not None and parent(d1, cur_dims[d1][:-1]) % em.mesh.shape[axis]):
             continue     # uneven on either dim: gathered and sliced below
         x, shape = all_to_all(em, x, shape, d1, d2, axis, dtype, value, tactic_of(axis), s1, s2)
         src_sf[axis] = dst_sf.get(axis, 1)
@@ -251,8 +252,9 @@ def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tacti
         for axis in reversed(cur_dims[d][keep:]):
             stride = _stride_before(cur_dims[d], src_sf, axis, em.mesh)
             p = parent(d, cur_dims[d][:-1])
+            uneven = p is not None and (p // src.block(axis)) % em.mesh.shape[axis]
             x, shape = all_gather(em, x, shape, d, axis, dtype, value, tactic_of(axis), stride,
-                                  p if p is not None and p % em.mesh.shape[axis] else None)
+                                  p if uneven else None)
             cur_dims[d].remove(axis)
     # 2. pending reductions: reduce_scatter straight into the target tiling where it is the next split of its dim,
     # first; then all_reduce the others on the smaller shard (HSDP: the gradient is reduce-scattered on the shard
@@ -267,7 +269,8 @@ def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tacti
                     and dst.dims[d][len(cur_dims[d])] == axis
                     and (shape[d] % em.mesh.shape[axis] == 0 or not dst_sf.get(axis))):
                 stride = _stride_before(dst.dims[d], dst_sf, axis, em.mesh)
-                x, shape = reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic_of(axis), stride)
+                x, shape = reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic_of(axis), stride,
+                                          dst.block(axis))
                 cur_dims[d].append(axis)
                 del pending[axis]
                 progress = True
@@ -283,6 +286,6 @@ def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tacti
     for d in range(len(cur_dims)):
         for axis in dst.dims[d][len(cur_dims[d]):]:
             stride = _stride_before(dst.dims[d], dst_sf, axis, em.mesh)
-            x, shape = local_slice(em, x, shape, d, axis, dtype, stride)
+            x, shape = local_slice(em, x, shape, d, axis, dtype, stride, dst.block(axis))
             cur_dims[d].append(axis)
     return x

@@ -44,18 +44,24 @@ def narrow_dim(em, x, shape, d: int, n: int, dtype):
     return em.call(aten.slice.Tensor, x, d, 0, n, meta_shape=tuple(shape), dtype=dtype), tuple(shape)
 
 
-def in_extent(em, parent: int, axis: str):
-    """(c,) bool: which of this rank's c = ceil(parent / k) positions hold data (the rest is padding)."""
-    c = chunk_size(parent, [em.mesh.shape[axis]])
+def chunk_of(parent: int, k: int, m: int = 1) -> int:
+    """Positions per rank of a dim of `parent` positions split over k ranks in whole blocks of m."""
+    return chunk_size(parent // m, [k]) * m
+
+
+def in_extent(em, parent: int, axis: str, m: int = 1):
+    """(c,) bool: which of this rank's c positions (chunk_of) hold data (the rest is padding)."""
+    c = chunk_of(parent, em.mesh.shape[axis], m)
     pos = em.call(aten.arange.default, c, meta_shape=(c,), dtype=torch.int64)
     start = em.call(aten.mul.Scalar, em.coords[axis], c, meta_shape=(), dtype=torch.int64)
     glob = em.call(aten.add.Tensor, pos, start, meta_shape=(c,), dtype=torch.int64)
     return em.call(aten.lt.Scalar, glob, parent, meta_shape=(c,), dtype=torch.bool)
 
 
-def fill_padding(em, x, shape, d: int, parent: int, axis: str, fill, dtype):
-    """x with the padding positions of dim d (tiled unevenly on `axis`, parent size `parent`) set to `fill`."""
-    keep = in_extent(em, parent, axis)
+def fill_padding(em, x, shape, d: int, parent: int, axis: str, m: int, fill, dtype):
+    """x with the padding positions of dim d (tiled unevenly on `axis` in blocks of m, parent size `parent`) set to
+    `fill`."""
+    keep = in_extent(em, parent, axis, m)
     bshape = [1] * len(shape)
     bshape[d] = shape[d]
     keep = em.call(aten.reshape.default, keep, bshape, meta_shape=tuple(bshape), dtype=torch.bool)

@@ -34,7 +34,7 @@ def value_sharding(rec, vid: int) -> Sharding:
     g = rec.g
     c = g.canon[vid]
     dims = [list(rec.dim_axes.get((c, d), ())) for d in range(len(g.shapes[vid]))]
-    partial, rep, strides = [], [], []
+    partial, rep, strides, blocks = [], [], [], []
     for axis, st in rec.axes.items():
         s = st.value[c]
         if s in PARTIAL_OP:
@@ -43,7 +43,9 @@ def value_sharding(rec, vid: int) -> Sharding:
             rep.append(axis)
         elif s >= 0 and (c, axis) in rec.strides:
             strides.append((axis, rec.strides[(c, axis)]))
-    return Sharding(dims=dims, partial=partial, replicated=rep, strides=strides)
+        if s >= 0 and (c, axis) in rec.blocks:
+            blocks.append((axis, rec.blocks[(c, axis)]))
+    return Sharding(dims=dims, partial=partial, replicated=rep, strides=strides, blocks=blocks)
 
 
 class Kind(Enum):
@@ -149,6 +151,11 @@ class Decisions:
     def op_inner(self, i: int, axis: str) -> int:
         """Inner split factor when op i tiles a factor strided on `axis` (1 when not)."""
         return self._p.op_inner.get((i, axis), 1)
+
+    def op_uneven(self, i: int, axis: str) -> int | None:
+        """The block (in positions of the factor) op i splits its tiled factor by on `axis` when that axis does
+        not divide it (uneven, sharding.chunk_size); None when it does."""
+        return self._p.op_uneven.get((i, axis))
 
     def op_tactic(self, i: int, axis: str) -> str | None:
         """The tactic that decided op i on `axis`, or None."""

@@ -20,7 +20,7 @@ from .. import contract
 from ..contract import META_NO_PARTIAL_PASS, META_OUTPUT
 from ..errors import ShardingConflictError, source_location
 from ..sharding import REPLICATED
-from ..rules.factors import PASS, REDUCE, stride_of
+from ..rules.factors import PASS, REDUCE, minor_of, stride_of
 from .graph import no_gc
 from ..mesh import Mesh
 from .graph import PartGraph
@@ -219,12 +219,15 @@ class Propagator:
         # a strided tiling (inner > 1) splits the minor part of (inner, size / inner); earlier axes split the major
         fits = factor.size % (done * k) == 0 if inner == 1 else \
             (factor.size // inner) % k == 0 and inner % done == 0 and factor.size % inner == 0
-        if not fits:
+        # an unevenly tiled neighbour splits the factor by whole blocks of `block` of its positions
+        block = self._source_block(st, i, f, slots, tactic, source)
+        uneven = block > 1 or not fits
+        if uneven:
             if not self.uneven:
                 self._conflict(st, i, tactic, [source], f"factor of size {factor.size} (already split {done} ways) is "
                                                        f"not divisible by axis '{st.axis}' (size {k})")
                 return []
-            self._check_uneven(st, i, f, slots, inner, done, tactic, source)
+            self._check_uneven(st, i, f, slots, inner, done, tactic, source, block)
         # every slot holding f gets it tiled (strided when f is a minor factor of its dim); a slot already set
         # otherwise is a conflict
         targets = []
@@ -239,6 +242,10 @@ class Propagator:
             if s == d and self.rec.strides.get((c, st.axis), 1) != stride:
                 self._conflict(st, i, tactic, [vid, source], f"dim {d} is tiled with another split factor")
                 return []
+            slot_block = block * minor_of(rule, dims[d], f) if uneven else 1
+            if s == d and self.rec.blocks.get((c, st.axis), 1) != slot_block:
+                self._conflict(st, i, tactic, [vid, source], f"dim {d} is tiled unevenly in other blocks")
+                return []
             if s == UNKNOWN and self.rec.dim_axes.get((c, d)) and any(
                     _minor_clash(self.rec.strides.get((c, a), 1), stride, k) for a in self.rec.dim_axes[(c, d)]):
                 # an axis may tile a more major part of a dim than an earlier axis only where its chunks hold
@@ -251,11 +258,11 @@ class Propagator:
                                                              f"'{self._uneven_axis(c, d)}' and takes no further axis")
                 return []
             if s == UNKNOWN:
-                if self.rec.local_dim(vid, d) % k and (not self.uneven or fits):
+                if self.rec.local_dim(vid, d) % k and not uneven:
                     self._conflict(st, i, tactic, [vid, source], f"dim {d} (local size {self.rec.local_dim(vid, d)}) is "
                                                                  f"not divisible by axis '{st.axis}' (size {k})")
                     return []
-                targets.append((c, d, stride))
+                targets.append((c, d, stride, slot_block))
             elif s != d and not (s in PARTIAL_OP and not is_res) and s != WHOLE:
                 # a partial operand is no obstacle (lowering reduce-scatters it into the tiling), nor is an
                 # explicitly replicated one (sliced locally as an operand, gathered once as a result)
@@ -265,13 +272,17 @@ class Propagator:
         st.assign_tactic[i] = tactic
         if inner > 1:
             self.rec.op_inner[(i, st.axis)] = inner
+        if uneven:
+            self.rec.op_uneven[(i, st.axis)] = block
         self.rec.op_axes.setdefault(i, {}).setdefault(f, []).append(st.axis)
         prov = Provenance(tactic, i, source)
         changed = []
-        for c, d, stride in targets:
+        for c, d, stride, slot_block in targets:
             if st.value[c] == UNKNOWN:
                 if stride > 1:
                     self.rec.strides[(c, st.axis)] = stride
+                if slot_block > 1:
+                    self.rec.blocks[(c, st.axis)] = slot_block
                 self.rec.set_state(st, c, d, prov)
                 changed.append(c)
         if factor.kind == REDUCE:
@@ -288,24 +299,47 @@ class Propagator:
         """The axis tiling dim d of canonical value c unevenly (it is then the dim's innermost), else None."""
         size = self.g.shapes[c][d]
         for a in self.rec.dim_axes.get((c, d), ()):
-            k = self.mesh.shape[a]
-            if size % k:
+            k, m = self.mesh.shape[a], self.rec.blocks.get((c, a), 1)
+            if (size // m) % k:
                 return a
             size //= k
         return None
 
-    def _check_uneven(self, st, i, f, slots, inner, done, tactic, source) -> None:
+    def _source_block(self, st, i, f, slots, tactic, source) -> int:
+        """The block (in positions of factor f) by which `source`, an unevenly tiled neighbour, splits f: its own
+        block over the factors minor to f in its dim (1 when it has none)."""
+        g = self.g
+        m = self.rec.blocks.get((g.canon[source], st.axis), 1)
+        if m == 1:
+            return 1
+        rule = g.ops[i].rule
+        fs = next(dims[d] for _, _, dims, vid in slots if vid == source for d in range(len(dims)) if f in dims[d])
+        minor = minor_of(rule, fs, f)
+        if fs[0] != f or m % minor:
+            node = g.ops[i].node
+            raise ShardingConflictError(
+                f"{tactic}: {g.name(source)} is tiled unevenly on axis '{st.axis}' in blocks of {m} positions, and "
+                f"{node.target} ({node.name}) splits those blocks (its dim holds factors of sizes "
+                f"{[rule.factors[x].size for x in fs]}): padding would sit inside the dim. Make the tiled size "
+                f"divisible by {self.mesh.shape[st.axis]} (for a batch: drop_last=True in the DataLoader), or tile "
+                f"another dim.")
+        return m // minor
+
+    def _check_uneven(self, st, i, f, slots, inner, done, tactic, source, block=1) -> None:
         """Raise unless factor f of op i may be tiled unevenly on st.axis: a contiguous split (not strided), after
-        axes that split it exactly, of a factor that is a whole dim wherever it appears (a dim merged with others
-        by a view would hold padding in its middle)."""
+        axes that split it exactly, of a factor that is the major part of its dim wherever it appears (padding
+        then sits at the end of the dim: whole blocks of the minor factors; a minor factor would put it in the
+        middle)."""
         g, rule = self.g, self.g.ops[i].rule
         factor, k = rule.factors[f], self.mesh.shape[st.axis]
         node = g.ops[i].node
         where = source_location(node)
         merged = [(g.name(vid), d, tuple(g.shapes[vid])) for _, _, dims, vid in slots
-                  for d, fs in enumerate(dims) if f in fs and fs != (f,)]
+                  for d, fs in enumerate(dims) if f in fs and fs[0] != f]
         why = ("the tiling is strided (a minor part of a merged dim)" if inner > 1 else
                f"an earlier axis already splits it {done} ways unevenly" if factor.size % done else
+               f"an earlier axis already splits it {done} ways and it is split in blocks" if done > 1 and block > 1
+               else
                f"{node.target} ({node.name}{' at ' + where if where else ''}) merges it with other dims (dim "
                f"{merged[0][1]} of {merged[0][0]}, shape {merged[0][2]}), so padding would sit inside the merged "
                f"dim" if merged else None)

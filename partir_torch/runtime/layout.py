@@ -17,8 +17,9 @@ def shard_of(full: torch.Tensor, sh: Sharding, mesh: Mesh, coord: dict, fill=0) 
             k = mesh.shape[a]
             s = sh.local_stride(a, mesh)
             n = out.shape[d]
-            if s == 1 and n % k:
-                c = chunk_size(n, [k])
+            m = sh.block(a)
+            if s == 1 and (n // m) % k:      # uneven: whole blocks of m positions, padding at the end
+                c = chunk_size(n // m, [k]) * m
                 pad = out.new_full(out.shape[:d] + (c * k - n,) + out.shape[d + 1:], fill)
                 out = torch.cat([out, pad], d)
                 n = c * k
@@ -65,20 +66,20 @@ def assemble(locals_by_rank: dict, sh: Sharding, mesh: Mesh, shape) -> torch.Ten
 def same_layout(a: Sharding, b: Sharding) -> bool:
     """The same data layout (explicitly-replicated markers aside)."""
     return tuple(map(tuple, a.dims)) == tuple(map(tuple, b.dims)) and tuple(a.partial) == tuple(b.partial) and \
-        tuple(a.strides) == tuple(b.strides)
+        tuple(a.strides) == tuple(b.strides) and tuple(a.blocks) == tuple(b.blocks)
 
 
 def unpadded(t: torch.Tensor, sh: Sharding, mesh: Mesh, coord: dict, shape) -> torch.Tensor:
     """A rank's held shard without its padding: the torch.chunk-sized local tensor DTensor's Shard expects."""
-    for d, (parent, axis) in sh.uneven_dims(shape, mesh).items():
-        t = t.narrow(d, 0, chunk_extent(parent, mesh.shape[axis], coord[axis]))
+    for d, (parent, axis, m) in sh.uneven_dims(shape, mesh).items():
+        t = t.narrow(d, 0, chunk_extent(parent // m, mesh.shape[axis], coord[axis]) * m)
     return t
 
 
 def padded(t: torch.Tensor, sh: Sharding, mesh: Mesh, shape) -> torch.Tensor:
     """A torch.chunk-sized local tensor padded with zeros to the size the program holds (the largest chunk)."""
-    for d, (parent, axis) in sh.uneven_dims(shape, mesh).items():
-        c = chunk_size(parent, [mesh.shape[axis]])
+    for d, (parent, axis, m) in sh.uneven_dims(shape, mesh).items():
+        c = chunk_size(parent // m, [mesh.shape[axis]]) * m
         if t.shape[d] < c:
             t = torch.cat([t, t.new_zeros(t.shape[:d] + (c - t.shape[d],) + t.shape[d + 1:])], d)
     return t

@@ -160,7 +160,7 @@ class XlaBackend:
             sh = self.plan.sharding(v)
             uneven = sh.uneven_dims(g.shapes[v], self.mesh)
             if uneven:
-                d, (size, axis) = next(iter(uneven.items()))
+                d, (size, axis, _) = next(iter(uneven.items()))
                 raise PartitionError(f"to_xla: {g.name(v)} is tiled unevenly on dim {d} (size {size}) over axis "
                                      f"'{axis}' (size {self.mesh.shape[axis]}); the torch-xla backend does not run "
                                      f"uneven layouts yet. Partition with strict=True and sizes the axes divide "
