@@ -129,6 +129,19 @@ def test_zero3_shards_indivisible_parameters_unevenly_with_clipping(k):
     assert_parameters_equal(prog, ref, PARAM_RTOL, PARAM_ATOL)
 
 
+def test_compiled_program_pads_and_masks_like_the_eager_one():
+    """compile=True (Inductor on each run of local ops): a ragged batch of 5 on 2 ranks and the indivisible
+    parameters of _tiny under BP + Z3 train like eager."""
+    model = _tiny()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(5, 5), torch.randn(5, 3)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                        example_inputs=(x, y), loss_fn=_mse, compile=True,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert str(prog.sharding("inputs.0")) == "[{batch}, {}]"
+    train_next_to_eager(prog, ref, [(x, y)] * 2, _mse, adamw())
+
+
 # -- (c) a ragged last batch ---------------------------------------------------------------------------------------
 def test_ragged_last_batch_trains_unevenly_where_no_view_merges_the_batch():
     """mlp under BP + Z3 on {batch: 2}: batches of 8, then 5 (3 / 2 rows: a new shape, partitioned again), then 8
