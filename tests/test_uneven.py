@@ -190,19 +190,21 @@ class _SeqFirst(nn.Module):
         return self.fc(t)
 
 
-def test_ragged_batch_that_a_view_folds_as_a_minor_factor_is_refused_with_drop_last():
+def test_ragged_batch_that_a_view_folds_as_a_minor_factor_stops_propagation_there():
+    """Sequence-first (T*B): padding cannot stay at the end of that dim, so propagation stops at the fold as at any
+    conflict (its reason names the fix), lowering gathers the batch there, and the step still equals eager."""
     model = _SeqFirst()
+    ref = copy.deepcopy(model)
     loss = lambda m, x: m(x).square().mean()      # noqa: E731
-    with pytest.raises(ShardingConflictError) as e:
-        pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")],
-                     example_inputs=(torch.randn(5, 4, 8),), loss_fn=loss)
-    msg = str(e.value)
-    assert msg.startswith("BP: a dim of size 5 cannot be tiled unevenly on axis 'batch' (size 2, which does not "
-                          "divide 5): aten.") and "merges it with other dims" in msg
-    assert "drop_last=True in the DataLoader" in msg
-    # a batch the axis divides partitions as before
-    pt.partition(_SeqFirst(), pt.Mesh({"batch": 2}), [T.data_parallel("batch")],
-                 example_inputs=(torch.randn(4, 4, 8),), loss_fn=loss)
+    x = torch.randn(5, 4, 8)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=(x,), loss_fn=loss,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    reasons = [c.reason for c in prog.conflicts]
+    assert reasons and all(r.startswith("a factor of size 5 cannot be tiled unevenly on axis 'batch' (size 2): ")
+                           and "merges it with other dims" in r and "drop_last=True in the DataLoader" in r
+                           for r in reasons), reasons
+    with pytest.warns(UserWarning, match="forces"):
+        train_next_to_eager(prog, ref, [(x,)] * 2, loss, adamw())
 
 
 # -- (d) stock Hugging Face GPT-2 with its real vocabulary -----------------------------------------------------------

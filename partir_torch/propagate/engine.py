@@ -220,14 +220,20 @@ class Propagator:
         fits = factor.size % (done * k) == 0 if inner == 1 else \
             (factor.size // inner) % k == 0 and inner % done == 0 and factor.size % inner == 0
         # an unevenly tiled neighbour splits the factor by whole blocks of `block` of its positions
-        block = self._source_block(st, i, f, slots, tactic, source)
+        block, why = self._source_block(st, i, f, slots, source)
         uneven = block > 1 or not fits
         if uneven:
             if not self.uneven:
                 self._conflict(st, i, tactic, [source], f"factor of size {factor.size} (already split {done} ways) is "
                                                        f"not divisible by axis '{st.axis}' (size {k})")
                 return []
-            self._check_uneven(st, i, f, slots, inner, done, tactic, source, block)
+            why = why or self._uneven_refusal(st, i, f, slots, inner, done, block)
+            if why is not None:     # propagation stops here, as at any conflict: lowering gathers the value
+                self._conflict(st, i, tactic, [source], f"a factor of size {factor.size} cannot be tiled unevenly on "
+                                                       f"axis '{st.axis}' (size {k}): {why}. Make the size divisible "
+                                                       f"by {k} (for a batch: drop_last=True in the DataLoader), or "
+                                                       f"tile another dim")
+                return []
         # every slot holding f gets it tiled (strided when f is a minor factor of its dim); a slot already set
         # otherwise is a conflict
         targets = []
@@ -305,33 +311,31 @@ class Propagator:
             size //= k
         return None
 
-    def _source_block(self, st, i, f, slots, tactic, source) -> int:
-        """The block (in positions of factor f) by which `source`, an unevenly tiled neighbour, splits f: its own
-        block over the factors minor to f in its dim (1 when it has none)."""
+    def _source_block(self, st, i, f, slots, source) -> tuple:
+        """(block, refusal): the block (in positions of factor f) by which `source`, an unevenly tiled neighbour,
+        splits f: its own block over the factors minor to f in its dim (1 when it has none); refusal says why the
+        op cannot keep those blocks whole (else None)."""
         g = self.g
         m = self.rec.blocks.get((g.canon[source], st.axis), 1)
         if m == 1:
-            return 1
+            return 1, None
         rule = g.ops[i].rule
         fs = next(dims[d] for _, _, dims, vid in slots if vid == source for d in range(len(dims)) if f in dims[d])
         minor = minor_of(rule, fs, f)
         if fs[0] != f or m % minor:
             node = g.ops[i].node
-            raise ShardingConflictError(
-                f"{tactic}: {g.name(source)} is tiled unevenly on axis '{st.axis}' in blocks of {m} positions, and "
-                f"{node.target} ({node.name}) splits those blocks (its dim holds factors of sizes "
-                f"{[rule.factors[x].size for x in fs]}): padding would sit inside the dim. Make the tiled size "
-                f"divisible by {self.mesh.shape[st.axis]} (for a batch: drop_last=True in the DataLoader), or tile "
-                f"another dim.")
-        return m // minor
+            return 1, (f"{g.name(source)} is split in blocks of {m} positions, and {node.target} splits those blocks "
+                       f"(its dim holds factors of sizes {[rule.factors[x].size for x in fs]}), so padding would sit "
+                       f"inside the dim")
+        return m // minor, None
 
-    def _check_uneven(self, st, i, f, slots, inner, done, tactic, source, block=1) -> None:
-        """Raise unless factor f of op i may be tiled unevenly on st.axis: a contiguous split (not strided), after
-        axes that split it exactly, of a factor that is the major part of its dim wherever it appears (padding
-        then sits at the end of the dim: whole blocks of the minor factors; a minor factor would put it in the
-        middle)."""
+    def _uneven_refusal(self, st, i, f, slots, inner, done, block=1):
+        """Why factor f of op i cannot be tiled unevenly on st.axis, or None when it can: a contiguous split (not
+        strided), after axes that split it exactly, of a factor that is the major part of its dim wherever it
+        appears (padding then sits at the end of the dim: whole blocks of the minor factors; a minor factor would
+        put it in the middle)."""
         g, rule = self.g, self.g.ops[i].rule
-        factor, k = rule.factors[f], self.mesh.shape[st.axis]
+        factor = rule.factors[f]
         node = g.ops[i].node
         where = source_location(node)
         merged = [(g.name(vid), d, tuple(g.shapes[vid])) for _, _, dims, vid in slots
@@ -340,15 +344,10 @@ class Propagator:
                f"an earlier axis already splits it {done} ways unevenly" if factor.size % done else
                f"an earlier axis already splits it {done} ways and it is split in blocks" if done > 1 and block > 1
                else
-               f"{node.target} ({node.name}{' at ' + where if where else ''}) merges it with other dims (dim "
+               f"{node.target}{' at ' + where if where else ''} merges it with other dims (dim "
                f"{merged[0][1]} of {merged[0][0]}, shape {merged[0][2]}), so padding would sit inside the merged "
                f"dim" if merged else None)
-        if why is not None:
-            raise ShardingConflictError(
-                f"{tactic}: a dim of size {factor.size} cannot be tiled unevenly on axis '{st.axis}' (size {k}, "
-                f"which does not divide {factor.size // done}): {why}. Make the size divisible by {k} (for a "
-                f"batch: drop_last=True in the DataLoader, or pad the batch), or tile another dim.")
-        del source
+        return why
 
     def _pass_partial(self, st, i, partial_ops, tactic) -> list:
         """A partial operand flows through a linear op, if that op is its only consumer (otherwise it is reduced
