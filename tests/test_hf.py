@@ -172,3 +172,27 @@ def test_forward_program_without_loss_fn_returns_the_cache_and_a_flag_or_cache_p
     with pytest.raises(pt.PartitionError, match=r"forward: input\[1\] is a DynamicCache .* continue decoding "
                                                 r"eagerly from it"):
         prog.forward(tokens[:, -1:], out.cache)
+
+
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["GPT2LMHeadModel", "LlamaForCausalLM"])
+def test_padding_mask_keeps_the_batch_split_under_data_parallel(build):
+    """HF builds the attention mask as `padding_mask[batch_idx, kv_idx]` (an index by the batch's own positions):
+    under data parallelism each rank indexes its own rows, no collective moves the mask (capture/tidy.py
+    identity_indices), and the padded rows train as on one device."""
+    torch.manual_seed(0)
+    model = build().train()
+    ref = copy.deepcopy(model)
+    tokens = torch.randint(0, 64, (4, 16))
+    mask = torch.ones(4, 16, dtype=torch.int64)
+    mask[1, 10:] = 0
+    mask[3, 12:] = 0
+
+    def masked_loss(m, x, am):
+        return m(input_ids=x, attention_mask=am, labels=x).loss
+
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=(tokens, mask),
+                        loss_fn=masked_loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert [r for r in prog.collectives() if r.why == "reshard"] == []
+    assert {r.kind for r in prog.collectives()} == {"all_reduce"}
+    train_next_to_eager(prog, ref, [(tokens, mask)] * 2, masked_loss,
+                        make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1))

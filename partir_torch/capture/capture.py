@@ -32,7 +32,7 @@ from .optim import functional_optimizer
 from .outputs import flatten_outputs
 from .replicate import splice_update
 from .tags import tracing_graph, collect_tags, install_hooks
-from .tidy import untie_random_templates
+from .tidy import identity_indices, untie_random_templates
 
 FORWARD, LOSS_AND_GRADS, TRAIN, EVAL = "forward", "loss_and_grads", "train", "eval"
 # TRAIN: trace the optimizer update once per class of parameters and copy it for each (replicate.py), not op by op
@@ -532,6 +532,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     consts = _lift_constants(gm, names, roles)
     _refuse_state_constants(consts, model)
     untie_random_templates(gm)
+    identity_indices(gm)
     _state_mutations(gm, names, roles, out_names, model)
     if accumulate > 1:
         _accumulate_early(gm)

@@ -45,7 +45,7 @@ def value_sharding(rec, vid: int) -> Sharding:
             strides.append((axis, rec.strides[(c, axis)]))
         if s >= 0 and (c, axis) in rec.blocks:
             blocks.append((axis, rec.blocks[(c, axis)]))
-    return Sharding(dims=dims, partial=partial, replicated=rep, strides=strides, blocks=blocks)
+    return Sharding.interned(dims, partial, rep, strides, tuple(sorted(blocks)))
 
 
 class Kind(Enum):
