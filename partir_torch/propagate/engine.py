@@ -12,15 +12,17 @@ tiled(experts) by one all_to_all.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
 
 from .. import contract
 from ..contract import META_NO_PARTIAL_PASS, META_OUTPUT
-from ..errors import ShardingConflictError, source_location
+from ..errors import ShardingConflictError
 from ..sharding import REPLICATED
 from ..rules.factors import PASS, REDUCE, minor_of, stride_of
+from . import uneven
 from .graph import no_gc
 from ..mesh import Mesh
 from .graph import PartGraph
@@ -80,7 +82,7 @@ class Propagator:
                 raise ShardingConflictError(f"{tactic}: {name} has shape {tuple(shape)}; there is no dim {state} to "
                                             f"tile on axis '{axis}'. Use a dim in 0..{len(shape) - 1}.")
             size, k = self.rec.local_dim(vid, state), self.mesh.shape[axis]
-            before = self._uneven_axis(c, state)
+            before = uneven.uneven_axis(self.rec, c, state)
             if before is not None:
                 raise ShardingConflictError(
                     f"{tactic}: dim {state} of {name} (size {shape[state]}) is tiled unevenly on axis '{before}' "
@@ -213,27 +215,18 @@ class Propagator:
         g, rule = self.g, self.g.ops[i].rule
         k = self.mesh.shape[st.axis]
         factor = rule.factors[f]
-        done = 1
-        for a in self.rec.op_axes.get(i, {}).get(f, ()):
-            done *= self.mesh.shape[a]
+        done = math.prod(self.mesh.shape[a] for a in self.rec.op_axes.get(i, {}).get(f, ()))
         # a strided tiling (inner > 1) splits the minor part of (inner, size / inner); earlier axes split the major
         fits = factor.size % (done * k) == 0 if inner == 1 else \
             (factor.size // inner) % k == 0 and inner % done == 0 and factor.size % inner == 0
-        # an unevenly tiled neighbour splits the factor by whole blocks of `block` of its positions
-        block, why = self._source_block(st, i, f, slots, source)
-        uneven = block > 1 or not fits
-        if uneven:
-            if not self.uneven:
-                self._conflict(st, i, tactic, [source], f"factor of size {factor.size} (already split {done} ways) is "
-                                                       f"not divisible by axis '{st.axis}' (size {k})")
-                return []
-            why = why or self._uneven_refusal(st, i, f, slots, inner, done, block)
-            if why is not None:     # propagation stops here, as at any conflict: lowering gathers the value
-                self._conflict(st, i, tactic, [source], f"a factor of size {factor.size} cannot be tiled unevenly on "
-                                                       f"axis '{st.axis}' (size {k}): {why}. Make the size divisible "
-                                                       f"by {k} (for a batch: drop_last=True in the DataLoader), or "
-                                                       f"tile another dim")
-                return []
+        # uneven (propagate/uneven.py): split by whole blocks of `block` of the factor's positions
+        block, why = uneven.factor_block(self.g, self.rec, st.axis, i, f, slots, source, inner, done)
+        odd = block > 1 or not fits
+        if odd and (not self.uneven or why is not None):     # a conflict, as at any: lowering gathers the value
+            self._conflict(st, i, tactic, [source], why if self.uneven else
+                           f"factor of size {factor.size} (already split {done} ways) is not divisible by axis "
+                           f"'{st.axis}' (size {k})")
+            return []
         # every slot holding f gets it tiled (strided when f is a minor factor of its dim); a slot already set
         # otherwise is a conflict
         targets = []
@@ -248,9 +241,10 @@ class Propagator:
             if s == d and self.rec.strides.get((c, st.axis), 1) != stride:
                 self._conflict(st, i, tactic, [vid, source], f"dim {d} is tiled with another split factor")
                 return []
-            slot_block = block * minor_of(rule, dims[d], f) if uneven else 1
-            if s == d and self.rec.blocks.get((c, st.axis), 1) != slot_block:
-                self._conflict(st, i, tactic, [vid, source], f"dim {d} is tiled unevenly in other blocks")
+            slot_block = block * minor_of(rule, dims[d], f) if odd else 1
+            why = uneven.slot_refusal(self.rec, c, d, st.axis, s, slot_block)
+            if why is not None:
+                self._conflict(st, i, tactic, [vid, source], why)
                 return []
             if s == UNKNOWN and self.rec.dim_axes.get((c, d)) and any(
                     _minor_clash(self.rec.strides.get((c, a), 1), stride, k) for a in self.rec.dim_axes[(c, d)]):
@@ -259,12 +253,8 @@ class Propagator:
                 self._conflict(st, i, tactic, [vid, source], f"dim {d} is already tiled on a more minor factor "
                                                              f"that the chunks of axis '{st.axis}' would split")
                 return []
-            if s == UNKNOWN and self._uneven_axis(c, d) is not None:
-                self._conflict(st, i, tactic, [vid, source], f"dim {d} is tiled unevenly on axis "
-                                                             f"'{self._uneven_axis(c, d)}' and takes no further axis")
-                return []
             if s == UNKNOWN:
-                if self.rec.local_dim(vid, d) % k and not uneven:
+                if self.rec.local_dim(vid, d) % k and not odd:
                     self._conflict(st, i, tactic, [vid, source], f"dim {d} (local size {self.rec.local_dim(vid, d)}) is "
                                                                  f"not divisible by axis '{st.axis}' (size {k})")
                     return []
@@ -278,7 +268,7 @@ class Propagator:
         st.assign_tactic[i] = tactic
         if inner > 1:
             self.rec.op_inner[(i, st.axis)] = inner
-        if uneven:
+        if odd:
             self.rec.op_uneven[(i, st.axis)] = block
         self.rec.op_axes.setdefault(i, {}).setdefault(f, []).append(st.axis)
         prov = Provenance(tactic, i, source)
@@ -300,54 +290,6 @@ class Propagator:
                         self.rec.set_state(st, c, p, prov)
                         changed.append(c)
         return changed
-
-    def _uneven_axis(self, c: int, d: int):
-        """The axis tiling dim d of canonical value c unevenly (it is then the dim's innermost), else None."""
-        size = self.g.shapes[c][d]
-        for a in self.rec.dim_axes.get((c, d), ()):
-            k, m = self.mesh.shape[a], self.rec.blocks.get((c, a), 1)
-            if (size // m) % k:
-                return a
-            size //= k
-        return None
-
-    def _source_block(self, st, i, f, slots, source) -> tuple:
-        """(block, refusal): the block (in positions of factor f) by which `source`, an unevenly tiled neighbour,
-        splits f: its own block over the factors minor to f in its dim (1 when it has none); refusal says why the
-        op cannot keep those blocks whole (else None)."""
-        g = self.g
-        m = self.rec.blocks.get((g.canon[source], st.axis), 1)
-        if m == 1:
-            return 1, None
-        rule = g.ops[i].rule
-        fs = next(dims[d] for _, _, dims, vid in slots if vid == source for d in range(len(dims)) if f in dims[d])
-        minor = minor_of(rule, fs, f)
-        if fs[0] != f or m % minor:
-            node = g.ops[i].node
-            return 1, (f"{g.name(source)} is split in blocks of {m} positions, and {node.target} splits those blocks "
-                       f"(its dim holds factors of sizes {[rule.factors[x].size for x in fs]}), so padding would sit "
-                       f"inside the dim")
-        return m // minor, None
-
-    def _uneven_refusal(self, st, i, f, slots, inner, done, block=1):
-        """Why factor f of op i cannot be tiled unevenly on st.axis, or None when it can: a contiguous split (not
-        strided), after axes that split it exactly, of a factor that is the major part of its dim wherever it
-        appears (padding then sits at the end of the dim: whole blocks of the minor factors; a minor factor would
-        put it in the middle)."""
-        g, rule = self.g, self.g.ops[i].rule
-        factor = rule.factors[f]
-        node = g.ops[i].node
-        where = source_location(node)
-        merged = [(g.name(vid), d, tuple(g.shapes[vid])) for _, _, dims, vid in slots
-                  for d, fs in enumerate(dims) if f in fs and fs[0] != f]
-        why = ("the tiling is strided (a minor part of a merged dim)" if inner > 1 else
-               f"an earlier axis already splits it {done} ways unevenly" if factor.size % done else
-               f"an earlier axis already splits it {done} ways and it is split in blocks" if done > 1 and block > 1
-               else
-               f"{node.target}{' at ' + where if where else ''} merges it with other dims (dim "
-               f"{merged[0][1]} of {merged[0][0]}, shape {merged[0][2]}), so padding would sit inside the merged "
-               f"dim" if merged else None)
-        return why
 
     def _pass_partial(self, st, i, partial_ops, tactic) -> list:
         """A partial operand flows through a linear op, if that op is its only consumer (otherwise it is reduced
