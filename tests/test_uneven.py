@@ -58,6 +58,9 @@ def test_vocabulary_tiled_unevenly_trains_like_one_device(vocab, k, schedule):
     prog, ref, data, spec = _gpt(vocab, schedule(), {"model": k}, bucket_bytes=0)
     assert prog.sharding("params.wte.weight").dims[0] == ("model",)
     assert not prog.conflicts
+    sizes = [len(c) for c in torch.arange(vocab).chunk(k)]
+    sizes += [0] * (k - len(sizes))         # torch.chunk gives fewer chunks; DTensor's Shard gives empty ones
+    assert f"tiled(dim 0), uneven: {' | '.join(map(str, sizes))} positions" in prog.explain("params.wte.weight")
     # AdamW's atol as test_presets.py states it (a near-zero gradient summed in another order)
     train_next_to_eager(prog, ref, [data] * 3, spec.loss_fn, adamw(), param_atol=1e-5, what=f"vocab {vocab}")
 

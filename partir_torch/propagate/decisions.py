@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from ..sharding import Sharding
+from ..sharding import Sharding, chunk_extent
 from .state import PARTIAL_OP, UNKNOWN, WHOLE, Provenance, state_str
 
 
@@ -109,9 +109,19 @@ class Decisions:
         return AxisDecision(Kind.UNKNOWN)
 
     def state_text(self, axis: str, vid: int) -> str:
-        """The state as explain() prints it: "tiled(dim 0)", "partial(sum)", "replicated", "unknown"."""
+        """The state as explain() prints it: "tiled(dim 0)", "partial(sum)", "replicated", "unknown"; an uneven
+        tiling with its torch.chunk sizes: "tiled(dim 0), uneven: 501 | 500 rows"."""
         st = self._p.axes.get(axis)
-        return state_str(UNKNOWN if st is None else st.value[self.graph.canon[vid]])
+        s = UNKNOWN if st is None else st.value[self.graph.canon[vid]]
+        text = state_str(s)
+        uneven = self.sharding(vid).uneven_dims(self.graph.shapes[vid], self.mesh) if s >= 0 else {}
+        if s in uneven and uneven[s][1] == axis:
+            parent, _, m = uneven[s]
+            k = self.mesh.shape[axis]
+            sizes = [chunk_extent(parent // m, k, r) * m for r in range(k)]
+            shown = " | ".join(map(str, sizes[:8])) + (" | ..." if k > 8 else "")
+            text += f", uneven: {shown} positions" + (f" (whole blocks of {m})" if m > 1 else "")
+        return text
 
     def provenance(self, axis: str, vid: int) -> Provenance | None:
         """Why the value has its state on `axis`: the tactic, and the op and neighbour the decision came through
