@@ -32,6 +32,7 @@ from .optim import functional_optimizer
 from .outputs import flatten_outputs
 from .replicate import splice_update
 from .tags import tracing_graph, collect_tags, install_hooks
+from .moe import hf_experts
 from .tidy import identity_indices, untie_random_templates
 
 FORWARD, LOSS_AND_GRADS, TRAIN, EVAL = "forward", "loss_and_grads", "train", "eval"
@@ -515,7 +516,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         handles += opt.install(model)
     try:
         table = {**capture_decompositions(), **(decompositions or {})}
-        with _tracing_session(), _use_lazy_graph_module(True), no_gc(), recording_sources():
+        with _tracing_session(), _use_lazy_graph_module(True), no_gc(), recording_sources(), hf_experts():
             # lazy: code generated on first use (below); sources: the user's line of each forward op (sources.py)
             gm = make_fx(_functional(step), tracing_mode="fake", decomposition_table=table)(*lay.flat)
             if step.updated is not None:
