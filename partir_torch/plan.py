@@ -188,7 +188,7 @@ def plan(captured, mesh: Mesh, schedule, options: Options | None = None, registr
     stages = []
     with no_gc():   # linear time: no full collections over the traced graph's heap while partitioning
         graph = PartGraph(captured.gm, registry, captured.names, captured.ties)
-        prop = Propagator(graph, mesh)
+        prop = Propagator(graph, mesh, uneven=not options.strict)
         ctx = TacticContext(captured, graph, prop, mesh, options, planning)
         for k, t in enumerate(entries):
             planning.stage = k

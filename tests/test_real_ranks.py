@@ -13,6 +13,9 @@ rank returns plain Python results and the tests below read them:
   phase "moe_ep":  moe_capacity (GShard dispatch), EP on "batch" (experts and token groups share it, token buffers
                   exchanged by all_to_all over gloo) + MP on "model": losses and gathered parameters equal single
                   device.
+  phase "uneven": (issue 22) gpt with vocabulary 65 tiled unevenly (33/32) by MP(vocab) under BP + MP + Z3 on
+                  {dp: 2, tp: 2}: one-device losses, state_dict DTensors with torch.chunk local shapes, DCP save
+                  and load into BP + Z3 on {dp: 4} (a divisible layout), resumed losses equal continued ones.
   phase "dcp":    (issue 11) gpt, BP + Z3 on {dp: 4}: state_dict() saved with torch.distributed.checkpoint, loaded
                   into BP + MP + Z3 on {dp: 2, tp: 2} (a real reshard) and into the same schedule; the resumed
                   losses equal the uninterrupted run (bitwise under the same schedule); full tensors load too.
@@ -345,6 +348,47 @@ def _phase_dcp(ckpt: str) -> dict:
     return out
 
 
+def _phase_uneven(ckpt: str) -> dict:
+    """Issue 22 item 3: gpt with an odd vocabulary (65) under BP + MP(vocab) + Z3 on {dp: 2, tp: 2} (the vocabulary
+    tiled 33/32 on tp); its state_dict holds DTensors with torch.chunk local shapes, saved with DCP and loaded into
+    BP + Z3 on {dp: 4}, where every tiled dim divides."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    import partir_torch as pt
+    from examples.models import get
+
+    T = pt.tactics
+    spec = get("gpt", vocab=65)
+    batch = spec.batch(8)
+    model, ref_losses, ref_params = _reference(spec, batch)
+    base = copy.deepcopy(model)
+    prog = pt.partition(model, pt.Mesh({"dp": 2, "tp": 2}),
+                        [T.data_parallel("dp"), T.megatron("tp", vocab=True), T.zero(3, "dp")],
+                        example_inputs=batch, loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    out = {"losses": [prog.train_step(*batch).item() for _ in range(STEPS)], "ref_losses": ref_losses,
+           "sharding": str(prog.sharding("params.wte.weight"))}
+    sd = prog.state_dict()
+    wte, m = sd["model"]["wte.weight"], sd["optimizer"]["state"]["wte.weight"]["exp_avg"]
+    out["dtensor"] = isinstance(wte, DTensor) and isinstance(m, DTensor)
+    want_local = compute_local_shape_and_global_offset(wte.shape, wte.device_mesh, wte.placements)[0]
+    out["local"] = (tuple(wte.to_local().shape), tuple(want_local), tuple(m.to_local().shape))
+    out["full_err"] = _max_err(wte.full_tensor(), ref_params["wte.weight"])
+    dcp.save(sd, checkpoint_id=os.path.join(ckpt, "uneven"))
+    out["want"] = [prog.train_step(*batch).item() for _ in range(STEPS)]
+    m2 = copy.deepcopy(base)
+    b = pt.partition(m2, pt.Mesh({"dp": 4}), [T.data_parallel("dp"), T.zero(3, "dp")], example_inputs=batch,
+                     loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(m2.parameters(), lr=LR, eps=EPS))
+    sd_b = b.state_dict()
+    out["sharding_b"] = str(b.sharding("params.wte.weight"))
+    dcp.load(sd_b, checkpoint_id=os.path.join(ckpt, "uneven"))
+    b.load_state_dict(sd_b)
+    out["resumed"] = [b.train_step(*batch).item() for _ in range(STEPS)]
+    return out
+
+
 def _phase_clip_accumulate_eval() -> dict:
     """BP + MP + Z3 on {dp: 2, tp: 2} with clip_grad_norm and accumulate=2, then eval_step at another batch size."""
     import partir_torch as pt
@@ -399,6 +443,7 @@ def _worker(rank, port, ckpt, queue):
                          ("local", lambda: _phase_local(spec, batch, mesh, rank, plans)),
                          ("moe_ep", lambda: _phase_moe_ep(mesh)),
                          ("dcp", lambda: _phase_dcp(ckpt)),
+                         ("uneven", lambda: _phase_uneven(ckpt)),
                          ("clip_acc_eval", _phase_clip_accumulate_eval),
                          ("memory", lambda: _phase_memory(spec, batch, rank)),
                          ("mismatch", lambda: _phase_mismatch(spec, mesh, rank)),
@@ -524,6 +569,18 @@ def test_real_ranks_dcp_checkpoint_reshards_and_resumes(ranks):
         torch.testing.assert_close(torch.tensor(r["resharded"]), torch.tensor(r["want"]), rtol=1e-6, atol=0)
         assert r["full_load_err"] == 0.0, f"rank {rank}: load_state_dict of full tensors"
     assert ranks[0]["dcp"]["full_err"] == 0.0
+
+
+def test_real_ranks_uneven_vocabulary_trains_checkpoints_and_reshards_to_a_divisible_layout(ranks):
+    for rank, r in _phase(ranks, "uneven").items():
+        assert r["sharding"] == "[{tp}, {dp}]" and r["sharding_b"] == "[{}, {dp}]", r
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=LOSS_RTOL, atol=0)
+        assert r["dtensor"], f"rank {rank}: state_dict values are not DTensors"
+        got, want, moment = r["local"]
+        # vocabulary 65 on tp (33 / 32 rows by torch.chunk), feature 32 on dp (16)
+        assert got == want == moment == ((33 if rank % 2 == 0 else 32), 16), f"rank {rank}: {r['local']}"
+        assert r["full_err"] <= 0, f"rank {rank}: wte outside rtol/atol by {r['full_err']}"
+        torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(r["want"]), rtol=LOSS_RTOL, atol=0)
 
 
 def test_real_ranks_clipping_accumulation_and_eval_equal_one_device(ranks):

@@ -167,7 +167,12 @@ def _check_same_state(train, p, sig) -> None:
 
 
 def check_divisible(train, sig, what: str) -> None:
-    """A dim the program tiles over mesh axes must stay divisible by their size (shards are even)."""
+    """Under Options.strict, a dim the program tiles over mesh axes must stay divisible by their size. Otherwise
+    a dim they do not divide is tiled unevenly (a ragged last batch): the new shape's plan either splits it as
+    torch.chunk does, or its propagation refuses it with the fix (drop_last=True) where padding cannot stay out of
+    the values (a view merging the batch with the sequence, propagate/engine.py)."""
+    if not train.options.strict:
+        return
     cap, mesh = train.captured, train.mesh
     names = [n for n, r in zip(cap.input_names, cap.input_roles) if r == Role.INPUT]
     old = plan_signature(train)
@@ -186,8 +191,9 @@ def check_divisible(train, sig, what: str) -> None:
                        f"Pad dim {d} to a multiple of {k} (pad_to_multiple_of={k} in Hugging Face's data "
                        f"collators)")
                 raise PartitionError(f"{what}: {name} has shape {tuple(shape)}; the program tiles its dim {d} on "
-                                     f"{on}, and {k} does not divide {shape[d]} (shards are even; the program was "
-                                     f"partitioned for {tuple(was)}). {fix}.")
+                                     f"{on}, and {k} does not divide {shape[d]} (strict=True: shards are even; the "
+                                     f"program was partitioned for {tuple(was)}). {fix}, or drop strict=True to "
+                                     f"tile it unevenly.")
 
 
 def global_signature(train, local_sig) -> tuple:

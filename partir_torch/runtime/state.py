@@ -20,7 +20,7 @@ import torch
 
 from ..contract import STATE_ROLES
 from ..errors import PartitionError
-from .layout import same_layout
+from .layout import padded, same_layout
 from .owner import Owner, internal
 
 GROUP_SKIP = ("params",)
@@ -66,7 +66,7 @@ def to_global(value, name: str, shape, rt, sh):
         same = getattr(rt, "device_mesh", None) is value.device_mesh and \
             tuple(value.placements) == tuple(sh.placements(rt.mesh))
         if same and tuple(value.shape) == tuple(shape):
-            return value.to_local().detach().clone()
+            return padded(value.to_local().detach(), sh, rt.mesh, shape).clone()
         value = value.full_tensor()
     if not isinstance(value, torch.Tensor):
         raise PartitionError(f"load_state_dict: {name} is a {type(value).__name__}, not a tensor.")

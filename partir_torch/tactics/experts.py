@@ -62,8 +62,10 @@ class ExpertParallel:
         bad = [n for n in experts if ctx.value_meta(n)["shape"][0] % k]
         if bad:
             raise PartitionError(f"{self.name}: {bad[0]} has {ctx.value_meta(bad[0])['shape'][0]} experts, not "
-                                 f"divisible by axis '{self.axis}' (size {k}). Use a number of experts divisible "
-                                 f"by {k}.")
+                                 f"divisible by axis '{self.axis}' (size {k}): expert parallelism needs equal "
+                                 f"expert groups (its token exchange is one all_to_all of equal blocks; uneven "
+                                 f"groups are not supported yet). Use a number of experts divisible by {k}, or "
+                                 f"shard the experts with zero(3) / megatron, which tile unevenly.")
         seeds = [(n, 0) for n in experts]
         if self._exchanges_tokens(ctx, seeds):
             ctx.seed_and_propagate(self.axis, seeds, self.name, closed=True)
