@@ -76,7 +76,7 @@ class Evaluator:
         # a dict in its key order)
         ex.held().guard(what)
         key = (kind, str(spec), signature(flat), id(ex.rt))
-        entry = self.cache.get(key)
+        entry = self.cache.get((key, ()))
         if entry is None:
             entry = self.cache.add(self._build(kind, tuple(batch), key))
         entry.calls += 1

@@ -11,11 +11,12 @@ from torch.utils._pytree import tree_flatten
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
 from ..capture.inputs import conform
 from ..contract import EXC_NODE, META_SRC, STATE_ROLES, Role
-from ..errors import PartitionError, internal_error, user_stacklevel, warn
+from ..errors import InternalError, PartitionError, internal_error, user_stacklevel, warn
 from . import faults
 from .backend import backend_for
 from .interpret import InterpretedRuntime
 from .layout import same_layout
+from . import paths
 from .shapes import (ShapeCache, ShapeProgram, build, check_divisible, global_signature, plan_signature, say_new,
                      show, signature)
 from .state import HeldState
@@ -45,7 +46,13 @@ class Executor:
         self._digest = ""                    # real ranks: the plan's digest, part of every call's agreement
         # one program per input signature (shapes.py), sharing the state held; costs: (capture_s, plan_s) of plan
         self.shapes = ShapeCache(plan.options.max_shapes, _KIND.get(plan.captured.mode, "run"))
-        self._first = self.shapes.add(ShapeProgram(plan_signature(plan), plan, *costs), pinned=True)
+        first = ShapeProgram(plan_signature(plan), plan, *costs)
+        # a step that branches on tensor values (paths.py): per input signature, the trie of its paths' guards
+        self.paths: dict = {}
+        if plan.captured.guards:
+            first.path = tuple(g.value for g in plan.captured.guards)
+            self.paths.setdefault(first.signature, paths.PathTrie()).insert(plan.captured.guards, first.key)
+        self._first = self.shapes.add(first, pinned=True)
 
     @property
     def steps(self) -> int:
@@ -125,7 +132,16 @@ class Executor:
         sig = signature(flat)
         if local:
             sig = global_signature(self.plan, sig)
-        entry = self.shapes.get(sig)
+        values, key = (), (sig, ())
+        if self.paths:
+            if local:
+                raise PartitionError(f"{what}: this step branches on tensor values "
+                                     f"({paths.describe(self.plan.captured.guards, self._first.path)}); the branch "
+                                     f"is decided once per step on the global batch, which per-rank shards do not "
+                                     f"give. Call train_step with the global batch.")
+            if sig in self.paths:
+                values, key = paths.guard_values(self.paths[sig], self._real_values(names, flat), cap.device)
+        entry = self.shapes.get(key) if key is not None else None
         if entry is None and local:
             # per-rank shards of a shape no program has: every rank would have to agree on it before capturing,
             # and a global batch passed by mistake would pass for one; new shapes come through train_step
@@ -142,7 +158,10 @@ class Executor:
                                  f"example inputs of the new shape.")
         if entry is None:
             check_divisible(self.plan, sig, what)
-            entry = build(self.plan, self.model, self.optimizer, self.loss_fn, tuple(batch), sig)
+            # a step that branches reads its values from this call's batch and the state held (not the module's)
+            entry = build(self.plan, self.model, self.optimizer, self.loss_fn, tuple(batch), sig,
+                          values=self._real_values(names, flat))
+            self._new_path(entry, sig, values)
             self._bind(entry, self.rt)
             moved = [n for n, sh in entry.layouts.items() if not same_layout(sh, self._first.layouts[n])]
             if moved:
@@ -150,10 +169,41 @@ class Executor:
                      f"layout than the first program ({', '.join(moved[:3])}); they are resharded whenever the "
                      f"program switches between the two shapes.", stacklevel=user_stacklevel())
             self.shapes.add(entry)
-            say_new(what, entry, self._first, len(self.shapes.entries), self.shapes.limit)
+            if entry.path and sig == self._first.signature:
+                paths.say_new(what, entry, len(self.shapes.entries), self.shapes.limit)
+            else:
+                say_new(what, entry, self._first, len(self.shapes.entries), self.shapes.limit)
         self._bind(entry, self.rt)
         entry.calls += 1
         return entry, flat
+
+    def _new_path(self, entry, sig, values) -> None:
+        """A program just captured for a step that branches: its path joins the signature's trie."""
+        guards = entry.plan.captured.guards
+        if not guards:
+            return
+        entry.path = tuple(g.value for g in guards)
+        if entry.path[:len(values)] != values:
+            raise InternalError(f"partir_torch: internal error: the guards computed before the step gave "
+                                f"{paths.describe(guards, values)}, the capture of its path "
+                                f"{paths.describe(guards, entry.path)}. Please report this with the model.")
+        self.paths.setdefault(sig, paths.PathTrie()).insert(guards, entry.key)
+
+    def _real_values(self, names, flat):
+        """name -> the full value of a step placeholder, for the guards (paths.py): this call's inputs, the held
+        state gathered whole (once per call, only the values a guard reads)."""
+        inputs = dict(zip(names, flat))
+        gathered: dict = {}
+
+        def real(name):
+            if name in inputs:
+                return inputs[name]
+            if name in self.state:
+                if name not in gathered:
+                    gathered[name] = self._held.full(name)
+                return gathered[name]
+            return None
+        return real
 
     def _args(self, entry, flat, local: bool, what: str):
         cap, low = entry.plan.captured, entry.lowered
@@ -212,7 +262,11 @@ class Executor:
         entry, flat = self.program_for(batch, local, what)
         self._held.relayout(entry.layouts)
         args = self._args(entry, flat, local, what)
-        return self.execute(entry.lowered.gm, args, desc, entry.plan)
+        outs = self.execute(entry.lowered.gm, args, desc, entry.plan)
+        cap = entry.plan.captured
+        if cap.checks:     # the model's asserts on tensor values (paths.py)
+            paths.verify(cap.checks, cap.output_names, outs, self.rt.rank0, desc)
+        return outs
 
     def agree(self, what: str, flat) -> None:
         """Real ranks: the ranks agree on the program, the step and the inputs' shapes and dtypes before any

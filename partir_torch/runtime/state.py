@@ -155,6 +155,10 @@ class HeldState:
     def state_full(self) -> dict:
         return {n: self.rt.full(t, self._layout(n), self._shape(n)) for n, t in self.state.items()}
 
+    def full(self, name: str) -> torch.Tensor:
+        """One state value whole (gathered on real ranks)."""
+        return self.rt.full(self.state[name], self._layout(name), self._shape(name))
+
     def gather_parameters(self) -> dict:
         self.guard("gather_parameters", refuse=False)
         return {n[len("params."):]: self.rt.full(t, self._layout(n), self._shape(n))

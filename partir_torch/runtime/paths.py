@@ -1,0 +1,104 @@
+"""One program per path of a step that branches on tensor values (issue 26; capture/branches.py traces a path).
+
+A step whose Python reads tensor values (`if not mask.any():`, layerdrop's `torch.rand([]) < p`, `.item()`) is
+captured specialised to the values it read: its guards. Per input signature, the programs of the paths seen so far
+hang off a trie over the guards (`PathTrie`): every call first computes the guards in trace order, each with its
+small single-device program (Guard.program: the slice of the step that produces it, on the global batch and the
+full state it reads, with the random draws that precede it), walking down the trie; a complete path selects its
+partitioned program from the executor's ShapeCache (key: signature and guard values), an unseen value makes the
+executor capture, plan and lower that path (as a new shape: runtime/shapes.py) on the state it holds. The
+generator is restored after the guards, so the step draws the same numbers (the layerdrop draw that chose the path
+is the step's own). Every rank computes the same values (the global batch, the same generator: checked with the
+plan on real ranks), so every rank takes the same path, and the path is the one a single device would take.
+
+Asserts on tensor values are no guards: their predicates are outputs of the step, verified after it (`verify`).
+
+    trie = PathTrie()
+    trie.insert(plan.captured.guards, key)            # each captured path
+    values, key = trie.select(lambda g: g.evaluate(real, env))   # key None: a path not captured yet
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import InternalError, user_stacklevel, warn
+
+
+@dataclass
+class _Node:
+    guard: object                                   # the Guard evaluated at this point of every path through here
+    children: dict = field(default_factory=dict)    # guard value -> _Node, or a cache key (a complete path)
+
+
+class PathTrie:
+    """The paths captured for one input signature."""
+
+    def __init__(self):
+        self.root = None
+        self.paths = 0
+
+    def insert(self, guards: tuple, key) -> None:
+        if not guards:
+            raise InternalError("partir_torch: internal error while recording a path: the path has no guards.")
+        if self.root is None:
+            self.root = _Node(guards[0])
+        node = self.root
+        for i, g in enumerate(guards):
+            if node.guard.node != g.node or node.guard.where != g.where:
+                raise InternalError(f"partir_torch: internal error while recording a path: the step read {g.node} "
+                                    f"({g.where}) where an earlier path read {node.guard.node} ({node.guard.where}) "
+                                    f"after the same values, so the trace is not a function of its guards. Please "
+                                    f"report this with the model.")
+            if i == len(guards) - 1:
+                if g.value not in node.children:
+                    self.paths += 1
+                node.children[g.value] = key
+                return
+            nxt = node.children.get(g.value)
+            if not isinstance(nxt, _Node):
+                nxt = node.children[g.value] = _Node(guards[i + 1])
+            node = nxt
+
+    def select(self, evaluate) -> tuple:
+        """(the guard values of this call, the key of its path's program or None when not captured yet)."""
+        node, values = self.root, []
+        while isinstance(node, _Node):
+            v = evaluate(node.guard)
+            values.append(v)
+            node = node.children.get(v)
+        return tuple(values), node
+
+
+def guard_values(trie: PathTrie, real, device) -> tuple:
+    """Walk `trie` with this call's values; the generator (CPU, and `device` if CUDA) is left as it was."""
+    env: dict = {}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return trie.select(lambda g: g.evaluate(real, env))
+
+
+def describe(guards, values) -> str:
+    """if not mask.any() -> False; ..."""
+    return "; ".join(f"{g.where or g.node} -> {v}" for g, v in zip(guards, values))
+
+
+def verify(checks, output_names, outs, rank0, what: str) -> None:
+    """The step's asserts on tensor values (capture/branches.py's Checks), from its outputs: an AssertionError
+    naming the line when one did not hold (the step has run: its update is applied, unlike eager's)."""
+    for c in checks:
+        got = bool(rank0(outs[output_names.index(c.output)]).item())
+        if got != c.expect:
+            raise AssertionError(f"{what}: the model's assert at {c.where} failed (its condition was "
+                                 f"{'true' if got else 'false'}). partir_torch checks asserts on tensor values "
+                                 f"after the step, from the step's own outputs, so this step's update has been "
+                                 f"applied; eager PyTorch would have raised before it.")
+
+
+def say_new(what: str, entry, count: int, limit: int) -> None:
+    """The one line a new path costs."""
+    guards = entry.plan.captured.guards
+    warn(f"{what}: the step's branches took a new path ({describe(guards, entry.path)}): captured, planned with "
+         f"the same schedule and lowered in {entry.info('').seconds:.2f} s; the state carries over. {count} "
+         f"program(s) kept (at most {limit}, paths and shapes together); prog.shapes() lists them.",
+         stacklevel=user_stacklevel())
