@@ -217,13 +217,10 @@ class Recorder(TorchDispatchMode):
     def build(self) -> None:
         """Each guard's program, from the nodes it evaluated (call before any pass edits the traced graph)."""
         owner = {n: g for g, nodes in enumerate(self._nodes) for n in nodes}
-        later: dict = {g: [] for g in range(len(self._nodes))}
-        for g, (nodes, pred) in enumerate(zip(self._nodes, self._preds)):
-            for a in [pred] + [a for n in nodes for a in n.all_input_nodes]:
-                if a in owner and owner[a] != g and a not in later[owner[a]]:
-                    later[owner[a]].append(a)
         for g, (guard, nodes, pred) in enumerate(zip(self.guards, self._nodes, self._preds)):
-            _build_one(guard, nodes, pred, later[g], owner, g, self._placeholders)
+            # every value computed is given to the guards after it: the paths that share this guard (the same
+            # values before it) differ after it, and so do the values their later guards read
+            _build_one(guard, nodes, pred, nodes, owner, g, self._placeholders)
         self._env.clear()               # the real values evaluated during capture are not kept
 
 

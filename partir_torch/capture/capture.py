@@ -70,6 +70,7 @@ class Captured:
     # read (in trace order), and the asserts verified after each step (outputs "asserts.<i>")
     guards: tuple = ()
     checks: tuple = ()
+    updated: tuple = ()                          # TRAIN with guards: the parameters this path updates
 
 
 def _trace_device(model, inputs) -> torch.device:
@@ -360,8 +361,10 @@ class _Layout:
         self.names.append(name), self.roles.append(role), self.flat.append(value)
 
 
-def _layout(model, example_inputs, optimizer, mode, fake_mode, device) -> _Layout:
-    """Fake placeholders for the module's state, the optimizer's state and hyperparameters, and the inputs."""
+def _layout(model, example_inputs, optimizer, mode, fake_mode, device, param_steps=False) -> _Layout:
+    """Fake placeholders for the module's state, the optimizer's state and hyperparameters, and the inputs.
+    param_steps: TRAIN also has one step count per trainable parameter, `step.<fqn>` (a step that branches: a
+    parameter the path leaves without a gradient keeps its count, as torch.optim keeps it)."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     trainable = [k for k, p in params.items() if p.requires_grad] if mode not in (FORWARD, EVAL) else []
@@ -389,6 +392,8 @@ def _layout(model, example_inputs, optimizer, mode, fake_mode, device) -> _Layou
             for g, h in lay.hyper_keys:
                 lay.add(f"hparams.{g}.{h}", "lr", torch.zeros((), dtype=torch.float64, device=device))
             lay.add("step", "step", torch.zeros((), dtype=torch.float64, device=device))
+            for k in lay.trainable if param_steps else ():
+                lay.add(f"step.{k}", "step", torch.zeros((), dtype=torch.float64, device=device))
     lay.n_state = len(lay.flat)
     _, lay.in_spec = tree_flatten(example_inputs)
     for i, x in enumerate(check_leaves(example_inputs)):
@@ -536,12 +541,12 @@ def _trace(step, lay, table, recorder):
     return gm
 
 
-def _traced_with_branches(model, example_inputs, step, lay, table, device, values):
+def _traced_with_branches(model, example_inputs, step, table, device, values):
     """The step traced with a Recorder (branches.py): specialised to the path its real values take, the
     generator left as it was (the guards' draws are the step's own)."""
-    recorder = Recorder(lay.names, values or _real_values(model, example_inputs))
+    recorder = Recorder(step.lay.names, values or _real_values(model, example_inputs))
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        gm = _trace(step, lay, table, recorder)
+        gm = _trace(step, step.lay, table, recorder)
     return gm, recorder
 
 
@@ -575,7 +580,9 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
                 raise
             gm = None
         if gm is None:
-            gm, recorder = _traced_with_branches(model, example_inputs, step, lay, table, device, values)
+            lay = _layout(model, example_inputs, optimizer, mode, fake_mode, device, param_steps=True)
+            step = _Step(model, lay, loss_fn, options, clip_grad_norm, accumulate, accumulate_dims)
+            gm, recorder = _traced_with_branches(model, example_inputs, step, table, device, values)
     except PartitionError:
         raise
     except Exception as e:  # noqa: BLE001 - every trace failure becomes one clear error
@@ -601,6 +608,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     cap.modes = tuple(m.training for m in model.modules())
     if recorder is not None:
         cap.guards, cap.checks = tuple(recorder.guards), tuple(checks)
+        cap.updated = tuple(step.updated or ())
     cap.rewrites = tuple(opt.name for opt in options)
     cap.decompositions = frozenset((decompositions or {}).keys())
     # the passes above edit gm.graph only; gm is a lazy GraphModule: its code is generated when first called or

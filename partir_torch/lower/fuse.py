@@ -124,8 +124,8 @@ def fuse_optimizer(graph: fx.Graph, captured) -> int:
         if isinstance(o, fx.Node) and o.op != "placeholder" and o.name in by_src:
             result_of[name] = by_src[o.name]
     step = next((n for n in placeholders.values() if n.meta.get(META_ROLE) == Role.STEP), None)
-    if step is None:
-        return 0
+    if step is None or any(str(k).startswith("step.") for k in placeholders):
+        return 0        # per-parameter step counts (a step that branches: capture/branches.py): not fused
     index = {n: i for i, n in enumerate(graph.nodes)}
     groups: dict = {}
     for fqn in fopt._trainable():

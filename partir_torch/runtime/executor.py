@@ -47,8 +47,11 @@ class Executor:
         # one program per input signature (shapes.py), sharing the state held; costs: (capture_s, plan_s) of plan
         self.shapes = ShapeCache(plan.options.max_shapes, _KIND.get(plan.captured.mode, "run"))
         first = ShapeProgram(plan_signature(plan), plan, *costs)
-        # a step that branches on tensor values (paths.py): per input signature, the trie of its paths' guards
+        # a step that branches on tensor values (paths.py): per input signature, the trie of its paths' guards;
+        # each parameter's step count where it differs from the steps taken (a path left it without a gradient)
         self.paths: dict = {}
+        self.param_steps: dict = {}
+        self._last = None                    # the ShapeProgram the last call ran
         if plan.captured.guards:
             first.path = tuple(g.value for g in plan.captured.guards)
             self.paths.setdefault(first.signature, paths.PathTrie()).insert(plan.captured.guards, first.key)
@@ -218,8 +221,9 @@ class Executor:
                 args.append(self.rt.local(torch.tensor(self._hyper[(int(g), h)], dtype=torch.float64)))
             elif role == Role.CONST:
                 args.append(self.rt.shard(cap.consts[name], sh))
-            elif role == Role.STEP:
-                args.append(self.rt.local(torch.tensor(float(self.steps + 1), dtype=torch.float64)))
+            elif role == Role.STEP:   # "step", or "step.<fqn>": a parameter's own count (paths.py)
+                n = self.steps if name == "step" else self.param_steps.get(name[len("step."):], self.steps)
+                args.append(self.rt.local(torch.tensor(float(n + 1), dtype=torch.float64)))
             else:
                 x = flat[k]
                 k += 1
@@ -263,6 +267,7 @@ class Executor:
         self._held.relayout(entry.layouts)
         args = self._args(entry, flat, local, what)
         outs = self.execute(entry.lowered.gm, args, desc, entry.plan)
+        self._last = entry
         cap = entry.plan.captured
         if cap.checks:     # the model's asserts on tensor values (paths.py)
             paths.verify(cap.checks, cap.output_names, outs, self.rt.rank0, desc)
@@ -331,6 +336,12 @@ class Executor:
             raise PartitionError("train_step needs partition(..., loss_fn=..., optimizer=...).")
         outs = self.run(batch, local, "train_step_local" if local else "train_step")
         self._keep_state(outs)
+        path = self._last.plan.captured
+        if path.guards:        # each parameter this path updated counts one more step (torch.optim's "step")
+            for fqn in path.updated:
+                self.param_steps[fqn] = self.param_steps.get(fqn, self.steps) + 1
+            for fqn in path.trainable:
+                self.param_steps.setdefault(fqn, self.steps)
         self._held.steps += 1
         if self.optimizer is not None:   # the update ran: lr schedulers stepped after it do not warn
             self.optimizer._opt_called = True

@@ -1,0 +1,156 @@
+"""Issue 26 items 1 and 3: steps that branch on tensor values (capture/branches.py, runtime/paths.py). Emulated
+ranks; every step is compared with single-device eager torch through tests/harness.py (its fp32 tolerances), the
+generator seeded alike on both sides, so layerdrop's draws agree."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import partir_torch as pt
+from partir_torch.errors import PartitionError, TraceError
+from tests.branch_models import Asserting, Branchy, ParamBranch
+from tests.harness import adamw, train_next_to_eager
+
+T = pt.tactics
+
+
+def _loss(m, x, mask):
+    return m(x, mask)
+
+
+def _batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        mask = torch.zeros(4, 6, dtype=torch.bool)
+        if i % 3:                                       # every third batch has no padding at all
+            mask[i % 4, 6 - (i % 3) - 1:] = True
+        out.append((torch.randn(4, 6, 4, generator=g), mask))
+    return out
+
+
+def _partition(model, mesh, schedule, batch, **kw):
+    return pt.partition(model, mesh, schedule, example_inputs=batch, loss_fn=_loss,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), **kw)
+
+
+def _paths(prog) -> list:
+    return [r.path for r in prog.shapes()]
+
+
+def _run_next_to_eager(mesh, schedule, steps=8, **kw):
+    torch.manual_seed(0)
+    model = Branchy()
+    ref = copy.deepcopy(model)
+    batches = _batches(steps)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        prog = _partition(model, mesh, schedule, batches[0], **kw)
+        train_next_to_eager(prog, ref, batches, _loss, adamw(), what=str(schedule))
+    return prog, [str(w.message) for w in record if "took a new path" in str(w.message)]
+
+
+def test_branches_train_like_eager_under_data_parallel():
+    """8 steps of padding/no padding and layerdrop 0.5 over 3 layers on 2 emulated ranks equal eager step by step;
+    each path is captured once (one warning each), and prog.shapes() names the values of its guards."""
+    prog, said = _run_next_to_eager(pt.Mesh({"batch": 2}), [T.data_parallel("batch")])
+    guards = prog.captured.guards
+    lines = [g.where.split(": ", 1)[1].split("#")[0].strip() for g in guards]
+    assert lines[:2] == ["if not mask.any():", "n = int(mask.sum(1).max().item())"]
+    assert lines[2:] == ["if self.training and torch.rand([]) < self.layerdrop:"] * 3
+    assert len(guards) == 5                              # 2 on the mask, one draw per layer
+    paths = _paths(prog)
+    assert len(paths) == len(set(paths)) >= 3, paths     # several paths taken, each program once
+    assert len(said) == len(paths) - 1                   # the example inputs' path was captured by partition
+    assert sum(r.calls for r in prog.shapes()) == 8
+    assert {("-> True" in p.split(";")[0]) for p in paths} == {True, False}   # both sides of `if not mask.any()`
+    assert not prog.captured.checks[0].expect and prog.captured.checks[0].output == "asserts.0"
+
+
+def test_branches_train_like_eager_under_megatron_and_zero3():
+    """The same model on {batch: 2, model: 2}: data parallel, Megatron on the layers' linear pairs, ZeRO-3; the
+    guards read the global batch, so every rank takes the path one device takes."""
+    prog, _ = _run_next_to_eager(pt.Mesh({"batch": 2, "model": 2}),
+                                 [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")], steps=5)
+    assert len(prog.shapes()) >= 2
+    assert any(r.kind == "all_reduce" and r.axis == "model" for r in prog.collectives())
+
+
+def test_branch_on_a_sharded_parameter_reads_the_held_state():
+    """The guard reads params.a.bias from the state the program holds (after its updates, not the module's stale
+    copy); SGD moves the bias sum across 0.15, so both paths run, each like eager."""
+    torch.manual_seed(1)
+    model = ParamBranch()
+    with torch.no_grad():
+        model.a.bias.fill_(0.02)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 4, generator=g) + 2,) for _ in range(6)]
+    loss = lambda m, x: m(x)   # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                            example_inputs=batches[0], loss_fn=loss, optimizer=torch.optim.SGD(model.parameters(),
+                                                                                               lr=0.1))
+        train_next_to_eager(prog, ref, batches, loss, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert prog.captured.guards[0].reads == ("params.a.bias",)
+    assert sorted(r.path.rsplit("-> ", 1)[1] for r in prog.shapes()) == ["False", "True"]
+
+
+def test_an_assert_is_checked_after_the_step_not_a_path():
+    """An assert on a tensor is no guard (one program, nothing evaluated before the step); its predicate is an
+    output of the step, and a step where it fails raises AssertionError naming the user's line."""
+    torch.manual_seed(0)
+    model = Asserting()
+    loss = lambda m, x: m(x)   # noqa: E731
+    x = torch.randn(4, 4)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=(x,),
+                        loss_fn=loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert prog.captured.guards == () and [c.expect for c in prog.captured.checks] == [True]
+    prog.train_step(x)
+    bad = x.clone()
+    bad[3, 1] = float("nan")                            # on rank 1's shard of the batch
+    with pytest.raises(AssertionError, match=r"branch_models.py:\d+: assert torch.isfinite\(x\).all\(\)"):
+        prog.train_step(bad)
+    assert len(prog.shapes()) == 1
+
+
+def test_paths_share_the_shape_cache_bound():
+    """max_shapes bounds paths and shapes together: beyond it the least recently used path is dropped (said once)
+    and captured again when it comes back, still like eager."""
+    prog, said = _run_next_to_eager(pt.Mesh({"batch": 2}), [T.data_parallel("batch")], steps=8, max_shapes=2)
+    assert len(prog.shapes()) <= 2
+    assert len(said) >= 2
+
+
+def test_branches_refuse_per_rank_batches():
+    torch.manual_seed(0)
+    model = Branchy()
+    batches = _batches(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = _partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], batches[0])
+    x, mask = batches[0]
+    with pytest.raises(PartitionError, match="branches on tensor values .* Call train_step with the global batch"):
+        prog.train_step_local(x[:2], mask[:2])
+
+
+def test_a_branch_without_real_values_is_refused_by_line():
+    """A model on the meta device has no values to decide the branch with: a TraceError naming the line."""
+    with torch.device("meta"):
+        model = ParamBranch()
+    with pytest.raises(TraceError, match=r"branches on a tensor value at branch_models.py:\d+: if self.a.bias"):
+        pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")],
+                     example_inputs=(torch.randn(8, 4),), loss_fn=lambda m, x: m(x))
+
+
+def test_a_step_without_branches_has_no_guards():
+    model = ParamBranch()
+    plain = lambda m, x: m.b(m.a(x)).mean()   # noqa: E731
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")],
+                        example_inputs=(torch.randn(8, 4),), loss_fn=plain)
+    assert prog.captured.guards == () and prog.captured.checks == ()
+    assert prog.executor.paths == {}
