@@ -144,6 +144,8 @@ class Recorder(TorchDispatchMode):
         self._nodes: list = []          # per guard: the fx nodes it evaluated, in trace order
         self._preds: list = []          # per guard: its predicate node
         self._placeholders: dict = {}
+        self._consts: dict = {}         # get_attr node -> its tensor
+        self._root = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is not _SCALAR:
@@ -169,6 +171,7 @@ class Recorder(TorchDispatchMode):
         slot = get_proxy_slot(inner, mode.tracer, None)
         if slot is None:
             return None
+        self._root = mode.tracer.root
         if not self._placeholders:
             ph = [n for n in mode.tracer.graph.nodes if n.op == "placeholder"]
             self._placeholders = {n: self.names[i] for i, n in enumerate(ph)}
@@ -205,6 +208,9 @@ class Recorder(TorchDispatchMode):
                                          f"and {self._placeholders[n]} has no real value to compute it from (a "
                                          f"model on the meta device, or fake example inputs). Give real example "
                                          f"inputs and a materialised model, or rewrite the branch with torch.where.")
+                elif n.op == "get_attr":       # a tensor created in the step (torch.tensor(...)): real already
+                    v = _attr(self._root, n.target)
+                    self._consts[n] = v
                 else:
                     args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: self._env[a])
                     v = n.target(*args, **kwargs)
@@ -220,12 +226,19 @@ class Recorder(TorchDispatchMode):
         for g, (guard, nodes, pred) in enumerate(zip(self.guards, self._nodes, self._preds)):
             # every value computed is given to the guards after it: the paths that share this guard (the same
             # values before it) differ after it, and so do the values their later guards read
-            _build_one(guard, nodes, pred, nodes, owner, g, self._placeholders)
+            _build_one(guard, nodes, pred, nodes, owner, g, self._placeholders, self._consts)
         self._env.clear()               # the real values evaluated during capture are not kept
 
 
-def _build_one(guard: Guard, nodes: list, pred, gives: list, owner: dict, g: int, placeholders: dict) -> None:
-    graph = fx.Graph()
+def _attr(root, target: str):
+    for part in target.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def _build_one(guard: Guard, nodes: list, pred, gives: list, owner: dict, g: int, placeholders: dict,
+               consts: dict) -> None:
+    graph, root = fx.Graph(), torch.nn.Module()
     inputs = []
     for a in [a for n in nodes for a in n.all_input_nodes] + ([] if pred in nodes else [pred]):
         if a not in inputs and (a.op == "placeholder" or owner.get(a, g) != g):   # a step input, an earlier value
@@ -235,8 +248,11 @@ def _build_one(guard: Guard, nodes: list, pred, gives: list, owner: dict, g: int
     vmap = {a: graph.placeholder(f"in_{i}") for i, a in enumerate(reads + takes)}
     for n in nodes:
         vmap[n] = graph.node_copy(n, lambda a: vmap[a])
+        if n.op == "get_attr":
+            vmap[n].target = f"const_{len(root._buffers)}"
+            root.register_buffer(vmap[n].target, consts[n])
     graph.output([vmap[pred]] + [vmap[n] for n in gives])
-    guard.program = fx.GraphModule(torch.nn.Module(), graph)
+    guard.program = fx.GraphModule(root, graph)
     guard.reads = tuple(placeholders[a] for a in reads)
     guard.takes = tuple(a.name for a in takes)
     guard.gives = tuple(n.name for n in gives)
