@@ -154,3 +154,22 @@ def test_a_step_without_branches_has_no_guards():
                         example_inputs=(torch.randn(8, 4),), loss_fn=plain)
     assert prog.captured.guards == () and prog.captured.checks == ()
     assert prog.executor.paths == {}
+
+
+def test_eval_step_follows_the_branches_of_each_batch():
+    """eval_step of a step that branches: each batch's guards select its eval program (layerdrop is off in eval
+    mode: only the mask's guards remain), on the live state, equal to the eager module in eval mode."""
+    torch.manual_seed(0)
+    model = Branchy()
+    ref = copy.deepcopy(model)
+    batches = _batches(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = _partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], batches[0])
+        train_next_to_eager(prog, ref, batches[:2], _loss, adamw())
+        ref.eval()
+        with torch.no_grad():
+            for x, mask in batches:
+                torch.testing.assert_close(prog.eval_step(x, mask), ref(x, mask), rtol=1e-5, atol=0)
+    rows = [r for r in prog.shapes() if r.kind == "eval"]
+    assert len(rows) == 3 and all(r.path.count("->") == 2 for r in rows), rows   # (any, n): 3 distinct pairs

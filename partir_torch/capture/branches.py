@@ -228,6 +228,17 @@ class Recorder(TorchDispatchMode):
             # values before it) differ after it, and so do the values their later guards read
             _build_one(guard, nodes, pred, nodes, owner, g, self._placeholders, self._consts)
         self._env.clear()               # the real values evaluated during capture are not kept
+        self._prune()
+
+    def _prune(self) -> None:
+        """The predicates' ops the step itself does not use (`mask.any()`, `rand < p`: Python read them) leave the
+        traced step, so the path's program does not compute them (nor gather their operands); random draws stay,
+        so the step's draws remain eager's."""
+        dead = [n for nodes in self._nodes for n in nodes] + self._preds
+        order = {n: i for i, n in enumerate(self._preds[0].graph.nodes)} if self._preds else {}
+        for n in sorted(set(dead), key=lambda n: order.get(n, -1), reverse=True):
+            if n in order and n.op == "call_function" and not n.users and not _random(n):
+                n.graph.erase_node(n)
 
 
 def _attr(root, target: str):

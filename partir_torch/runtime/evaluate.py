@@ -21,6 +21,7 @@ from ..errors import PartitionError, user_stacklevel, warn
 from ..lower.lower import bind
 from ..sharding import REPLICATED
 from .layout import same_layout
+from . import paths
 from .shapes import ShapeCache, ShapeInfo, ShapeProgram, signature
 
 LIVE = "live"
@@ -51,6 +52,7 @@ class Evaluator:
         # (kind, structure, signature, backend) -> ShapeProgram (plan, lowering bound to the backend), at most
         # Options.max_shapes of them, least recently used first out (shapes.py)
         self.cache = ShapeCache(executor.plan.options.max_shapes, "eval_step / forward")
+        self.paths: dict = {}          # key -> PathTrie, for a step that branches on tensor values (paths.py)
 
     def eval_step(self, batch):
         if self.ex.loss_fn is None:
@@ -76,9 +78,16 @@ class Evaluator:
         # a dict in its key order)
         ex.held().guard(what)
         key = (kind, str(spec), signature(flat), id(ex.rt))
-        entry = self.cache.get((key, ()))
+        # a step that branches on tensor values: its guards select the path's program (paths.py)
+        real = ex._real_values([f"inputs.{i}" for i in range(len(flat))], flat)
+        values, ckey = (), (key, ())
+        if key in self.paths:
+            values, ckey = paths.guard_values(self.paths[key], real, ex.plan.captured.device)
+        entry = self.cache.get(ckey) if ckey is not None else None
         if entry is None:
-            entry = self.cache.add(self._build(kind, tuple(batch), key))
+            entry = self._build(kind, tuple(batch), key, real)
+            paths.join(self.paths, key, entry, values)
+            self.cache.add(entry)
         entry.calls += 1
         plan, low = entry.plan, entry.lowered
         cap = plan.captured
@@ -92,6 +101,8 @@ class Evaluator:
                 args.append(ex.rt.shard(flat[k], sh))
                 k += 1
         outs = ex.execute(low.gm, args + ex.rt.coords(), what, plan)
+        if cap.checks:
+            paths.verify(cap.checks, cap.output_names, outs, ex.rt.rank0, what)
         return [ex.rt.rank0(t) for t, n in zip(outs, cap.output_names) if not n.startswith("buffers.")], cap, low
 
     def _live(self, name, sh):
@@ -104,7 +115,7 @@ class Evaluator:
         full = held.rt.full(held.state[name], have, held._shape(name))
         return held.rt.shard(full, sh)
 
-    def _build(self, kind, batch, key):
+    def _build(self, kind, batch, key, real=None):
         from ..plan import capture_for, plan
 
         train = self.ex.plan
@@ -117,7 +128,7 @@ class Evaluator:
             tactics = [t for t in train.tactics if t not in train.capture_rewrites]
             rewrites = [t for t in train.capture_rewrites if t.in_eval] if kind == "loss" else []
             cap = capture_for(model, rewrites + tactics, batch, self.ex.loss_fn if kind == "loss" else None,
-                              eval_loss=kind == "loss")
+                              eval_loss=kind == "loss", values=real)
         finally:
             model.train(was)
         t1 = time.perf_counter()
@@ -135,7 +146,8 @@ class Evaluator:
     def shapes(self) -> list:
         """ShapeInfo rows of the eval and forward programs kept."""
         kinds = {"loss": "eval", "forward": "eval forward"}
-        return [ShapeInfo(kinds[e.signature[0]], e.signature[2], e.capture_s, e.plan_s, e.lower_s, e.calls)
+        return [ShapeInfo(kinds[e.signature[0]], e.signature[2], e.capture_s, e.plan_s, e.lower_s, e.calls,
+                          paths.describe(e.plan.captured.guards, e.path) if e.path else "")
                 for e in self.cache.entries.values()]
 
 

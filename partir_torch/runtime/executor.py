@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
 from ..capture.inputs import conform
 from ..contract import EXC_NODE, META_SRC, STATE_ROLES, Role
-from ..errors import InternalError, PartitionError, internal_error, user_stacklevel, warn
+from ..errors import PartitionError, internal_error, user_stacklevel, warn
 from . import faults
 from .backend import backend_for
 from .interpret import InterpretedRuntime
@@ -164,7 +164,7 @@ class Executor:
             # a step that branches reads its values from this call's batch and the state held (not the module's)
             entry = build(self.plan, self.model, self.optimizer, self.loss_fn, tuple(batch), sig,
                           values=self._real_values(names, flat))
-            self._new_path(entry, sig, values)
+            paths.join(self.paths, sig, entry, values)
             self._bind(entry, self.rt)
             moved = [n for n, sh in entry.layouts.items() if not same_layout(sh, self._first.layouts[n])]
             if moved:
@@ -179,18 +179,6 @@ class Executor:
         self._bind(entry, self.rt)
         entry.calls += 1
         return entry, flat
-
-    def _new_path(self, entry, sig, values) -> None:
-        """A program just captured for a step that branches: its path joins the signature's trie."""
-        guards = entry.plan.captured.guards
-        if not guards:
-            return
-        entry.path = tuple(g.value for g in guards)
-        if entry.path[:len(values)] != values:
-            raise InternalError(f"partir_torch: internal error: the guards computed before the step gave "
-                                f"{paths.describe(guards, values)}, the capture of its path "
-                                f"{paths.describe(guards, entry.path)}. Please report this with the model.")
-        self.paths.setdefault(sig, paths.PathTrie()).insert(guards, entry.key)
 
     def _real_values(self, names, flat):
         """name -> the full value of a step placeholder, for the guards (paths.py): this call's inputs, the held

@@ -71,6 +71,20 @@ class PathTrie:
         return tuple(values), node
 
 
+def join(tries: dict, at, entry, values: tuple) -> None:
+    """A program just captured (a ShapeProgram) for a step that branches: its path joins the trie tries[at];
+    `values`: the guard values computed before its capture (a prefix of its path)."""
+    guards = entry.plan.captured.guards
+    if not guards:
+        return
+    entry.path = tuple(g.value for g in guards)
+    if entry.path[:len(values)] != values:
+        raise InternalError(f"partir_torch: internal error: the guards computed before the step gave "
+                            f"{describe(guards, values)}, the capture of its path {describe(guards, entry.path)}. "
+                            f"Please report this with the model.")
+    tries.setdefault(at, PathTrie()).insert(guards, entry.key)
+
+
 def guard_values(trie: PathTrie, real, device) -> tuple:
     """Walk `trie` with this call's values; the generator (CPU, and `device` if CUDA) is left as it was."""
     env: dict = {}
