@@ -33,7 +33,8 @@ class Role(_StrEnum):
     INPUT = "input"            # a leaf of the batch
     CONST = "const"            # a tensor created inside the step (torch.tensor(...), an HF cache), lifted
     LR = "lr"                  # an optimizer hyperparameter fed at every step (each group's lr, betas, ...)
-    STEP = "step"              # the optimizer's step count
+    STEP = "step"              # the optimizer's step count (or one parameter's: `step.<fqn>`)
+    DRAW = "draw"              # a random draw the step's guards made before it (capture/branches.py), fed per call
     COORD = "coord"            # per-device programs only: the rank's coordinate on one mesh axis
 
 

@@ -41,22 +41,25 @@ def _paths(prog) -> list:
     return [r.path for r in prog.shapes()]
 
 
-def _run_next_to_eager(mesh, schedule, steps=8, **kw):
+def _run_next_to_eager(mesh, schedule, steps=8, layers=3, seed=5, **kw):
     torch.manual_seed(0)
-    model = Branchy()
+    model = Branchy(layers=layers)
     ref = copy.deepcopy(model)
     batches = _batches(steps)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
+        torch.manual_seed(seed)       # the example inputs' path (partition's draws) runs the first layer
         prog = _partition(model, mesh, schedule, batches[0], **kw)
+        assert prog.captured.guards[2].value is False
         train_next_to_eager(prog, ref, batches, _loss, adamw(), what=str(schedule))
-    return prog, [str(w.message) for w in record if "took a new path" in str(w.message)]
+    said = [str(w.message) for w in record]
+    return prog, [m for m in said if "took a new path" in m], [m for m in said if "schedule refused the path" in m]
 
 
 def test_branches_train_like_eager_under_data_parallel():
     """8 steps of padding/no padding and layerdrop 0.5 over 3 layers on 2 emulated ranks equal eager step by step;
     each path is captured once (one warning each), and prog.shapes() names the values of its guards."""
-    prog, said = _run_next_to_eager(pt.Mesh({"batch": 2}), [T.data_parallel("batch")])
+    prog, said, _ = _run_next_to_eager(pt.Mesh({"batch": 2}), [T.data_parallel("batch")])
     guards = prog.captured.guards
     lines = [g.where.split(": ", 1)[1].split("#")[0].strip() for g in guards]
     assert lines[:2] == ["if not mask.any():", "n = int(mask.sum(1).max().item())"]
@@ -73,9 +76,24 @@ def test_branches_train_like_eager_under_data_parallel():
 def test_branches_train_like_eager_under_megatron_and_zero3():
     """The same model on {batch: 2, model: 2}: data parallel, Megatron on the layers' linear pairs, ZeRO-3; the
     guards read the global batch, so every rank takes the path one device takes."""
-    prog, _ = _run_next_to_eager(pt.Mesh({"batch": 2, "model": 2}),
-                                 [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")], steps=5)
+    prog, _, refused = _run_next_to_eager(pt.Mesh({"batch": 2, "model": 2}),
+                                          [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")], steps=8)
     assert len(prog.shapes()) >= 2
+    # a path where layerdrop skipped every layer has no linear pair for Megatron: it keeps the first program's
+    # layouts (one warning), and still trains like eager
+    assert not refused
+
+
+def test_a_path_the_schedule_refuses_keeps_the_first_programs_layouts():
+    """One layer under layerdrop: on a path that skips it Megatron finds no linear pair and refuses; that path is
+    planned to keep the first program's state and input layouts (one warning per such path), and the steps still
+    equal eager's."""
+    prog, _, refused = _run_next_to_eager(pt.Mesh({"batch": 2, "model": 2}),
+                                          [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")],
+                                          steps=6, layers=1)
+    skipped = [path for _, path in prog.executor.shapes.entries if path[2] is True]
+    assert len(refused) == len(skipped) >= 1, (refused, skipped)
+    assert "MP: found no column-parallel/row-parallel linear pair" in refused[0]
     assert any(r.kind == "all_reduce" and r.axis == "model" for r in prog.collectives())
 
 
@@ -121,7 +139,7 @@ def test_an_assert_is_checked_after_the_step_not_a_path():
 def test_paths_share_the_shape_cache_bound():
     """max_shapes bounds paths and shapes together: beyond it the least recently used path is dropped (said once)
     and captured again when it comes back, still like eager."""
-    prog, said = _run_next_to_eager(pt.Mesh({"batch": 2}), [T.data_parallel("batch")], steps=8, max_shapes=2)
+    prog, said, _ = _run_next_to_eager(pt.Mesh({"batch": 2}), [T.data_parallel("batch")], steps=8, max_shapes=2)
     assert len(prog.shapes()) <= 2
     assert len(said) >= 2
 

@@ -10,7 +10,8 @@ through `aten._local_scalar_dense`; `Recorder`, a dispatch mode on top of the tr
   draws what eager draws). The trace goes on with that value: the graph is the step *specialised to this path*.
   Each guard keeps the slice it evaluated as a small GraphModule (`Guard.program`, single device, unpartitioned);
   at run time these programs compute the step's guard values on the global batch, which select the path's
-  program (runtime/paths.py), and the generator is restored before the step itself runs.
+  program (runtime/paths.py). The draws they make are the step's own: in the path's program they are inputs
+  (`draws.<node>`, `lift_draws`), so nothing is drawn twice and the generator advances as eager's.
 - a **check** (a Python `assert` on a tensor, `torch._assert`; recognised from the bytecode that called `bool()`:
   a conditional jump one of whose targets raises AssertionError): the trace goes on as if it held, and the
   predicate becomes an extra output of the step (`asserts.<i>`), verified after each step (runtime/paths.py): it
@@ -140,6 +141,7 @@ class Recorder(TorchDispatchMode):
         self.names, self.real = names, real
         self.guards: list = []
         self.checks: list = []          # (Check, fx node)
+        self.drawn: list = []           # the random draws the guards made (fx nodes, in draw order)
         self._env: dict = {}            # fx node -> real value (evaluated once per capture)
         self._nodes: list = []          # per guard: the fx nodes it evaluated, in trace order
         self._preds: list = []          # per guard: its predicate node
@@ -217,6 +219,8 @@ class Recorder(TorchDispatchMode):
                 self._env[n] = v
                 if n.op != "placeholder":
                     done.append(n)
+                if n.op == "call_function" and _random(n):
+                    self.drawn.append(n)
         self._nodes.append(done)
         return key_of(self._env[pred].item())
 
@@ -267,6 +271,29 @@ def _build_one(guard: Guard, nodes: list, pred, gives: list, owner: dict, g: int
     guard.reads = tuple(placeholders[a] for a in reads)
     guard.takes = tuple(a.name for a in takes)
     guard.gives = tuple(n.name for n in gives)
+
+
+def lift_draws(gm: fx.GraphModule, drawn: list, names: list, roles: list) -> None:
+    """The random draws the guards made before the step become placeholders `draws.<node>` (role "draw"), fed with
+    the guards' values at each call (paths.py): the step does not draw them again, and the generator, which the
+    guards advanced, goes on from there as eager's does. Draws whose results are not a tensor cannot be fed."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in drawn:
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            raise TraceError(f"partition: the step draws {node.format_node()} before a branch on a tensor value; "
+                             f"its result is not one tensor, and partir_torch feeds such draws to the step as "
+                             f"tensors. Please report this with the model.")
+        with gm.graph.inserting_after(placeholders[-1]):
+            ph = gm.graph.placeholder(f"draws_{node.name}")
+        ph.meta.update(node.meta)
+        placeholders.append(ph)
+        names.append(f"draws.{node.name}"), roles.append("draw")
+        inputs = node.all_input_nodes
+        node.replace_all_uses_with(ph)
+        gm.graph.erase_node(node)
+        for a in inputs:               # dropout's `empty` template, now unused
+            if a.op == "call_function" and not a.users:
+                gm.graph.erase_node(a)
 
 
 def add_checks(gm: fx.GraphModule, checks: list, out_names: list) -> list:

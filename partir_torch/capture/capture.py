@@ -23,7 +23,7 @@ from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_m
 
 from ..contract import META_ACCUMULATE, META_NAME, META_OUTPUT, META_ROLE, forward_nodes, stamp_phases
 from ..errors import PartitionError, TraceError
-from .branches import Recorder, add_checks
+from .branches import Recorder, add_checks, lift_draws
 from .decompositions import capture_decompositions
 from .framestack import call_in_fresh_chunk
 from .inputs import as_batch, check_leaves, forward_kwargs
@@ -592,6 +592,8 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
             h.remove()
     names, roles, out_names = lay.names, lay.roles, step.out_names
     checks = add_checks(gm, recorder.checks, out_names) if recorder is not None else []
+    if recorder is not None:
+        lift_draws(gm, recorder.drawn, names, roles)
     _check_indices(gm, model)
     consts = _lift_constants(gm, names, roles)
     _refuse_state_constants(consts, model)

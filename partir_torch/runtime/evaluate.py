@@ -80,13 +80,17 @@ class Evaluator:
         key = (kind, str(spec), signature(flat), id(ex.rt))
         # a step that branches on tensor values: its guards select the path's program (paths.py)
         real = ex._real_values([f"inputs.{i}" for i in range(len(flat))], flat)
-        values, ckey = (), (key, ())
+        values, ckey, draws = (), (key, ()), {}
+        rng = paths.generator_state(ex.plan.captured.device)
         if key in self.paths:
-            values, ckey = paths.guard_values(self.paths[key], real, ex.plan.captured.device)
+            values, ckey, draws = paths.guard_values(self.paths[key], real)
         entry = self.cache.get(ckey) if ckey is not None else None
         if entry is None:
+            paths.rewind(rng, ex.plan.captured.device)
             entry = self._build(kind, tuple(batch), key, real)
             paths.join(self.paths, key, entry, values)
+            if entry.path:      # capture left the generator where it found it
+                values, ckey, draws = paths.guard_values(self.paths[key], real)
             self.cache.add(entry)
         entry.calls += 1
         plan, low = entry.plan, entry.lowered
@@ -97,6 +101,8 @@ class Evaluator:
                 args.append(self._live(name, sh))
             elif role == Role.CONST:
                 args.append(ex.rt.shard(cap.consts[name], sh))
+            elif role == Role.DRAW:
+                args.append(ex.rt.shard(draws[name[len("draws."):]], sh))
             else:
                 args.append(ex.rt.shard(flat[k], sh))
                 k += 1
@@ -177,7 +183,7 @@ def _seeds(train, cap, axis, tactic, last) -> list:
         by = decisions.tactic_of(vid, axis) if vid is not None else "-"     # "-": no tactic decided it
         if not (by == tactic if by != "-" else last):
             continue
-        if role in (Role.PARAM, Role.BUFFER):
+        if role in (Role.PARAM, Role.BUFFER, Role.OPT_STATE):
             sh = decisions.sharding(vid)
             d = sh.tiled_axes().get(axis)
             if d is None:

@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
 from ..capture.inputs import conform
 from ..contract import EXC_NODE, META_SRC, STATE_ROLES, Role
-from ..errors import PartitionError, internal_error, user_stacklevel, warn
+from ..errors import InternalError, PartitionError, internal_error, user_stacklevel, warn
 from . import faults
 from .backend import backend_for
 from .interpret import InterpretedRuntime
@@ -52,6 +52,7 @@ class Executor:
         self.paths: dict = {}
         self.param_steps: dict = {}
         self._last = None                    # the ShapeProgram the last call ran
+        self._draws: dict = {}               # this call's draws made by the guards (node name -> tensor)
         if plan.captured.guards:
             first.path = tuple(g.value for g in plan.captured.guards)
             self.paths.setdefault(first.signature, paths.PathTrie()).insert(plan.captured.guards, first.key)
@@ -135,15 +136,16 @@ class Executor:
         sig = signature(flat)
         if local:
             sig = global_signature(self.plan, sig)
-        values, key = (), (sig, ())
+        values, key, self._draws = (), (sig, ()), {}
         if self.paths:
             if local:
                 raise PartitionError(f"{what}: this step branches on tensor values "
                                      f"({paths.describe(self.plan.captured.guards, self._first.path)}); the branch "
                                      f"is decided once per step on the global batch, which per-rank shards do not "
                                      f"give. Call train_step with the global batch.")
+            rng = paths.generator_state(cap.device)
             if sig in self.paths:
-                values, key = paths.guard_values(self.paths[sig], self._real_values(names, flat), cap.device)
+                values, key, self._draws = paths.guard_values(self.paths[sig], self._real_values(names, flat))
         entry = self.shapes.get(key) if key is not None else None
         if entry is None and local:
             # per-rank shards of a shape no program has: every rank would have to agree on it before capturing,
@@ -161,10 +163,18 @@ class Executor:
                                  f"example inputs of the new shape.")
         if entry is None:
             check_divisible(self.plan, sig, what)
+            if values:         # the capture draws the guards' values from the step's generator too
+                paths.rewind(rng, cap.device)
             # a step that branches reads its values from this call's batch and the state held (not the module's)
             entry = build(self.plan, self.model, self.optimizer, self.loss_fn, tuple(batch), sig,
                           values=self._real_values(names, flat))
             paths.join(self.paths, sig, entry, values)
+            if entry.path:     # the path's guards again, now all known: its draws, from the step's generator
+                values, key, self._draws = paths.guard_values(self.paths[sig], self._real_values(names, flat))
+                if key != entry.key:
+                    raise InternalError(f"partir_torch: internal error: the path just captured "
+                                        f"({paths.describe(entry.plan.captured.guards, entry.path)}) is not the one "
+                                        f"its guards select ({values}). Please report this with the model.")
             self._bind(entry, self.rt)
             moved = [n for n, sh in entry.layouts.items() if not same_layout(sh, self._first.layouts[n])]
             if moved:
@@ -209,6 +219,8 @@ class Executor:
                 args.append(self.rt.local(torch.tensor(self._hyper[(int(g), h)], dtype=torch.float64)))
             elif role == Role.CONST:
                 args.append(self.rt.shard(cap.consts[name], sh))
+            elif role == Role.DRAW:   # drawn by the guards before the step (paths.py)
+                args.append(self.rt.shard(self._draws[name[len("draws."):]], sh))
             elif role == Role.STEP:   # "step", or "step.<fqn>": a parameter's own count (paths.py)
                 n = self.steps if name == "step" else self.param_steps.get(name[len("step."):], self.steps)
                 args.append(self.rt.local(torch.tensor(float(n + 1), dtype=torch.float64)))

@@ -6,16 +6,17 @@ hang off a trie over the guards (`PathTrie`): every call first computes the guar
 small single-device program (Guard.program: the slice of the step that produces it, on the global batch and the
 full state it reads, with the random draws that precede it), walking down the trie; a complete path selects its
 partitioned program from the executor's ShapeCache (key: signature and guard values), an unseen value makes the
-executor capture, plan and lower that path (as a new shape: runtime/shapes.py) on the state it holds. The
-generator is restored after the guards, so the step draws the same numbers (the layerdrop draw that chose the path
-is the step's own). Every rank computes the same values (the global batch, the same generator: checked with the
-plan on real ranks), so every rank takes the same path, and the path is the one a single device would take.
+executor capture, plan and lower that path (as a new shape: runtime/shapes.py) on the state it holds, rewind the
+generator and walk again. The draws the guards make (layerdrop's, and the dropout masks drawn before a guard) are
+the step's own: its program takes them as inputs (`draws.<node>`), so nothing is drawn twice and the generator
+ends where eager's does. Every rank computes the same values (the global batch, the same generator: checked with
+the plan on real ranks), so every rank takes the same path, and the path is the one a single device would take.
 
 Asserts on tensor values are no guards: their predicates are outputs of the step, verified after it (`verify`).
 
     trie = PathTrie()
     trie.insert(plan.captured.guards, key)            # each captured path
-    values, key = trie.select(lambda g: g.evaluate(real, env))   # key None: a path not captured yet
+    values, key, env = guard_values(trie, real)       # key None: a path not captured yet
 """
 from __future__ import annotations
 
@@ -85,11 +86,23 @@ def join(tries: dict, at, entry, values: tuple) -> None:
     tries.setdefault(at, PathTrie()).insert(guards, entry.key)
 
 
-def guard_values(trie: PathTrie, real, device) -> tuple:
-    """Walk `trie` with this call's values; the generator (CPU, and `device` if CUDA) is left as it was."""
+def guard_values(trie: PathTrie, real) -> tuple:
+    """Walk `trie` with this call's values: (guard values, the path's cache key or None, env). The guards' draws
+    advance the generator and are the step's own: env holds them by node name (the path's "draws.<name>" inputs)."""
     env: dict = {}
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        return trie.select(lambda g: g.evaluate(real, env))
+    values, key = trie.select(lambda g: g.evaluate(real, env))
+    return values, key, env
+
+
+def generator_state(device) -> tuple:
+    """The generators a step draws from (CPU, and `device`'s if CUDA), to rewind them."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def rewind(state, device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def describe(guards, values) -> str:

@@ -156,10 +156,29 @@ def build(train, model, optimizer, loss_fn, batch, sig, values=None) -> ShapePro
         for m, mode in zip(modules, was):
             m.training = mode
     t1 = time.perf_counter()
-    p = plan(new, train.mesh, train.tactics, train.options, train.registry)
+    try:
+        p = plan(new, train.mesh, train.tactics, train.options, train.registry)
+    except PartitionError as e:
+        if not new.guards:
+            raise
+        p = _plan_like(train, new, e)
     entry = ShapeProgram(sig, p, t1 - t0, time.perf_counter() - t1)
     _check_same_state(train, p, sig)
     return entry
+
+
+def _plan_like(train, new, refused):
+    """A path of a step that branches that the schedule refuses (Megatron finds no linear pair on a path where
+    layerdrop skipped every layer): planned to keep the state and the inputs as the first program does (the eval
+    programs' LiveLayout tactic), said once per path."""
+    from ..plan import plan
+    from .evaluate import LiveLayout
+
+    p = plan(new, train.mesh, list(train.capture_rewrites) + [LiveLayout(train)], train.options, train.registry)
+    warn(f"train_step: the schedule refused the path ({describe(new.guards, tuple(g.value for g in new.guards))}): "
+         f"{str(refused).splitlines()[0]} This path's program keeps the state and the inputs in the first "
+         f"program's layout instead.", stacklevel=user_stacklevel())
+    return p
 
 
 def _check_same_state(train, p, sig) -> None:
