@@ -38,6 +38,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_slot
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..errors import TraceError
+from .tidy import LIKE
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _TORCH = os.path.dirname(torch.__file__)
@@ -83,6 +84,18 @@ class Check:
 def key_of(v):
     """A guard value as a path key (NaN is not equal to itself)."""
     return "nan" if isinstance(v, float) and v != v else v
+
+
+def _factory(node: fx.Node):
+    """`empty_like(x)` and its kin as the factory of x's static shape (target, args, kwargs), else None: a guard's
+    slice reads a dropout template's shape, never the activation x it was shaped like (tidy.py does the same to the
+    step)."""
+    if node.op != "call_function" or node.target not in LIKE:
+        return None
+    val = node.meta["val"]
+    target, value_at = LIKE[node.target]
+    args = (list(val.shape),) if value_at is None else (list(val.shape), node.args[value_at])
+    return target, args, {"dtype": val.dtype, "device": val.device}
 
 
 def _random(node: fx.Node) -> bool:
@@ -192,7 +205,8 @@ class Recorder(TorchDispatchMode):
                     continue
                 seen.add(m)
                 todo.append(m)
-                stack.extend(m.all_input_nodes)
+                if _factory(m) is None:
+                    stack.extend(m.all_input_nodes)
 
         for n in graph.nodes:            # every draw before pred, so the generator advances as eager's does
             if _random(n) and n not in self._env:
@@ -213,6 +227,9 @@ class Recorder(TorchDispatchMode):
                 elif n.op == "get_attr":       # a tensor created in the step (torch.tensor(...)): real already
                     v = _attr(self._root, n.target)
                     self._consts[n] = v
+                elif _factory(n) is not None:
+                    target, args, kwargs = _factory(n)
+                    v = target(*args, **kwargs)
                 else:
                     args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: self._env[a])
                     v = n.target(*args, **kwargs)
@@ -255,14 +272,15 @@ def _build_one(guard: Guard, nodes: list, pred, gives: list, owner: dict, g: int
                consts: dict) -> None:
     graph, root = fx.Graph(), torch.nn.Module()
     inputs = []
-    for a in [a for n in nodes for a in n.all_input_nodes] + ([] if pred in nodes else [pred]):
+    for a in [a for n in nodes if _factory(n) is None for a in n.all_input_nodes] + ([] if pred in nodes else [pred]):
         if a not in inputs and (a.op == "placeholder" or owner.get(a, g) != g):   # a step input, an earlier value
             inputs.append(a)
     reads = [a for a in inputs if a.op == "placeholder"]
     takes = [a for a in inputs if a.op != "placeholder"]
     vmap = {a: graph.placeholder(f"in_{i}") for i, a in enumerate(reads + takes)}
     for n in nodes:
-        vmap[n] = graph.node_copy(n, lambda a: vmap[a])
+        made = _factory(n)
+        vmap[n] = graph.call_function(*made) if made is not None else graph.node_copy(n, lambda a: vmap[a])
         if n.op == "get_attr":
             vmap[n].target = f"const_{len(root._buffers)}"
             root.register_buffer(vmap[n].target, consts[n])
