@@ -191,3 +191,11 @@ def test_eval_step_follows_the_branches_of_each_batch():
                 torch.testing.assert_close(prog.eval_step(x, mask), ref(x, mask), rtol=1e-5, atol=0)
     rows = [r for r in prog.shapes() if r.kind == "eval"]
     assert len(rows) == 3 and all(r.path.count("->") == 2 for r in rows), rows   # (any, n): 3 distinct pairs
+
+
+def test_summary_lists_the_paths():
+    prog, _, _ = _run_next_to_eager(pt.Mesh({"batch": 2}), [T.data_parallel("batch")], steps=3)
+    text = prog.summary()
+    assert "The step branches on tensor values (5 read(s) on this path" in text
+    assert text.count("  path ") == len(prog.shapes()) >= 2
+    assert "1 assert(s) on tensor values, checked after each step: branch_models.py:" in text
