@@ -10,7 +10,6 @@ training step is never partitioned again.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
@@ -19,32 +18,10 @@ from ..capture.inputs import conform
 from ..contract import Role
 from ..errors import PartitionError, user_stacklevel, warn
 from ..lower.lower import bind
-from ..sharding import REPLICATED
 from .layout import same_layout
 from . import paths
+from .live import LiveLayout
 from .shapes import ShapeCache, ShapeInfo, ShapeProgram, signature
-
-LIVE = "live"
-
-
-@dataclass(frozen=True)
-class LiveLayout:
-    """The eval program's one tactic: seed every state value and input on every axis as the training plan keeps
-    it, one pass per training stage (axes that share a dim compose in the same order as in training: megatron's
-    "model" before ZeRO's "batch" on a weight's dim 0). Propagation does the rest."""
-
-    train: object            # the training Plan
-    name: str = LIVE
-    axis: str = ""
-
-    def apply(self, ctx) -> None:
-        stages = [(s.tactic, s.axis) for s in self.train.stages if s.axis in self.train.mesh.axes]
-        for k, (tactic, axis) in enumerate(stages):
-            last = all(a != axis for _, a in stages[k + 1:])
-            seeds = _seeds(self.train, ctx.captured, axis, tactic, last)
-            if seeds:
-                ctx.seed_and_propagate(axis, seeds, LIVE)
-
 
 class Evaluator:
     def __init__(self, executor):
@@ -79,7 +56,7 @@ class Evaluator:
         ex.held().guard(what)
         key = (kind, str(spec), signature(flat), id(ex.rt))
         # a step that branches on tensor values: its guards select the path's program (paths.py)
-        real = ex._real_values([f"inputs.{i}" for i in range(len(flat))], flat)
+        real = paths.real_values([f"inputs.{i}" for i in range(len(flat))], flat, ex.held())
         values, ckey, draws = (), (key, ()), {}
         rng = paths.generator_state(ex.plan.captured.device)
         if key in self.paths:
@@ -169,36 +146,3 @@ def _refuse_non_tensors(what, batch) -> None:
                     "returned with the outputs).")
         raise PartitionError(f"{what}: input{keystr(path)} is a {type(x).__name__} ({str(x)[:40]}); the inputs of "
                              f"a step are tensors. {fix}")
-
-
-def _seeds(train, cap, axis, tactic, last) -> list:
-    """(name, dim[, split factor]) or (name, REPLICATED) on `axis` for the values training's `tactic` decided
-    there (last: also those no tactic decided): state as training keeps it; inputs tiled like training's inputs
-    where the size divides."""
-    mesh = train.mesh
-    seeds = []
-    decisions = train.decisions
-    for name, role in zip(cap.input_names, cap.input_roles):
-        vid = train.graph.name_to_vid.get(name)
-        by = decisions.tactic_of(vid, axis) if vid is not None else "-"     # "-": no tactic decided it
-        if not (by == tactic if by != "-" else last):
-            continue
-        if role in (Role.PARAM, Role.BUFFER, Role.OPT_STATE):
-            sh = decisions.sharding(vid)
-            d = sh.tiled_axes().get(axis)
-            if d is None:
-                seeds.append((name, REPLICATED))
-            else:
-                stride = dict(sh.strides).get(axis)
-                seeds.append((name, d) + ((stride,) if stride and stride > 1 else ()))
-        elif role == Role.INPUT and name in train.graph.name_to_vid:
-            sh = decisions.sharding(vid)
-            d = sh.tiled_axes().get(axis)
-            shape = cap.names[name].meta["val"].shape
-            if d is not None and d < len(shape):
-                k = 1
-                for a in sh.dims[d][:sh.dims[d].index(axis) + 1]:
-                    k *= mesh.shape[a]
-                if shape[d] % k == 0:
-                    seeds.append((name, d))
-    return seeds

@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
 from ..capture.inputs import conform
 from ..contract import EXC_NODE, META_SRC, STATE_ROLES, Role
-from ..errors import InternalError, PartitionError, internal_error, user_stacklevel, warn
+from ..errors import PartitionError, internal_error, user_stacklevel, warn
 from . import faults
 from .backend import backend_for
 from .interpret import InterpretedRuntime
@@ -47,15 +47,7 @@ class Executor:
         # one program per input signature (shapes.py), sharing the state held; costs: (capture_s, plan_s) of plan
         self.shapes = ShapeCache(plan.options.max_shapes, _KIND.get(plan.captured.mode, "run"))
         first = ShapeProgram(plan_signature(plan), plan, *costs)
-        # a step that branches on tensor values (paths.py): per input signature, the trie of its paths' guards;
-        # each parameter's step count where it differs from the steps taken (a path left it without a gradient)
-        self.paths: dict = {}
-        self.param_steps: dict = {}
-        self._last = None                    # the ShapeProgram the last call ran
-        self._draws: dict = {}               # this call's draws made by the guards (node name -> tensor)
-        if plan.captured.guards:
-            first.path = tuple(g.value for g in plan.captured.guards)
-            self.paths.setdefault(first.signature, paths.PathTrie()).insert(plan.captured.guards, first.key)
+        self.paths, self._last = paths.StepPaths(first), None   # branches on tensor values; the last program run
         self._first = self.shapes.add(first, pinned=True)
 
     @property
@@ -136,45 +128,23 @@ class Executor:
         sig = signature(flat)
         if local:
             sig = global_signature(self.plan, sig)
-        values, key, self._draws = (), (sig, ()), {}
+        real = paths.real_values(names, flat, self._held)
+        values, key = (), (sig, ())
         if self.paths:
             if local:
                 raise PartitionError(f"{what}: this step branches on tensor values "
                                      f"({paths.describe(self.plan.captured.guards, self._first.path)}); the branch "
                                      f"is decided once per step on the global batch, which per-rank shards do not "
                                      f"give. Call train_step with the global batch.")
-            rng = paths.generator_state(cap.device)
-            if sig in self.paths:
-                values, key, self._draws = paths.guard_values(self.paths[sig], self._real_values(names, flat))
+            values, key = self.paths.select(sig, real, cap.device)
         entry = self.shapes.get(key) if key is not None else None
-        if entry is None and local:
-            # per-rank shards of a shape no program has: every rank would have to agree on it before capturing,
-            # and a global batch passed by mistake would pass for one; new shapes come through train_step
-            want = [tuple(s) for n, s in zip(cap.input_names, self._first.lowered.local_shapes) if n in names]
-            raise PartitionError(f"{what}: inputs of shapes {[tuple(x.shape) for x in flat]}; each rank's shard "
-                                 f"must have shapes {want} (global [{show(self._first.signature)}]), or those of "
-                                 f"another shape train_step has run. A new shape is partitioned by train_step, "
-                                 f"which takes the global batch; or pad every rank's shard to these shapes.")
-        if entry is None and self.rt.kind == "xla":
-            # the XLA backend's shardings and constraints are those of the plan it was built for
-            raise PartitionError(f"{what}: inputs [{show(sig)}]; this torch-xla program runs the shapes it was "
-                                 f"built for, [{show(self._first.signature)}] (its shardings are that plan's). "
-                                 f"Pad batches to these shapes, or build the XLA program from a partition with "
-                                 f"example inputs of the new shape.")
         if entry is None:
+            _refuse_new(what, local, self.rt.kind, self._first, cap, names, flat, sig)
             check_divisible(self.plan, sig, what)
-            if values:         # the capture draws the guards' values from the step's generator too
-                paths.rewind(rng, cap.device)
+            self.paths.before_capture(values, cap.device)
             # a step that branches reads its values from this call's batch and the state held (not the module's)
-            entry = build(self.plan, self.model, self.optimizer, self.loss_fn, tuple(batch), sig,
-                          values=self._real_values(names, flat))
-            paths.join(self.paths, sig, entry, values)
-            if entry.path:     # the path's guards again, now all known: its draws, from the step's generator
-                values, key, self._draws = paths.guard_values(self.paths[sig], self._real_values(names, flat))
-                if key != entry.key:
-                    raise InternalError(f"partir_torch: internal error: the path just captured "
-                                        f"({paths.describe(entry.plan.captured.guards, entry.path)}) is not the one "
-                                        f"its guards select ({values}). Please report this with the model.")
+            entry = build(self.plan, self.model, self.optimizer, self.loss_fn, tuple(batch), sig, values=real)
+            self.paths.captured(sig, entry, values, real)
             self._bind(entry, self.rt)
             moved = [n for n, sh in entry.layouts.items() if not same_layout(sh, self._first.layouts[n])]
             if moved:
@@ -190,22 +160,6 @@ class Executor:
         entry.calls += 1
         return entry, flat
 
-    def _real_values(self, names, flat):
-        """name -> the full value of a step placeholder, for the guards (paths.py): this call's inputs, the held
-        state gathered whole (once per call, only the values a guard reads)."""
-        inputs = dict(zip(names, flat))
-        gathered: dict = {}
-
-        def real(name):
-            if name in inputs:
-                return inputs[name]
-            if name in self.state:
-                if name not in gathered:
-                    gathered[name] = self._held.full(name)
-                return gathered[name]
-            return None
-        return real
-
     def _args(self, entry, flat, local: bool, what: str):
         cap, low = entry.plan.captured, entry.lowered
         args, k = [], 0
@@ -220,9 +174,9 @@ class Executor:
             elif role == Role.CONST:
                 args.append(self.rt.shard(cap.consts[name], sh))
             elif role == Role.DRAW:   # drawn by the guards before the step (paths.py)
-                args.append(self.rt.shard(self._draws[name[len("draws."):]], sh))
+                args.append(self.rt.shard(self.paths.draw(name), sh))
             elif role == Role.STEP:   # "step", or "step.<fqn>": a parameter's own count (paths.py)
-                n = self.steps if name == "step" else self.param_steps.get(name[len("step."):], self.steps)
+                n = self.paths.step_of(name, self.steps)
                 args.append(self.rt.local(torch.tensor(float(n + 1), dtype=torch.float64)))
             else:
                 x = flat[k]
@@ -336,12 +290,7 @@ class Executor:
             raise PartitionError("train_step needs partition(..., loss_fn=..., optimizer=...).")
         outs = self.run(batch, local, "train_step_local" if local else "train_step")
         self._keep_state(outs)
-        path = self._last.plan.captured
-        if path.guards:        # each parameter this path updated counts one more step (torch.optim's "step")
-            for fqn in path.updated:
-                self.param_steps[fqn] = self.param_steps.get(fqn, self.steps) + 1
-            for fqn in path.trainable:
-                self.param_steps.setdefault(fqn, self.steps)
+        self.paths.count(self._last.plan.captured, self.steps)
         self._held.steps += 1
         if self.optimizer is not None:   # the update ran: lr schedulers stepped after it do not warn
             self.optimizer._opt_called = True
@@ -375,3 +324,21 @@ class Executor:
         self._keep_state(outs)
         n = cap.out_spec.num_leaves
         return cap.out_spec.unflatten([self.rt.rank0(t) for t in outs[:n]])
+
+
+def _refuse_new(what, local, kind, first, cap, names, flat, sig) -> None:
+    """A call that would need a new program where none can be made."""
+    if local:
+        # per-rank shards of a shape no program has: every rank would have to agree on it before capturing,
+        # and a global batch passed by mistake would pass for one; new shapes come through train_step
+        want = [tuple(s) for n, s in zip(cap.input_names, first.lowered.local_shapes) if n in names]
+        raise PartitionError(f"{what}: inputs of shapes {[tuple(x.shape) for x in flat]}; each rank's shard "
+                             f"must have shapes {want} (global [{show(first.signature)}]), or those of "
+                             f"another shape train_step has run. A new shape is partitioned by train_step, "
+                             f"which takes the global batch; or pad every rank's shard to these shapes.")
+    if kind == "xla":
+        # the XLA backend's shardings and constraints are those of the plan it was built for
+        raise PartitionError(f"{what}: inputs [{show(sig)}]; this torch-xla program runs the shapes it was "
+                             f"built for, [{show(first.signature)}] (its shardings are that plan's). "
+                             f"Pad batches to these shapes, or build the XLA program from a partition with "
+                             f"example inputs of the new shape.")

@@ -129,3 +129,79 @@ def say_new(what: str, entry, count: int, limit: int) -> None:
          f"the same schedule and lowered in {entry.info('').seconds:.2f} s; the state carries over. {count} "
          f"program(s) kept (at most {limit}, paths and shapes together); prog.shapes() lists them.",
          stacklevel=user_stacklevel())
+
+
+def real_values(names, flat, held):
+    """name -> the full value of a step placeholder, for the guards: this call's inputs (names[i] -> flat[i]),
+    the state `held` (a HeldState) gathered whole, once per call and only the values a guard reads."""
+    inputs = dict(zip(names, flat))
+    gathered: dict = {}
+
+    def real(name):
+        if name in inputs:
+            return inputs[name]
+        if name in held.state:
+            if name not in gathered:
+                gathered[name] = held.full(name)
+            return gathered[name]
+        return None
+    return real
+
+
+class StepPaths:
+    """An executor's side of a step that branches: a PathTrie per input signature, the draws the guards made for
+    this call, and each parameter's own step count (a path that leaves a parameter without a gradient does not
+    count a step for it, as torch.optim does not)."""
+
+    def __init__(self, first):
+        self.tries: dict = {}
+        self.draws: dict = {}
+        self.param_steps: dict = {}
+        self._rng = None
+        if first.plan.captured.guards:
+            first.path = tuple(g.value for g in first.plan.captured.guards)
+            self.tries.setdefault(first.signature, PathTrie()).insert(first.plan.captured.guards, first.key)
+
+    def __bool__(self):
+        return bool(self.tries)
+
+    def select(self, sig, real, device) -> tuple:
+        """(guard values, cache key or None): this call's path, its guards' draws kept for the step."""
+        self.draws = {}
+        self._rng = generator_state(device)
+        if sig not in self.tries:
+            return (), (sig, ())
+        values, key, self.draws = guard_values(self.tries[sig], real)
+        return values, key
+
+    def before_capture(self, values, device) -> None:
+        """The capture of a new path draws the guards' values from the generator the step started with."""
+        if values:
+            rewind(self._rng, device)
+
+    def captured(self, sig, entry, values, real) -> None:
+        """A program just captured joins its signature's trie; a path's guards run again for the step's draws."""
+        join(self.tries, sig, entry, values)
+        if not entry.path:
+            return
+        values, key, self.draws = guard_values(self.tries[sig], real)
+        if key != entry.key:
+            raise InternalError(f"partir_torch: internal error: the path just captured "
+                                f"({describe(entry.plan.captured.guards, entry.path)}) is not the one its guards "
+                                f"select ({values}). Please report this with the model.")
+
+    def draw(self, name: str):
+        return self.draws[name[len("draws."):]]
+
+    def step_of(self, name: str, steps: int) -> int:
+        """The count of "step" (steps taken) or "step.<fqn>" (that parameter's)."""
+        return steps if name == "step" else self.param_steps.get(name[len("step."):], steps)
+
+    def count(self, cap, steps: int) -> None:
+        """After a train step of path `cap` (steps: those taken before it)."""
+        if not cap.guards:
+            return
+        for fqn in cap.updated:
+            self.param_steps[fqn] = self.param_steps.get(fqn, steps) + 1
+        for fqn in cap.trainable:
+            self.param_steps.setdefault(fqn, steps)

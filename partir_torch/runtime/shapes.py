@@ -172,7 +172,7 @@ def _plan_like(train, new, refused):
     layerdrop skipped every layer): planned to keep the state and the inputs as the first program does (the eval
     programs' LiveLayout tactic), said once per path."""
     from ..plan import plan
-    from .evaluate import LiveLayout
+    from .live import LiveLayout
 
     p = plan(new, train.mesh, list(train.capture_rewrites) + [LiveLayout(train)], train.options, train.registry)
     warn(f"train_step: the schedule refused the path ({describe(new.guards, tuple(g.value for g in new.guards))}): "
