@@ -95,6 +95,23 @@ RANDOM_OPS = frozenset({aten.native_dropout.default, aten.rand.default, aten.ran
                         aten.randn_like.default, aten.bernoulli.default, aten.bernoulli.p})
 
 
+def draws_random(node) -> bool:
+    """Whether fx node `node` draws from the generator: a seeded op (RANDOM_OPS and every op tagged
+    nondeterministic_seeded; attention kernels only with dropout_p > 0)."""
+    t = node.target
+    if node.op != "call_function":
+        return False
+    if t in RANDOM_OPS:
+        return True
+    if not (isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+            and "empty" not in t.name()):
+        return False
+    if "scaled_dot_product" in t.name():
+        p = node.kwargs.get("dropout_p", node.args[3] if len(node.args) > 3 else 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return True
+
+
 # -- phases --------------------------------------------------------------------------------------------------------
 def _reach(roots, step) -> set:
     """Every node reachable from the roots by `step` (inputs or users), the roots included."""

@@ -37,6 +37,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_slot
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from ..contract import draws_random
 from ..errors import TraceError
 from .tidy import LIKE
 
@@ -96,12 +97,6 @@ def _factory(node: fx.Node):
     target, value_at = LIKE[node.target]
     args = (list(val.shape),) if value_at is None else (list(val.shape), node.args[value_at])
     return target, args, {"dtype": val.dtype, "device": val.device}
-
-
-def _random(node: fx.Node) -> bool:
-    t = node.target
-    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and \
-        torch.Tag.nondeterministic_seeded in t.tags and "empty" not in t.name()
 
 
 def _frames():
@@ -209,7 +204,7 @@ class Recorder(TorchDispatchMode):
                     stack.extend(m.all_input_nodes)
 
         for n in graph.nodes:            # every draw before pred, so the generator advances as eager's does
-            if _random(n) and n not in self._env:
+            if draws_random(n) and n not in self._env:
                 need(n)
         need(pred)
         order = {n: i for i, n in enumerate(graph.nodes)}
@@ -236,7 +231,7 @@ class Recorder(TorchDispatchMode):
                 self._env[n] = v
                 if n.op != "placeholder":
                     done.append(n)
-                if n.op == "call_function" and _random(n):
+                if n.op == "call_function" and draws_random(n):
                     self.drawn.append(n)
         self._nodes.append(done)
         return key_of(self._env[pred].item())
@@ -258,7 +253,7 @@ class Recorder(TorchDispatchMode):
         dead = [n for nodes in self._nodes for n in nodes] + self._preds
         order = {n: i for i, n in enumerate(self._preds[0].graph.nodes)} if self._preds else {}
         for n in sorted(set(dead), key=lambda n: order.get(n, -1), reverse=True):
-            if n in order and n.op == "call_function" and not n.users and not _random(n):
+            if n in order and n.op == "call_function" and not n.users and not draws_random(n):
                 n.graph.erase_node(n)
 
 

@@ -3,16 +3,9 @@ from __future__ import annotations
 
 import heapq
 
-import torch
 import torch.fx as fx
 
-from ..contract import RANDOM_OPS
-
-
-def _random(n: fx.Node) -> bool:
-    t = n.target
-    return t in RANDOM_OPS or (isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
-                               and "empty" not in t.name())
+from ..contract import draws_random
 
 
 def reorder(graph: fx.Graph, prio: dict | None = None) -> None:
@@ -23,7 +16,7 @@ def reorder(graph: fx.Graph, prio: dict | None = None) -> None:
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     prio = index if prio is None else prio
-    draws = [n for n in nodes if n.op == "call_function" and _random(n)]
+    draws = [n for n in nodes if draws_random(n)]
     after = dict(zip(draws, draws[1:]))          # draw -> the next draw, which waits for it
     pending = {n: len(n.all_input_nodes) for n in nodes}
     for n in draws[1:]:
