@@ -11,7 +11,7 @@ import torch
 
 import partir_torch as pt
 from partir_torch.errors import PartitionError, TraceError
-from tests.branch_models import Asserting, Branchy, ParamBranch
+from tests.branch_models import Asserting, Branchy, MaskedLoss, ParamBranch
 from tests.harness import adamw, train_next_to_eager
 
 T = pt.tactics
@@ -199,3 +199,24 @@ def test_summary_lists_the_paths():
     assert "The step branches on tensor values (5 read(s) on this path" in text
     assert text.count("  path ") == len(prog.shapes()) >= 2
     assert "1 assert(s) on tensor values, checked after each step: branch_models.py:" in text
+
+
+def test_boolean_mask_indexing_is_a_guard_on_its_size():
+    """`logits[mask != 0]`: the number of selected rows is a guard (issue 26 item 2, the specialising option):
+    each count a batch brings is one path, and every step equals eager."""
+    torch.manual_seed(0)
+    model = MaskedLoss()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 5, 4, generator=g), torch.randint(0, 6, (4, 5), generator=g),
+                (torch.rand(4, 5, generator=g) < 0.7).long()) for _ in range(3)]
+    batches.append(batches[0])
+    loss = lambda m, x, y, k: m(x, y, k)   # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=batches[0],
+                            loss_fn=loss, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        train_next_to_eager(prog, ref, batches, loss, adamw())
+    counts = {int((k != 0).sum()) for _, _, k in batches}
+    assert [g.count for g in prog.captured.guards] == [True, True]
+    assert {path[0] for _, path in prog.executor.shapes.entries} == counts and len(prog.shapes()) == len(counts)

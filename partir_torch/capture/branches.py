@@ -25,6 +25,7 @@ Values that cannot be evaluated (a model on `meta`, fake example inputs) make a 
 """
 from __future__ import annotations
 
+import contextlib
 import dis
 import linecache
 import os
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch._subclasses import fake_impls
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_slot
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -42,6 +44,7 @@ from ..errors import TraceError
 from .tidy import LIKE
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
+_NONZERO = torch.ops.aten.nonzero.default
 _TORCH = os.path.dirname(torch.__file__)
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _JUMPS = {"POP_JUMP_FORWARD_IF_TRUE": True, "POP_JUMP_IF_TRUE": True, "POP_JUMP_BACKWARD_IF_TRUE": True,
@@ -58,6 +61,7 @@ class Guard:
     node: str
     value: object
     where: str
+    count: bool = False                 # the value is the number of nonzero elements of the node (nonzero's size)
     program: fx.GraphModule = None
     reads: tuple = ()
     takes: tuple = ()
@@ -155,7 +159,7 @@ class Recorder(TorchDispatchMode):
         self._preds: list = []          # per guard: its predicate node
         self._placeholders: dict = {}
         self._consts: dict = {}         # get_attr node -> its tensor
-        self._root = None
+        self._root = self._tracer = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is not _SCALAR:
@@ -173,22 +177,52 @@ class Recorder(TorchDispatchMode):
         self._preds.append(node)
         return value
 
-    def _node(self, t):
+    @contextlib.contextmanager
+    def counting_nonzero(self):
+        """While tracing: `nonzero` (and what fake tensors compute with it: boolean-mask indexing, masked_select,
+        torch.where(mask)) gets the real number of nonzero elements of its traced operand, a guard: the path is
+        specialised to that size (a new count is a new path)."""
+        table = fake_impls.op_implementations_dict
+        was = table[_NONZERO]
+
+        def nonzero(fake_mode, func, arg):
+            node = self._node(arg)
+            if node is None:            # an operand made inside a kernel: as without us
+                return was(fake_mode, func, arg)
+            _, where = _frames()
+            n = self._evaluate(node, where, count=True)
+            self.guards.append(Guard(node.name, n, where, count=True))
+            self._preds.append(node)
+            return arg.new_empty_strided((n, arg.dim()), (1, max(n, 1)), dtype=torch.int64)
+
+        table[_NONZERO] = nonzero
+        try:
+            yield self
+        finally:
+            table[_NONZERO] = was
+
+    def __enter__(self):
         mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
-        if mode is None or not isinstance(t, torch.Tensor):
+        self._tracer = None if mode is None else mode.tracer      # make_fx's, entered under it (capture.py)
+        return super().__enter__()
+
+    def _node(self, t):
+        """The traced node of tensor t (functional or fake), or None."""
+        if self._tracer is None or not isinstance(t, torch.Tensor):
             return None
         inner = torch._from_functional_tensor(t.elem) if isinstance(t, FunctionalTensor) else t
-        slot = get_proxy_slot(inner, mode.tracer, None)
+        slot = get_proxy_slot(inner, self._tracer, None)
         if slot is None:
             return None
-        self._root = mode.tracer.root
+        self._root = self._tracer.root
         if not self._placeholders:
-            ph = [n for n in mode.tracer.graph.nodes if n.op == "placeholder"]
+            ph = [n for n in self._tracer.graph.nodes if n.op == "placeholder"]
             self._placeholders = {n: self.names[i] for i, n in enumerate(ph)}
         return slot.proxy.node
 
-    def _evaluate(self, pred: fx.Node, where: str):
-        """pred's real value: its backward slice and every random op traced so far, each node once per capture."""
+    def _evaluate(self, pred: fx.Node, where: str, count: bool = False):
+        """pred's real value (count: its number of nonzero elements): its backward slice and every random op traced
+        so far, each node once per capture."""
         graph = pred.graph
         todo, seen = [], set()
 
@@ -234,6 +268,8 @@ class Recorder(TorchDispatchMode):
                 if n.op == "call_function" and draws_random(n):
                     self.drawn.append(n)
         self._nodes.append(done)
+        if count:
+            return int(torch.count_nonzero(self._env[pred]))
         return key_of(self._env[pred].item())
 
     def build(self) -> None:
@@ -279,7 +315,8 @@ def _build_one(guard: Guard, nodes: list, pred, gives: list, owner: dict, g: int
         if n.op == "get_attr":
             vmap[n].target = f"const_{len(root._buffers)}"
             root.register_buffer(vmap[n].target, consts[n])
-    graph.output([vmap[pred]] + [vmap[n] for n in gives])
+    out = graph.call_function(torch.ops.aten.count_nonzero.default, (vmap[pred],)) if guard.count else vmap[pred]
+    graph.output([out] + [vmap[n] for n in gives])
     guard.program = fx.GraphModule(root, graph)
     guard.reads = tuple(placeholders[a] for a in reads)
     guard.takes = tuple(a.name for a in takes)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                          FakeTensorMode)
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
@@ -509,7 +510,7 @@ def _template_tracer(table):
 
 def _data_dependent(e: BaseException) -> bool:
     while e is not None:
-        if isinstance(e, DataDependentOutputException):
+        if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)):
             return True
         e = e.__cause__ or e.__context__
     return False
@@ -545,7 +546,7 @@ def _traced_with_branches(model, example_inputs, step, table, device, values):
     """The step traced with a Recorder (branches.py): specialised to the path its real values take, the
     generator left as it was (the guards' draws are the step's own)."""
     recorder = Recorder(step.lay.names, values or _real_values(model, example_inputs))
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), recorder.counting_nonzero():
         gm = _trace(step, step.lay, table, recorder)
     return gm, recorder
 
