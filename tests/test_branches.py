@@ -220,3 +220,16 @@ def test_boolean_mask_indexing_is_a_guard_on_its_size():
     counts = {int((k != 0).sum()) for _, _, k in batches}
     assert [g.count for g in prog.captured.guards] == [True, True]
     assert {path[0] for _, path in prog.executor.shapes.entries} == counts and len(prog.shapes()) == len(counts)
+
+
+def test_export_gives_each_parameter_its_own_step_count():
+    """After layerdrop skipped layers, export_to writes each parameter's own "step" into torch.optim's state (the
+    counts the parity steps ran with: a skipped layer's is behind the embedding's)."""
+    prog, _, _ = _run_next_to_eager(pt.Mesh({"batch": 2}), [T.data_parallel("batch")], steps=4)
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prog.export_to(model, opt)
+    steps = {n: int(opt.state[p]["step"]) for n, p in model.named_parameters() if p in opt.state}
+    want = {k: v for k, v in prog.executor.paths.param_steps.items() if v}
+    assert steps == want and len(set(steps.values())) > 1 and steps["emb.weight"] == 4, steps

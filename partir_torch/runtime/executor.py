@@ -47,7 +47,8 @@ class Executor:
         # one program per input signature (shapes.py), sharing the state held; costs: (capture_s, plan_s) of plan
         self.shapes = ShapeCache(plan.options.max_shapes, _KIND.get(plan.captured.mode, "run"))
         first = ShapeProgram(plan_signature(plan), plan, *costs)
-        self.paths, self._last = paths.StepPaths(first), None   # branches on tensor values; the last program run
+        # branches on tensor values (paths.py); the program the last call ran
+        self.paths, self._last = paths.StepPaths(first, self._held.param_steps), None
         self._first = self.shapes.add(first, pinned=True)
 
     @property

@@ -153,10 +153,10 @@ class StepPaths:
     this call, and each parameter's own step count (a path that leaves a parameter without a gradient does not
     count a step for it, as torch.optim does not)."""
 
-    def __init__(self, first):
+    def __init__(self, first, param_steps: dict):
         self.tries: dict = {}
         self.draws: dict = {}
-        self.param_steps: dict = {}
+        self.param_steps = param_steps     # the HeldState's (its state_dict and export_to report them)
         self._rng = None
         if first.plan.captured.guards:
             first.path = tuple(g.value for g in first.plan.captured.guards)
