@@ -68,3 +68,18 @@ class MaskedLoss(nn.Module):
     def forward(self, x, labels, mask):
         logits = self.a(x)                              # (B, T, V)
         return nn.functional.cross_entropy(logits[mask != 0], labels[mask != 0])   # (n, V), (n,)
+
+
+class PythonLayerdrop(nn.Module):
+    """MusicGen's layerdrop: `random.uniform(0, 1)` (Python's generator, invisible to the trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        import random
+
+        if self.training and random.uniform(0, 1) < 0.5:
+            return x.sum()
+        return self.a(x).sum()

@@ -11,7 +11,7 @@ import torch
 
 import partir_torch as pt
 from partir_torch.errors import PartitionError, TraceError
-from tests.branch_models import Asserting, Branchy, MaskedLoss, ParamBranch
+from tests.branch_models import Asserting, Branchy, MaskedLoss, ParamBranch, PythonLayerdrop
 from tests.harness import adamw, train_next_to_eager
 
 T = pt.tactics
@@ -233,3 +233,12 @@ def test_export_gives_each_parameter_its_own_step_count():
     steps = {n: int(opt.state[p]["step"]) for n, p in model.named_parameters() if p in opt.state}
     want = {k: v for k, v in prog.executor.paths.param_steps.items() if v}
     assert steps == want and len(set(steps.values())) > 1 and steps["emb.weight"] == 4, steps
+
+
+def test_a_python_random_draw_is_said_not_hidden():
+    """A draw from Python's generator cannot be a guard (the trace sees only its value): capture warns that the
+    path it chose is fixed, naming the line."""
+    with pytest.warns(UserWarning, match=r"random generator at branch_models.py:\d+: if self.training and "
+                                         r"random.uniform"):
+        pt.partition(PythonLayerdrop(), pt.Mesh({"batch": 2}), [T.data_parallel("batch")],
+                     example_inputs=(torch.randn(4, 4),), loss_fn=lambda m, x: m(x))

@@ -346,6 +346,41 @@ def lift_draws(gm: fx.GraphModule, drawn: list, names: list, roles: list) -> Non
                 gm.graph.erase_node(a)
 
 
+_PY_DRAWS = (("random", "random"), ("random", "uniform"), ("numpy.random", "random"), ("numpy.random", "uniform"),
+             ("numpy.random", "rand"))
+
+
+@contextlib.contextmanager
+def python_draws(found: list):
+    """While the step is traced, a draw from Python's or NumPy's generator (MusicGen's layerdrop draws
+    `random.uniform(0, 1)`) is recorded in `found` (the user's line): the trace fixes its value, so the program
+    takes that draw's path at every step, and capture says so (a torch.rand draw would be a guard)."""
+    import importlib
+
+    saved = []
+    for mod_name, fn_name in _PY_DRAWS:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        orig = getattr(mod, fn_name)
+
+        def wrapped(*a, _orig=orig, **k):
+            caller = sys._getframe(1).f_code.co_filename
+            if not caller.startswith((_TORCH, _OURS)):       # the model's draw, not a library's own use
+                where = _frames()[1]
+                if where and where not in found:
+                    found.append(where)
+            return _orig(*a, **k)
+        saved.append((mod, fn_name, orig))
+        setattr(mod, fn_name, wrapped)
+    try:
+        yield found
+    finally:
+        for mod, fn_name, orig in saved:
+            setattr(mod, fn_name, orig)
+
+
 def add_checks(gm: fx.GraphModule, checks: list, out_names: list) -> list:
     """The asserts' predicates as extra outputs of the traced step, named as their Checks; returns the Checks."""
     if not checks:

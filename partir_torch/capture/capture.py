@@ -23,8 +23,8 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_mutation, sync_functional_tensor, to_fun
 
 from ..contract import META_ACCUMULATE, META_NAME, META_OUTPUT, META_ROLE, forward_nodes, stamp_phases
-from ..errors import PartitionError, TraceError
-from .branches import Recorder, add_checks, lift_draws
+from ..errors import PartitionError, TraceError, user_stacklevel, warn
+from .branches import Recorder, add_checks, lift_draws, python_draws
 from .decompositions import capture_decompositions
 from .framestack import call_in_fresh_chunk
 from .inputs import as_batch, check_leaves, forward_kwargs
@@ -532,13 +532,18 @@ def _real_values(model, example_inputs):
 
 
 def _trace(step, lay, table, recorder):
-    with _tracing_session(), _use_lazy_graph_module(True), no_gc(), recording_sources():
+    drawn: list = []
+    with _tracing_session(), _use_lazy_graph_module(True), no_gc(), recording_sources(), python_draws(drawn):
         # lazy: code generated on first use (below); sources: the user's line of each forward op (sources.py)
         gm = make_fx(_functional(step, recorder), tracing_mode="fake", decomposition_table=table)(*lay.flat)
         if recorder is not None:       # the guards' programs, from the graph as traced
             recorder.build()
         if step.updated is not None:
             splice_update(gm, lay, step.updated, step.anchor, _template_tracer(table))
+    if drawn:
+        warn(f"partition: the step draws from Python's or NumPy's random generator at {'; '.join(drawn[:3])}: the "
+             f"capture fixed that draw, so every step takes the path it chose. Draw with torch (torch.rand([])): "
+             f"partir_torch then decides the branch at every step, as eager does.", stacklevel=user_stacklevel())
     return gm
 
 
