@@ -47,8 +47,7 @@ class Executor:
         # one program per input signature (shapes.py), sharing the state held; costs: (capture_s, plan_s) of plan
         self.shapes = ShapeCache(plan.options.max_shapes, _KIND.get(plan.captured.mode, "run"))
         first = ShapeProgram(plan_signature(plan), plan, *costs)
-        # branches on tensor values (paths.py); the program the last call ran
-        self.paths, self._last = paths.StepPaths(first, self._held.param_steps), None
+        self.paths, self._last = paths.StepPaths(first, self._held.param_steps), None   # branches; last program run
         self._first = self.shapes.add(first, pinned=True)
 
     @property
