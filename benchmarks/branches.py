@@ -11,6 +11,7 @@ The branch's cost is its guard programs (paths.py): the draws and ops before eac
 step.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python benchmarks/branches.py [--steps 30] [--d 256] [--layers 6]
+    ... benchmarks/branches.py --layerdrop 0.1     # paths keep coming: what a capture per new path costs
 """
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ class Net(nn.Module):
 
 def _prog(branch, args, batch):
     torch.manual_seed(0)
-    model = Net(args.d, args.layers, branch)
+    model = Net(args.d, args.layers, branch, args.layerdrop)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")     # each new path says so once
         return pt.partition(model, pt.Mesh({"batch": 2}), [pt.tactics.data_parallel("batch")], example_inputs=batch,
                             loss_fn=lambda m, x, k: m(x, k), optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
 
@@ -63,14 +64,16 @@ def main():
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--layerdrop", type=float, default=0.0, help="> 0: new paths keep coming (2^layers of them)")
     args = ap.parse_args()
+    warnings.simplefilter("ignore")         # a new path says so once per path: counted below instead
     x = torch.randn(args.batch, args.seq, args.d)
     mask = torch.zeros(args.batch, args.seq, dtype=torch.bool)
     mask[0, -3:] = True
     batch = (x, mask)
     print(f"d={args.d} layers={args.layers} batch={args.batch}x{args.seq}, data_parallel on 2 emulated ranks, "
           f"{args.steps} timed steps each (interleaved, after 2 warm-up steps); median per step")
-    for branch in ("layerdrop", "padding"):
+    for branch in ("layerdrop", "padding") if args.layerdrop == 0 else ("layerdrop",):
         progs = {"with branch": _prog(branch, args, batch), "without": _prog("none", args, batch)}
         times = {k: [] for k in progs}
         for p in progs.values():
@@ -82,10 +85,12 @@ def main():
                 p.train_step(*batch)
                 times[k].append(time.perf_counter() - t0)
         med = {k: statistics.median(v) for k, v in times.items()}
+        total = {k: sum(v) for k, v in times.items()}
         n_paths = len(progs["with branch"].shapes())
         guards = len(progs["with branch"].captured.guards)
         print(f"{branch:10s} with branch {med['with branch'] * 1e3:7.1f} ms  without {med['without'] * 1e3:7.1f} ms  "
-              f"ratio {med['with branch'] / med['without']:.3f}  ({guards} guard(s), {n_paths} path program(s))")
+              f"ratio {med['with branch'] / med['without']:.3f}  ({guards} guard(s), {n_paths} path program(s)); "
+              f"all {args.steps} steps {total['with branch']:.1f} s vs {total['without']:.1f} s")
 
 
 if __name__ == "__main__":
