@@ -181,7 +181,8 @@ class Recorder(TorchDispatchMode):
     def counting_nonzero(self):
         """While tracing: `nonzero` (and what fake tensors compute with it: boolean-mask indexing, masked_select,
         torch.where(mask)) gets the real number of nonzero elements of its traced operand, a guard: the path is
-        specialised to that size (a new count is a new path)."""
+        specialised to that size (a new count is a new path). And a traced 0-dim tensor in an f-string
+        (Switch Transformers' `self.experts[f"expert_{idx}"]`) formats its value, a guard, as eager's does."""
         table = fake_impls.op_implementations_dict
         was = table[_NONZERO]
 
@@ -195,11 +196,20 @@ class Recorder(TorchDispatchMode):
             self._preds.append(node)
             return arg.new_empty_strided((n, arg.dim()), (1, max(n, 1)), dtype=torch.int64)
 
+        fmt = torch.Tensor.__format__
+
+        def format_(t, spec):          # f"expert_{idx}" of a traced 0-dim tensor formats its value, as eager
+            if isinstance(t, FunctionalTensor) and t.dim() == 0:
+                return t.detach().item().__format__(spec)
+            return fmt(t, spec)
+
         table[_NONZERO] = nonzero
+        torch.Tensor.__format__ = format_
         try:
             yield self
         finally:
             table[_NONZERO] = was
+            torch.Tensor.__format__ = fmt
 
     def __enter__(self):
         mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
