@@ -108,10 +108,11 @@ class Program:
         by op and source line with their bytes per step; "no reshard collectives" when there are none."""
         return self.reports.audit()
 
-    def simulate(self, hw, axis_map=None, issue: str = "program"):
+    def simulate(self, hw, axis_map=None, issue: str = "program", stages: bool = True):
         """SimReport for the final program on hardware `hw` (pt.sim.hardware(...)); `.stages` holds one report per
-        tactic stage (the first: nothing partitioned)."""
-        return self.reports.simulate(hw, axis_map, issue)
+        tactic stage (the first: nothing partitioned). stages=False: the final program only (one lowering instead
+        of one per stage: the interactive answer when comparing schedules)."""
+        return self.reports.simulate(hw, axis_map, issue, stages)
 
     def annotated(self, max_nodes: int | None = None) -> str:
         """The captured graph, one line per value, with its sharding."""

@@ -72,6 +72,19 @@ class Sharding:
                                      f"{'tile dim %d' % seen[a] if a in seen else 'be partial'}; pick one.")
 
     @staticmethod
+    def interned(dims, partial=(), replicated=(), strides=()) -> "Sharding":
+        """Sharding(dims, partial, replicated, strides), one object per distinct value: propagation and lowering
+        build the same few layouts for thousands of values, and construction validates (a large program's
+        lowering spent a tenth of its time here)."""
+        key = (tuple(map(tuple, dims)), tuple(map(tuple, partial)), tuple(replicated), tuple(strides))
+        hit = _INTERNED.get(key)
+        if hit is None:
+            if len(_INTERNED) > 65536:
+                _INTERNED.clear()
+            hit = _INTERNED[key] = Sharding(dims, partial, replicated, strides)
+        return hit
+
+    @staticmethod
     def replicate(ndim: int) -> "Sharding":
         return Sharding(dims=((),) * ndim)
 
@@ -172,3 +185,6 @@ class Sharding:
             else:
                 out.append(Replicate())
         return tuple(out)
+
+
+_INTERNED: dict = {}

@@ -316,3 +316,37 @@ def test_an_object_output_is_rebuilt_around_its_tensors_and_one_without_attribut
     torch.testing.assert_close(got["memory"].all[1], want["memory"].all[1])
     with pytest.raises(TraceError, match=r"output 1 \(_Slotted\) is a _Slotted holding tensors .* use_cache=False"):
         capture(_Remember(_Slotted), (x,))
+
+
+class _RowPick(nn.Module):
+    """y[b, t] = h[b, j[t]] written as HF writes its masks: h[arange(B)[:, None], j[None, :]] (and its gradient, an
+    index_put over the same indices)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("j", torch.tensor([5, 0, 3, 3]))
+
+    def forward(self, x):
+        h = self.lin(x)                                   # (B, T, 8)
+        rows = torch.arange(h.shape[0])[:, None]
+        return h[rows, self.j[None, :]].pow(2).mean()
+
+
+def test_indexing_a_dim_by_its_own_positions_keeps_it_split():
+    import sys
+    sys.path.insert(0, "tests")
+    from harness import train_next_to_eager
+
+    torch.manual_seed(0)
+    model, ref = _RowPick(), _RowPick()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 6, 8)
+    loss = lambda m, x: m(x)  # noqa: E731
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [pt.tactics.data_parallel("batch")], example_inputs=(x,),
+                        loss_fn=loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    ops = {n.target for n in prog.plan.captured.gm.graph.nodes}
+    assert torch.ops.aten.index.Tensor in ops and torch.ops.aten.index_put.default in ops
+    # without the rewrite: h all-gathered for the index and its gradient reduce-scattered back
+    assert sorted((r.kind, r.why) for r in prog.collectives()) == [("all_reduce", "gradient"), ("all_reduce", "tactic")]
+    train_next_to_eager(prog, ref, [(x,)] * 2, loss, make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1))

@@ -34,7 +34,8 @@ from .optim import functional_optimizer
 from .outputs import flatten_outputs
 from .replicate import splice_update
 from .tags import tracing_graph, collect_tags, install_hooks
-from .tidy import untie_random_templates
+from .moe import hf_experts
+from .tidy import identity_indices, untie_random_templates
 
 FORWARD, LOSS_AND_GRADS, TRAIN, EVAL = "forward", "loss_and_grads", "train", "eval"
 # TRAIN: trace the optimizer update once per class of parameters and copy it for each (replicate.py), not op by op
@@ -533,7 +534,8 @@ def _real_values(model, example_inputs):
 
 def _trace(step, lay, table, recorder):
     drawn: list = []
-    with _tracing_session(), _use_lazy_graph_module(True), no_gc(), recording_sources(), python_draws(drawn):
+    with _tracing_session(), _use_lazy_graph_module(True), no_gc(), recording_sources(), hf_experts(), \
+            python_draws(drawn):
         # lazy: code generated on first use (below); sources: the user's line of each forward op (sources.py)
         gm = make_fx(_functional(step, recorder), tracing_mode="fake", decomposition_table=table)(*lay.flat)
         if recorder is not None:       # the guards' programs, from the graph as traced
@@ -604,6 +606,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     consts = _lift_constants(gm, names, roles)
     _refuse_state_constants(consts, model)
     untie_random_templates(gm)
+    identity_indices(gm)
     _state_mutations(gm, names, roles, out_names, model)
     if accumulate > 1:
         _accumulate_early(gm)

@@ -49,7 +49,8 @@ def adam_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
     donate=True: the step's parameters and moments are updated in place, as torch.optim does, and returned (the
     program donates them: fuse_optimizer checks that nothing reads them after this node, and the runtimes hold
     state they own, runtime/backend.py); donate=False: on copies, the inputs stay as they were."""
-    if is_fake(step[0] if isinstance(step, (list, tuple)) else step):   # shapes only (lower/fakeprop.py)
+    first = step[0] if isinstance(step, (list, tuple)) else step     # a list: one count per parameter
+    if first.is_meta or is_fake(first):   # shapes only (lower/fakeprop.py): the scalar math needs values
         like = (lambda ts: ts) if donate else (lambda ts: [torch.empty_like(t) for t in ts])  # noqa: E731
         return like(params), like(exp_avgs), like(exp_avg_sqs), like(max_exp_avg_sqs) if amsgrad else []
     if not donate:

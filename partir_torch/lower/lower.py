@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
-from torch.utils._pytree import tree_map
+from torch.fx.node import map_aggregate
 
 from ..contract import META_NAME, META_OUTPUT, META_RECOMPUTE, META_ROLE, META_SRC, STATE_PREFIXES, VIEW_OPS, Role, \
     phase_of
@@ -46,7 +46,7 @@ class Lowered:
     output_layouts: list             # per output: Sharding
     coord_axes: list                 # extra trailing placeholders: the rank's coordinate on each axis
     local_shapes: list = field(default_factory=list)   # per captured placeholder
-    annotated: bool = False          # every node's meta["val"] holds its local FakeTensor (fakeprop.py)
+    annotated: bool = False          # every node's meta["val"] holds its local shape as a meta tensor (fakeprop.py)
     scheduled: Scheduled | None = None   # where collectives are issued and waited for (schedule.py)
 
 
@@ -91,10 +91,16 @@ def op_layouts(decisions: Decisions, i: int):
                 for a in axes:
                     place_axis(ordered, a, lambda x: sf.get(x, 1), mesh)
                 dims[dd] = ordered
-    ins = [None if ignored[j] else Sharding(in_dims[j], in_part[j], strides=in_strides[j]) for j in range(nops)]
-    outs = [None if out_dims[j] is None else Sharding(out_dims[j], out_part[j], strides=out_strides[j])
+    ins = [None if ignored[j] else Sharding.interned(in_dims[j], in_part[j], (), _strides(in_strides[j]))
+           for j in range(nops)]
+    outs = [None if out_dims[j] is None else Sharding.interned(out_dims[j], out_part[j], (), _strides(out_strides[j]))
             for j in range(nres)]
     return ins, outs
+
+
+def _strides(pairs) -> tuple:
+    """Sharding's normal form of (axis, split) pairs: one per axis (the last given), splits > 1, sorted."""
+    return tuple(sorted((a, int(k)) for a, k in dict(pairs).items() if int(k) > 1)) if pairs else ()
 
 
 def _place_factor(rule, f, axis, inner, in_dims, in_strides, out_dims, out_strides, out_part) -> None:
@@ -235,7 +241,7 @@ class Lowerer:
                 return x
             return self.env[a] if isinstance(a, fx.Node) else a
 
-        args, kwargs = tree_map(mapped, node.args), tree_map(mapped, node.kwargs)
+        args, kwargs = map_aggregate(node.args, mapped), map_aggregate(node.kwargs, mapped)
         out_local = [None if o is None else _local(g.shapes[v], o, mesh) if v is not None else None
                      for o, v in zip(outs, op.results)]
         if not isinstance(node.meta.get("val"), torch.Tensor):

@@ -43,7 +43,7 @@ def value_sharding(rec, vid: int) -> Sharding:
             rep.append(axis)
         elif s >= 0 and (c, axis) in rec.strides:
             strides.append((axis, rec.strides[(c, axis)]))
-    return Sharding(dims=dims, partial=partial, replicated=rep, strides=strides)
+    return Sharding.interned(dims, partial, rep, strides)
 
 
 class Kind(Enum):

@@ -82,4 +82,5 @@ def rules() -> dict:
         aten.var.correction: reduce_rule(NEED_REP),
         aten.var_mean.correction: reduce_rule(NEED_REP),
         aten.cumsum.default: along_dim(1),
+        aten.linalg_vector_norm.default: reduce_rule(NEED_REP, dim_arg=2, keepdim_arg=3),   # ConvNeXt-V2's GRN
     }

@@ -11,6 +11,7 @@ from .base import declare
 from .presets import DataParallel
 from .structure import expert_weights, forward_uses
 from ..contract import META_ROLE, forward_nodes
+from ..rules.moe import EXPERTS_OP
 
 
 @declare("expert", macro=True)
@@ -47,6 +48,14 @@ class ExpertParallel:
         k = ctx.mesh.shape[self.axis]
         experts = expert_weights(ctx.captured) if self.params is None else self._selected(ctx)
         if not experts:
+            grouped = sum(1 for n in ctx.captured.gm.graph.nodes if n.target is EXPERTS_OP)
+            if grouped:
+                raise PartitionError(
+                    f"{self.name}: the model's {grouped} MoE layer(s) run Hugging Face's grouped-mm experts, captured "
+                    f"as partir::experts_grouped (one per-token op that keeps tokens on their rank under data "
+                    f"parallelism, rules/moe.py); it needs every expert's weights on the rank, so expert "
+                    f"parallelism over axis '{self.axis}' (size {k}) cannot split them. Shard the experts' weights "
+                    f"with zero(3) instead, or leave expert_parallel out of the schedule.")
             raise PartitionError(f"{self.name}: the model has no stacked expert weights (parameters (E, ., .) used "
                                  f"by a batched matmul over E or selected per token); expert parallelism does not "
                                  f"apply to a dense model.")
