@@ -165,14 +165,14 @@ class Plan:
 
 
 def capture_for(model, schedule, example_inputs, loss_fn=None, optimizer=None, clip_grad_norm=None,
-                accumulate: int = 1, accumulate_dims=None, eval_loss: bool = False):
+                accumulate: int = 1, accumulate_dims=None, eval_loss: bool = False, values=None):
     """Capture `model`'s step as `schedule` needs it: its capture rewrites (mixed precision, remat) applied and the
     decompositions its tactics ask for. The result can be planned with any schedule of the same capture rewrites."""
     entries = flatten_schedule(schedule)
     rewrites = [t for t in entries if isinstance(t, CaptureRewrite)]
     return capture(model, example_inputs, loss_fn, optimizer, rewrites, _decompositions(entries),
                    clip_grad_norm=clip_grad_norm,
-                   accumulate=accumulate, accumulate_dims=accumulate_dims, eval_loss=eval_loss)
+                   accumulate=accumulate, accumulate_dims=accumulate_dims, eval_loss=eval_loss, values=values)
 
 
 def plan(captured, mesh: Mesh, schedule, options: Options | None = None, registry=None) -> Plan:

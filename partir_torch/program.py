@@ -80,8 +80,28 @@ class Program:
         return self.reports.explain(name)
 
     def summary(self) -> str:
-        """One row per tactic stage: decisions, conflicts, collectives added, bytes per step, memory per device."""
-        return self.reports.summary()
+        """One row per tactic stage: decisions, conflicts, collectives added, bytes per step, memory per device;
+        for a step that branches on tensor values, the paths captured so far (the table is the example inputs'
+        path's program)."""
+        text = self.reports.summary()
+        cap = self.plan.captured
+        if not cap.guards and not cap.checks:
+            return text
+        lines = []
+        if cap.guards:
+            seen = list(dict.fromkeys(g.where or g.node for g in cap.guards))
+            lines.append(f"The step branches on tensor values ({len(cap.guards)} read(s) on this path, at "
+                         f"{'; '.join(seen[:4])}{' ...' if len(seen) > 4 else ''}): one program per path taken.")
+            ex = self._executor
+            entries = list(ex.shapes.entries.values()) if ex is not None else []
+            for e in entries:
+                lines.append(f"  path {e.info('').path or '(example inputs)'}: {e.calls} call(s)")
+            if ex is None:
+                lines.append("  paths captured: the example inputs' only (no step has run)")
+        if cap.checks:
+            lines.append(f"{len(cap.checks)} assert(s) on tensor values, checked after each step: "
+                         + "; ".join(c.where for c in cap.checks[:3]))
+        return "\n".join([text] + lines)
 
     def audit(self) -> str:
         """The "reshard" collectives (layout changes no tactic asked for: an op without a rule, a conflict), grouped

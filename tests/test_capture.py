@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -256,16 +257,24 @@ class DataDependent(nn.Module):
         return y
 
 
-def test_data_dependent_control_flow_raises_trace_error_naming_the_line():
+def test_data_dependent_control_flow_is_captured_per_path():
+    """A branch on a tensor value (issue 26; test_branches.py has the training cases): the forward is captured
+    for the path its example inputs take, and a call that takes the other one is captured for that path; both
+    equal eager."""
+    torch.manual_seed(0)
+    model = DataDependent()
     line = next(i for i, src in enumerate(inspect.getsourcelines(DataDependent.forward)[0])
                 if "if y.sum() > 0" in src) + DataDependent.forward.__code__.co_firstlineno
-    with pytest.raises(TraceError) as ei:
-        pt.partition(DataDependent(), pt.Mesh({"batch": 2}), [pt.ManualPartition({"inputs.0": 0}, axis="batch")],
-                     example_inputs=(torch.randn(4, 8),))
-    msg = str(ei.value)
-    assert isinstance(ei.value, pt.PartitionError)
-    assert f"{__file__}:{line} in forward" in msg
-    assert "DataDependent" in msg and "torch.where" in msg
+    x = torch.randn(4, 8)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [pt.ManualPartition({"inputs.0": 0}, axis="batch")],
+                        example_inputs=(x,))
+    assert [g.where.split(": ")[0] for g in prog.captured.guards] == [f"test_capture.py:{line}"]
+    flip = -x - 2 * model.fc.bias.detach()          # fc(flip) = -fc(x): the other side of the branch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for inp in (x, flip, x):
+            torch.testing.assert_close(prog(inp), model(inp), rtol=1e-6, atol=0)
+    assert sorted(r.calls for r in prog.shapes()) == [1, 2]
 
 
 # -- objects among the outputs (a KV cache) ----------------------------------------------------------------------

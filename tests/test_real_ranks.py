@@ -22,6 +22,8 @@ rank returns plain Python results and the tests below read them:
   phase "clip_acc_eval": (issue 11) gpt, BP + MP + Z3 on {dp: 2, tp: 2} with clip_grad_norm and accumulate=2,
                   a third step at a new sequence length (issue 22: partitioned again on every rank, state kept),
                   then eval_step at another batch size: losses, norms, parameters and eval loss equal one device.
+  phase "branches": (issue 26) a step that branches on tensor values (tests/branch_models.py), BP + MP: every
+                  rank takes one device's path each step, new paths captured on every rank.
   phase "memory": (issue 19) gpt_sdpa, BP + Z3 on {batch: 4}, measure_memory=True: each rank's measured peak
                   (prog.peak_memory(), the CPU storage tracker in each process) is within 5% of the simulator's.
                   bucket_bytes=0: gloo's worker thread may drop a collective's buffers a little after its wait
@@ -163,6 +165,38 @@ def _phase_moe_ep(mesh):
     return {"losses": losses, "ref_losses": ref_losses,
             "all_to_all": sum(r.kind == "all_to_all" for r in prog.collectives()),
             "param_errs": {k: _max_err(gathered[k], w) for k, w in ref_params.items() if k in gathered}}
+
+
+def _phase_branches(mesh) -> dict:
+    """(issue 26) a step that branches on tensor values (padding mask, layerdrop, an assert): each rank decides
+    every step's path from the global batch and its generator (seeded alike), captures new paths itself, and
+    equals one device step by step."""
+    import partir_torch as pt
+    from tests.branch_models import Branchy
+    from tests.test_branches import _batches
+
+    torch.manual_seed(0)
+    model = Branchy()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    batches = _batches(4)
+    torch.manual_seed(5)
+    prog = pt.partition(model, mesh, [pt.tactics.data_parallel("batch"), pt.tactics.megatron("model")],
+                        example_inputs=batches[0], loss_fn=lambda m, x, k: m(x, k),
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    losses = []
+    for i, b in enumerate(batches):
+        torch.manual_seed(100 + i)
+        got = prog.train_step(*b).item()
+        torch.manual_seed(100 + i)
+        opt.zero_grad()
+        want = ref(*b)
+        want.backward()
+        opt.step()
+        losses.append((got, want.item()))
+    gathered = prog.gather_parameters()
+    return {"losses": losses, "paths": len(prog.shapes()),
+            "param_errs": {k: _max_err(gathered[k], p.detach()) for k, p in ref.named_parameters()}}
 
 
 def _phase_memory(spec, batch, rank) -> dict:
@@ -445,6 +479,7 @@ def _worker(rank, port, ckpt, queue):
                          ("dcp", lambda: _phase_dcp(ckpt)),
                          ("uneven", lambda: _phase_uneven(ckpt)),
                          ("clip_acc_eval", _phase_clip_accumulate_eval),
+                         ("branches", lambda: _phase_branches(mesh)),
                          ("memory", lambda: _phase_memory(spec, batch, rank)),
                          ("mismatch", lambda: _phase_mismatch(spec, mesh, rank)),
                          ("diverge", lambda: _phase_diverge(spec, batch, plans, rank)),
@@ -589,6 +624,14 @@ def test_real_ranks_clipping_accumulation_and_eval_equal_one_device(ranks):
             assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r}"
         assert r["param_err"] <= 0, f"rank {rank}: parameters outside rtol/atol by {r['param_err']}"
         assert r["shapes"] == [(8, 16), (8, 12)], f"rank {rank}: {r['shapes']}"
+
+
+def test_real_ranks_branches_take_one_devices_path(ranks):
+    for rank, r in _phase(ranks, "branches").items():
+        for got, want in r["losses"]:
+            assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r['losses']}"
+        assert max(r["param_errs"].values()) <= 0, f"rank {rank}: {r['param_errs']}"
+        assert r["paths"] >= 2, f"rank {rank}: {r['paths']} path(s)"
 
 
 def test_real_ranks_measured_peak_memory_within_5_percent_of_simulated(ranks):

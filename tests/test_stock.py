@@ -176,18 +176,19 @@ def test_capture_errors_name_the_cause(kw, pattern):
         kw["optimizer"] = torch.optim.Adagrad(m.parameters())
     with pytest.raises(pt.PartitionError, match=pattern) as info:
         _partition(model=m, **kw)
-    assert "branch" not in str(info.value)      # the data-dependence advice only where that is the cause
+    assert "branches on tensor values" not in str(info.value)   # that advice only where it is the cause
 
 
-def test_data_dependent_branch_gets_the_branch_advice():
+def test_data_dependent_branch_is_captured_for_its_path():
+    """A branch on a tensor value is a guard of the captured path (issue 26; tests/test_branches.py)."""
     class Branchy(Tiny):
         def forward(self, x):
             y = self.out(self.emb(x))
             return y if y.sum() > 0 else -y
 
-    with pytest.raises(TraceError, match=r"(?s)test_stock\.py.*branches on tensor values"):
-        pt.partition(Branchy(), pt.Mesh({"b": 2}), [T.data_parallel("b")],
-                     example_inputs=(torch.randint(0, 16, (4, 5)),), loss_fn=tiny_loss)
+    prog = pt.partition(Branchy(), pt.Mesh({"b": 2}), [T.data_parallel("b")],
+                        example_inputs=(torch.randint(0, 16, (4, 5)),), loss_fn=tiny_loss)
+    assert [g.where.split(":")[0] for g in prog.captured.guards] == ["test_stock.py"]
 
 
 def test_writing_a_parameter_in_place_is_refused():

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 # bernoulli_(empty_like(x), p)
 _TEMPLATE_RANDOM = RANDOM_OPS & {aten.bernoulli.p, aten.rand_like.default, aten.randn_like.default}
 # factories shaped like their operand -> the factory with a static shape (value argument index, else None)
-_LIKE = {aten.empty_like.default: (aten.empty.memory_format, None), aten.zeros_like.default: (aten.zeros.default, None),
+LIKE = {aten.empty_like.default: (aten.empty.memory_format, None), aten.zeros_like.default: (aten.zeros.default, None),
          aten.ones_like.default: (aten.ones.default, None), aten.full_like.default: (aten.full.default, 1)}
 
 
@@ -20,10 +20,10 @@ def untie_random_templates(gm: fx.GraphModule) -> None:
     layout to x's, and random draws stay whole (rules/pointwise.py RANDOM), so a batch-tiled x would be gathered
     to make an uninitialised template whole. The template becomes a factory of x's static shape instead."""
     for n in list(gm.graph.nodes):
-        if n.target not in _LIKE or not n.users or any(u.target not in _TEMPLATE_RANDOM for u in n.users):
+        if n.target not in LIKE or not n.users or any(u.target not in _TEMPLATE_RANDOM for u in n.users):
             continue
         val = n.meta["val"]
-        target, value_at = _LIKE[n.target]
+        target, value_at = LIKE[n.target]
         args = (list(val.shape),) if value_at is None else (list(val.shape), n.args[value_at])
         with gm.graph.inserting_before(n):
             new = gm.graph.call_function(target, args, {"dtype": val.dtype, "device": val.device})

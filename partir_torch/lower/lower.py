@@ -318,7 +318,8 @@ class Lowerer:
                 # gather the view's source instead (once, shared by all its views: q/k/v of one norm output),
                 # then view the whole tensor again
                 x_src, _ = self.fetch(src, Sharding.replicate(len(g.shapes[g.vid[src]])), consumer)
-                x = self.new.call_function(node.target, (x_src, *node.args[1:]), dict(node.kwargs))
+                x = self.new.call_function(_RESHAPE.get(node.target, node.target), (x_src, *node.args[1:]),
+                                           dict(node.kwargs))
             else:
                 self.em.cause = self._cause(node, consumer)
                 x = reshard(self.em, self.env[node], self.local_shape[node], node.meta["val"].dtype, have, want,

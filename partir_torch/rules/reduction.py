@@ -74,6 +74,8 @@ def rules() -> dict:
         aten.argmin.default: reduce_rule(NEED_REP),
         aten.any.dim: reduce_rule(NEED_REP),
         aten.any.dims: reduce_rule(NEED_REP),
+        aten.any.default: reduce_rule(NEED_REP),   # all dims (an assert's `x.isnan().any()`)
+        aten.all.default: reduce_rule(NEED_REP),
         aten.all.dim: reduce_rule(NEED_REP),
         aten.prod.dim_int: reduce_rule(NEED_REP),
         aten.logsumexp.default: reduce_rule(NEED_REP),
