@@ -21,6 +21,7 @@ ROOT = Path(R.__file__).resolve().parents[1]
 KNOWN_GAPS = {
     "aten.dot.default": ["flops"],              # matmul-like, not in torch's flop counter: charged as memory bound
     "aten.mv.default": ["flops"],
+    "aten.linalg_solve_triangular.default": ["flops"],   # n^2 k per batch: charged as memory bound
     "aten.glu_backward.default": ["xla"],       # torch-xla 2.9 has no kernel and no composite for it
     "aten.im2col.default": ["xla"],             # nn.Unfold / nn.Fold: not checked on torch-xla
     "aten.col2im.default": ["xla"],

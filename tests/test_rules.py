@@ -111,6 +111,22 @@ def test_flip_and_scatter_reduce_rules():
     assert not report.wrong and not report.missing and not report.errors, str(report)
 
 
+def test_triangular_solve_and_unfold_rules():
+    """Chunked delta rules (Qwen3-Next: solve_triangular per (batch, head, chunk)) and sliding windows (unfold and
+    its backward): the batch dims pass, the solved / windowed dims stay whole."""
+    def f(a, b, x, g):
+        tri = a.tril(-1) + 3.0                  # the upper triangle is not read (upper=False)
+        return (torch.linalg.solve_triangular(tri, b, upper=False), torch.linalg.solve_triangular(
+                    tri[0], b[0].transpose(-1, -2), upper=False, left=False),
+                x.unfold(1, 3, 2), aten.unfold_backward(g, [4, 7, 6], 1, 3, 2))
+
+    gm = _trace(f, torch.randn(4, 3, 5, 5), torch.randn(4, 3, 5, 2), torch.randn(4, 7, 6), torch.randn(4, 3, 6, 3))
+    ops = {str(n.target) for n in gm.graph.nodes}
+    assert {"aten.linalg_solve_triangular.default", "aten.unfold.default", "aten.unfold_backward.default"} <= ops
+    report = verify_graph(gm)
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
 def test_fft_rules():
     """FNet mixes tokens with FFTs over (seq, hidden): the batch passes, the transformed dims stay whole."""
     def f(x):

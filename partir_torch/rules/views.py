@@ -222,6 +222,18 @@ def flip(ctx):
     return b.rule([fs], [fs], [({0}, ALL_OPS)])
 
 
+def unfold(ctx):
+    """x.unfold(dim, size, step) (..., n, ...) -> (..., L, ..., size), and unfold_backward(grad, input_sizes, dim,
+    size, step) back: windows along `dim` (whole), every other dim passes. Linear."""
+    backward = ctx.node.target == aten.unfold_backward.default
+    x = ctx.out_shapes[0] if backward else ctx.in_shapes[0]
+    dim = ctx.arg(2 if backward else 1, "dim") % len(x)
+    b = RuleBuilder()
+    fs = [(b.new(n),) if d != dim and n > 1 else () for d, n in enumerate(x)]
+    windows = fs + [()]
+    return b.rule([windows if backward else fs], [fs if backward else windows], [({0}, ("sum",))])
+
+
 def complex_pairs(ctx):
     """view_as_complex (..., 2) -> (...) and view_as_real (...) -> (..., 2): the leading dims pass, the pair of
     (real, imaginary) parts stays whole. Linear: a partial value stays partial."""
@@ -249,5 +261,6 @@ def rules() -> dict:
         aten.slice_backward.default: along(2), aten.select_backward.default: select_backward,
         aten.as_strided.default: as_strided, aten.as_strided_scatter.default: as_strided_scatter,
         aten.view_as_complex.default: complex_pairs, aten.view_as_real.default: complex_pairs,
-        aten.flip.default: flip,                          # Mamba-style scans over a reversed sequence
+        aten.flip.default: flip,
+        aten.unfold.default: unfold, aten.unfold_backward.default: unfold,                          # Mamba-style scans over a reversed sequence
     }
