@@ -27,6 +27,7 @@ from .decompositions import capture_decompositions
 from .framestack import call_in_fresh_chunk
 from .inputs import as_batch, check_leaves, forward_kwargs
 from .sources import recording_sources
+from .stages import recording_modules
 from .graphutil import no_gc, source_line, split_for_backward
 from .optim import functional_optimizer
 from .outputs import flatten_outputs
@@ -398,6 +399,7 @@ class _Step:
         self.clip_grad_norm, self.accumulate, self.accumulate_dims = clip_grad_norm, accumulate, accumulate_dims
         self.out_names: list = []
         self.out_spec = None
+        self.recorder = None                       # stages._Recorder when capture records modules
         self.updated, self.anchor = None, None     # TRAIN: the update's parameters, the last node before it
         self.running_stats = {f"{fqn}.{n}" if fqn else n for fqn, mod in model.named_modules()
                               if isinstance(mod, torch.nn.modules.batchnorm._NormBase)
@@ -442,7 +444,9 @@ class _Step:
     def _loss_and_grads(self, p, state, fargs):
         trainable, k_acc = self.lay.trainable, self.accumulate
         loss, grads, unused = None, None, set()
-        for micro in _micro_batches(fargs, k_acc, self.accumulate_dims):
+        for j, micro in enumerate(_micro_batches(fargs, k_acc, self.accumulate_dims)):
+            if self.recorder is not None:        # a pipeline's capture: the ops of micro-batch j (stages.py)
+                self.recorder.micro = j
             # the module holds the traced state until the backward has run: checkpointed blocks recompute their
             # forward inside it
             with torch.enable_grad(), _reparametrize_module(self.model, state, tie_weights=True):
@@ -463,6 +467,8 @@ class _Step:
                 with fx_traceback.preserve_node_meta(), fx_traceback.annotate({META_ACCUMULATE: True}):
                     grads = {k: grads[k] + got[k] for k in trainable}
             loss = part.detach() if loss is None else loss + part.detach()
+        if self.recorder is not None:
+            self.recorder.micro = None
         return loss, grads, unused
 
     def _update(self, p, grads, loss, rest):
@@ -498,10 +504,11 @@ def _template_tracer(table):
 
 def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None, options=(),
             decompositions=None, clip_grad_norm=None, accumulate=1, accumulate_dims=None,
-            eval_loss=False) -> Captured:
+            eval_loss=False, record_modules=False) -> Captured:
     """options: capture-time tactics (MixedPrecision, Remat) that shape the traced step; decompositions: extra
     ones a tactic needs (see decompositions.py). clip_grad_norm, accumulate, accumulate_dims: see partition().
-    eval_loss: the loss only, no gradients (mode EVAL)."""
+    eval_loss: the loss only, no gradients (mode EVAL). record_modules: every op records its module and
+    micro-batch (stages.py; what a pipeline tactic cuts the step by)."""
     example_inputs = as_batch(example_inputs)
     mode = FORWARD if loss_fn is None else EVAL if eval_loss else (LOSS_AND_GRADS if optimizer is None else TRAIN)
     if loss_fn is not None:
@@ -515,8 +522,10 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         handles += opt.install(model)
     try:
         table = {**capture_decompositions(), **(decompositions or {})}
-        with _tracing_session(), _use_lazy_graph_module(True), no_gc(), recording_sources():
+        with _tracing_session(), _use_lazy_graph_module(True), no_gc(), recording_sources(), \
+                (recording_modules(model) if record_modules else contextlib.nullcontext()) as rec:
             # lazy: code generated on first use (below); sources: the user's line of each forward op (sources.py)
+            step.recorder = rec
             gm = make_fx(_functional(step), tracing_mode="fake", decomposition_table=table)(*lay.flat)
             if step.updated is not None:
                 splice_update(gm, lay, step.updated, step.anchor, _template_tracer(table))
@@ -540,7 +549,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     cap.consts = consts
     cap.in_spec = lay.in_spec
     cap.settings = dict(clip_grad_norm=clip_grad_norm, accumulate=accumulate, accumulate_dims=accumulate_dims,
-                        eval_loss=eval_loss)
+                        eval_loss=eval_loss, record_modules=record_modules)
     cap.modes = tuple(m.training for m in model.modules())
     cap.rewrites = tuple(opt.name for opt in options)
     cap.decompositions = frozenset((decompositions or {}).keys())
