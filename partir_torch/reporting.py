@@ -178,6 +178,12 @@ class Reports:
         for k, name in [(-1, "replicated")] + [(k, s.tactic) for k, s in enumerate(self.stages)]:
             low = self.plan.annotated_lowered(k)
             recompute = {n.name for n in low.gm.graph.nodes if n.meta.get(META_RECOMPUTE)}
+            if low.pipeline is not None:      # one timeline per rank of the pipeline axis (sim/pipeline.py)
+                from .sim.pipeline import simulate_pipeline
+
+                reports.append(simulate_pipeline(low.gm, self.mesh, hw, low.pipeline, axis_map=axis_map,
+                                                 stage_name=name, exclude_flops=recompute))
+                continue
             reports.append(simulate_graph(low.gm, self.mesh, hw, axis_map=axis_map, stage_name=name, issue=issue,
                                           exclude_flops=recompute))
         final = reports[-1]

@@ -55,6 +55,7 @@ class SimReport:
     # held-out median |error| of the closest validated family (sim/confidence.py) and that family's name
     confidence: float | None = None
     confidence_family: str = ""
+    pipeline: object = None              # sim/pipeline.PipelineSim of a pipelined program (bubble, stages, transfers)
 
     def collectives_by_kind(self) -> dict:
         """kind -> (count, bytes, seconds)."""
@@ -92,6 +93,8 @@ class SimReport:
         mem = ", ".join(f"{k} {_bytes(v)}" for k, v in last.memory_breakdown.items() if v)
         if mem:
             text += f"\npeak memory ({last.stage_name or 'program'}): {mem}"
+        if last.pipeline is not None:
+            text += "".join(f"\n{line}" for line in last.pipeline.lines())
         return text
 
     def __str__(self) -> str:

@@ -177,7 +177,12 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
     stage's value."""
     stage_of_module = _matcher(globs)
     updated = {ph for ph, _ in cap.ties}
+    nodes = list(cap.gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    first_staged = next((i for i, n in enumerate(nodes) if n.op == "call_function"
+                         and stage_of_module(n.meta.get(META_MODULE)) is not None), len(nodes))
     stage: dict = {}
+    by_param: dict = {}
     params = [[] for _ in globs]
     for n in cap.gm.graph.nodes:
         if n.op == "placeholder":
@@ -185,14 +190,20 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
             fqn = _state_fqn(name)
             if n.meta.get(META_ROLE) == Role.BUFFER and n not in updated:
                 fqn = None      # a constant buffer (rope tables): every stage reads its own copy, as the batch
+            if name.startswith("opt.") and name.split(".", 2)[2] in by_param:
+                s = by_param[name.split(".", 2)[2]]        # a parameter's optimizer state lives with it
+            elif fqn == "" and n.users:   # the root module's own state: the stage where the forward first reads it
+                s = 0 if min(index[u] for u in n.users) < first_staged else len(globs) - 1
+            elif fqn is not None:
+                s = stage_of_module(fqn)
             if fqn is not None:
-                s = stage_of_module(fqn) if fqn else None
                 if s is None:
                     raise PartitionError(f"{tactic.name}: {name} belongs to module '{fqn or '<root>'}', which no "
                                          f"stage's globs match ({[list(g) for g in globs]}). Add it to a stage.")
                 stage[n] = s
                 if n.meta.get(META_ROLE) == Role.PARAM:
                     params[s].append(name[len("params."):])
+                    by_param[name[len("params."):]] = s
             continue
         if n.op != "call_function":
             continue
