@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RankFailureError, RuntimeMismatchError
+from ..errors import PartitionError
 from ..mesh import Mesh
 from ..sharding import Sharding
 from . import faults
@@ -190,6 +191,12 @@ class DistributedRuntime:
         """The plan's per-device program (lowered once per plan) bound to this runtime's process groups."""
         from ..lower.lower import bind
 
+        if plan.pipeline is not None:
+            raise PartitionError(f"partition: a pipeline tactic ({plan.pipeline.schedule} on axis "
+                                 f"'{plan.pipeline.axis}') runs on emulated ranks only for now; real ranks "
+                                 f"(torch.distributed) would need its point-to-point transfers as send/recv. Run "
+                                 f"without torch.distributed initialised (all ranks emulated), or drop the pipeline "
+                                 f"tactic.")
         return bind(plan.lowered(), self.groups)
 
     def rank0(self, t) -> torch.Tensor:

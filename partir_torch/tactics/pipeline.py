@@ -32,6 +32,7 @@ import torch
 from ..contract import META_MICRO, META_MODULE, META_NAME, META_ROLE, Phase, Role, phase_of
 from ..errors import PartitionError
 from .base import declare
+from .structure import param_source
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 
@@ -177,10 +178,6 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
     stage's value."""
     stage_of_module = _matcher(globs)
     updated = {ph for ph, _ in cap.ties}
-    nodes = list(cap.gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    first_staged = next((i for i, n in enumerate(nodes) if n.op == "call_function"
-                         and stage_of_module(n.meta.get(META_MODULE)) is not None), len(nodes))
     stage: dict = {}
     by_param: dict = {}
     params = [[] for _ in globs]
@@ -192,10 +189,12 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
                 fqn = None      # a constant buffer (rope tables): every stage reads its own copy, as the batch
             if name.startswith("opt.") and name.split(".", 2)[2] in by_param:
                 s = by_param[name.split(".", 2)[2]]        # a parameter's optimizer state lives with it
-            elif fqn == "" and n.users:   # the root module's own state: the stage where the forward first reads it
-                s = 0 if min(index[u] for u in n.users) < first_staged else len(globs) - 1
             elif fqn is not None:
-                s = stage_of_module(fqn)
+                s = stage_of_module(fqn) if fqn else None
+                if s is None and n.users and (fqn == "" or isinstance(tactic.stages, int)):
+                    # the root module's own state, or (a balanced cut) a module read only through its attributes
+                    # (wpe.weight[:T]): the first stage whose modules read it, else the last
+                    s = _first_reader(n, stage_of_module, len(globs) - 1)
             if fqn is not None:
                 if s is None:
                     raise PartitionError(f"{tactic.name}: {name} belongs to module '{fqn or '<root>'}', which no "
@@ -219,11 +218,12 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
         if s is not None:
             stage[n] = s
         for a in n.all_input_nodes:
-            if a.op == "placeholder" and a in stage and stage[a] != s and s is not None:
-                raise PartitionError(f"{tactic.name}: {a.meta.get(META_NAME)} (stage {stage[a]}) is read by "
+            src = a if a.op == "placeholder" else (param_source(a) or (None,))[0]
+            if src is not None and stage.get(src) is not None and s is not None and stage.get(a) != s:
+                raise PartitionError(f"{tactic.name}: {src.meta.get(META_NAME)} (stage {stage[src]}) is read by "
                                      f"{n.format_node()} on stage {s}; a value of the step's state must live on one "
-                                     f"stage (tied weights across stages are not supported). Put both uses in one "
-                                     f"stage, or untie the weights.")
+                                     f"stage (tied weights across stages are not supported yet). Put both uses in "
+                                     f"one stage, or untie the weights.")
     for i, p in enumerate(params):
         if not p and not any(s == i for s in stage.values()):
             raise PartitionError(f"{tactic.name}: stage {i} ({list(globs[i])}) holds no op of the step; every stage "
@@ -231,6 +231,23 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
     return PipelineSpec(tactic.axis, tactic.schedule, len(globs), ranks, tactic.n_microbatches,
                         MappingProxyType({n.name: s for n, s in stage.items()}), tuple(tuple(g) for g in globs),
                         tuple(tuple(p) for p in params))
+
+
+def _first_reader(node, stage_of_module, last: int) -> int:
+    """The lowest stage among the first ops of some stage's modules that read `node`'s value (through ops of no
+    module: a slice, the residual add around the blocks); `last` when none does (the loss reads it)."""
+    found, seen, todo = [], set(), list(node.users)
+    while todo:
+        u = todo.pop()
+        if u in seen or u.op != "call_function" or phase_of(u) != Phase.FORWARD:
+            continue
+        seen.add(u)
+        s = stage_of_module(u.meta.get(META_MODULE))
+        if s is not None:
+            found.append(s)
+        else:
+            todo.extend(u.users)
+    return min(found) if found else last
 
 
 def balanced_cut(cap, n: int) -> tuple:
