@@ -55,6 +55,7 @@ class DistributedRuntime:
         self._compiled: dict = {}
         self.measure_memory = False      # the Executor sets it from Options.measure_memory
         self.last_peak = None            # {this rank: bytes} of the last measured step (runtime/memtrack.py)
+        self.state_owner = None          # pipelined programs: (axis, {state name: coordinate that holds it})
 
     def _group_options(self, dev: str):
         from torch._C._distributed_c10d import Backend as C10dBackend
@@ -185,19 +186,40 @@ class DistributedRuntime:
         return self.dtensor(t, sh, shape).full_tensor()
 
     def value(self, t, sh: Sharding, shape):
+        if self.state_owner is not None:
+            raise PartitionError("state_dict() of a pipelined program on real ranks is not supported yet (a stage's "
+                                 "state lives on its ranks only, which a DTensor over the whole mesh cannot say); "
+                                 "prog.gather_parameters() and prog.full_state_dict() work.")
         return self.dtensor(t, sh, shape)
 
     def program(self, plan):
         """The plan's per-device program (lowered once per plan) bound to this runtime's process groups."""
         from ..lower.lower import bind
 
-        if plan.pipeline is not None:
-            raise PartitionError(f"partition: a pipeline tactic ({plan.pipeline.schedule} on axis "
-                                 f"'{plan.pipeline.axis}') runs on emulated ranks only for now; real ranks "
-                                 f"(torch.distributed) would need its point-to-point transfers as send/recv. Run "
-                                 f"without torch.distributed initialised (all ranks emulated), or drop the pipeline "
-                                 f"tactic.")
+        if plan.pipeline is not None:    # this rank's stage, its transfers as send/recv (p2p.py)
+            from .p2p import rank_program, state_coords
+
+            if self.compile or self.measure_memory:
+                raise PartitionError("partition: a pipeline on real ranks runs eager and unmeasured for now; leave "
+                                     "compile and measure_memory off.")
+            self.state_owner = (plan.pipeline.axis, state_coords(plan))
+            return rank_program(bind(plan.annotated_lowered(), self.groups), plan, self)
         return bind(plan.lowered(), self.groups)
+
+    def full_owned(self, t, sh: Sharding, shape, name: str, dtype) -> torch.Tensor:
+        """A state value of a pipelined program: gathered by the ranks of the stage that holds it (on their own
+        groups of the other axes), then broadcast on the pipeline axis from each rank's peer in that stage."""
+        axis, coords = self.state_owner
+        c = coords.get(name)
+        if c is None:
+            return self.full(t, sh, shape)
+        if self.coord[axis] == c:
+            out = self.full(t, sh, shape).contiguous()
+        else:
+            out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        src = self.mesh.rank_of({**self.coord, axis: c})
+        dist.broadcast(out, src=src, group=self.device_mesh.get_group(axis))
+        return out
 
     def rank0(self, t) -> torch.Tensor:
         return t

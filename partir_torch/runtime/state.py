@@ -142,7 +142,7 @@ class HeldState:
         for n, sh in layouts.items():
             have = self.layouts[n]
             if not same_layout(sh, have):
-                self.state[n] = self.rt.shard(self.rt.full(self.state[n], have, self._shape(n)), sh)
+                self.state[n] = self.rt.shard(self._full(n, self.state[n], have), sh)
                 self.layouts[n] = sh
 
     def _layout(self, name):
@@ -152,13 +152,20 @@ class HeldState:
         g = self.plan.graph
         return g.shapes[g.vid[self.plan.captured.names[name]]]
 
+    def _full(self, n, t, layout=None):
+        """State value n whole; on real ranks of a pipelined program, read from the stage that holds it."""
+        layout = self._layout(n) if layout is None else layout
+        if getattr(self.rt, "state_owner", None) is not None:
+            dtype = self.plan.captured.names[n].meta["val"].dtype
+            return self.rt.full_owned(t, layout, self._shape(n), n, dtype)
+        return self.rt.full(t, layout, self._shape(n))
+
     def state_full(self) -> dict:
-        return {n: self.rt.full(t, self._layout(n), self._shape(n)) for n, t in self.state.items()}
+        return {n: self._full(n, t) for n, t in self.state.items()}
 
     def gather_parameters(self) -> dict:
         self.guard("gather_parameters", refuse=False)
-        return {n[len("params."):]: self.rt.full(t, self._layout(n), self._shape(n))
-                for n, t in self.state.items() if n.startswith("params.")}
+        return {n[len("params."):]: self._full(n, t) for n, t in self.state.items() if n.startswith("params.")}
 
     def _value(self, n):
         """State value n as a DTensor (real ranks) or full tensor (emulation)."""

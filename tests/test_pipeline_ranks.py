@@ -1,0 +1,123 @@
+"""Pipeline parallelism on real ranks (issue 24): 4 gloo processes run {pp: 2, dp: 2}, one spawn for every check.
+
+Each rank partitions a 4-layer Llama-style decoder with pipeline("pp", 2, schedule, 4 micro-batches) and
+data_parallel("dp"), for GPipe and 1F1B in turn, trains 2 AdamW steps on the global batch and reports its losses and
+gather_parameters() (read from the stage that holds each parameter); the parent compares them with one device. The
+stage programs are MPMD: each rank runs its own stage, the activations and gradients crossing the cut go by
+isend/recv on the pp axis (runtime/p2p.py)."""
+from __future__ import annotations
+
+import copy
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.harness import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL
+
+pytestmark = pytest.mark.xdist_group("real_ranks")     # under pytest-xdist, the spawns share one worker
+
+WORLD, STEPS, LR = 4, 2, 1e-3
+SCHEDULES = ("GPipe", "1F1B")
+SPAWN_TIMEOUT_S, GLOO_TIMEOUT_S = 240, 60
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    out = {"rank": rank}
+    try:
+        import partir_torch as pt
+        from examples.models import get
+
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=GLOO_TIMEOUT_S))
+        spec = get("llama", layers=4)
+        batch = spec.batch(8)
+        for name in SCHEDULES:
+            model = spec.build()
+            prog = pt.partition(model, pt.Mesh({"pp": 2, "dp": 2}),
+                                [pt.tactics.pipeline("pp", 2, name, 4), pt.tactics.data_parallel("dp")],
+                                example_inputs=batch, loss_fn=spec.loss_fn,
+                                optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+            losses = [prog.train_step(*batch).item() for _ in range(STEPS)]
+            out[name] = {"losses": losses, "params": {k: v.tolist() for k, v in prog.gather_parameters().items()}}
+            dist.barrier()
+    except Exception:  # noqa: BLE001 - reported to the parent
+        out["fatal"] = traceback.format_exc()
+    queue.put(out)
+    queue.close()
+    queue.join_thread()
+    if rank == 0:
+        time.sleep(1)
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = mp.start_processes(_worker, args=(_free_port(), queue), nprocs=WORLD, join=False, start_method="spawn")
+    results, deadline = {}, time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while len(results) < WORLD:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                pytest.fail(f"real ranks: only ranks {sorted(results)} reported within {SPAWN_TIMEOUT_S} s")
+            try:
+                r = queue.get(timeout=min(left, 5.0))
+                results[r["rank"]] = r
+            except queue_mod.Empty:
+                dead = [i for i, p in enumerate(procs.processes) if p.exitcode not in (None, 0) and i not in results]
+                if dead:
+                    pytest.fail(f"real ranks: rank {dead[0]} exited before reporting")
+        procs.join(timeout=30)
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.kill()
+    for r in results.values():
+        assert "fatal" not in r, f"rank {r['rank']}: {r['fatal']}"
+    return results
+
+
+def _reference():
+    from examples.models import get
+
+    spec = get("llama", layers=4)
+    batch = spec.batch(8)
+    ref = spec.build()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = spec.loss_fn(ref, *batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: p.detach() for k, p in ref.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pipeline_on_gloo_ranks_trains_like_one_device(ranks, schedule):
+    want_losses, want_params = _reference()
+    for rank, r in sorted(ranks.items()):
+        got = r[schedule]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses), rtol=LOSS_RTOL, atol=0,
+                                   msg=lambda m: f"rank {rank} {schedule} losses: {m}")
+        assert set(got["params"]) == set(want_params)
+        for k, w in want_params.items():
+            torch.testing.assert_close(torch.tensor(got["params"][k]), w, rtol=PARAM_RTOL, atol=PARAM_ATOL,
+                                       msg=lambda m: f"rank {rank} {schedule} {k}: {m}")
