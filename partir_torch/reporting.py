@@ -256,7 +256,7 @@ class Reports:
                 v = n.meta.get("val")
                 if isinstance(v, torch.Tensor):
                     sent[n.meta[META_ACTION][0]] += v.numel() * v.element_size()
-        names = {n.name: n for n in self.plan.captured.gm.graph.nodes if n.op == "placeholder"}
+        names = self.plan.captured.names
         rows = []
         for s in range(spec.n_stages):
             nbytes = sum(names[f"params.{p}"].meta["val"].numel() * names[f"params.{p}"].meta["val"].element_size()
