@@ -96,6 +96,18 @@ def test_fqn_globs_and_automatic_after_pipeline():
     assert "output.weight" in spec.params[1] and "layers.2.attention.wq.weight" in spec.params[0]
 
 
+def test_new_batch_shape_and_eval_step():
+    """A batch of another size is partitioned again with the pipeline (same state); eval_step runs the model on the
+    live state (emulated: every stage's state is readable)."""
+    prog, ref, batch = _partition({"pp": 2}, [T.pipeline("pp", 2, "1F1B", 4)])
+    big = LLAMA.batch(16, seed=3)
+    train_next_to_eager(prog, ref, [batch, big], LLAMA.loss_fn, adamw(1e-3))
+    assert prog.plan.pipeline is not None and len(prog.shapes()) == 2
+    with torch.no_grad():
+        want = LLAMA.loss_fn(ref.eval(), *batch)
+    torch.testing.assert_close(prog.eval_step(*batch), want, rtol=1e-5, atol=0)
+
+
 # -- the cut -------------------------------------------------------------------------------------------------------
 def test_backward_ops_follow_their_forward_module():
     prog, _, _ = _partition({"pp": 2}, [T.pipeline("pp", 2, "GPipe", 2)])

@@ -1,7 +1,8 @@
-"""Pipeline parallelism on real ranks (issue 24): 4 gloo processes run {pp: 2, dp: 2}, one spawn for every check.
+"""Pipeline parallelism on real ranks (issue 24): 4 gloo processes, one spawn for every check.
 
-Each rank partitions a 4-layer Llama-style decoder with pipeline("pp", 2, schedule, 4 micro-batches) and
-data_parallel("dp"), for GPipe and 1F1B in turn, trains 2 AdamW steps on the global batch and reports its losses and
+Each rank partitions a 4-layer Llama-style decoder with pipeline("pp", stages, schedule, 4 micro-batches) and
+data_parallel("dp") on {pp: 2, dp: 2}, for GPipe, 1F1B and Interleaved1F1B (4 stages, 2 per rank) in turn, then
+1F1B on {pp: 4}, trains 2 AdamW steps on the global batch and reports its losses and
 gather_parameters() (read from the stage that holds each parameter); the parent compares them with one device. The
 stage programs are MPMD: each rank runs its own stage, the activations and gradients crossing the cut go by
 isend/recv on the pp axis (runtime/p2p.py)."""
@@ -25,7 +26,7 @@ from tests.harness import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL
 pytestmark = pytest.mark.xdist_group("real_ranks")     # under pytest-xdist, the spawns share one worker
 
 WORLD, STEPS, LR = 4, 2, 1e-3
-SCHEDULES = ("GPipe", "1F1B")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "1F1B-pp4")     # the last: {pp: 4}, one stage per rank
 SPAWN_TIMEOUT_S, GLOO_TIMEOUT_S = 240, 60
 
 
@@ -48,8 +49,13 @@ def _worker(rank, port, queue):
         batch = spec.batch(8)
         for name in SCHEDULES:
             model = spec.build()
-            prog = pt.partition(model, pt.Mesh({"pp": 2, "dp": 2}),
-                                [pt.tactics.pipeline("pp", 2, name, 4), pt.tactics.data_parallel("dp")],
+            if name == "1F1B-pp4":
+                mesh, schedule = pt.Mesh({"pp": 4}), [pt.tactics.pipeline("pp", 4, "1F1B", 4)]
+            else:
+                mesh = pt.Mesh({"pp": 2, "dp": 2})
+                schedule = [pt.tactics.pipeline("pp", 4 if name == "Interleaved1F1B" else 2, name, 4),
+                            pt.tactics.data_parallel("dp")]
+            prog = pt.partition(model, mesh, schedule,
                                 example_inputs=batch, loss_fn=spec.loss_fn,
                                 optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
             losses = [prog.train_step(*batch).item() for _ in range(STEPS)]
