@@ -59,7 +59,13 @@ def _worker(rank, port, queue):
                                 example_inputs=batch, loss_fn=spec.loss_fn,
                                 optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
             losses = [prog.train_step(*batch).item() for _ in range(STEPS)]
-            out[name] = {"losses": losses, "params": {k: v.tolist() for k, v in prog.gather_parameters().items()}}
+            held = prog._executor.held().state
+            out[name] = {"losses": losses, "params": {k: v.tolist() for k, v in prog.gather_parameters().items()},
+                         # what this rank holds: its stage's parameters only (another stage's: an empty tensor)
+                         "held": sorted(k[len("params."):] for k, v in held.items()
+                                        if k.startswith("params.") and v.numel()),
+                         "stage_params": [list(p) for p in prog.plan.pipeline.params],
+                         "coord": mesh.coordinate(rank)["pp"]}
             dist.barrier()
     except Exception:  # noqa: BLE001 - reported to the parent
         out["fatal"] = traceback.format_exc()
@@ -124,6 +130,10 @@ def test_pipeline_on_gloo_ranks_trains_like_one_device(ranks, schedule):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses), rtol=LOSS_RTOL, atol=0,
                                    msg=lambda m: f"rank {rank} {schedule} losses: {m}")
         assert set(got["params"]) == set(want_params)
+        spec_params = got["stage_params"]
+        mine = sorted(p for s, ps in enumerate(spec_params) for p in ps if s % (4 if schedule == "1F1B-pp4" else 2)
+                      == got["coord"])
+        assert got["held"] == mine and 0 < len(mine) < len(want_params)
         for k, w in want_params.items():
             torch.testing.assert_close(torch.tensor(got["params"][k]), w, rtol=PARAM_RTOL, atol=PARAM_ATOL,
                                        msg=lambda m: f"rank {rank} {schedule} {k}: {m}")

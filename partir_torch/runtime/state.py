@@ -110,8 +110,13 @@ class HeldState:
             self.owner.claim("the program's first call")
             full, self.steps = self._full_from(self.model, self.optimizer)
         self.state = {}
+        # real ranks of a pipelined program (p2p.py): a rank holds only its stages' state (others' as empty tensors)
+        own = getattr(self.rt, "state_owner", None)
         for name, role in zip(cap.input_names, cap.input_roles):
-            if role in STATE_ROLES:
+            if role in STATE_ROLES and own is not None and own[1].get(name, self.rt.coord[own[0]]) \
+                    != self.rt.coord[own[0]]:
+                self.state[name] = torch.empty(0, dtype=full[name].dtype, device=self.rt.device)
+            elif role in STATE_ROLES:
                 try:
                     self.state[name] = self.rt.shard(full[name], self.layouts[name])
                 except PartitionError as e:      # a layout this backend cannot hold: name the value
