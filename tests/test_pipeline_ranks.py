@@ -5,13 +5,20 @@ data_parallel("dp") on {pp: 2, dp: 2}, for GPipe, 1F1B and Interleaved1F1B (4 st
 1F1B on {pp: 4}, trains 2 AdamW steps on the global batch and reports its losses and
 gather_parameters() (read from the stage that holds each parameter); the parent compares them with one device. The
 stage programs are MPMD: each rank runs its own stage, the activations and gradients crossing the cut go by
-isend/recv on the pp axis (runtime/p2p.py)."""
+isend/recv on the pp axis (runtime/p2p.py).
+
+Phase "dcp": 1F1B on {pp: 2, dp: 2}; after one step prog.state_dict() (each rank: its stage's values, DTensors on
+its stage's dp sub-mesh) is saved with torch.distributed.checkpoint; a second step runs; a new program of a fresh
+model loads the checkpoint into its own state_dict() and runs the second step again: the same loss and parameters,
+bitwise."""
 from __future__ import annotations
 
 import copy
 import os
 import queue as queue_mod
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -36,7 +43,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, port, queue):
+def _phase_dcp(pt, spec, batch, ckpt):
+    import torch.distributed.checkpoint as dcp
+
+    def make():
+        model = spec.build()
+        return pt.partition(model, pt.Mesh({"pp": 2, "dp": 2}),
+                            [pt.tactics.pipeline("pp", 2, "1F1B", 4), pt.tactics.data_parallel("dp")],
+                            example_inputs=batch, loss_fn=spec.loss_fn,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    prog = make()
+    prog.train_step(*batch)
+    sd = prog.state_dict()
+    keys = sorted(sd["model"])
+    dcp.save(sd, checkpoint_id=ckpt)
+    want = prog.train_step(*batch).item()
+    want_params = prog.gather_parameters()
+    again = make()
+    sd2 = again.state_dict()
+    dcp.load(sd2, checkpoint_id=ckpt)
+    again.load_state_dict(sd2)
+    got = again.train_step(*batch).item()
+    got_params = again.gather_parameters()
+    return {"keys": keys, "want": want, "got": got,
+            "params_equal": all(torch.equal(got_params[k], v) for k, v in want_params.items())}
+
+
+def _worker(rank, port, ckpt, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     out = {"rank": rank}
@@ -67,6 +100,7 @@ def _worker(rank, port, queue):
                          "stage_params": [list(p) for p in prog.plan.pipeline.params],
                          "coord": mesh.coordinate(rank)["pp"]}
             dist.barrier()
+        out["dcp"] = _phase_dcp(pt, spec, batch, ckpt)
     except Exception:  # noqa: BLE001 - reported to the parent
         out["fatal"] = traceback.format_exc()
     queue.put(out)
@@ -81,7 +115,9 @@ def _worker(rank, port, queue):
 def ranks():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = mp.start_processes(_worker, args=(_free_port(), queue), nprocs=WORLD, join=False, start_method="spawn")
+    ckpt = tempfile.mkdtemp(prefix="partir_pp_dcp_")
+    procs = mp.start_processes(_worker, args=(_free_port(), ckpt, queue), nprocs=WORLD, join=False,
+                               start_method="spawn")
     results, deadline = {}, time.monotonic() + SPAWN_TIMEOUT_S
     try:
         while len(results) < WORLD:
@@ -100,6 +136,7 @@ def ranks():
         for p in procs.processes:
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(ckpt, ignore_errors=True)
     for r in results.values():
         assert "fatal" not in r, f"rank {r['rank']}: {r['fatal']}"
     return results
@@ -137,3 +174,16 @@ def test_pipeline_on_gloo_ranks_trains_like_one_device(ranks, schedule):
         for k, w in want_params.items():
             torch.testing.assert_close(torch.tensor(got["params"][k]), w, rtol=PARAM_RTOL, atol=PARAM_ATOL,
                                        msg=lambda m: f"rank {rank} {schedule} {k}: {m}")
+
+
+def test_dcp_saves_each_stage_from_its_ranks_and_resumes(ranks):
+    from examples.models import get
+
+    names = {k for k, _ in get("llama", layers=4).build().named_parameters()}
+    for rank, r in sorted(ranks.items()):
+        d = r["dcp"]
+        assert d["got"] == d["want"] and d["params_equal"], (rank, d)
+        assert 0 < len(d["keys"]) < len(names)       # a rank's state_dict: its stage's values only
+    # the stages' keys together: one FQN space, every parameter once
+    by_stage = {tuple(r["dcp"]["keys"]) for r in ranks.values()}
+    assert len(by_stage) == 2 and set().union(*by_stage) >= names and not set.intersection(*map(set, by_stage))

@@ -187,10 +187,25 @@ class DistributedRuntime:
 
     def value(self, t, sh: Sharding, shape):
         if self.state_owner is not None:
-            raise PartitionError("state_dict() of a pipelined program on real ranks is not supported yet (a stage's "
-                                 "state lives on its ranks only, which a DTensor over the whole mesh cannot say); "
-                                 "prog.gather_parameters() and prog.full_state_dict() work.")
+            raise PartitionError("partir_torch: a state value of a pipelined program is read with value_owned (its "
+                                 "stage's ranks hold it).")
         return self.dtensor(t, sh, shape)
+
+    def value_owned(self, t, sh: Sharding, shape, name: str):
+        """A state value of a pipelined program as the ranks of its stage hold it: a DTensor over their sub-mesh
+        (the other axes; a plain tensor when there are none), None on the other ranks. torch.distributed.checkpoint
+        saves each stage's values from its ranks: one FQN space over the stages."""
+        from torch.distributed.tensor import DTensor
+
+        axis, coords = self.state_owner
+        if coords.get(name, self.coord[axis]) != self.coord[axis]:
+            return None
+        rest = tuple(a for a in self.mesh.axes if a != axis)
+        if not rest:
+            return t
+        placements = [p for a, p in zip(self.mesh.axes, sh.placements(self.mesh)) if a != axis]
+        return DTensor.from_local(t, self.device_mesh[rest], placements, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride(), run_check=False)
 
     def program(self, plan):
         """The plan's per-device program (lowered once per plan) bound to this runtime's process groups."""

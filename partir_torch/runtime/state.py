@@ -173,8 +173,16 @@ class HeldState:
         return {n[len("params."):]: self._full(n, t) for n, t in self.state.items() if n.startswith("params.")}
 
     def _value(self, n):
-        """State value n as a DTensor (real ranks) or full tensor (emulation)."""
+        """State value n as a DTensor (real ranks) or full tensor (emulation); on real ranks of a pipelined program,
+        None where another stage holds it."""
+        if getattr(self.rt, "state_owner", None) is not None:
+            return self.rt.value_owned(self.state[n], self._layout(n), self._shape(n), n)
         return self.rt.value(self.state[n], self._layout(n), self._shape(n))
+
+    def _held_here(self, n) -> bool:
+        """Whether this rank holds state value n (all do, but on real ranks of a pipelined program)."""
+        own = getattr(self.rt, "state_owner", None)
+        return own is None or own[1].get(n, self.rt.coord[own[0]]) == self.rt.coord[own[0]]
 
     def state_dict(self) -> dict:
         """{"model": ..., "optimizer": ...} in get_state_dict's layout (see state.py)."""
@@ -182,14 +190,14 @@ class HeldState:
         cap = self.plan.captured
         values: dict = {}
         get = lambda n: values[n] if n in values else values.setdefault(n, self._value(n))
-        out = {"model": {k: get(n) for k, n in model_keys(self.model, self.state).items()}}
+        out = {"model": {k: get(n) for k, n in model_keys(self.model, self.state).items() if self._held_here(n)}}
         if cap.fopt is not None:
             fqns = optimizer_fqns(self.model, self.optimizer)
             trainable = set(cap.trainable)
             state = {}
             for names in fqns:
                 for f in names:
-                    if f in trainable:
+                    if f in trainable and self._held_here(f"params.{f}"):
                         d = {"step": torch.tensor(float(self.steps), dtype=torch.float32)}
                         d.update({s: get(f"opt.{s}.{f}") for s in cap.fopt.state_names if f"opt.{s}.{f}" in self.state})
                         state[f] = d
@@ -208,7 +216,7 @@ class HeldState:
         shape = self._shape
         new, keys = {}, model_keys(self.model, self.state)
         for k, n in keys.items():
-            if k in sd["model"] and n not in new:
+            if k in sd["model"] and n not in new and self._held_here(n):
                 new[n] = to_global(sd["model"][k], k, shape(n), self.rt, self._layout(n))
         opt = sd.get("optimizer")
         steps = self.steps
@@ -218,7 +226,7 @@ class HeldState:
                     n = f"opt.{s}.{f}"
                     if s == "step":
                         steps = int(float(v.full_tensor() if hasattr(v, "full_tensor") else v))
-                    elif n in self.state:
+                    elif n in self.state and self._held_here(n):
                         new[n] = to_global(v, f"optimizer state {f} {s}", shape(n), self.rt, self._layout(n))
             groups = opt.get("param_groups", [])
             if len(groups) != len(self.optimizer.param_groups):
@@ -229,7 +237,7 @@ class HeldState:
             if cap.fopt.kind == "sgd" and not any(s == "step" for d in opt.get("state", {}).values() for s in d):
                 steps = 1 if any("momentum_buffer" in d for d in opt.get("state", {}).values()) else 0
         required = set(keys.values()) | ({n for n in self.state if n.startswith("opt.")} if opt is not None else set())
-        missing = sorted(required - set(new))
+        missing = sorted(n for n in required - set(new) if self._held_here(n))
         if strict and missing:
             raise PartitionError(f"load_state_dict: the state dict lacks {len(missing)} value(s) the program holds: "
                                  f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} (strict=False keeps "
