@@ -167,6 +167,15 @@ def test_tied_weights_across_stages_refused():
         _partition({"pp": 2}, [T.pipeline("pp", 2, "1F1B", 4)], spec=gpt)
 
 
+def test_random_draws_warn_that_masks_differ_from_one_device():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 8), nn.Dropout(0.1))
+    x = torch.randn(8, 8)
+    with pytest.warns(UserWarning, match="draws random numbers"):
+        pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", [["0", "1"], ["2", "3"]], "1F1B", 4)],
+                     example_inputs=(x, x), loss_fn=lambda m, x, y: F.mse_loss(m(x), y),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def test_unknown_schedule():
     with pytest.raises(PartitionError, match="GPipe, 1F1B, Interleaved1F1B"):
         T.pipeline("pp", 2, "ZeroBubble")
@@ -208,11 +217,14 @@ class _Stack(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("p, m, v, schedule", [(4, 8, 1, "1F1B"), (4, 8, 1, "GPipe"), (2, 4, 2, "Interleaved1F1B")])
+@pytest.mark.parametrize("p, m, v, schedule", [(4, 8, 1, "1F1B"), (4, 8, 1, "GPipe"), (2, 4, 2, "Interleaved1F1B"),
+                                                (4, 8, 2, "Interleaved1F1B")])
 def test_simulated_bubble_matches_the_textbook(p, m, v, schedule):
-    d, rows = (2048, 2048) if v == 1 else (4096, 1024)
+    """Equal stages whose transfers are small next to their compute (an interleaved bubble is small, so the transfers'
+    latency weighs more in it: d = 8192)."""
+    d, rows = (2048, 2048) if v == 1 else (8192, 512)
     with torch.device("meta"):
-        model = _Stack(d, 4 * p * v)
+        model = _Stack(d, (4 if v == 1 else 2) * p * v)
         x, y = torch.randn(m * rows, d), torch.randn(m * rows, d)
     prog = pt.partition(model, pt.Mesh({"pp": p}), [T.pipeline("pp", p * v, schedule, m)], example_inputs=(x, y),
                         loss_fn=lambda mod, x, y: F.mse_loss(mod(x), y),

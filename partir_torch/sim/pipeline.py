@@ -42,6 +42,7 @@ class PipelineSim:
     transfer_bytes: int              # bytes sent per step, all transfers of one rank pair summed
     transfers: int                   # transfers per step
     spans: dict = field(default_factory=dict, repr=False)   # action -> (rank, start_s, end_s)
+    # report.trace: rank r's compute on track 2 r, its collectives and sends on track 2 r + 1
 
     @property
     def slowest(self) -> int:
@@ -149,7 +150,8 @@ def simulate_pipeline(gm, mesh, hw: Hardware, pipelined, axis_map=None, stage_na
                     peak_memory_bytes=max(peaks), memory_breakdown={}, model_flops=flops,
                     mfu=flops / (step * peak_flops) if step > 0 else 0.0, collectives=timings, notes=notes,
                     stage_name=stage_name, hardware=hw.describe(), peak_flops=peak_flops,
-                    trace=[t for line in lines for t in line.trace], confidence=conf, confidence_family=family)
+                    trace=[(2 * r + k, name, t0, dt) for r, line in enumerate(lines) for k, name, t0, dt in line.trace],
+                    confidence=conf, confidence_family=family)
     rep.pipeline = sim
     return rep
 

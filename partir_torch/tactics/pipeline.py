@@ -29,8 +29,8 @@ from types import MappingProxyType
 
 import torch
 
-from ..contract import META_MICRO, META_MODULE, META_NAME, META_ROLE, Phase, Role, phase_of
-from ..errors import PartitionError
+from ..contract import META_MICRO, META_MODULE, META_NAME, META_ROLE, RANDOM_OPS, Phase, Role, phase_of
+from ..errors import PartitionError, warn
 from .base import declare
 from .structure import param_source
 
@@ -133,6 +133,11 @@ class Pipeline:
         globs = self.stages if not isinstance(self.stages, int) else balanced_cut(cap, self.stages)
         spec = assign_stages(cap, globs, self, ranks)
         ctx.planning.pipeline = spec
+        drawn = sorted({str(n.target) for n in cap.gm.graph.nodes if n.target in RANDOM_OPS})
+        if drawn:
+            warn(f"{self.name}: the step draws random numbers ({', '.join(drawn[:3])}); the pipeline runs the "
+                 f"micro-batches' forwards in the {self.schedule} order, so the draws (dropout masks) differ from one "
+                 f"device's (same distribution, another order). Train with dropout 0 to compare with one device.")
         sizes = ", ".join(f"{len(p)}" for p in spec.params)
         ctx.remark(self.name, f"{n} stages on axis '{self.axis}' ({self.schedule}, {spec.microbatches} micro-batches); "
                               f"parameters per stage: {sizes}")
