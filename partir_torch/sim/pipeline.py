@@ -125,6 +125,12 @@ def simulate_pipeline(gm, mesh, hw: Hardware, pipelined, axis_map=None, stage_na
             spans[cur[r]] = (r, spans[cur[r]][1], lines[r].t_c)
     for line in lines:
         line.finish()
+    return _report(lines, spans, spec, nodes, facts, hw, sent, n_sent, stage_name)
+
+
+def _report(lines, spans, spec, nodes, facts, hw, sent: int, n_sent: int, stage_name: str) -> SimReport:
+    """The SimReport of the ranks' timelines: the slowest rank's figures, the PipelineSim (bubble, stages)."""
+    p = spec.ranks
     fb = {a: v for a, v in spans.items() if a[1] in ("F", "B")}
     busy = [sum(e - s for rr, s, e in fb.values() if rr == r) for r in range(p)]
     span = (max(e for _, _, e in fb.values()) - min(s for _, s, _ in fb.values())) if fb else 0.0
