@@ -186,7 +186,7 @@ def test_summary_has_the_stage_split():
     prog, _, _ = _partition({"pp": 2, "dp": 2}, [T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("dp")])
     text = prog.summary()
     assert "pipeline on axis 'pp': 2 stages, 1F1B, 4 micro-batches" in text
-    # a (4/4 rows of 16 tokens x 32) fp32 activation per micro-batch and direction, the dp shard: 2 x 1 KiB... per rank
+    # per micro-batch and direction one activation of 8 / 4 micro-batches / 2 dp ranks = 1 row of 16 x 32 fp32 (2 KiB)
     low = prog.plan.annotated_lowered()
     sent = [n for n in low.gm.graph.nodes if n.target is pp_transfer]
     assert len(sent) == 8 and all(tuple(n.meta["val"].shape) == (1, 16, 32) for n in sent)

@@ -13,7 +13,6 @@ model loads the checkpoint into its own state_dict() and runs the second step ag
 bitwise."""
 from __future__ import annotations
 
-import copy
 import os
 import queue as queue_mod
 import shutil

@@ -25,10 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
 
 from ..contract import META_ACTION, META_MICRO, META_SRC, META_STAGE, Phase, phase_of
-from ..errors import InternalError
+from ..errors import InternalError, PartitionError
 
 PIPELINE_AXIS = "partir_pipeline_axis"     # gm.meta key: the pipeline axis of a pipelined program
 
@@ -97,7 +96,6 @@ def pipeline_program(low, spec, captured):
     """The pipelined form of `low` (a Lowered of the whole step, the pipeline axis replicated): see the module
     docstring. Edits low.gm's graph in place; returns low with `pipeline` set."""
     if spec.schedule == "Interleaved1F1B" and spec.microbatches % spec.ranks:
-        from ..errors import PartitionError
         raise PartitionError(f"pipeline: Interleaved1F1B runs the micro-batches in groups of the axis size "
                              f"{spec.ranks}; {spec.microbatches} micro-batches is not a multiple of it.")
     g = low.gm.graph
