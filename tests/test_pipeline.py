@@ -148,6 +148,7 @@ def test_schedule_orders():
 @pytest.mark.parametrize("schedule, kw, match", [
     ([T.pipeline("pp", 3, "1F1B", 4)], {}, "one stage per rank"),
     ([T.pipeline("pp", 2, "Interleaved1F1B", 4)], {}, "v >= 2 stages per rank"),
+    ([T.pipeline("pp", 4, "Interleaved1F1B", 1)], {}, "groups of the axis size"),
     ([T.pipeline("pp", [["layers.*"], ["norm", "output"]], "1F1B", 4)], {}, "tok_embeddings"),
     ([T.pipeline("pp", [["layers.[2-3]", "norm", "output"], ["tok_embeddings", "layers.[0-1]"]])], {},
      "later stage"),

@@ -113,6 +113,9 @@ class Pipeline:
                 raise PartitionError(f"{self.name}: Interleaved1F1B runs v >= 2 stages per rank: {n} stages on axis "
                                      f"'{self.axis}' (size {ranks}) is not a multiple >= 2 of it. Use stages="
                                      f"{2 * ranks}.")
+            if self.n_microbatches % ranks:
+                raise PartitionError(f"{self.name}: Interleaved1F1B runs the micro-batches in groups of the axis size "
+                                     f"{ranks}; {self.n_microbatches} micro-batches is not a multiple of it.")
         elif n != ranks:
             raise PartitionError(f"{self.name}: {self.schedule} runs one stage per rank: {n} stages on axis "
                                  f"'{self.axis}' of size {ranks}. Use stages={ranks}, or Interleaved1F1B for "
