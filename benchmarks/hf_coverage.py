@@ -19,6 +19,7 @@ and records a timeout. Rows are appended to a JSON-lines file as they finish (a 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/hf_coverage.py            # all HF
     .venv/bin/python benchmarks/hf_coverage.py --mapping causal --limit 20                               # quick
     .venv/bin/python benchmarks/hf_coverage.py --only gpt2,llama,bert
+    .venv/bin/python benchmarks/hf_coverage.py --schedule dp --out benchmarks/results/hf_dp.jsonl  # reshard bytes, DP
     .venv-timm/bin/python benchmarks/hf_coverage.py --suite timm
     .venv/bin/python benchmarks/hf_coverage.py --report benchmarks/results/hf_coverage.jsonl             # table
 """
@@ -55,6 +56,7 @@ BATCH, SEQ, IMAGE = 8, 16, 32
 STEPS = 2
 RTOL, ATOL = 1e-5, 1e-5          # loss and parameters (fp32; DESIGN §5.2's rtol 1e-5)
 MESH = {"dp": 2, "tp": 2, "zero": 2}
+SCHEDULE_ENV = "PARTIR_SWEEP_SCHEDULE"      # "dp": data_parallel alone on 2 ranks (--schedule dp)
 
 # Architectures that cannot run here (CPU eager, no downloads), each with its reason. Everything else is attempted;
 # an eager failure of the tiny model is recorded as "skip" with the exception, so nothing is dropped silently.
@@ -485,10 +487,15 @@ def partition_and_compare(model, batch, loss_fn, megatron: bool, reorder: bool =
     from partir_torch import tactics as T
 
     ref = copy.deepcopy(model)
-    mesh = pt.Mesh(MESH)
-    base = [T.data_parallel("dp"), T.data_parallel("zero", name="BP-zero")]
     row = {}
     prog = None
+    if os.environ.get(SCHEDULE_ENV) == "dp":           # --schedule dp: data parallel alone, on 2 ranks
+        prog = pt.partition(model, pt.Mesh({"dp": 2}), [T.data_parallel("dp")], example_inputs=(batch,),
+                            loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        row["sched"] = "BP"
+        megatron = False
+    mesh = pt.Mesh(MESH)
+    base = [T.data_parallel("dp"), T.data_parallel("zero", name="BP-zero")]
     if megatron:
         try:
             prog = pt.partition(model, mesh, base + [T.megatron("tp"), T.zero(3, "zero")], example_inputs=(batch,),
@@ -503,7 +510,17 @@ def partition_and_compare(model, batch, loss_fn, megatron: bool, reorder: bool =
                             optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
         row["sched"] = "BP+Z3"
     row["conflicts"] = len(prog.conflicts)
-    row["collectives"] = dict(Counter(r.kind for r in prog.collectives()))
+    records = prog.collectives()
+    row["collectives"] = dict(Counter(r.kind for r in records))
+    # issue 20: bytes per step of collectives no tactic asked for, by op; under data parallel alone, of any
+    # collective but the gradient reductions (and the loss's all_reduce, a few bytes)
+    row["reshard_bytes"] = sum(r.nbytes for r in records if r.why == "reshard")
+    ops = Counter()
+    for r in records:
+        if r.why == "reshard":
+            ops[str(r.op)] += r.nbytes
+    row["reshard_ops"] = dict(ops)
+    row["non_gradient_bytes"] = sum(r.nbytes for r in records if r.why != "gradient")
     row.update(compare(prog, ref, batch, loss_fn, reorder=reorder))
     return row
 
@@ -840,14 +857,19 @@ def report(rows: list) -> str:
                       r.get("ill", ""),
                       f"{r['fp64_param_err']:.0e}" if r.get("fp64_param_err") is not None else "",
                       r.get("conflicts", ""),
+                      _kib(r.get("reshard_bytes")),
                       " ".join(f"{k.replace('all_', '').replace('reduce_scatter', 'rs')}={v}"
                                for k, v in sorted(coll.items())),
                       (r.get("reason") or "")[:110]])
     out = [tabulate(table, headers=["mapping", "arch", "result", "sched", "loss err", "param err", "1-dev reorder", "ill", "fp64 err",
-                                    "confl",
+                                    "confl", "reshard",
                                     "collectives", "reason"])]
     out += ["", groups(rows), "", summary(rows)]
     return "\n".join(out)
+
+
+def _kib(b) -> str:
+    return "" if b is None else "0" if b == 0 else f"{b / 1024:.1f}K"
 
 
 def source(r: dict) -> str:
@@ -906,6 +928,13 @@ def summary(rows: list) -> str:
         lines.append(f"{m:8s} {len(rs):4d} archs, {c['skip']:3d} skipped (eager/harness), {ran:4d} run: "
                      f"{c['pass']:4d} pass, {c['mismatch']:3d} mismatch, {c['fail']:3d} fail ({bugs} internal/not "
                      f"PartitionError), {c['timeout']:3d} timeout; coverage {pct:5.1f}% (BP+Z3 fallback: {fb})")
+        measured = [r for r in rs if r["result"] == "pass" and r.get("reshard_bytes") is not None]
+        if measured:
+            clean = sum(1 for r in measured if r["reshard_bytes"] == 0)
+            lines.append(f"{'':8s} zero reshard bytes on {clean} of {len(measured)} passing rows "
+                         f"({100.0 * clean / len(measured):.1f}%); the others: "
+                         + (", ".join(f"{r['arch']} ({', '.join(sorted(r.get('reshard_ops') or {}))})"
+                                      for r in measured if r["reshard_bytes"]) or "-"))
     ran = sum(tot.values()) - tot["skip"]
     lines.append(f"{'all':8s} {sum(tot.values()):4d} archs, {tot['skip']:3d} skipped, {ran:4d} run: "
                  f"{tot['pass']:4d} pass; coverage {100.0 * tot['pass'] / max(ran, 1):5.1f}%")
@@ -923,6 +952,8 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true", help="skip architectures already in --out")
     ap.add_argument("--shard", default="", help="i/n: every n-th architecture from the i-th (parallel sweeps)")
     ap.add_argument("--report", default="", help="print the table of a JSON-lines file and exit")
+    ap.add_argument("--schedule", choices=["bp_mp_z3", "dp"], default="bp_mp_z3",
+                    help="dp: data_parallel alone on 2 ranks (issue 20's reshard goal)")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -931,6 +962,7 @@ def main() -> None:
     if a.report:
         print(report(load(a.report)))
         return
+    os.environ[SCHEDULE_ENV] = a.schedule          # the workers (subprocesses) read it
     out = a.out or os.path.join(RESULTS, f"{a.suite}_coverage.jsonl")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     mappings = a.mapping.split(",")

@@ -1,6 +1,8 @@
 """How long one simulation of a large per-device program takes (automatic search will call it thousands of times).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_speed.py [layers]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_speed.py llama8b
+
 
 GPT (d 768, 12 heads, seq 1024, vocab 50304, AdamW) built on `meta`, partitioned with BP + MP + Z3 on 8 devices
 ({"batch": 4, "model": 2}), lowered once; then simulate_graph on 8xH100 is timed (best of 5, CPU seconds).
@@ -52,5 +54,32 @@ def main(layers: int = 48):
           f"{report.step_time_s * 1e3:.1f} ms, MFU {report.mfu * 100:.1f}%")
 
 
+def llama8b():
+    """Issue 23's "answers in a second": prog.simulate of a 32-layer Llama-3-8B (d 4096, GQA 32/8, MLP 14336, vocab
+    128256, seq 8192, bf16, AdamW) under BP + Z3 on 8xH100, lowering included (CPU seconds; partition excluded)."""
+    from examples.models import llama
+
+    warnings.simplefilter("ignore")
+    cfg = dict(vocab=128256, seq=8192, d=4096, heads=32, kv_heads=8, layers=32, hidden=14336)
+    hw = pt.sim.hardware("h100")
+    for stages in (False, True):
+        model = llama.build(device="meta", **cfg).to(torch.bfloat16)
+        tokens = torch.zeros(8, cfg["seq"], dtype=torch.int64, device="meta")
+        c = time.process_time()
+        prog = pt.partition(model, pt.Mesh({"batch": 8}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                            example_inputs=(tokens, tokens), loss_fn=llama.loss_fn,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4))
+        c1 = time.process_time()
+        r = prog.simulate(hw, stages=stages)
+        c2 = time.process_time()
+        print(f"Llama-3-8B BP+Z3 on 8xH100: partition {c1 - c:.2f} s CPU; prog.simulate(hw, stages={stages}) "
+              f"{c2 - c1:.2f} s CPU (goal <= 2 s): step {r.step_time_s * 1e3:.0f} ms, MFU {100 * r.mfu:.1f}%, "
+              f"peak {r.peak_memory_bytes / 2**30:.1f} GiB")
+    print(f"load average {os.getloadavg()[0]:.2f}")
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 48)
+    if len(sys.argv) > 1 and sys.argv[1] == "llama8b":
+        llama8b()
+    else:
+        main(int(sys.argv[1]) if len(sys.argv) > 1 else 48)

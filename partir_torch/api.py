@@ -19,7 +19,7 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
               accumulate: int = 1, accumulate_dims: dict | None = None, compile: bool = False,
               prefetch: int = 1, reduce_in_flight: int = 1, tp_chunks: int = 0,
               measure_memory: bool = False, max_shapes: int = Options.max_shapes,
-              memory_budget: float | None = None) -> Program:
+              memory_budget: float | None = None, strict: bool = False) -> Program:
     """Trace `model`'s step and partition it over `mesh` with the tactics of `schedule`, in order.
 
     >>> prog = partition(model, Mesh({"batch": 2}), [ManualPartition({"inputs.*": 0}, axis="batch")],
@@ -50,6 +50,8 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     step's ({rank: bytes}; what is counted: runtime/memtrack.py). Off by default: a Python callback per op.
     max_shapes: input signatures (shapes, dtypes) that keep a program: train_step at a new shape partitions the step
     again with this schedule on the same state (runtime/shapes.py); beyond max_shapes the least recently used goes.
+    strict: refuse a dim a mesh axis does not divide (the divisibility error) instead of tiling it unevenly, with
+    torch.chunk sizes as DTensor's Shard does (the default; see sharding.chunk_size).
 
     A module whose weights a live program has trained since they were last written back (prog.export_to) is
     refused: the new program would start from its stale weights (runtime/owner.py).
@@ -76,7 +78,7 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     _check_pipeline(tactics, loss_fn, compile, measure_memory)
     options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile, prefetch=prefetch,
                       reduce_in_flight=reduce_in_flight, tp_chunks=tp_chunks, measure_memory=measure_memory,
-                      max_shapes=max_shapes, memory_budget=memory_budget)
+                      max_shapes=max_shapes, memory_budget=memory_budget, strict=strict)
     check_free(model)
     t0 = time.perf_counter()
     captured = capture_for(model, tactics, example_inputs, loss_fn, optimizer, clip_grad_norm=clip_grad_norm,

@@ -33,7 +33,8 @@ class Role(_StrEnum):
     INPUT = "input"            # a leaf of the batch
     CONST = "const"            # a tensor created inside the step (torch.tensor(...), an HF cache), lifted
     LR = "lr"                  # an optimizer hyperparameter fed at every step (each group's lr, betas, ...)
-    STEP = "step"              # the optimizer's step count
+    STEP = "step"              # the optimizer's step count (or one parameter's: `step.<fqn>`)
+    DRAW = "draw"              # a random draw the step's guards made before it (capture/branches.py), fed per call
     COORD = "coord"            # per-device programs only: the rank's coordinate on one mesh axis
 
 
@@ -96,6 +97,23 @@ VIEW_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape
 # random draws: drawn whole from the generator on every rank (rules/pointwise.py), kept by remat
 RANDOM_OPS = frozenset({aten.native_dropout.default, aten.rand.default, aten.randn.default, aten.rand_like.default,
                         aten.randn_like.default, aten.bernoulli.default, aten.bernoulli.p})
+
+
+def draws_random(node) -> bool:
+    """Whether fx node `node` draws from the generator: a seeded op (RANDOM_OPS and every op tagged
+    nondeterministic_seeded; attention kernels only with dropout_p > 0)."""
+    t = node.target
+    if node.op != "call_function":
+        return False
+    if t in RANDOM_OPS:
+        return True
+    if not (isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+            and "empty" not in t.name()):
+        return False
+    if "scaled_dot_product" in t.name():
+        p = node.kwargs.get("dropout_p", node.args[3] if len(node.args) > 3 else 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return True
 
 
 # -- phases --------------------------------------------------------------------------------------------------------

@@ -26,7 +26,11 @@ class Options:
     tensor-parallel all_reduce of a matmul's result (Megatron's row-parallel linears) is split into this many row
     chunks, each reduced while the next chunk's matmul runs (lower/overlap.py; 0 or 1: off); memory_budget: bytes
     per device the program's peak (its liveness, what prog.peak_memory() measures) must fit: fewer gathers in flight,
-    then one reduction in flight, are tried until it does (plan.py; None: the options as given)."""
+    then one reduction in flight, are tried until it does (plan.py; None: the options as given).
+
+    strict: a dim a mesh axis does not divide is refused (the divisibility error) instead of tiled unevenly as
+    DTensor's Shard tiles it (torch.chunk sizes: the first ranks hold ceil(n / k), the last fewer or none; see
+    sharding.chunk_size and lower/uneven.py)."""
 
     bucket_bytes: int = 64 * 2 ** 20
     timeout_s: float = 300.0
@@ -37,6 +41,7 @@ class Options:
     measure_memory: bool = False
     max_shapes: int = 8
     memory_budget: float | None = None
+    strict: bool = False
 
     def __post_init__(self):
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 0:
@@ -48,6 +53,8 @@ class Options:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise PartitionError(f"partition: {name} must be an int >= 0, got {v!r}.")
+        if not isinstance(self.strict, bool):
+            raise PartitionError(f"partition: strict must be True or False, got {self.strict!r}.")
         if not isinstance(self.measure_memory, bool):
             raise PartitionError(f"partition: measure_memory must be True or False, got {self.measure_memory!r}.")
         if not isinstance(self.max_shapes, int) or self.max_shapes < 1:

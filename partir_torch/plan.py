@@ -173,7 +173,8 @@ class Plan:
 
 
 def capture_for(model, schedule, example_inputs, loss_fn=None, optimizer=None, clip_grad_norm=None,
-                accumulate: int = 1, accumulate_dims=None, eval_loss: bool = False, record_modules: bool = False):
+                accumulate: int = 1, accumulate_dims=None, eval_loss: bool = False, values=None,
+                record_modules: bool = False):
     """Capture `model`'s step as `schedule` needs it: its capture rewrites (mixed precision, remat) applied and the
     decompositions its tactics ask for. The result can be planned with any schedule of the same capture rewrites.
     A pipeline tactic in the schedule (training) captures its micro-batches unrolled (accumulate) and each op's
@@ -192,7 +193,7 @@ def capture_for(model, schedule, example_inputs, loss_fn=None, optimizer=None, c
         accumulate = pipe.n_microbatches
     return capture(model, example_inputs, loss_fn, optimizer, rewrites, _decompositions(entries),
                    clip_grad_norm=clip_grad_norm,
-                   accumulate=accumulate, accumulate_dims=accumulate_dims, eval_loss=eval_loss,
+                   accumulate=accumulate, accumulate_dims=accumulate_dims, eval_loss=eval_loss, values=values,
                    record_modules=record_modules)
 
 
@@ -209,7 +210,7 @@ def plan(captured, mesh: Mesh, schedule, options: Options | None = None, registr
     stages = []
     with no_gc():   # linear time: no full collections over the traced graph's heap while partitioning
         graph = PartGraph(captured.gm, registry, captured.names, captured.ties)
-        prop = Propagator(graph, mesh)
+        prop = Propagator(graph, mesh, uneven=not options.strict)
         ctx = TacticContext(captured, graph, prop, mesh, options, planning)
         for k, t in enumerate(entries):
             planning.stage = k

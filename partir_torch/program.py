@@ -80,18 +80,39 @@ class Program:
         return self.reports.explain(name)
 
     def summary(self) -> str:
-        """One row per tactic stage: decisions, conflicts, collectives added, bytes per step, memory per device."""
-        return self.reports.summary()
+        """One row per tactic stage: decisions, conflicts, collectives added, bytes per step, memory per device;
+        for a step that branches on tensor values, the paths captured so far (the table is the example inputs'
+        path's program)."""
+        text = self.reports.summary()
+        cap = self.plan.captured
+        if not cap.guards and not cap.checks:
+            return text
+        lines = []
+        if cap.guards:
+            seen = list(dict.fromkeys(g.where or g.node for g in cap.guards))
+            lines.append(f"The step branches on tensor values ({len(cap.guards)} read(s) on this path, at "
+                         f"{'; '.join(seen[:4])}{' ...' if len(seen) > 4 else ''}): one program per path taken.")
+            ex = self._executor
+            entries = list(ex.shapes.entries.values()) if ex is not None else []
+            for e in entries:
+                lines.append(f"  path {e.info('').path or '(example inputs)'}: {e.calls} call(s)")
+            if ex is None:
+                lines.append("  paths captured: the example inputs' only (no step has run)")
+        if cap.checks:
+            lines.append(f"{len(cap.checks)} assert(s) on tensor values, checked after each step: "
+                         + "; ".join(c.where for c in cap.checks[:3]))
+        return "\n".join([text] + lines)
 
     def audit(self) -> str:
         """The "reshard" collectives (layout changes no tactic asked for: an op without a rule, a conflict), grouped
         by op and source line with their bytes per step; "no reshard collectives" when there are none."""
         return self.reports.audit()
 
-    def simulate(self, hw, axis_map=None, issue: str = "program"):
+    def simulate(self, hw, axis_map=None, issue: str = "program", stages: bool = True):
         """SimReport for the final program on hardware `hw` (pt.sim.hardware(...)); `.stages` holds one report per
-        tactic stage (the first: nothing partitioned)."""
-        return self.reports.simulate(hw, axis_map, issue)
+        tactic stage (the first: nothing partitioned). stages=False: the final program only (one lowering instead
+        of one per stage: the interactive answer when comparing schedules)."""
+        return self.reports.simulate(hw, axis_map, issue, stages)
 
     def annotated(self, max_nodes: int | None = None) -> str:
         """The captured graph, one line per value, with its sharding."""

@@ -171,13 +171,20 @@ class Reports:
         return "\n".join(lines)
 
     # -- stages: what each tactic changed ------------------------------------------------------------------------
-    def simulate(self, hw, axis_map=None, issue: str = "program"):
-        """SimReport for the final program on hardware `hw` (pt.sim.hardware(...)); `.stages` holds one report per
-        tactic stage (the first: nothing partitioned), so the table shows what each tactic changed."""
+    def simulate(self, hw, axis_map=None, issue: str = "program", stages: bool = True):
+        """SimReport for the final program on hardware `hw` (pt.sim.hardware(...)); with stages, `.stages` holds one
+        report per tactic stage (the first: nothing partitioned), so the table shows what each tactic changed (each
+        stage is lowered: stages=False simulates the final program alone, one lowering instead of one per stage).
+        MFU counts the model's FLOPs: the captured step's (recomputation excluded) shared out over the devices."""
         from .sim import simulate_graph
+        from .sim.simulate import step_flops
 
+        cap = self.plan.captured.gm
+        per_device = step_flops(cap, hw, {n.name for n in cap.graph.nodes if n.meta.get(META_RECOMPUTE)}) \
+            / self.mesh.size
+        chosen = [(-1, "replicated")] + [(k, s.tactic) for k, s in enumerate(self.stages)]
         reports = []
-        for k, name in [(-1, "replicated")] + [(k, s.tactic) for k, s in enumerate(self.stages)]:
+        for k, name in (chosen if stages else chosen[-1:]):
             low = self.plan.annotated_lowered(k)
             recompute = {n.name for n in low.gm.graph.nodes if n.meta.get(META_RECOMPUTE)}
             if low.pipeline is not None:      # one timeline per rank of the pipeline axis (sim/pipeline.py)
@@ -187,9 +194,9 @@ class Reports:
                                                  stage_name=name, exclude_flops=recompute))
                 continue
             reports.append(simulate_graph(low.gm, self.mesh, hw, axis_map=axis_map, stage_name=name, issue=issue,
-                                          exclude_flops=recompute))
+                                          exclude_flops=recompute, model_flops=per_device))
         final = reports[-1]
-        final.stages = reports
+        final.stages = reports if stages else []
         return final
 
     def summary(self) -> str:

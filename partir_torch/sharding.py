@@ -9,6 +9,26 @@ from .mesh import Mesh
 REDUCE_OPS = ("sum", "max", "min")
 
 
+def chunk_size(n: int, ks) -> int:
+    """Positions of a dim of size n each rank holds when axes of sizes ks (major to minor) tile it, as DTensor's
+    Shard does (torch.chunk: the first chunks have ceil(n / k) positions, the last fewer, possibly none). Lowering
+    keeps every rank's shard at this size (the largest), the last ranks' ending in padding that no value sees:
+    collectives pad and unpad, reductions mask (lower/uneven.py).
+
+    >>> chunk_size(1001, [2]), chunk_size(8, [2, 2]), chunk_size(5, [4])
+    (501, 2, 2)
+    """
+    for k in ks:
+        n = -(-n // k)
+    return n
+
+
+def chunk_extent(n: int, k: int, coord: int) -> int:
+    """How many of its chunk_size(n, [k]) positions the rank at `coord` holds (the rest is padding)."""
+    c = -(-n // k)
+    return max(0, min(c, n - coord * c))
+
+
 class _Replicated:
     """Seed value meaning 'explicitly replicated on this axis' (never tiled later)."""
 
@@ -46,6 +66,9 @@ class Sharding:
     partial: tuple = ()
     replicated: frozenset = frozenset()
     strides: tuple = ()     # (axis, split factor s > 1): the axis tiles a minor part of its dim, seen as (s, n/s)
+    # (axis, m > 1): the axis tiles its dim unevenly in whole blocks of m positions (the dim is (u, m) with u the
+    # major factor it splits: a ragged batch flattened with the sequence, (B*T); see chunk_size)
+    blocks: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "dims", tuple(tuple(a) for a in self.dims))
@@ -53,6 +76,8 @@ class Sharding:
         object.__setattr__(self, "replicated", frozenset(self.replicated))
         object.__setattr__(self, "strides", tuple(sorted((a, int(s)) for a, s in dict(self.strides).items()
                                                          if int(s) > 1)))
+        object.__setattr__(self, "blocks", tuple(sorted((a, int(m)) for a, m in dict(self.blocks).items()
+                                                        if int(m) > 1)))
         seen = {}
         for d, axes in enumerate(self.dims):
             for a in axes:
@@ -70,6 +95,19 @@ class Sharding:
             if a in seen or any(a == p for p, _ in self.partial):
                 raise PartitionError(f"Sharding: axis {a!r} is explicitly replicated, so it cannot also "
                                      f"{'tile dim %d' % seen[a] if a in seen else 'be partial'}; pick one.")
+
+    @staticmethod
+    def interned(dims, partial=(), replicated=(), strides=(), blocks=()) -> "Sharding":
+        """Sharding(dims, partial, replicated, strides, blocks), one object per distinct value: propagation and
+        lowering build the same few layouts for thousands of values, and construction validates (a large program's
+        lowering spent a tenth of its time here)."""
+        key = (tuple(map(tuple, dims)), tuple(map(tuple, partial)), tuple(replicated), tuple(strides), tuple(blocks))
+        hit = _INTERNED.get(key)
+        if hit is None:
+            if len(_INTERNED) > 65536:
+                _INTERNED.clear()
+            hit = _INTERNED[key] = Sharding(dims, partial, replicated, strides, blocks)
+        return hit
 
     @staticmethod
     def replicate(ndim: int) -> "Sharding":
@@ -109,21 +147,43 @@ class Sharding:
         return None
 
     def local_shape(self, shape, mesh: Mesh) -> tuple:
+        """Each rank's local shape: a dim of size n tiled on axes of sizes k1, k2, ... holds chunk_size(n, ks)
+        positions on every rank (uneven: the largest chunk; the last ranks' chunks end in padding)."""
         out = []
-        for d, size in enumerate(shape):
-            k = 1
+        for d, n in enumerate(shape):
             for a in self.dims[d]:
-                k *= mesh.shape[a]
-            out.append(size // k)
+                m = self.block(a)
+                n = chunk_size(n // m, [mesh.shape[a]]) * m
+            out.append(n)
         return tuple(out)
+
+    def block(self, axis: str) -> int:
+        """The positions an unevenly tiling axis splits its dim by (1: single positions)."""
+        for a, m in self.blocks:
+            if a == axis:
+                return m
+        return 1
+
+    def uneven_dims(self, shape, mesh: Mesh) -> dict:
+        """dim -> (parent size P, its innermost axis, block m) for every dim its innermost axis tiles unevenly:
+        the axes before it split the dim exactly into P positions per rank, and that axis does not divide the P / m
+        blocks of m positions it splits (each rank holds chunk_size(P / m, k) blocks, padding at the end)."""
+        out = {}
+        for d, axes in enumerate(self.dims):
+            if axes:
+                parent = chunk_size(shape[d], [mesh.shape[a] for a in axes[:-1]])
+                m = self.block(axes[-1])
+                if (parent // m) % mesh.shape[axes[-1]]:
+                    out[d] = (parent, axes[-1], m)
+        return out
 
     def is_replicated(self) -> bool:
         return not self.partial and all(not axes for axes in self.dims)
 
     def __str__(self):
-        sf = dict(self.strides)
-        body = "[" + ", ".join("{" + ", ".join(f"{a}:s{sf[a]}" if a in sf else a for a in axes) + "}"
-                               for axes in self.dims) + "]"
+        sf, bf = dict(self.strides), dict(self.blocks)
+        body = "[" + ", ".join("{" + ", ".join(f"{a}:s{sf[a]}" if a in sf else f"{a}:b{bf[a]}" if a in bf else a
+                                               for a in axes) + "}" for axes in self.dims) + "]"
         by_op: dict = {}
         for a, op in self.partial:
             by_op.setdefault(op, []).append(a)
@@ -141,6 +201,8 @@ class Sharding:
             args.append(f"replicated=frozenset({sorted(self.replicated)!r})")
         if self.strides:
             args.append(f"strides={self.strides!r}")
+        if self.blocks:
+            args.append(f"blocks={self.blocks!r}")
         return f"Sharding({', '.join(args)})"
 
     def placements(self, mesh: Mesh) -> tuple:
@@ -172,3 +234,6 @@ class Sharding:
             else:
                 out.append(Replicate())
         return tuple(out)
+
+
+_INTERNED: dict = {}

@@ -138,6 +138,7 @@ INDEX_OPERANDS = {
     aten.scatter.value: (1, _along_dim, True),
     aten.scatter_add.default: (1, _along_dim, False),
     aten.index_add.default: (1, _along_dim, False),
+    aten.scatter_reduce.two: (1, _along_dim, False),
     aten.nll_loss_forward.default: (1, lambda n: _shape(n, 0)[-1], False),
     aten.nll_loss_backward.default: (2, lambda n: _shape(n, 1)[-1], False),
 }
@@ -159,6 +160,8 @@ def _random(val: torch.Tensor, positive: bool, gen) -> torch.Tensor:
     shape = tuple(val.shape)
     if val.dtype == torch.bool:
         return torch.rand(shape, generator=gen) < 0.5
+    if val.is_complex():
+        return torch.randn(shape, generator=gen, dtype=val.dtype)
     if not val.is_floating_point():
         return torch.randint(0, 4, shape, generator=gen, dtype=val.dtype)
     x = torch.rand(shape, generator=gen) + 0.5 if positive else torch.randn(shape, generator=gen)
@@ -210,6 +213,8 @@ def _error(got: torch.Tensor, ref: torch.Tensor, scale: float, shape_only: bool)
         return math.inf
     if shape_only or got.numel() == 0:
         return 0.0
+    if ref.is_complex():                # (real, imaginary) pairs, compared as floats
+        got, ref = torch.view_as_real(got), torch.view_as_real(ref)
     if not ref.is_floating_point():
         ok = torch.equal(got, ref)
     else:   # a result in a low-precision dtype is as exact as its rounding (a few ulps)
@@ -220,7 +225,7 @@ def _error(got: torch.Tensor, ref: torch.Tensor, scale: float, shape_only: bool)
 
 def _scale(ts) -> float:
     """The magnitude the absolute tolerance is relative to: the largest finite value among `ts`."""
-    finite = [t[torch.isfinite(t)].abs() for t in ts if t is not None and t.is_floating_point()]
+    finite = [t[torch.isfinite(t)].abs() for t in ts if t is not None and (t.is_floating_point() or t.is_complex())]
     return max([1e-6] + [float(x.max()) for x in finite if x.numel()])
 
 
@@ -303,6 +308,8 @@ def split_partial(x: torch.Tensor, op: str, k: int, gen: torch.Generator) -> lis
     """k uneven random parts of x that reduce (op) to x: sum -> random parts plus the remainder; max/min -> a random
     owner rank holds each element, the others hold something strictly smaller/larger."""
     def noise(lo, hi):
+        if x.is_complex():              # real and imaginary parts each in [lo, hi)
+            return torch.rand(x.shape, generator=gen, dtype=x.dtype) * (hi - lo) + complex(lo, lo)
         if x.is_floating_point():
             return (torch.rand(x.shape, generator=gen, dtype=torch.float64) * (hi - lo) + lo).to(x.dtype)
         return torch.randint(int(lo), int(hi) + 1, x.shape, generator=gen, dtype=x.dtype)
@@ -318,6 +325,8 @@ def split_partial(x: torch.Tensor, op: str, k: int, gen: torch.Generator) -> lis
 def check_linear(node, rule: OpRule, inputs: list, ref: list, slots: tuple, op: str, k: int, gen) -> list:
     """Operands in `slots` are partial(op) over k ranks, the others replicated: reducing the results must give ref."""
     check = f"linear {op} in {set(slots)} k={k}"
+    if op != "sum" and any(isinstance(t, torch.Tensor) and t.is_complex() for t in [*ref, *inputs]):
+        return []                      # complex numbers have no order: no partial(max/min) of them exists
     parts = {i: split_partial(inputs[i], op, k, gen) for i in slots}
     try:
         outs = [run_node(node, [parts[i][r] if i in parts else x for i, x in enumerate(inputs)]) for r in range(k)]

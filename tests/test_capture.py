@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -256,16 +257,24 @@ class DataDependent(nn.Module):
         return y
 
 
-def test_data_dependent_control_flow_raises_trace_error_naming_the_line():
+def test_data_dependent_control_flow_is_captured_per_path():
+    """A branch on a tensor value (issue 26; test_branches.py has the training cases): the forward is captured
+    for the path its example inputs take, and a call that takes the other one is captured for that path; both
+    equal eager."""
+    torch.manual_seed(0)
+    model = DataDependent()
     line = next(i for i, src in enumerate(inspect.getsourcelines(DataDependent.forward)[0])
                 if "if y.sum() > 0" in src) + DataDependent.forward.__code__.co_firstlineno
-    with pytest.raises(TraceError) as ei:
-        pt.partition(DataDependent(), pt.Mesh({"batch": 2}), [pt.ManualPartition({"inputs.0": 0}, axis="batch")],
-                     example_inputs=(torch.randn(4, 8),))
-    msg = str(ei.value)
-    assert isinstance(ei.value, pt.PartitionError)
-    assert f"{__file__}:{line} in forward" in msg
-    assert "DataDependent" in msg and "torch.where" in msg
+    x = torch.randn(4, 8)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [pt.ManualPartition({"inputs.0": 0}, axis="batch")],
+                        example_inputs=(x,))
+    assert [g.where.split(": ")[0] for g in prog.captured.guards] == [f"test_capture.py:{line}"]
+    flip = -x - 2 * model.fc.bias.detach()          # fc(flip) = -fc(x): the other side of the branch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for inp in (x, flip, x):
+            torch.testing.assert_close(prog(inp), model(inp), rtol=1e-6, atol=0)
+    assert sorted(r.calls for r in prog.shapes()) == [1, 2]
 
 
 # -- objects among the outputs (a KV cache) ----------------------------------------------------------------------
@@ -307,3 +316,37 @@ def test_an_object_output_is_rebuilt_around_its_tensors_and_one_without_attribut
     torch.testing.assert_close(got["memory"].all[1], want["memory"].all[1])
     with pytest.raises(TraceError, match=r"output 1 \(_Slotted\) is a _Slotted holding tensors .* use_cache=False"):
         capture(_Remember(_Slotted), (x,))
+
+
+class _RowPick(nn.Module):
+    """y[b, t] = h[b, j[t]] written as HF writes its masks: h[arange(B)[:, None], j[None, :]] (and its gradient, an
+    index_put over the same indices)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("j", torch.tensor([5, 0, 3, 3]))
+
+    def forward(self, x):
+        h = self.lin(x)                                   # (B, T, 8)
+        rows = torch.arange(h.shape[0])[:, None]
+        return h[rows, self.j[None, :]].pow(2).mean()
+
+
+def test_indexing_a_dim_by_its_own_positions_keeps_it_split():
+    import sys
+    sys.path.insert(0, "tests")
+    from harness import train_next_to_eager
+
+    torch.manual_seed(0)
+    model, ref = _RowPick(), _RowPick()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 6, 8)
+    loss = lambda m, x: m(x)  # noqa: E731
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [pt.tactics.data_parallel("batch")], example_inputs=(x,),
+                        loss_fn=loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    ops = {n.target for n in prog.plan.captured.gm.graph.nodes}
+    assert torch.ops.aten.index.Tensor in ops and torch.ops.aten.index_put.default in ops
+    # without the rewrite: h all-gathered for the index and its gradient reduce-scattered back
+    assert sorted((r.kind, r.why) for r in prog.collectives()) == [("all_reduce", "gradient"), ("all_reduce", "tactic")]
+    train_next_to_eager(prog, ref, [(x,)] * 2, loss, make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1))

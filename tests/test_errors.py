@@ -14,9 +14,9 @@ from partir_torch.sharding import Sharding
 SPEC = get("mlp")
 
 
-def partition(schedule, mesh=None, batch_size=4):
+def partition(schedule, mesh=None, batch_size=4, strict=False):
     return pt.partition(SPEC.build(), pt.Mesh(mesh or {"batch": 4}), schedule,
-                        example_inputs=SPEC.batch(batch_size), loss_fn=SPEC.loss_fn)
+                        example_inputs=SPEC.batch(batch_size), loss_fn=SPEC.loss_fn, strict=strict)
 
 
 def test_unknown_axis_suggests_the_closest():
@@ -29,22 +29,36 @@ def test_unknown_axis_suggests_the_closest():
     assert "'batch' (size 4), 'model' (size 2)" in msg and "Did you mean 'batch'?" in msg
 
 
-def test_dim_not_divisible_by_axis_size():
+def test_dim_not_divisible_by_axis_size_under_strict():
+    """strict=True keeps the divisibility error (without it the dim is tiled unevenly: tests/test_uneven.py)."""
     with pytest.raises(ShardingConflictError) as ei:
-        partition([pt.ManualPartition({"inputs.*": 0}, axis="batch", name="BP")], batch_size=6)
+        partition([pt.ManualPartition({"inputs.*": 0}, axis="batch", name="BP")], batch_size=6, strict=True)
     msg = str(ei.value)
     assert isinstance(ei.value, pt.PartitionError)
-    assert "dim 0 of inputs.0 (size 6) cannot be tiled on axis 'batch' (size 4): 4 does not divide 6" in msg
-    assert msg.startswith("BP:") and "Use a size divisible by 4, or tile another dim." in msg
+    assert "dim 0 of inputs.0 (size 6) cannot be tiled on axis 'batch' (size 4): 4 does not divide 6 " \
+           "(strict=True asks for divisible dims)" in msg
+    assert msg.startswith("BP:") and "Use a size divisible by 4, or tile another dim, or drop strict=True to " \
+                                     "tile it unevenly." in msg
 
 
-def test_dim_not_divisible_after_an_earlier_tiling():
+def test_dim_not_divisible_after_an_earlier_tiling_under_strict():
     # dim 0 of fc1.weight (64) is tiled 4 ways by A; B's axis of size 3 does not divide the local 16
     with pytest.raises(ShardingConflictError) as ei:
         partition([pt.ManualPartition({"params.fc1.weight": 0}, axis="a", name="A"),
-                   pt.ManualPartition({"params.fc1.weight": 0}, axis="b", name="B")], mesh={"a": 4, "b": 3})
+                   pt.ManualPartition({"params.fc1.weight": 0}, axis="b", name="B")], mesh={"a": 4, "b": 3},
+                  strict=True)
     msg = str(ei.value)
     assert "dim 0 of params.fc1.weight (size 16 after earlier tilings) cannot be tiled on axis 'b' (size 3)" in msg
+
+
+def test_an_unevenly_tiled_dim_takes_no_further_axis():
+    # dim 0 of fc1.weight (64) is tiled 3 ways unevenly by A (22, 22, 20); B cannot split it again
+    with pytest.raises(ShardingConflictError) as ei:
+        partition([pt.ManualPartition({"params.fc1.weight": 0}, axis="a", name="A"),
+                   pt.ManualPartition({"params.fc1.weight": 0}, axis="b", name="B")], mesh={"a": 3, "b": 2})
+    msg = str(ei.value)
+    assert msg.startswith("B: dim 0 of params.fc1.weight (size 64) is tiled unevenly on axis 'a' (size 3), so it "
+                          "cannot also be tiled on axis 'b' (size 2)") and "Tile another dim on 'b'." in msg
 
 
 def test_selector_matching_nothing_lists_closest_names():

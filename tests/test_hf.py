@@ -172,3 +172,79 @@ def test_forward_program_without_loss_fn_returns_the_cache_and_a_flag_or_cache_p
     with pytest.raises(pt.PartitionError, match=r"forward: input\[1\] is a DynamicCache .* continue decoding "
                                                 r"eagerly from it"):
         prog.forward(tokens[:, -1:], out.cache)
+
+
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["GPT2LMHeadModel", "LlamaForCausalLM"])
+def test_padding_mask_keeps_the_batch_split_under_data_parallel(build):
+    """HF builds the attention mask as `padding_mask[batch_idx, kv_idx]` (an index by the batch's own positions):
+    under data parallelism each rank indexes its own rows, no collective moves the mask (capture/tidy.py
+    identity_indices), and the padded rows train as on one device."""
+    torch.manual_seed(0)
+    model = build().train()
+    ref = copy.deepcopy(model)
+    tokens = torch.randint(0, 64, (4, 16))
+    mask = torch.ones(4, 16, dtype=torch.int64)
+    mask[1, 10:] = 0
+    mask[3, 12:] = 0
+
+    def masked_loss(m, x, am):
+        return m(input_ids=x, attention_mask=am, labels=x).loss
+
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=(tokens, mask),
+                        loss_fn=masked_loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert [r for r in prog.collectives() if r.why == "reshard"] == []
+    assert {r.kind for r in prog.collectives()} == {"all_reduce"}
+    train_next_to_eager(prog, ref, [(tokens, mask)] * 2, masked_loss,
+                        make_opt=lambda ps: torch.optim.SGD(ps, lr=0.1))
+
+
+def mixtral_default():
+    """Stock Mixtral with HF's default experts ("grouped_mm": tokens sorted by expert over the whole batch)."""
+    mixtral_cfg = mixtral().config
+    mixtral_cfg._experts_implementation = "grouped_mm"
+    from transformers import MixtralForCausalLM
+
+    return MixtralForCausalLM(mixtral_cfg)
+
+
+@pytest.mark.parametrize("schedule", ["BP", "BP+Z3"])
+def test_grouped_mm_experts_keep_tokens_on_their_rank(schedule):
+    """HF's grouped-mm experts are one per-token op (rules/moe.py): under data parallelism no collective moves the
+    MoE input (before: the sort over the global batch gathered it in every layer), and training equals one device."""
+    torch.manual_seed(0)
+    model = mixtral_default().train()
+    assert model.config._experts_implementation == "grouped_mm"
+    ref = copy.deepcopy(model)
+    tokens = torch.randint(0, 64, (8, 16))
+    mesh = pt.Mesh({"batch": 2}) if schedule == "BP" else pt.Mesh({"batch": 2, "fsdp": 2})
+    tactics = [T.data_parallel("batch")] if schedule == "BP" else [
+        T.data_parallel("batch"), T.data_parallel("fsdp", name="BP-fsdp"), T.zero(3, "fsdp")]
+    prog = pt.partition(model, mesh, tactics, example_inputs=(tokens,), loss_fn=loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5))
+    ops = Counter(str(n.target) for n in prog.plan.captured.gm.graph.nodes)
+    assert ops["partir.experts_grouped.default"] == 2 and ops["partir.experts_grouped_backward.default"] == 2
+    assert [r for r in prog.collectives() if r.why == "reshard"] == []
+    assert {r.kind for r in prog.collectives() if r.why != "state"} == {"all_reduce"} or schedule != "BP"
+    train_next_to_eager(prog, ref, [(tokens,)] * 2, loss_fn, make_opt=adamw(eps=1e-5))
+    assert prog.simulate(pt.sim.hardware("h100", gpus_per_node=mesh.size), stages=False).model_flops > 0
+    if schedule == "BP":
+        with pytest.raises(pt.PartitionError, match="grouped-mm experts"):
+            pt.partition(mixtral_default(), pt.Mesh({"expert": 2}), [T.expert_parallel("expert")],
+                         example_inputs=(tokens,), loss_fn=loss_fn)
+
+
+def test_mfu_is_the_models_whatever_the_schedule():
+    """Issue 23: MFU counts the model's FLOPs (the captured step's), so MFU x step time is one figure for every
+    schedule of a stock model; a schedule with redundant work (megatron's replicated head) has the lower MFU."""
+    tokens = torch.randint(0, 64, (8, 16))
+    hw = pt.sim.hardware("h100", gpus_per_node=4)
+    work = []
+    for mesh, schedule in (({"batch": 4}, [T.data_parallel("batch")]),
+                           ({"batch": 4}, [T.data_parallel("batch"), T.zero(3, "batch")]),
+                           ({"batch": 2, "model": 2}, [T.data_parallel("batch"), T.megatron("model")])):
+        torch.manual_seed(0)
+        model = gpt2()
+        prog = pt.partition(model, pt.Mesh(mesh), schedule, example_inputs=(tokens,), loss_fn=loss_fn,
+                            optimizer=torch.optim.AdamW(model.parameters()))
+        work += [r.mfu * r.step_time_s for r in prog.simulate(hw).stages]
+    assert max(work) == pytest.approx(min(work), rel=1e-3)

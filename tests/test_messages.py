@@ -34,10 +34,11 @@ def _sum_loss(m, x):
 
 # -- megatron ----------------------------------------------------------------------------------------------------
 def test_megatron_axis_size_that_divides_no_dim_says_so():
-    """3 does not divide 1024: the pair was found, the axis size is the cause, and 2 / 4 are sizes that fit."""
+    """3 does not divide 1024 under strict=True (without it the features are tiled unevenly, test_uneven.py): the
+    pair was found, the axis size is the cause, and 2 / 4 are sizes that fit."""
     with pytest.raises(pt.PartitionError) as e:
         pt.partition(Wide(), pt.Mesh({"model": 3}), [T.megatron("model")], example_inputs=(torch.randn(8, 256),),
-                     loss_fn=_sum_loss)
+                     loss_fn=_sum_loss, strict=True)
     msg = str(e.value)
     assert "found column-parallel/row-parallel linear pairs" in msg
     assert "axis 'model' (size 3)" in msg and "3 does not divide" in msg
@@ -47,10 +48,10 @@ def test_megatron_axis_size_that_divides_no_dim_says_so():
 
 
 def test_megatron_heads_the_axis_does_not_divide_are_named():
-    spec = get("gpt_sdpa")     # 4 heads, MLP hidden 128
+    spec = get("gpt_sdpa")     # 4 heads, MLP hidden 128 (tiled unevenly without strict=True)
     with pytest.raises(pt.PartitionError) as e:
         pt.partition(spec.build(), pt.Mesh({"model": 3}), [T.megatron("model")], example_inputs=spec.batch(4),
-                     loss_fn=spec.loss_fn)
+                     loss_fn=spec.loss_fn, strict=True)
     msg = str(e.value)
     assert "4 attention heads in layers.0.attn.wq.weight and 5 more" in msg
     assert "128 output features in layers.0.mlp.w1.weight and 1 more" in msg
@@ -285,7 +286,8 @@ def test_meta_model_does_not_run():
 
 
 def test_zero_that_shards_nothing_raises_with_the_sizes():
-    """issue 20: zero(k) on an axis that divides no dim of any parameter was a silent no-op."""
+    """issue 20: zero(k) on an axis that divides no dim of any parameter was a silent no-op. Under strict=True (no
+    uneven tiling; without it the dims are tiled unevenly, tests/test_uneven.py) it raises."""
     from examples.models import get
 
     spec = get("gpt_sdpa")                     # d=32, vocab 64, seq 16: no dim divides by 3
@@ -293,4 +295,4 @@ def test_zero_that_shards_nothing_raises_with_the_sizes():
     with pytest.raises(pt.PartitionError, match=r"axis 'batch' \(size 3\) divides no dim .* zero\(3\) would shard "
                                                 r"nothing"):
         pt.partition(model, pt.Mesh({"batch": 3}), [pt.tactics.zero(3, "batch")], example_inputs=spec.batch(3),
-                     loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+                     loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), strict=True)

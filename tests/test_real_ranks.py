@@ -13,12 +13,17 @@ rank returns plain Python results and the tests below read them:
   phase "moe_ep":  moe_capacity (GShard dispatch), EP on "batch" (experts and token groups share it, token buffers
                   exchanged by all_to_all over gloo) + MP on "model": losses and gathered parameters equal single
                   device.
+  phase "uneven": (issue 22) gpt with vocabulary 65 tiled unevenly (33/32) by MP(vocab) under BP + MP + Z3 on
+                  {dp: 2, tp: 2}: one-device losses, state_dict DTensors with torch.chunk local shapes, DCP save
+                  and load into BP + Z3 on {dp: 4} (a divisible layout), resumed losses equal continued ones.
   phase "dcp":    (issue 11) gpt, BP + Z3 on {dp: 4}: state_dict() saved with torch.distributed.checkpoint, loaded
                   into BP + MP + Z3 on {dp: 2, tp: 2} (a real reshard) and into the same schedule; the resumed
                   losses equal the uninterrupted run (bitwise under the same schedule); full tensors load too.
   phase "clip_acc_eval": (issue 11) gpt, BP + MP + Z3 on {dp: 2, tp: 2} with clip_grad_norm and accumulate=2,
                   a third step at a new sequence length (issue 22: partitioned again on every rank, state kept),
                   then eval_step at another batch size: losses, norms, parameters and eval loss equal one device.
+  phase "branches": (issue 26) a step that branches on tensor values (tests/branch_models.py), BP + MP: every
+                  rank takes one device's path each step, new paths captured on every rank.
   phase "memory": (issue 19) gpt_sdpa, BP + Z3 on {batch: 4}, measure_memory=True: each rank's measured peak
                   (prog.peak_memory(), the CPU storage tracker in each process) is within 5% of the simulator's.
                   bucket_bytes=0: gloo's worker thread may drop a collective's buffers a little after its wait
@@ -160,6 +165,38 @@ def _phase_moe_ep(mesh):
     return {"losses": losses, "ref_losses": ref_losses,
             "all_to_all": sum(r.kind == "all_to_all" for r in prog.collectives()),
             "param_errs": {k: _max_err(gathered[k], w) for k, w in ref_params.items() if k in gathered}}
+
+
+def _phase_branches(mesh) -> dict:
+    """(issue 26) a step that branches on tensor values (padding mask, layerdrop, an assert): each rank decides
+    every step's path from the global batch and its generator (seeded alike), captures new paths itself, and
+    equals one device step by step."""
+    import partir_torch as pt
+    from tests.branch_models import Branchy
+    from tests.test_branches import _batches
+
+    torch.manual_seed(0)
+    model = Branchy()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    batches = _batches(4)
+    torch.manual_seed(5)
+    prog = pt.partition(model, mesh, [pt.tactics.data_parallel("batch"), pt.tactics.megatron("model")],
+                        example_inputs=batches[0], loss_fn=lambda m, x, k: m(x, k),
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    losses = []
+    for i, b in enumerate(batches):
+        torch.manual_seed(100 + i)
+        got = prog.train_step(*b).item()
+        torch.manual_seed(100 + i)
+        opt.zero_grad()
+        want = ref(*b)
+        want.backward()
+        opt.step()
+        losses.append((got, want.item()))
+    gathered = prog.gather_parameters()
+    return {"losses": losses, "paths": len(prog.shapes()),
+            "param_errs": {k: _max_err(gathered[k], p.detach()) for k, p in ref.named_parameters()}}
 
 
 def _phase_memory(spec, batch, rank) -> dict:
@@ -345,6 +382,47 @@ def _phase_dcp(ckpt: str) -> dict:
     return out
 
 
+def _phase_uneven(ckpt: str) -> dict:
+    """Issue 22 item 3: gpt with an odd vocabulary (65) under BP + MP(vocab) + Z3 on {dp: 2, tp: 2} (the vocabulary
+    tiled 33/32 on tp); its state_dict holds DTensors with torch.chunk local shapes, saved with DCP and loaded into
+    BP + Z3 on {dp: 4}, where every tiled dim divides."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    import partir_torch as pt
+    from examples.models import get
+
+    T = pt.tactics
+    spec = get("gpt", vocab=65)
+    batch = spec.batch(8)
+    model, ref_losses, ref_params = _reference(spec, batch)
+    base = copy.deepcopy(model)
+    prog = pt.partition(model, pt.Mesh({"dp": 2, "tp": 2}),
+                        [T.data_parallel("dp"), T.megatron("tp", vocab=True), T.zero(3, "dp")],
+                        example_inputs=batch, loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    out = {"losses": [prog.train_step(*batch).item() for _ in range(STEPS)], "ref_losses": ref_losses,
+           "sharding": str(prog.sharding("params.wte.weight"))}
+    sd = prog.state_dict()
+    wte, m = sd["model"]["wte.weight"], sd["optimizer"]["state"]["wte.weight"]["exp_avg"]
+    out["dtensor"] = isinstance(wte, DTensor) and isinstance(m, DTensor)
+    want_local = compute_local_shape_and_global_offset(wte.shape, wte.device_mesh, wte.placements)[0]
+    out["local"] = (tuple(wte.to_local().shape), tuple(want_local), tuple(m.to_local().shape))
+    out["full_err"] = _max_err(wte.full_tensor(), ref_params["wte.weight"])
+    dcp.save(sd, checkpoint_id=os.path.join(ckpt, "uneven"))
+    out["want"] = [prog.train_step(*batch).item() for _ in range(STEPS)]
+    m2 = copy.deepcopy(base)
+    b = pt.partition(m2, pt.Mesh({"dp": 4}), [T.data_parallel("dp"), T.zero(3, "dp")], example_inputs=batch,
+                     loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(m2.parameters(), lr=LR, eps=EPS))
+    sd_b = b.state_dict()
+    out["sharding_b"] = str(b.sharding("params.wte.weight"))
+    dcp.load(sd_b, checkpoint_id=os.path.join(ckpt, "uneven"))
+    b.load_state_dict(sd_b)
+    out["resumed"] = [b.train_step(*batch).item() for _ in range(STEPS)]
+    return out
+
+
 def _phase_clip_accumulate_eval() -> dict:
     """BP + MP + Z3 on {dp: 2, tp: 2} with clip_grad_norm and accumulate=2, then eval_step at another batch size."""
     import partir_torch as pt
@@ -399,7 +477,9 @@ def _worker(rank, port, ckpt, queue):
                          ("local", lambda: _phase_local(spec, batch, mesh, rank, plans)),
                          ("moe_ep", lambda: _phase_moe_ep(mesh)),
                          ("dcp", lambda: _phase_dcp(ckpt)),
+                         ("uneven", lambda: _phase_uneven(ckpt)),
                          ("clip_acc_eval", _phase_clip_accumulate_eval),
+                         ("branches", lambda: _phase_branches(mesh)),
                          ("memory", lambda: _phase_memory(spec, batch, rank)),
                          ("mismatch", lambda: _phase_mismatch(spec, mesh, rank)),
                          ("diverge", lambda: _phase_diverge(spec, batch, plans, rank)),
@@ -526,12 +606,32 @@ def test_real_ranks_dcp_checkpoint_reshards_and_resumes(ranks):
     assert ranks[0]["dcp"]["full_err"] == 0.0
 
 
+def test_real_ranks_uneven_vocabulary_trains_checkpoints_and_reshards_to_a_divisible_layout(ranks):
+    for rank, r in _phase(ranks, "uneven").items():
+        assert r["sharding"] == "[{tp}, {dp}]" and r["sharding_b"] == "[{}, {dp}]", r
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=LOSS_RTOL, atol=0)
+        assert r["dtensor"], f"rank {rank}: state_dict values are not DTensors"
+        got, want, moment = r["local"]
+        # vocabulary 65 on tp (33 / 32 rows by torch.chunk), feature 32 on dp (16)
+        assert got == want == moment == ((33 if rank % 2 == 0 else 32), 16), f"rank {rank}: {r['local']}"
+        assert r["full_err"] <= 0, f"rank {rank}: wte outside rtol/atol by {r['full_err']}"
+        torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(r["want"]), rtol=LOSS_RTOL, atol=0)
+
+
 def test_real_ranks_clipping_accumulation_and_eval_equal_one_device(ranks):
     for rank, r in _phase(ranks, "clip_acc_eval").items():
         for got, want in r["losses"] + r["norms"] + [r["eval"]]:
             assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r}"
         assert r["param_err"] <= 0, f"rank {rank}: parameters outside rtol/atol by {r['param_err']}"
         assert r["shapes"] == [(8, 16), (8, 12)], f"rank {rank}: {r['shapes']}"
+
+
+def test_real_ranks_branches_take_one_devices_path(ranks):
+    for rank, r in _phase(ranks, "branches").items():
+        for got, want in r["losses"]:
+            assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r['losses']}"
+        assert max(r["param_errs"].values()) <= 0, f"rank {rank}: {r['param_errs']}"
+        assert r["paths"] >= 2, f"rank {rank}: {r['paths']} path(s)"
 
 
 def test_real_ranks_measured_peak_memory_within_5_percent_of_simulated(ranks):

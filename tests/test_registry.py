@@ -22,6 +22,16 @@ KNOWN_GAPS = {
     "aten.dot.default": ["flops"],              # matmul-like, not in torch's flop counter: charged as memory bound
     "aten.mv.default": ["flops"],
     "aten.glu_backward.default": ["xla"],       # torch-xla 2.9 has no kernel and no composite for it
+    "aten.im2col.default": ["xla"],             # nn.Unfold / nn.Fold: not checked on torch-xla
+    "aten.col2im.default": ["xla"],
+    "aten.upsample_bilinear2d.default": ["xla"],    # MobileViT: not checked on torch-xla
+    "aten.upsample_bilinear2d.vec": ["xla"],
+    "aten.upsample_bilinear2d_backward.default": ["xla"],
+    "aten._fft_c2c.default": ["xla"],           # FFTs (FNet): not checked on torch-xla
+    "aten._fft_r2c.default": ["xla"],
+    "aten._fft_c2r.default": ["xla"],
+    "partir.experts_grouped.default": ["xla"],  # HF's grouped-mm experts (rules/moe.py): not traced on XLA yet
+    "partir.experts_grouped_backward.default": ["xla"],
 }
 
 
@@ -48,7 +58,7 @@ def test_links_name_the_functions_their_packages_use():
                           aten.arange.start_step}
     flops = {r.op._schema.name: getattr(compute, r.flops.rsplit(".", 1)[1]) for r in rows
              if (r.flops or "").startswith("sim.compute.")}
-    assert compute.EXTRA_FLOPS == flops and len(flops) == 2
+    assert compute.EXTRA_FLOPS == flops and len(flops) == 4      # CPU flash attention, HF grouped-mm experts
     # xla/kernels.py imports torch_xla's package here; its functions are read from the source
     tree = ast.parse((ROOT / "xla" / "kernels.py").read_text())
     defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}

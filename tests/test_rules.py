@@ -71,6 +71,73 @@ def test_rules_beyond_the_zoo():
     assert report.nodes >= 15 and not report.wrong and not report.missing and not report.errors, str(report)
 
 
+def test_patches_and_vector_norm_rules():
+    """nn.Unfold / nn.Fold (im2col, col2im: ConvBERT) and linalg_vector_norm over some dims (ConvNeXt-V2's GRN)."""
+    def f(img, x):
+        cols = F.unfold(img, kernel_size=(3, 1), padding=(1, 0))
+        return cols, F.fold(cols, (6, 5), kernel_size=(3, 1), padding=(1, 0)), torch.linalg.vector_norm(
+            x, dim=(1, 2), keepdim=True), torch.linalg.vector_norm(x, ord=1, dim=1)
+
+    gm = _trace(f, torch.randn(4, 6, 6, 5), torch.randn(4, 6, 5, 3))
+    report = verify_graph(gm)
+    ops = {str(n.target) for n in gm.graph.nodes}
+    assert {"aten.im2col.default", "aten.col2im.default", "aten.linalg_vector_norm.default"} <= ops
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
+def test_bilinear_upsampling_rules():
+    """MobileViT's bilinear upsampling and its backward: batch and channels pass, the image stays whole."""
+    def f(img, g):
+        return (F.interpolate(img, size=(8, 10), mode="bilinear", align_corners=False),
+                aten.upsample_bilinear2d_backward(g, [8, 10], [4, 6, 6, 5], False))
+
+    gm = _trace(f, torch.randn(4, 6, 6, 5), torch.randn(4, 6, 8, 10))
+    ops = {str(n.target) for n in gm.graph.nodes}
+    assert any(o.startswith("aten.upsample_bilinear2d") for o in ops), ops
+    report = verify_graph(gm)
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
+def test_flip_and_scatter_reduce_rules():
+    """flip over the sequence (Bamba's reversed scans) and scatter_reduce (TAPAS's segment means): the batch passes."""
+    def f(x, idx):
+        seg = torch.zeros(4, 3).scatter_reduce(1, idx, x[:, :, 0], reduce="amax", include_self=False)
+        return x.flip(1), x.flip((1, 2)), seg, torch.zeros(4, 3).scatter_reduce(1, idx, x[:, :, 1], reduce="sum")
+
+    gm = _trace(f, torch.randn(4, 6, 5), torch.randint(0, 3, (4, 6)))
+    ops = {str(n.target) for n in gm.graph.nodes}
+    assert {"aten.flip.default", "aten.scatter_reduce.two"} <= ops, ops
+    report = verify_graph(gm)
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
+def test_fft_rules():
+    """FNet mixes tokens with FFTs over (seq, hidden): the batch passes, the transformed dims stay whole."""
+    def f(x):
+        return (torch.fft.fftn(x.to(torch.complex64), dim=(1, 2)).real, torch.fft.rfft(x, dim=1),
+                torch.fft.irfft(torch.fft.rfft(x, dim=2), n=5, dim=2))
+
+    gm = _trace(f, torch.randn(4, 6, 5))
+    ops = {str(n.target) for n in gm.graph.nodes}
+    assert {"aten._fft_c2c.default", "aten._fft_r2c.default", "aten._fft_c2r.default"} <= ops, ops
+    report = verify_graph(gm)
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
+def test_complex_pairs_rules():
+    """Rotary embeddings through complex numbers (DeepSeek-V2, Llama's original code): view_as_complex and
+    view_as_real keep the leading dims split and the (real, imaginary) pair whole."""
+    def f(x, freqs):
+        z = torch.view_as_complex(x.reshape(4, 6, 3, 2)) * freqs
+        return torch.view_as_real(z).flatten(2)
+
+    gm = _trace(f, torch.randn(4, 6, 6), torch.randn(6, 3, dtype=torch.complex64))
+    report = verify_graph(gm)
+    ops = {str(n.target) for n in gm.graph.nodes}
+    assert {"aten.view_as_complex.default", "aten.view_as_real.default"} <= ops
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
 # (x shape, w shape, bias, stride, padding, dilation, groups): grouped and depthwise convolutions (timm's
 # efficientnet / mobilenet / convnext blocks), conv1d and conv2d, bias and none, groups 2, 3, 4 and depthwise
 GROUPED_CONVS = {

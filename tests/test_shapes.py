@@ -51,8 +51,8 @@ def _new_shape_warnings(record) -> list:
 def test_sequence_lengths_change_every_step_and_train_like_eager():
     """The issue's run: batches of 8x32, 8x48, 8x40 tokens (and 8x32, 8x48 again) on BP + MP + Z3 over {batch: 2,
     model: 2} equal eager step by step with no user action beyond train_step; each new shape is partitioned once
-    (one warning each), the state is never taken again from the eager module, and a ragged 5x32 batch is refused
-    with the drop_last fix, leaving the program untouched."""
+    (one warning each), the state is never taken again from the eager module, and a ragged 5x32 batch trains too
+    (tiled unevenly, issue 22 item 3; under strict=True it is refused with the drop_last fix, test_uneven.py)."""
     spec = get("gpt")
     model = spec.build(seq=48)
     ref = Eager(model, spec.loss_fn)
@@ -73,12 +73,13 @@ def test_sequence_lengths_change_every_step_and_train_like_eager():
     assert all(r.capture_s > 0 and r.plan_s > 0 and r.lower_s > 0 for r in rows), rows
     assert prog.steps == len(lengths)
     assert_parameters_equal(prog, ref.m, what="after 5 steps of 3 shapes")
-    with pytest.raises(pt.PartitionError, match=r"inputs\.0 has shape \(5, 32\); the program tiles its dim 0 on "
-                                                r"'batch' \(size 2\), and 2 does not divide 5 .*drop_last=True"):
-        prog.train_step(*spec.batch(5, seq=32))
-    _both(prog, ref, spec.batch(8, seq=40, seed=9), "after the refused batch")
-    assert_parameters_equal(prog, ref.m, what="after the refused batch")
-    assert len(prog.shapes()) == 3
+    # a ragged batch of 5 is tiled unevenly (3 / 2 rows; the loss's (B*T) dim in blocks of T, test_uneven.py)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _both(prog, ref, spec.batch(5, seq=32, seed=8), "a ragged 5 x 32 batch")
+    _both(prog, ref, spec.batch(8, seq=40, seed=9), "after the ragged batch")
+    assert_parameters_equal(prog, ref.m, what="after the ragged batch")
+    assert len(prog.shapes()) == 4
 
 
 def test_shape_cache_is_bounded_and_evicts_the_least_recently_used_once():

@@ -79,3 +79,43 @@ def test_chrome_trace_has_compute_and_comm_tracks(tmp_path):
     names = {e.get("args", {}).get("name") for e in events if e.get("ph") == "M"}
     assert any("comm" in str(n) for n in names) and any("compute" in str(n) for n in names)
     assert sum(1 for e in events if e.get("ph") == "X") > 100
+
+
+def test_mfu_counts_the_models_flops_whatever_the_plan():
+    """MFU x step time is the model's FLOPs per device over the peak: the same for every plan of one model (a plan
+    that computes redundantly, the replicated head of BP + MP, shows a lower MFU, not a higher one); the executed
+    FLOPs stay available as hardware FLOPs utilisation."""
+    hw = pt.sim.hardware("h100", gpus_per_node=4)
+    reports = []
+    for mesh, schedule in (({"batch": 4}, [T.data_parallel("batch")]),
+                           ({"batch": 4}, [T.data_parallel("batch"), T.zero(3, "batch")]),
+                           ({"batch": 2, "model": 2}, [T.data_parallel("batch"), T.megatron("model")])):
+        r = gpt_program(mesh, schedule).simulate(hw)
+        reports += r.stages
+    work = [r.mfu * r.step_time_s for r in reports]
+    assert max(work) == pytest.approx(min(work), rel=1e-3)
+    assert len({r.model_flops for r in reports}) == 1
+    replicated, bp_mp = reports[0], reports[-1]
+    assert replicated.hardware_flops == pytest.approx(4 * replicated.model_flops)   # every device runs it whole
+    assert bp_mp.hardware_flops > bp_mp.model_flops                 # the head is computed on both model ranks
+    assert bp_mp.hfu > bp_mp.mfu
+
+
+def test_table_flags_out_of_memory_and_lists_the_notes():
+    prog = gpt_program({"batch": 2}, [T.data_parallel("batch")])
+    small = pt.sim.hardware("h100", gpus_per_node=2, hbm_bytes=1024)
+    r = prog.simulate(small)
+    assert r.out_of_memory
+    table = r.table()
+    assert " OOM" in table and "exceeds the" in table and str(r) == table
+    ok = prog.simulate(pt.sim.hardware("h100", gpus_per_node=2))
+    assert not ok.out_of_memory and "OOM" not in ok.table()
+
+
+def test_simulate_without_stages_is_the_final_row():
+    prog = gpt_program({"batch": 2, "model": 2}, [T.data_parallel("batch"), T.megatron("model")])
+    hw = pt.sim.hardware("h100", gpus_per_node=4)
+    one = prog.simulate(hw, stages=False)
+    full = prog.simulate(hw)
+    assert one.stages == [] and one.stage_name == "MP"
+    assert one.step_time_s == full.step_time_s and one.mfu == full.mfu and one.model_flops == full.model_flops

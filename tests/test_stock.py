@@ -176,18 +176,19 @@ def test_capture_errors_name_the_cause(kw, pattern):
         kw["optimizer"] = torch.optim.Adagrad(m.parameters())
     with pytest.raises(pt.PartitionError, match=pattern) as info:
         _partition(model=m, **kw)
-    assert "branch" not in str(info.value)      # the data-dependence advice only where that is the cause
+    assert "branches on tensor values" not in str(info.value)   # that advice only where it is the cause
 
 
-def test_data_dependent_branch_gets_the_branch_advice():
+def test_data_dependent_branch_is_captured_for_its_path():
+    """A branch on a tensor value is a guard of the captured path (issue 26; tests/test_branches.py)."""
     class Branchy(Tiny):
         def forward(self, x):
             y = self.out(self.emb(x))
             return y if y.sum() > 0 else -y
 
-    with pytest.raises(TraceError, match=r"(?s)test_stock\.py.*branches on tensor values"):
-        pt.partition(Branchy(), pt.Mesh({"b": 2}), [T.data_parallel("b")],
-                     example_inputs=(torch.randint(0, 16, (4, 5)),), loss_fn=tiny_loss)
+    prog = pt.partition(Branchy(), pt.Mesh({"b": 2}), [T.data_parallel("b")],
+                        example_inputs=(torch.randint(0, 16, (4, 5)),), loss_fn=tiny_loss)
+    assert [g.where.split(":")[0] for g in prog.captured.guards] == ["test_stock.py"]
 
 
 def test_writing_a_parameter_in_place_is_refused():
@@ -205,8 +206,6 @@ def test_writing_a_parameter_in_place_is_refused():
 @pytest.mark.parametrize("bad, pattern", [
     # a new dtype or shape is another program (runtime/shapes.py): captured again, where the model names the fault
     (lambda x: x.double(), r"(?s)'indices'.*float64.*Give the inputs the dtypes the model expects"),
-    (lambda x: x[:3], r"inputs\.0 has shape \(3, 5\); the program tiles its dim 0 on 'b' \(size 2\), and 2 does "
-                      r"not divide 3 .* drop_last=True"),
     (lambda x: x.to("meta"), r"inputs\.0 is on meta"),
 ])
 def test_inputs_are_checked_at_every_call(bad, pattern):
@@ -215,6 +214,26 @@ def test_inputs_are_checked_at_every_call(bad, pattern):
     prog.loss_and_grads(x)
     with pytest.raises(pt.PartitionError, match=pattern):
         prog.loss_and_grads(bad(x))
+
+
+def test_a_ragged_batch_is_tiled_unevenly_or_refused_under_strict():
+    """3 rows on 2 ranks (2 / 1, issue 22): the same loss and gradients as eager; strict=True refuses it with the
+    drop_last fix."""
+    x = torch.randint(0, 16, (4, 5))
+    model = Tiny()
+    eager = copy.deepcopy(model)
+    prog = _partition(model, example_inputs=(x,))
+    with pytest.warns(UserWarning, match="new input shape"):
+        loss, grads = prog.loss_and_grads(x[:3])
+    want = tiny_loss(eager, x[:3])
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=0)
+    for k, p in eager.named_parameters():
+        torch.testing.assert_close(grads[k], p.grad, rtol=1e-5, atol=1e-6)
+    strict = _partition(example_inputs=(x,), strict=True)
+    with pytest.raises(pt.PartitionError, match=r"inputs\.0 has shape \(3, 5\); the program tiles its dim 0 on 'b' "
+                                                r"\(size 2\), and 2 does not divide 3 \(strict=True.*drop_last=True"):
+        strict.loss_and_grads(x[:3])
 
 
 def test_rules_for_ops_stock_models_reach_verify():

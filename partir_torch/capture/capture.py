@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                          FakeTensorMode)
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
@@ -22,7 +23,8 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_mutation, sync_functional_tensor, to_fun
 
 from ..contract import META_ACCUMULATE, META_NAME, META_OUTPUT, META_ROLE, forward_nodes, stamp_phases
-from ..errors import PartitionError, TraceError
+from ..errors import PartitionError, TraceError, user_stacklevel, warn
+from .branches import Recorder, add_checks, lift_draws, python_draws
 from .decompositions import capture_decompositions
 from .framestack import call_in_fresh_chunk
 from .inputs import as_batch, check_leaves, forward_kwargs
@@ -33,7 +35,8 @@ from .optim import functional_optimizer
 from .outputs import flatten_outputs
 from .replicate import splice_update
 from .tags import tracing_graph, collect_tags, install_hooks
-from .tidy import untie_random_templates
+from .moe import hf_experts
+from .tidy import identity_indices, untie_random_templates
 
 FORWARD, LOSS_AND_GRADS, TRAIN, EVAL = "forward", "loss_and_grads", "train", "eval"
 # TRAIN: trace the optimizer update once per class of parameters and copy it for each (replicate.py), not op by op
@@ -66,6 +69,11 @@ class Captured:
     # (runtime/shapes.py): capture()'s keyword arguments, and each module's training flag (model.modules() order)
     settings: dict = field(default_factory=dict)
     modes: tuple = ()
+    # the step branches on tensor values (branches.py): the path this graph is specialised to, one Guard per scalar
+    # read (in trace order), and the asserts verified after each step (outputs "asserts.<i>")
+    guards: tuple = ()
+    checks: tuple = ()
+    updated: tuple = ()                          # TRAIN with guards: the parameters this path updates
 
 
 def _trace_device(model, inputs) -> torch.device:
@@ -101,13 +109,14 @@ def _user_frame(exc: BaseException) -> str:
     return found
 
 
-def _functional(step):
+def _functional(step, recorder=None):
     """`step` traced under functionalization (AOTAutograd's FunctionalTensorMode, which, unlike
     torch.func.functionalize, lets autograd run above it): in-place ops become out-of-place ones, and a state
     input the step writes into (a batch norm's running statistics) ends as one `copy_` into its placeholder,
-    which _state_mutations turns into a state output."""
+    which _state_mutations turns into a state output. recorder: a branches.Recorder answering the step's scalar
+    reads, above the functional mode."""
     def body(*args):
-        with FunctionalTensorMode():
+        with FunctionalTensorMode(), (recorder if recorder is not None else contextlib.nullcontext()):
             fargs = [to_fun(a) for a in args]
             outs = [from_fun(o) for o in step(*fargs)]
             for a, fa in zip(args, fargs):
@@ -355,8 +364,10 @@ class _Layout:
         self.names.append(name), self.roles.append(role), self.flat.append(value)
 
 
-def _layout(model, example_inputs, optimizer, mode, fake_mode, device) -> _Layout:
-    """Fake placeholders for the module's state, the optimizer's state and hyperparameters, and the inputs."""
+def _layout(model, example_inputs, optimizer, mode, fake_mode, device, param_steps=False) -> _Layout:
+    """Fake placeholders for the module's state, the optimizer's state and hyperparameters, and the inputs.
+    param_steps: TRAIN also has one step count per trainable parameter, `step.<fqn>` (a step that branches: a
+    parameter the path leaves without a gradient keeps its count, as torch.optim keeps it)."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     trainable = [k for k, p in params.items() if p.requires_grad] if mode not in (FORWARD, EVAL) else []
@@ -384,6 +395,8 @@ def _layout(model, example_inputs, optimizer, mode, fake_mode, device) -> _Layou
             for g, h in lay.hyper_keys:
                 lay.add(f"hparams.{g}.{h}", "lr", torch.zeros((), dtype=torch.float64, device=device))
             lay.add("step", "step", torch.zeros((), dtype=torch.float64, device=device))
+            for k in lay.trainable if param_steps else ():
+                lay.add(f"step.{k}", "step", torch.zeros((), dtype=torch.float64, device=device))
     lay.n_state = len(lay.flat)
     _, lay.in_spec = tree_flatten(example_inputs)
     for i, x in enumerate(check_leaves(example_inputs)):
@@ -399,7 +412,8 @@ class _Step:
         self.clip_grad_norm, self.accumulate, self.accumulate_dims = clip_grad_norm, accumulate, accumulate_dims
         self.out_names: list = []
         self.out_spec = None
-        self.recorder = None                       # stages._Recorder when capture records modules
+        self.module_recorder = None                # stages._Recorder when capture records modules (pipelines)
+        self.record_modules = False
         self.updated, self.anchor = None, None     # TRAIN: the update's parameters, the last node before it
         self.running_stats = {f"{fqn}.{n}" if fqn else n for fqn, mod in model.named_modules()
                               if isinstance(mod, torch.nn.modules.batchnorm._NormBase)
@@ -445,8 +459,8 @@ class _Step:
         trainable, k_acc = self.lay.trainable, self.accumulate
         loss, grads, unused = None, None, set()
         for j, micro in enumerate(_micro_batches(fargs, k_acc, self.accumulate_dims)):
-            if self.recorder is not None:        # a pipeline's capture: the ops of micro-batch j (stages.py)
-                self.recorder.micro = j
+            if self.module_recorder is not None:   # a pipeline's capture: the ops of micro-batch j (stages.py)
+                self.module_recorder.micro = j
             # the module holds the traced state until the backward has run: checkpointed blocks recompute their
             # forward inside it
             with torch.enable_grad(), _reparametrize_module(self.model, state, tie_weights=True):
@@ -467,8 +481,8 @@ class _Step:
                 with fx_traceback.preserve_node_meta(), fx_traceback.annotate({META_ACCUMULATE: True}):
                     grads = {k: grads[k] + got[k] for k in trainable}
             loss = part.detach() if loss is None else loss + part.detach()
-        if self.recorder is not None:
-            self.recorder.micro = None
+        if self.module_recorder is not None:
+            self.module_recorder.micro = None
         return loss, grads, unused
 
     def _update(self, p, grads, loss, rest):
@@ -502,13 +516,67 @@ def _template_tracer(table):
     return trace
 
 
+def _data_dependent(e: BaseException) -> bool:
+    while e is not None:
+        if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _real_values(model, example_inputs):
+    """name -> the real full tensor of a step placeholder, for the branches' values (branches.py): the module's
+    parameters and buffers, the example inputs; None where there is none (meta, fake)."""
+    table = {f"params.{k}": p for k, p in model.named_parameters()}
+    table.update({f"buffers.{k}": b for k, b in model.named_buffers()})
+    table.update({f"inputs.{i}": x for i, x in enumerate(check_leaves(example_inputs))})
+
+    def real(name):
+        t = table.get(name)
+        if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or t.device.type == "meta":
+            return None
+        return t.detach()
+    return real
+
+
+def _trace(step, lay, table, recorder):
+    drawn: list = []
+    with _tracing_session(), _use_lazy_graph_module(True), no_gc(), recording_sources(), hf_experts(), \
+            python_draws(drawn), \
+            (recording_modules(step.model) if step.record_modules else contextlib.nullcontext()) as modules:
+        # lazy: code generated on first use (below); sources: the user's line of each forward op (sources.py)
+        step.module_recorder = modules
+        gm = make_fx(_functional(step, recorder), tracing_mode="fake", decomposition_table=table)(*lay.flat)
+        if recorder is not None:       # the guards' programs, from the graph as traced
+            recorder.build()
+        if step.updated is not None:
+            splice_update(gm, lay, step.updated, step.anchor, _template_tracer(table))
+    if drawn:
+        warn(f"partition: the step draws from Python's or NumPy's random generator at {'; '.join(drawn[:3])}: the "
+             f"capture fixed that draw, so every step takes the path it chose. Draw with torch (torch.rand([])): "
+             f"partir_torch then decides the branch at every step, as eager does.", stacklevel=user_stacklevel())
+    return gm
+
+
+def _traced_with_branches(model, example_inputs, step, table, device, values):
+    """The step traced with a Recorder (branches.py): specialised to the path its real values take, the
+    generator left as it was (the guards' draws are the step's own)."""
+    recorder = Recorder(step.lay.names, values or _real_values(model, example_inputs))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), recorder.counting_nonzero():
+        gm = _trace(step, step.lay, table, recorder)
+    return gm, recorder
+
+
 def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None, options=(),
             decompositions=None, clip_grad_norm=None, accumulate=1, accumulate_dims=None,
-            eval_loss=False, record_modules=False) -> Captured:
+            eval_loss=False, values=None, record_modules=False) -> Captured:
     """options: capture-time tactics (MixedPrecision, Remat) that shape the traced step; decompositions: extra
     ones a tactic needs (see decompositions.py). clip_grad_norm, accumulate, accumulate_dims: see partition().
-    eval_loss: the loss only, no gradients (mode EVAL). record_modules: every op records its module and
-    micro-batch (stages.py; what a pipeline tactic cuts the step by)."""
+    eval_loss: the loss only, no gradients (mode EVAL). values: name -> real full tensor of a placeholder, for a
+    step that branches on tensor values (branches.py; default: the module's and the example inputs' own). Such a
+    step is traced twice: the plain trace stops at the first branch, and the step is traced again with a
+    branches.Recorder (no cost for a step without branches). record_modules: every op records its module
+    and micro-batch (stages.py; what a pipeline tactic cuts the step by)."""
     example_inputs = as_batch(example_inputs)
     mode = FORWARD if loss_fn is None else EVAL if eval_loss else (LOSS_AND_GRADS if optimizer is None else TRAIN)
     if loss_fn is not None:
@@ -517,18 +585,24 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)   # tensors the model or loss_fn close over: constants
     lay = _layout(model, example_inputs, optimizer, mode, fake_mode, device)
     step = _Step(model, lay, loss_fn, options, clip_grad_norm, accumulate, accumulate_dims)
+    step.record_modules = record_modules
     handles = install_hooks(model)
     for opt in options:
         handles += opt.install(model)
+    recorder = None
     try:
         table = {**capture_decompositions(), **(decompositions or {})}
-        with _tracing_session(), _use_lazy_graph_module(True), no_gc(), recording_sources(), \
-                (recording_modules(model) if record_modules else contextlib.nullcontext()) as rec:
-            # lazy: code generated on first use (below); sources: the user's line of each forward op (sources.py)
-            step.recorder = rec
-            gm = make_fx(_functional(step), tracing_mode="fake", decomposition_table=table)(*lay.flat)
-            if step.updated is not None:
-                splice_update(gm, lay, step.updated, step.anchor, _template_tracer(table))
+        try:
+            gm = _trace(step, lay, table, None)
+        except Exception as e:  # noqa: BLE001 - a branch on a tensor value: traced again, specialised to its path
+            if not _data_dependent(e):
+                raise
+            gm = None
+        if gm is None:
+            lay = _layout(model, example_inputs, optimizer, mode, fake_mode, device, param_steps=True)
+            step = _Step(model, lay, loss_fn, options, clip_grad_norm, accumulate, accumulate_dims)
+            step.record_modules = record_modules
+            gm, recorder = _traced_with_branches(model, example_inputs, step, table, device, values)
     except PartitionError:
         raise
     except Exception as e:  # noqa: BLE001 - every trace failure becomes one clear error
@@ -537,10 +611,14 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         for h in handles:
             h.remove()
     names, roles, out_names = lay.names, lay.roles, step.out_names
+    checks = add_checks(gm, recorder.checks, out_names) if recorder is not None else []
+    if recorder is not None:
+        lift_draws(gm, recorder.drawn, names, roles)
     _check_indices(gm, model)
     consts = _lift_constants(gm, names, roles)
     _refuse_state_constants(consts, model)
     untie_random_templates(gm)
+    identity_indices(gm)
     _state_mutations(gm, names, roles, out_names, model)
     if accumulate > 1:
         _accumulate_early(gm)
@@ -551,6 +629,9 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     cap.settings = dict(clip_grad_norm=clip_grad_norm, accumulate=accumulate, accumulate_dims=accumulate_dims,
                         eval_loss=eval_loss, record_modules=record_modules)
     cap.modes = tuple(m.training for m in model.modules())
+    if recorder is not None:
+        cap.guards, cap.checks = tuple(recorder.guards), tuple(checks)
+        cap.updated = tuple(step.updated or ())
     cap.rewrites = tuple(opt.name for opt in options)
     cap.decompositions = frozenset((decompositions or {}).keys())
     # the passes above edit gm.graph only; gm is a lazy GraphModule: its code is generated when first called or

@@ -41,11 +41,14 @@ class _Splicer:
     def __init__(self, graph: fx.Graph, fopt, placeholders: dict, hyper_keys: list, trace):
         self.graph, self.fopt, self.trace = graph, fopt, trace
         self.step = placeholders["step"]
+        # a step that branches (branches.py): each parameter's own step count, as torch.optim keeps it (a layer
+        # that layerdrop skips has no gradient that step, and its count stays)
+        self.steps = {k[len("step."):]: v for k, v in placeholders.items() if k.startswith("step.")}
         self.hyper = {}             # group -> ([(group, name)], [placeholder])
         for g, h in hyper_keys:
             keys, nodes = self.hyper.setdefault(g, ([], []))
             keys.append((g, h)), nodes.append(placeholders[f"hparams.{g}.{h}"])
-        self.scalars: dict = {}     # (group, dtype) -> tuple of nodes (None where a scalar is unused)
+        self.scalars: dict = {}     # (group, dtype, step) -> tuple of nodes (None where a scalar is unused)
         self.templates: dict = {}   # class -> traced apply
 
     def _copy(self, template: fx.GraphModule, inputs: list) -> list:
@@ -67,9 +70,9 @@ class _Splicer:
                                    f"copied per parameter (partir_torch/capture/replicate.py).")
         raise RuntimeError("capture: a traced optimizer template has no output")
 
-    def _group_scalars(self, gi: int, dtype: torch.dtype) -> tuple:
-        """The scalar nodes of (group gi, dtype), copied in on first use."""
-        if (gi, dtype) not in self.scalars:
+    def _group_scalars(self, gi: int, dtype: torch.dtype, step: fx.Node) -> tuple:
+        """The scalar nodes of (group gi, dtype, step count), copied in on first use."""
+        if (gi, dtype, step) not in self.scalars:
             keys, nodes = self.hyper.get(gi, ([], []))
             used = []
 
@@ -79,16 +82,16 @@ class _Splicer:
                 used[:] = [t is not None for t in out]
                 return [t for t in out if t is not None]
 
-            inputs = nodes + [self.step]
+            inputs = nodes + [step]
             outs = iter(self._copy(self.trace(scalars, [_like(n.meta["val"]) for n in inputs]), inputs))
-            self.scalars[(gi, dtype)] = tuple(next(outs) if u else None for u in used)
-        return self.scalars[(gi, dtype)]
+            self.scalars[(gi, dtype, step)] = tuple(next(outs) if u else None for u in used)
+        return self.scalars[(gi, dtype, step)]
 
     def update(self, fqn: str, param: fx.Node, grad: fx.Node, states: list) -> list:
         """Copy one parameter's update in; returns [new param, new state...] (state in fopt.names_for order)."""
         gi = self.fopt.group_index(fqn)
         names = self.fopt.names_for(fqn)
-        scalars = self._group_scalars(gi, param.meta["val"].dtype)
+        scalars = self._group_scalars(gi, param.meta["val"].dtype, self.steps.get(fqn, self.step))
         keys, hyper = self.hyper.get(gi, ([], []))
         sc_nodes = [s for s in scalars if s is not None]
         inputs = [param, grad] + states + sc_nodes + hyper

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 # bernoulli_(empty_like(x), p)
 _TEMPLATE_RANDOM = RANDOM_OPS & {aten.bernoulli.p, aten.rand_like.default, aten.randn_like.default}
 # factories shaped like their operand -> the factory with a static shape (value argument index, else None)
-_LIKE = {aten.empty_like.default: (aten.empty.memory_format, None), aten.zeros_like.default: (aten.zeros.default, None),
+LIKE = {aten.empty_like.default: (aten.empty.memory_format, None), aten.zeros_like.default: (aten.zeros.default, None),
          aten.ones_like.default: (aten.ones.default, None), aten.full_like.default: (aten.full.default, 1)}
 
 
@@ -20,10 +20,10 @@ def untie_random_templates(gm: fx.GraphModule) -> None:
     layout to x's, and random draws stay whole (rules/pointwise.py RANDOM), so a batch-tiled x would be gathered
     to make an uninitialised template whole. The template becomes a factory of x's static shape instead."""
     for n in list(gm.graph.nodes):
-        if n.target not in _LIKE or not n.users or any(u.target not in _TEMPLATE_RANDOM for u in n.users):
+        if n.target not in LIKE or not n.users or any(u.target not in _TEMPLATE_RANDOM for u in n.users):
             continue
         val = n.meta["val"]
-        target, value_at = _LIKE[n.target]
+        target, value_at = LIKE[n.target]
         args = (list(val.shape),) if value_at is None else (list(val.shape), n.args[value_at])
         with gm.graph.inserting_before(n):
             new = gm.graph.call_function(target, args, {"dtype": val.dtype, "device": val.device})
@@ -31,3 +31,64 @@ def untie_random_templates(gm: fx.GraphModule) -> None:
         n.replace_all_uses_with(new)
         gm.graph.erase_node(n)
     gm.graph.lint()     # capture() regenerates gm's code once, after its last rewrite
+
+
+# ops through which an arange's values reach an index unchanged, only its shape gaining dims of size 1
+_SHAPE_ONLY = {aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+_INDEXERS = {aten.index.Tensor: 1, aten.index_put.default: 1, aten.index_put_.default: 1}
+
+
+def _is_positions(node, n: int) -> bool:
+    """Does `node` hold 0, 1, ..., n - 1 along one dim of size n (every other dim of size 1)? An arange(n) (or
+    arange(0, n[, 1]), plus 0) seen through views that only add dims of size 1."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or sorted(val.shape, reverse=True)[:1] != [n] or val.numel() != n:
+        return False
+    while node.op == "call_function" and (node.target in _SHAPE_ONLY or
+                                          (node.target == aten.add.Tensor and node.args[1] == 0)):
+        node = node.args[0]
+    if node.op != "call_function" or node.target not in _ARANGES:
+        return False
+    a = list(node.args) + [node.kwargs.get(k) for k in ("start", "end", "step") if k in node.kwargs]
+    start, end, step = (0, a[0], 1) if node.target == aten.arange.default else \
+        (a[0], a[1], a[2] if len(a) > 2 else 1)
+    return (start, end, step) == (0, n, 1)
+
+
+def identity_indices(gm: fx.GraphModule) -> int:
+    """`x[arange(B)[:, None, ...], j]`: indexing dim 0 by its own positions is `x[:, j]` (HF builds its attention
+    masks so: `padding_mask[batch_idx, kv_idx]`). Written as advanced indexing, the batch dim is an indexed dim,
+    which the rules keep whole (a data-parallel step would gather the mask); as a full slice it passes through.
+    Rewrites index and index_put where the first index is dim 0's positions along the first broadcast dim and
+    every other index has size 1 there (so the result's layout is unchanged). Returns how many were rewritten."""
+    done = 0
+    for n in list(gm.graph.nodes):
+        at = _INDEXERS.get(n.target)
+        if at is None or not isinstance(n.args[0], fx.Node):
+            continue
+        x, indices = n.args[0].meta["val"], list(n.args[at])
+        if len(indices) < 2 or not isinstance(indices[0], fx.Node) or any(not isinstance(i, fx.Node)
+                                                                           for i in indices[1:]):
+            continue
+        shapes = [tuple(i.meta["val"].shape) for i in indices]
+        nb = max(len(s) for s in shapes)
+        first = shapes[0]
+        if (len(first) != nb or first[0] != x.shape[0] or x.shape[0] < 2 or not _is_positions(indices[0], x.shape[0])
+                or any(len(s) == nb and s[0] != 1 for s in shapes[1:])):
+            continue
+        rest = []
+        with gm.graph.inserting_before(n):
+            for i, s in zip(indices[1:], shapes[1:]):
+                if len(s) == nb:
+                    sq = gm.graph.call_function(aten.squeeze.dim, (i, 0))
+                    sq.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+                    sq.meta["val"] = i.meta["val"].squeeze(0)
+                    i = sq
+                rest.append(i)
+        n.args = (n.args[0], [None] + rest, *n.args[at + 1:])
+        done += 1
+    if done:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+    return done

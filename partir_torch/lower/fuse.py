@@ -49,12 +49,22 @@ def adam_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
     donate=True: the step's parameters and moments are updated in place, as torch.optim does, and returned (the
     program donates them: fuse_optimizer checks that nothing reads them after this node, and the runtimes hold
     state they own, runtime/backend.py); donate=False: on copies, the inputs stay as they were."""
-    if is_fake(step):                   # shapes only (lower/fakeprop.py): the scalar math needs values
+    first = step[0] if isinstance(step, (list, tuple)) else step     # a list: one count per parameter
+    if first.is_meta or is_fake(first):   # shapes only (lower/fakeprop.py): the scalar math needs values
         like = (lambda ts: ts) if donate else (lambda ts: [torch.empty_like(t) for t in ts])  # noqa: E731
         return like(params), like(exp_avgs), like(exp_avg_sqs), like(max_exp_avg_sqs) if amsgrad else []
     if not donate:
         params, exp_avgs, exp_avg_sqs = ([t.clone() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs))
         max_exp_avg_sqs = [t.clone() for t in max_exp_avg_sqs] if amsgrad else []
+    if isinstance(step, (list, tuple)):  # a step count per parameter (a step that branches): one update per count
+        by: dict = {}
+        for i, s in enumerate(step):
+            by.setdefault(float(s), []).append(i)
+        for idx in by.values():
+            pick = lambda ts: [ts[i] for i in idx] if ts else []  # noqa: E731
+            adam_update(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(max_exp_avg_sqs),
+                        step[idx[0]], lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled, fused, True)
+        return params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else []
     dtype = params[0].dtype
     step64, lr64, b1, b2 = step.double(), lr.double(), beta1.double(), beta2.double()
     if fused:
@@ -123,7 +133,7 @@ def fuse_optimizer(graph: fx.Graph, captured) -> int:
     for name, o in zip(captured.output_names, cap_out):
         if isinstance(o, fx.Node) and o.op != "placeholder" and o.name in by_src:
             result_of[name] = by_src[o.name]
-    step = next((n for n in placeholders.values() if n.meta.get(META_ROLE) == Role.STEP), None)
+    step = placeholders.get("step")
     if step is None:
         return 0
     index = {n: i for i, n in enumerate(graph.nodes)}
@@ -131,11 +141,14 @@ def fuse_optimizer(graph: fx.Graph, captured) -> int:
     for fqn in fopt._trainable():
         found = _match(fqn, fopt, placeholders, result_of, phase, index)
         if found is not None:
+            # a step that branches counts steps per parameter (placeholders step.<fqn>: capture/branches.py)
+            found["step"] = placeholders.get(f"step.{fqn}", step)
             key = (fopt._group[fqn], captured.names[f"params.{fqn}"].meta["val"].dtype)
             groups.setdefault(key, []).append(found)
     n_fused = 0
     for (gi, _), members in groups.items():
-        if _emit(graph, fopt, gi, members, placeholders, step):
+        own = [m["step"] for m in members]
+        if _emit(graph, fopt, gi, members, placeholders, step if all(s is step for s in own) else own):
             n_fused += len(members)
     if n_fused:
         reorder(graph)     # every node after its inputs; the current order kept wherever it is valid

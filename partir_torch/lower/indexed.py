@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..rules.registry import linked
+from ..sharding import chunk_size
 
 aten = torch.ops.aten
 
@@ -72,10 +73,12 @@ def arange(em, args, kwargs, off, n):
 IMPLS = linked("local", "lower.indexed", globals())
 
 
-def offset(em, mesh, axes, n):
-    """The first position of this rank's shard of a dim split over `axes` (major to minor) into chunks of n."""
-    chunk = None
+def offset(em, mesh, axes, size):
+    """The first position of this rank's shard of a dim of `size` split over `axes` (major to minor), each split
+    into chunks of chunk_size (the last one may not divide: uneven, torch.chunk sizes): sum of coord * chunk."""
+    off, n = None, size
     for a in axes:
-        c = em.coords[a]
-        chunk = c if chunk is None else em.call(aten.add.Tensor, em.call(aten.mul.Scalar, chunk, mesh.shape[a]), c)
-    return em.call(aten.mul.Scalar, chunk, n)
+        n = chunk_size(n, [mesh.shape[a]])
+        term = em.call(aten.mul.Scalar, em.coords[a], n)
+        off = term if off is None else em.call(aten.add.Tensor, off, term)
+    return off

@@ -9,14 +9,13 @@ else of the Program:
 """
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
-from torch.utils._pytree import tree_map
+from torch.fx.node import map_aggregate
 
 from ..contract import META_NAME, META_OUTPUT, META_RECOMPUTE, META_ROLE, META_SRC, STATE_PREFIXES, VIEW_OPS, Role, \
     phase_of
@@ -24,15 +23,16 @@ from ..errors import PartitionError, internal_error
 from ..options import Options
 from ..propagate.decisions import Decisions
 from ..propagate.engine import place_axis
-from ..rules.factors import stride_of
+from ..rules.factors import minor_of, stride_of
 from ..rules.localize import localize_args
-from ..sharding import Sharding
+from ..sharding import Sharding, chunk_size
 from . import indexed
 from .bucket import bucket_collectives
 from .overlap import chunk_tp
 from .schedule import Scheduled, schedule
 from .fuse import fuse_optimizer
 from .reshard import Emitter, reshard
+from .uneven import FILL_FROM_ARG, fill_padding, identity
 from .why import SAME_VALUE, Causes
 
 
@@ -46,7 +46,7 @@ class Lowered:
     output_layouts: list             # per output: Sharding
     coord_axes: list                 # extra trailing placeholders: the rank's coordinate on each axis
     local_shapes: list = field(default_factory=list)   # per captured placeholder
-    annotated: bool = False          # every node's meta["val"] holds its local FakeTensor (fakeprop.py)
+    annotated: bool = False          # every node's meta["val"] holds its local shape as a meta tensor (fakeprop.py)
     scheduled: Scheduled | None = None   # where collectives are issued and waited for (schedule.py)
     pipeline: object = None          # pipeline.Pipelined: the stages' actions and transfers (pipelined programs)
 
@@ -67,6 +67,8 @@ def op_layouts(decisions: Decisions, i: int):
     in_part = [[] for _ in range(nops)]
     in_strides = [[] for _ in range(nops)]
     out_strides = [[] for _ in range(nres)]
+    in_blocks = [[] for _ in range(nops)]      # uneven tilings in blocks (Sharding.blocks)
+    out_blocks = [[] for _ in range(nres)]
     out_dims = [None if v is None else [[] for _ in g.shapes[v]] for v in op.results]
     out_part = [[] for _ in range(nres)]
     ignored = [rule is not None and rule.operands[j] is None for j in range(nops)]
@@ -75,6 +77,9 @@ def op_layouts(decisions: Decisions, i: int):
             for axis in axes:
                 _place_factor(rule, f, axis, d.op_inner(i, axis), in_dims, in_strides, out_dims, out_strides,
                               out_part)
+                block = d.op_uneven(i, axis)
+                if block is not None:
+                    _place_blocks(rule, f, axis, block, in_blocks, out_blocks, out_dims)
         for axis in d.axes:
             opname = d.op_partial(i, axis)
             if opname is not None:
@@ -92,10 +97,29 @@ def op_layouts(decisions: Decisions, i: int):
                 for a in axes:
                     place_axis(ordered, a, lambda x: sf.get(x, 1), mesh)
                 dims[dd] = ordered
-    ins = [None if ignored[j] else Sharding(in_dims[j], in_part[j], strides=in_strides[j]) for j in range(nops)]
-    outs = [None if out_dims[j] is None else Sharding(out_dims[j], out_part[j], strides=out_strides[j])
-            for j in range(nres)]
+    ins = [None if ignored[j] else Sharding.interned(in_dims[j], in_part[j], (), _strides(in_strides[j]),
+                                                     _strides(in_blocks[j])) for j in range(nops)]
+    outs = [None if out_dims[j] is None else Sharding.interned(out_dims[j], out_part[j], (), _strides(out_strides[j]),
+                                                               _strides(out_blocks[j])) for j in range(nres)]
     return ins, outs
+
+
+def _strides(pairs) -> tuple:
+    """Sharding's normal form of (axis, split) pairs (strides, blocks): one per axis (the last given), splits > 1,
+    sorted."""
+    return tuple(sorted((a, int(k)) for a, k in dict(pairs).items() if int(k) > 1)) if pairs else ()
+
+
+def _place_blocks(rule, f, axis, block, in_blocks, out_blocks, out_dims) -> None:
+    """`axis` tiles factor f unevenly by blocks of `block` of its positions: each dim holding f (its major part)
+    is split by block x its minor factors' positions (propagate/engine.py records the same for values)."""
+    for blocks, slots in ((in_blocks, rule.operands), (out_blocks, rule.results)):
+        for j, dims in enumerate(slots):
+            if dims is None or (blocks is out_blocks and out_dims[j] is None):
+                continue
+            fs = next((fs for fs in dims if f in fs), None)
+            if fs is not None:
+                blocks[j].append((axis, block * minor_of(rule, fs, f)))
 
 
 def _place_factor(rule, f, axis, inner, in_dims, in_strides, out_dims, out_strides, out_part) -> None:
@@ -232,14 +256,20 @@ class Lowerer:
         slot = iter(range(len(op.operands)))
         in_local = []
 
+        padded = self._padded_reductions(i)
+
         def mapped(a):
             if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) and a in g.vid:
-                x, shp = self.fetch(a, ins[next(slot)], node)
+                j = next(slot)
+                x, shp = self.fetch(a, ins[j], node)
                 in_local.append(shp)
+                for d, (parent, axis, m, op_) in padded.get(j, {}).items():
+                    fill = _fill(node, j, op_, a.meta["val"].dtype)
+                    x = fill_padding(self.em, x, shp, d, parent, axis, m, fill, a.meta["val"].dtype)
                 return x
             return self.env[a] if isinstance(a, fx.Node) else a
 
-        args, kwargs = tree_map(mapped, node.args), tree_map(mapped, node.kwargs)
+        args, kwargs = map_aggregate(node.args, mapped), map_aggregate(node.kwargs, mapped)
         out_local = [None if o is None else _local(g.shapes[v], o, mesh) if v is not None else None
                      for o, v in zip(outs, op.results)]
         if not isinstance(node.meta.get("val"), torch.Tensor):
@@ -266,7 +296,7 @@ class Lowerer:
         if produced is not None and produced != want:
             self.em.phase, self.em.cause = self.phase, self._cause(node, node)
             x = reshard(self.em, self.env[node], self.local_shape[node], node.meta["val"].dtype, produced, want,
-                        self.g.name(v), self._tactic_of(v))
+                        self.g.name(v), self._tactic_of(v), self.g.shapes[v])
             self.env[node], self.local_shape[node] = x, _local(self.g.shapes[v], want, self.mesh)
         needed = self.wants.get(node, {})
         if len(needed) == 1 and next(iter(needed)) != want and not node.meta.get(META_OUTPUT):
@@ -292,11 +322,12 @@ class Lowerer:
                 # gather the view's source instead (once, shared by all its views: q/k/v of one norm output),
                 # then view the whole tensor again
                 x_src, _ = self.fetch(src, Sharding.replicate(len(g.shapes[g.vid[src]])), consumer)
-                x = self.new.call_function(node.target, (x_src, *node.args[1:]), dict(node.kwargs))
+                x = self.new.call_function(_RESHAPE.get(node.target, node.target), (x_src, *node.args[1:]),
+                                           dict(node.kwargs))
             else:
                 self.em.cause = self._cause(node, consumer)
                 x = reshard(self.em, self.env[node], self.local_shape[node], node.meta["val"].dtype, have, want,
-                            g.name(v), self._tactic_of(v))
+                            g.name(v), self._tactic_of(v), g.shapes[v])
             self.cache[key] = (x, _local(g.shapes[v], want, self.mesh))
         return self.cache[key]
 
@@ -310,6 +341,26 @@ class Lowerer:
     def _tactic_of(self, vid):
         return lambda axis: self.d.tactic_of(vid, axis)
 
+    def _padded_reductions(self, i) -> dict:
+        """operand slot -> {dim: (parent size, axis, block, reduce op)} for the dims op i reduces over (a REDUCE factor of
+        its rule) that an axis tiles unevenly: their padding must hold the reduction's identity (lower/uneven.py).
+        An indexed factor (embedding's vocabulary) needs none: no position addresses the padding."""
+        op, g = self.g.ops[i], self.g
+        out: dict = {}
+        ins = self.layouts_of[i][0]
+        for f, axes in self.d.op_factor_axes(i).items():
+            factor = op.rule.factors[f]
+            if factor.kind != "reduce" or factor.indexed or not axes:
+                continue
+            for j, dims in enumerate(op.rule.operands):
+                if dims is None or ins[j] is None:
+                    continue
+                uneven = ins[j].uneven_dims(g.shapes[op.operands[j]], self.mesh)
+                for d, fs in enumerate(dims):
+                    if f in fs and d in uneven:
+                        out.setdefault(j, {})[d] = (*uneven[d], factor.reduce_op)
+        return out
+
     def _indexed(self, i, args, kwargs):
         """The local kernel of an op whose indexed factor (vocabulary, classes) is tiled, else None."""
         op = self.g.ops[i]
@@ -319,8 +370,8 @@ class Lowerer:
                 impl = indexed.IMPLS.get(op.node.target)
                 if impl is None:
                     raise RuntimeError(f"no indexed kernel for {op.node.target}")
-                n = factor.size // math.prod(self.mesh.shape[a] for a in axes)
-                return impl(self.em, args, kwargs, indexed.offset(self.em, self.mesh, axes, n), n)
+                n = chunk_size(factor.size, [self.mesh.shape[a] for a in axes])
+                return impl(self.em, args, kwargs, indexed.offset(self.em, self.mesh, axes, factor.size), n)
         return None
 
 
@@ -369,6 +420,15 @@ def _state_key(node):
     return (n, tuple(chain)) if n.op == "placeholder" else node
 
 
+def _fill(node, slot: int, op: str, dtype):
+    """What the padding of operand `slot` of `node` holds when the op reduces over it: the reduction's identity,
+    or an argument of the op (nll_loss's ignore_index for its target)."""
+    arg = FILL_FROM_ARG.get(node.target, {}).get(slot)
+    if arg is not None:
+        return node.args[arg] if len(node.args) > arg else -100
+    return identity(op, dtype)
+
+
 def _strip(sh: Sharding) -> Sharding:
     """The layout part of a sharding (explicitly-replicated markers do not change the data)."""
-    return Sharding(sh.dims, sh.partial, strides=sh.strides) if sh.replicated else sh
+    return Sharding(sh.dims, sh.partial, strides=sh.strides, blocks=sh.blocks) if sh.replicated else sh

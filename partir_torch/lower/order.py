@@ -5,21 +5,29 @@ import heapq
 
 import torch.fx as fx
 
+from ..contract import draws_random
+
 
 def reorder(graph: fx.Graph, prio: dict | None = None) -> None:
     """Put every node after its inputs, choosing among the ready nodes the lowest priority (default: the current
-    position), so the current order is kept wherever it is already valid."""
+    position), so the current order is kept wherever it is already valid. Random draws keep their order (each
+    waits for the one before it): they consume the generator in eager's order (a layerdrop draw whose value only
+    chose the path has no users, and must still come before the next layer's dropout)."""
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     prio = index if prio is None else prio
+    draws = [n for n in nodes if draws_random(n)]
+    after = dict(zip(draws, draws[1:]))          # draw -> the next draw, which waits for it
     pending = {n: len(n.all_input_nodes) for n in nodes}
+    for n in draws[1:]:
+        pending[n] += 1
     ready = [(prio[n], index[n], n) for n in nodes if pending[n] == 0]
     heapq.heapify(ready)
     order = []
     while ready:
         _, _, n = heapq.heappop(ready)
         order.append(n)
-        for u in n.users:
+        for u in list(n.users) + ([after[n]] if n in after else []):
             pending[u] -= 1
             if pending[u] == 0:
                 heapq.heappush(ready, (prio[u], index[u], u))

@@ -10,6 +10,9 @@
 
 Order: un-tile (innermost axis of a dim first), then reduce pending partials (reduce_scatters into the target
 tiling first, all_reduces on the smaller shard after), then tile (outermost first).
+
+An axis that does not divide its dim (uneven, torch.chunk sizes) runs the same collectives on padded chunks:
+the gather keeps the first positions, the reduce_scatter and the slice pad the whole dim first (lower/uneven.py).
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ import math
 import torch
 import torch.fx as fx
 
-from ..sharding import Sharding
+from ..sharding import Sharding, chunk_size
+from .uneven import chunk_of, narrow_dim, pad_dim
 from .records import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, CollectiveRecord
 from ..contract import META_COLLECTIVE, META_IN_SHAPE, META_LOCAL_SHAPE
 
@@ -98,8 +102,9 @@ def _from_front(em, y, first, perm, dtype):
     return _move_back(em, y, first, perm, dtype)
 
 
-def all_gather(em, x, shape, d, axis, dtype, value, tactic, stride=1):
-    """Gather dim d over `axis`. stride s > 1: the axis tiles the minor part of the dim seen as (s, n / s)."""
+def all_gather(em, x, shape, d, axis, dtype, value, tactic, stride=1, parent=None):
+    """Gather dim d over `axis`. stride s > 1: the axis tiles the minor part of the dim seen as (s, n / s).
+    parent: the dim's size before the axis split it, when the axis does not divide it (the padding is dropped)."""
     k = em.mesh.shape[axis]
     elt = torch.empty((), dtype=dtype).element_size()
     nbytes = math.prod(shape) * k * elt
@@ -110,6 +115,9 @@ def all_gather(em, x, shape, d, axis, dtype, value, tactic, stride=1):
                       tuple(first), dtype, nbytes, value, tactic, dim=d, in_shape=in_shape)
     if stride > 1:   # rank-major (k, s, m) -> (s, k, m)
         g = _interleave(em, g, first, k, stride, dtype)
+    if parent is not None:
+        g, first = narrow_dim(em, g, first, 0, parent, dtype)
+        first = list(first)
     return _from_front(em, g, first, perm, dtype)
 
 
@@ -120,12 +128,16 @@ def all_reduce(em, x, shape, op, axis, dtype, value, tactic):
     return out, tuple(shape)
 
 
-def reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic, stride=1):
+def reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic, stride=1, block=1):
+    """Reduce-scatter dim d over `axis`; block: an uneven split goes by whole blocks of that many positions."""
     k = em.mesh.shape[axis]
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     y, first, perm = _to_front(em, x, shape, d, dtype)
     if stride > 1:   # (s, k, m) -> (k, s, m): each rank's strided chunk becomes contiguous
         y = _interleave(em, y, first, stride, k, dtype)
+    if (first[0] // block) % k:    # uneven: zeros past the dim's end, so the last ranks' chunks end in padding
+        y, first = pad_dim(em, y, first, 0, chunk_of(first[0], k, block) * k, dtype)
+        first = list(first)
     in_shape = tuple(first)
     first[0] //= k
     r = em.collective(c10d.reduce_scatter_tensor.default, (y, op, k, em.groups[axis]), REDUCE_SCATTER, axis,
@@ -133,11 +145,14 @@ def reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic, stride=1):
     return _from_front(em, r, first, perm, dtype)
 
 
-def local_slice(em, x, shape, d, axis, dtype, stride=1):
+def local_slice(em, x, shape, d, axis, dtype, stride=1, block=1):
     """This rank's chunk of dim d: index_select with arange(chunk) + coord * chunk (the coordinate is a graph
     input, so the same program serves every rank). stride s > 1: chunk the minor part of (s, n / s)."""
     k = em.mesh.shape[axis]
     inner = shape[d] // stride
+    if stride == 1 and (inner // block) % k:    # uneven: pad the dim to k chunks (torch.chunk sizes, in blocks)
+        x, shape = pad_dim(em, x, shape, d, chunk_of(inner, k, block) * k, dtype)
+        inner = shape[d]
     chunk = inner // k
     idx = em.call(aten.arange.default, chunk, meta_shape=(chunk,), dtype=torch.int64)
     off = em.call(aten.mul.Scalar, em.coords[axis], chunk, meta_shape=(), dtype=torch.int64)
@@ -195,10 +210,15 @@ def _stride_before(sh_dims, strides: dict, axis, mesh) -> int:
     return max(s, 1)
 
 
-def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tactic_of) -> fx.Node:
-    """Emit the collectives turning layout src into dst. shape: x's local shape under src. tactic_of(axis) names
-    the tactic to blame for a collective on that axis."""
+def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tactic_of, gshape=None) -> fx.Node:
+    """Emit the collectives turning layout src into dst. shape: x's local shape under src; gshape: the value's
+    global shape (None: every tiling divides its dim). tactic_of(axis) names the tactic to blame for a collective
+    on that axis."""
     shape = tuple(shape)
+    gshape = tuple(gshape) if gshape is not None else None
+
+    def parent(d, axes):     # dim d's size on a rank once `axes` (all but the innermost, exact) split it
+        return None if gshape is None else chunk_size(gshape[d], [em.mesh.shape[a] for a in axes])
     cur_dims = [list(a) for a in src.dims]
     src_sf, dst_sf = dict(src.strides), dict(dst.strides)
     pending = dict(src.partial)
@@ -216,8 +236,9 @@ def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tacti
             continue
         s1 = _stride_before(cur_dims[d1], src_sf, axis, em.mesh)
         s2 = _stride_before(dst.dims[d2], dst_sf, axis, em.mesh)
-        if shape[d1] % s1 or shape[d2] % (s2 * em.mesh.shape[axis]):
-            continue
+        if shape[d1] % s1 or shape[d2] % (s2 * em.mesh.shape[axis]) or src.block(axis) > 1 or \
+                dst.block(axis) > 1 or (gshape is not None and parent(d1, cur_dims[d1][:-1]) % em.mesh.shape[axis]):
+            continue     # uneven on either dim: gathered and sliced below
         x, shape = all_to_all(em, x, shape, d1, d2, axis, dtype, value, tactic_of(axis), s1, s2)
         src_sf[axis] = dst_sf.get(axis, 1)
         cur_dims[d1].pop()
@@ -230,7 +251,10 @@ def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tacti
             keep += 1
         for axis in reversed(cur_dims[d][keep:]):
             stride = _stride_before(cur_dims[d], src_sf, axis, em.mesh)
-            x, shape = all_gather(em, x, shape, d, axis, dtype, value, tactic_of(axis), stride)
+            p = parent(d, cur_dims[d][:-1])
+            uneven = p is not None and (p // src.block(axis)) % em.mesh.shape[axis]
+            x, shape = all_gather(em, x, shape, d, axis, dtype, value, tactic_of(axis), stride,
+                                  p if uneven else None)
             cur_dims[d].remove(axis)
     # 2. pending reductions: reduce_scatter straight into the target tiling where it is the next split of its dim,
     # first; then all_reduce the others on the smaller shard (HSDP: the gradient is reduce-scattered on the shard
@@ -242,9 +266,11 @@ def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tacti
         for axis, op in list(pending.items()):
             d = dst_tiled.get(axis)
             if (dst.partial_op(axis) != op and d is not None and len(dst.dims[d]) > len(cur_dims[d])
-                    and dst.dims[d][len(cur_dims[d])] == axis and shape[d] % em.mesh.shape[axis] == 0):
+                    and dst.dims[d][len(cur_dims[d])] == axis
+                    and (shape[d] % em.mesh.shape[axis] == 0 or not dst_sf.get(axis))):
                 stride = _stride_before(dst.dims[d], dst_sf, axis, em.mesh)
-                x, shape = reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic_of(axis), stride)
+                x, shape = reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic_of(axis), stride,
+                                          dst.block(axis))
                 cur_dims[d].append(axis)
                 del pending[axis]
                 progress = True
@@ -260,6 +286,6 @@ def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tacti
     for d in range(len(cur_dims)):
         for axis in dst.dims[d][len(cur_dims[d]):]:
             stride = _stride_before(dst.dims[d], dst_sf, axis, em.mesh)
-            x, shape = local_slice(em, x, shape, d, axis, dtype, stride)
+            x, shape = local_slice(em, x, shape, d, axis, dtype, stride, dst.block(axis))
             cur_dims[d].append(axis)
     return x

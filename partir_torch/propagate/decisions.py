@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from ..sharding import Sharding
+from ..sharding import Sharding, chunk_extent
 from .state import PARTIAL_OP, UNKNOWN, WHOLE, Provenance, state_str
 
 
@@ -34,7 +34,7 @@ def value_sharding(rec, vid: int) -> Sharding:
     g = rec.g
     c = g.canon[vid]
     dims = [list(rec.dim_axes.get((c, d), ())) for d in range(len(g.shapes[vid]))]
-    partial, rep, strides = [], [], []
+    partial, rep, strides, blocks = [], [], [], []
     for axis, st in rec.axes.items():
         s = st.value[c]
         if s in PARTIAL_OP:
@@ -43,7 +43,9 @@ def value_sharding(rec, vid: int) -> Sharding:
             rep.append(axis)
         elif s >= 0 and (c, axis) in rec.strides:
             strides.append((axis, rec.strides[(c, axis)]))
-    return Sharding(dims=dims, partial=partial, replicated=rep, strides=strides)
+        if s >= 0 and (c, axis) in rec.blocks:
+            blocks.append((axis, rec.blocks[(c, axis)]))
+    return Sharding.interned(dims, partial, rep, strides, tuple(sorted(blocks)))
 
 
 class Kind(Enum):
@@ -107,9 +109,19 @@ class Decisions:
         return AxisDecision(Kind.UNKNOWN)
 
     def state_text(self, axis: str, vid: int) -> str:
-        """The state as explain() prints it: "tiled(dim 0)", "partial(sum)", "replicated", "unknown"."""
+        """The state as explain() prints it: "tiled(dim 0)", "partial(sum)", "replicated", "unknown"; an uneven
+        tiling with its torch.chunk sizes: "tiled(dim 0), uneven: 501 | 500 rows"."""
         st = self._p.axes.get(axis)
-        return state_str(UNKNOWN if st is None else st.value[self.graph.canon[vid]])
+        s = UNKNOWN if st is None else st.value[self.graph.canon[vid]]
+        text = state_str(s)
+        uneven = self.sharding(vid).uneven_dims(self.graph.shapes[vid], self.mesh) if s >= 0 else {}
+        if s in uneven and uneven[s][1] == axis:
+            parent, _, m = uneven[s]
+            k = self.mesh.shape[axis]
+            sizes = [chunk_extent(parent // m, k, r) * m for r in range(k)]
+            shown = " | ".join(map(str, sizes[:8])) + (" | ..." if k > 8 else "")
+            text += f", uneven: {shown} positions" + (f" (whole blocks of {m})" if m > 1 else "")
+        return text
 
     def provenance(self, axis: str, vid: int) -> Provenance | None:
         """Why the value has its state on `axis`: the tactic, and the op and neighbour the decision came through
@@ -149,6 +161,11 @@ class Decisions:
     def op_inner(self, i: int, axis: str) -> int:
         """Inner split factor when op i tiles a factor strided on `axis` (1 when not)."""
         return self._p.op_inner.get((i, axis), 1)
+
+    def op_uneven(self, i: int, axis: str) -> int | None:
+        """The block (in positions of the factor) op i splits its tiled factor by on `axis` when that axis does
+        not divide it (uneven, sharding.chunk_size); None when it does."""
+        return self._p.op_uneven.get((i, axis))
 
     def op_tactic(self, i: int, axis: str) -> str | None:
         """The tactic that decided op i on `axis`, or None."""

@@ -12,6 +12,7 @@ tiled(experts) by one all_to_all.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
@@ -20,7 +21,8 @@ from .. import contract
 from ..contract import META_NO_PARTIAL_PASS, META_OUTPUT
 from ..errors import ShardingConflictError
 from ..sharding import REPLICATED
-from ..rules.factors import PASS, REDUCE, stride_of
+from ..rules.factors import PASS, REDUCE, minor_of, stride_of
+from . import uneven
 from .graph import no_gc
 from ..mesh import Mesh
 from .graph import PartGraph
@@ -42,17 +44,20 @@ class Propagator:
         prop.rec.value_states("batch")
     """
 
-    def __init__(self, graph: PartGraph, mesh: Mesh, record: DecisionRecord | None = None):
+    def __init__(self, graph: PartGraph, mesh: Mesh, record: DecisionRecord | None = None, uneven: bool = True):
         self.g, self.mesh = graph, mesh
         self.rec = record if record is not None else DecisionRecord(graph, mesh)
+        # a dim an axis does not divide may be tiled unevenly (torch.chunk sizes, as DTensor's Shard); False:
+        # Options.strict, the divisibility error of old
+        self.uneven = uneven
 
     def snapshot(self) -> "Propagator":
         """A propagator over a full copy of the decisions so far."""
-        return Propagator(self.g, self.mesh, self.rec.snapshot())
+        return Propagator(self.g, self.mesh, self.rec.snapshot(), self.uneven)
 
     def trial(self, axes) -> "Propagator":
         """A propagator over a copy-on-write copy that may decide `axes` (DecisionRecord.trial)."""
-        return Propagator(self.g, self.mesh, self.rec.trial(axes))
+        return Propagator(self.g, self.mesh, self.rec.trial(axes), self.uneven)
 
     # -- seeding -------------------------------------------------------------------------------------------------
     def seed(self, axis: str, vid: int, state, tactic: str, stride: int = 1) -> None:
@@ -77,11 +82,19 @@ class Propagator:
                 raise ShardingConflictError(f"{tactic}: {name} has shape {tuple(shape)}; there is no dim {state} to "
                                             f"tile on axis '{axis}'. Use a dim in 0..{len(shape) - 1}.")
             size, k = self.rec.local_dim(vid, state), self.mesh.shape[axis]
-            if size % k:
+            before = uneven.uneven_axis(self.rec, c, state)
+            if before is not None:
+                raise ShardingConflictError(
+                    f"{tactic}: dim {state} of {name} (size {shape[state]}) is tiled unevenly on axis '{before}' "
+                    f"(size {self.mesh.shape[before]}), so it cannot also be tiled on axis '{axis}' (size {k}): an "
+                    f"unevenly tiled dim takes no further axis. Tile another dim on '{axis}'.")
+            if size % k and (not self.uneven or stride > 1):
                 raise ShardingConflictError(
                     f"{tactic}: dim {state} of {name} (size {size}{' after earlier tilings' if size != shape[state] else ''}) "
-                    f"cannot be tiled on axis '{axis}' (size {k}): {k} does not divide {size}. Use a size divisible "
-                    f"by {k}, or tile another dim.")
+                    f"cannot be tiled on axis '{axis}' (size {k}): {k} does not divide {size}"
+                    f"{' (strict=True asks for divisible dims)' if not self.uneven else ' and the tiling is strided'}. "
+                    f"Use a size divisible by {k}, or tile another dim"
+                    f"{', or drop strict=True to tile it unevenly' if not self.uneven else ''}.")
         if stride > 1:
             self.rec.strides[(c, axis)] = stride
         self.rec.set_state(st, c, state, Provenance(tactic))
@@ -202,15 +215,17 @@ class Propagator:
         g, rule = self.g, self.g.ops[i].rule
         k = self.mesh.shape[st.axis]
         factor = rule.factors[f]
-        done = 1
-        for a in self.rec.op_axes.get(i, {}).get(f, ()):
-            done *= self.mesh.shape[a]
+        done = math.prod(self.mesh.shape[a] for a in self.rec.op_axes.get(i, {}).get(f, ()))
         # a strided tiling (inner > 1) splits the minor part of (inner, size / inner); earlier axes split the major
         fits = factor.size % (done * k) == 0 if inner == 1 else \
             (factor.size // inner) % k == 0 and inner % done == 0 and factor.size % inner == 0
-        if not fits:
-            self._conflict(st, i, tactic, [source], f"factor of size {factor.size} (already split {done} ways) is not "
-                                                   f"divisible by axis '{st.axis}' (size {k})")
+        # uneven (propagate/uneven.py): split by whole blocks of `block` of the factor's positions
+        block, why = uneven.factor_block(self.g, self.rec, st.axis, i, f, slots, source, inner, done)
+        odd = block > 1 or not fits
+        if odd and (not self.uneven or why is not None):     # a conflict, as at any: lowering gathers the value
+            self._conflict(st, i, tactic, [source], why if self.uneven else
+                           f"factor of size {factor.size} (already split {done} ways) is not divisible by axis "
+                           f"'{st.axis}' (size {k})")
             return []
         # every slot holding f gets it tiled (strided when f is a minor factor of its dim); a slot already set
         # otherwise is a conflict
@@ -226,6 +241,11 @@ class Propagator:
             if s == d and self.rec.strides.get((c, st.axis), 1) != stride:
                 self._conflict(st, i, tactic, [vid, source], f"dim {d} is tiled with another split factor")
                 return []
+            slot_block = block * minor_of(rule, dims[d], f) if odd else 1
+            why = uneven.slot_refusal(self.rec, c, d, st.axis, s, slot_block)
+            if why is not None:
+                self._conflict(st, i, tactic, [vid, source], why)
+                return []
             if s == UNKNOWN and self.rec.dim_axes.get((c, d)) and any(
                     _minor_clash(self.rec.strides.get((c, a), 1), stride, k) for a in self.rec.dim_axes[(c, d)]):
                 # an axis may tile a more major part of a dim than an earlier axis only where its chunks hold
@@ -234,11 +254,11 @@ class Propagator:
                                                              f"that the chunks of axis '{st.axis}' would split")
                 return []
             if s == UNKNOWN:
-                if self.rec.local_dim(vid, d) % k:
+                if self.rec.local_dim(vid, d) % k and not odd:
                     self._conflict(st, i, tactic, [vid, source], f"dim {d} (local size {self.rec.local_dim(vid, d)}) is "
                                                                  f"not divisible by axis '{st.axis}' (size {k})")
                     return []
-                targets.append((c, d, stride))
+                targets.append((c, d, stride, slot_block))
             elif s != d and not (s in PARTIAL_OP and not is_res) and s != WHOLE:
                 # a partial operand is no obstacle (lowering reduce-scatters it into the tiling), nor is an
                 # explicitly replicated one (sliced locally as an operand, gathered once as a result)
@@ -248,13 +268,17 @@ class Propagator:
         st.assign_tactic[i] = tactic
         if inner > 1:
             self.rec.op_inner[(i, st.axis)] = inner
+        if odd:
+            self.rec.op_uneven[(i, st.axis)] = block
         self.rec.op_axes.setdefault(i, {}).setdefault(f, []).append(st.axis)
         prov = Provenance(tactic, i, source)
         changed = []
-        for c, d, stride in targets:
+        for c, d, stride, slot_block in targets:
             if st.value[c] == UNKNOWN:
                 if stride > 1:
                     self.rec.strides[(c, st.axis)] = stride
+                if slot_block > 1:
+                    self.rec.blocks[(c, st.axis)] = slot_block
                 self.rec.set_state(st, c, d, prov)
                 changed.append(c)
         if factor.kind == REDUCE:

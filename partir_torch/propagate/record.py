@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..mesh import Mesh
+from ..sharding import chunk_size
 from .graph import PartGraph
 from .state import UNKNOWN, AxisState
 
@@ -33,6 +34,12 @@ class DecisionRecord:
         # (op index, axis) -> inner split factor when the op tiles a factor strided (the factor seen as
         # (inner, size / inner), the axis on the second part): a (B*H) batch dim of bmm tiled on H
         self.op_inner: dict = {}
+        # uneven tilings (an axis that does not divide what it splits; sharding.chunk_size): (op index, axis) ->
+        # the block, in positions of the tiled factor, that op i splits its factor by (1: single positions), and
+        # (canonical vid, axis) -> the block in positions of the value's dim, where it is over 1 (a ragged batch
+        # in a (B*T) dim splits by blocks of T)
+        self.op_uneven: dict = {}
+        self.blocks: dict = {}
         # (canonical vid, axis) pairs fixed by a closed run (expert parallelism's token buffers): an op outside
         # that run computes in whatever layout its other neighbours imply and lowering reshards the value at the
         # boundary (tiled(groups) <-> tiled(experts) on one axis is an all_to_all)
@@ -50,6 +57,7 @@ class DecisionRecord:
         p.dim_axes = {k: list(v) for k, v in self.dim_axes.items()}
         p.strides = dict(self.strides)
         p.op_inner = dict(self.op_inner)
+        p.op_uneven, p.blocks = dict(self.op_uneven), dict(self.blocks)
         p.sealed = set(self.sealed)
         return p
 
@@ -70,6 +78,7 @@ class DecisionRecord:
         p.dim_axes = _COW(self.dim_axes, list)
         p.strides = dict(self.strides)
         p.op_inner = dict(self.op_inner)
+        p.op_uneven, p.blocks = dict(self.op_uneven), dict(self.blocks)
         p.sealed = set(self.sealed)
         return p
 
@@ -90,10 +99,11 @@ class DecisionRecord:
         return UNKNOWN if st is None else st.value[self.g.canon[vid]]
 
     def local_dim(self, vid: int, dim: int) -> int:
-        size = self.g.shapes[vid][dim]
-        for a in self.dim_axes.get((self.g.canon[vid], dim), ()):
-            size //= self.mesh.shape[a]
-        return size
+        c, n = self.g.canon[vid], self.g.shapes[vid][dim]
+        for a in self.dim_axes.get((c, dim), ()):
+            m = self.blocks.get((c, a), 1)
+            n = chunk_size(n // m, [self.mesh.shape[a]]) * m
+        return n
 
     def conflicts_recorded(self) -> int:
         """Conflicts recorded so far, standing or not (a trial counts the ones it adds)."""
@@ -141,12 +151,14 @@ class DecisionRecord:
         if not axes:
             del self.op_axes[i][f]
         self.op_inner.pop((i, st.axis), None)
+        self.op_uneven.pop((i, st.axis), None)
         d = st.value[c]
         if d >= 0:
             self.dim_axes[(c, d)].remove(st.axis)
         st.value[c] = UNKNOWN
         st.prov.pop(c, None)
         self.strides.pop((c, st.axis), None)
+        self.blocks.pop((c, st.axis), None)
 
 
 def place_axis(axes: list, axis: str, stride_of, mesh) -> None:

@@ -196,3 +196,12 @@ def stride_of(rule, fs, f) -> int:
             return s
         s *= rule.factors[x].size
     return s
+
+
+def minor_of(rule, fs, f) -> int:
+    """Product of the sizes of the factors after f in a dim's factor list: positions of the dim per position of f
+    (1 when f is the minor factor)."""
+    out = 1
+    for x in fs[fs.index(f) + 1:]:
+        out *= rule.factors[x].size
+    return out

@@ -134,6 +134,7 @@ def rules() -> dict:
         aten.index_select.default: index_select, aten.index.Tensor: index_tensor, aten.index_put.default: index_put,
         aten.gather.default: gather,
         aten.scatter_add.default: scatter_like(3), aten.index_add.default: scatter_like(3),
+        aten.scatter_reduce.two: scatter_like(3),         # TAPAS's segment reductions
         aten.scatter.src: scatter_like(3), aten.scatter.value: scatter_like(3),
         aten.one_hot.default: one_hot,
     }

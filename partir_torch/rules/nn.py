@@ -149,6 +149,30 @@ def spatial(ctx):
     return b.rule([dims(s) for s in ctx.in_shapes], [dims(s) for s in ctx.out_shapes])
 
 
+def patches(ctx):
+    """im2col (N, C, H, W) -> (N, C*kh*kw, L) and col2im, its inverse (ConvBERT's span convolution through
+    nn.Unfold / nn.Fold): the batch passes, every other dim is rearranged whole. Unbatched calls: no factor."""
+    x, out = ctx.in_shapes[0], ctx.out_shapes[0]
+    batched = len(x) == (4 if ctx.node.target == aten.im2col.default else 3)
+    b = RuleBuilder()
+    n = (b.new(x[0], PASS),) if batched and x[0] > 1 else ()
+    ins = [n] + [() for _ in x[1:]] if batched else [() for _ in x]
+    outs = [n] + [() for _ in out[1:]] if batched else [() for _ in out]
+    return b.rule([ins], [outs], [({0}, ("sum",))])
+
+
+
+def fft_rule(ctx):
+    """_fft_c2c / _fft_r2c / _fft_c2r over `dim` (FNet's token mixing): the transformed dims stay whole (their
+    sizes may change: one-sided real transforms), every other dim passes. Linear in the input."""
+    x, out = ctx.in_shapes[0], ctx.out_shapes[0]
+    dims = {d % len(x) for d in ctx.arg(1, "dim")}
+    b = RuleBuilder()
+    fs = [(b.new(n),) if d not in dims and n > 1 else () for d, n in enumerate(x)]
+    return b.rule([fs], [[f if d not in dims else () for d, f in enumerate(fs)] if len(out) == len(x) else None],
+                  [({0}, ("sum",))])
+
+
 def rules() -> dict:
     from .pointwise import pointwise
     return {
@@ -166,6 +190,8 @@ def rules() -> dict:
         aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_cpu,
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default: sdpa_cpu_backward,
         aten.native_dropout_backward.default: pointwise,
+        aten.im2col.default: patches, aten.col2im.default: patches,
+        aten._fft_c2c.default: fft_rule, aten._fft_r2c.default: fft_rule, aten._fft_c2r.default: fft_rule,
         aten.full.default: factory, aten.zeros.default: factory, aten.ones.default: factory,
         aten.empty.memory_format: factory, aten.scalar_tensor.default: factory, aten.rand.default: blocked_factory,
         aten.randn.default: blocked_factory, aten.new_zeros.default: factory, aten.new_ones.default: factory,
@@ -175,6 +201,8 @@ def rules() -> dict:
         aten.tril.default: last_two_whole, aten.triu.default: last_two_whole,
         aten.upsample_nearest2d.default: spatial, aten.upsample_nearest2d.vec: spatial,
         aten.upsample_nearest2d_backward.default: spatial, aten.avg_pool2d.default: spatial,
+        aten.upsample_bilinear2d.default: spatial, aten.upsample_bilinear2d.vec: spatial,
+        aten.upsample_bilinear2d_backward.default: spatial,
         aten.avg_pool2d_backward.default: spatial, aten.max_pool2d_with_indices.default: spatial,
         aten.max_pool2d_with_indices_backward.default: spatial,
     }

@@ -74,10 +74,13 @@ def rules() -> dict:
         aten.argmin.default: reduce_rule(NEED_REP),
         aten.any.dim: reduce_rule(NEED_REP),
         aten.any.dims: reduce_rule(NEED_REP),
+        aten.any.default: reduce_rule(NEED_REP),   # all dims (an assert's `x.isnan().any()`)
+        aten.all.default: reduce_rule(NEED_REP),
         aten.all.dim: reduce_rule(NEED_REP),
         aten.prod.dim_int: reduce_rule(NEED_REP),
         aten.logsumexp.default: reduce_rule(NEED_REP),
         aten.var.correction: reduce_rule(NEED_REP),
         aten.var_mean.correction: reduce_rule(NEED_REP),
         aten.cumsum.default: along_dim(1),
+        aten.linalg_vector_norm.default: reduce_rule(NEED_REP, dim_arg=2, keepdim_arg=3),   # ConvNeXt-V2's GRN
     }

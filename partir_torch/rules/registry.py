@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from ..errors import PartitionError, warn
 from .factors import OpRule, einsum
+from .moe import EXPERTS_BACKWARD_OP, EXPERTS_OP
 from .nodes import result_vals  # noqa: F401 - propagation and verify read it from here
 
 aten = torch.ops.aten
@@ -245,6 +246,19 @@ LINKS = {
                                                     xla="xla.kernels.upsample_nearest2d_backward"),
     # torch-xla 2.9 has no kernel and no composite for glu's backward: the XLA form is missing
     aten.glu_backward.default: Links(local=AS_IS, flops=NONE),
+    # nn.Unfold / nn.Fold: memory-bound rearrangements; not checked on torch-xla
+    aten.im2col.default: Links(local=AS_IS, flops=NONE), aten.col2im.default: Links(local=AS_IS, flops=NONE),
+    # bilinear upsampling (MobileViT): not checked on torch-xla
+    aten.upsample_bilinear2d.default: Links(local=AS_IS, flops=NONE),
+    aten.upsample_bilinear2d.vec: Links(local=AS_IS, flops=NONE),
+    aten.upsample_bilinear2d_backward.default: Links(local=AS_IS, flops=NONE),
+    # FFTs (FNet): charged as memory bound; not checked on torch-xla
+    aten._fft_c2c.default: Links(local=AS_IS, flops=NONE), aten._fft_r2c.default: Links(local=AS_IS, flops=NONE),
+    aten._fft_c2r.default: Links(local=AS_IS, flops=NONE),
+    # HF's grouped-mm experts as one per-token op (rules/moe.py): its kernel is HF's function on the local tokens;
+    # torch-xla would need grouped_mm (or its fallback's per-expert loop) traced on XLA tensors: not declared
+    EXPERTS_OP: Links(local=AS_IS, flops="sim.compute.experts_flops"),
+    EXPERTS_BACKWARD_OP: Links(local=AS_IS, flops="sim.compute.experts_backward_flops"),
 }
 LINKS.update({op: PLAIN for op in (    # the rest of nn.py: memory-bound kernels torch-xla runs as they are
     aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default, aten._softmax_backward_data.default,

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from .factors import ALL_OPS, RuleBuilder, reshape_factors
+from .factors import ALL_OPS, NEED_REP, RuleBuilder, reshape_factors
 
 aten = torch.ops.aten
 MOVES = [({0}, ALL_OPS)]
@@ -212,6 +212,27 @@ def as_strided_scatter(ctx):
     return b.rule([base, src], [base], [({1}, ALL_OPS)])
 
 
+def flip(ctx):
+    """flip(x, dims): the flipped dims stay whole (a rank's shard would land on another rank), the others pass.
+    A permutation of elements: a partial value of any reduction stays partial."""
+    x = ctx.in_shapes[0]
+    flipped = {d % len(x) for d in ctx.arg(1, "dims")}
+    b = RuleBuilder()
+    fs = [(b.new(n),) if d not in flipped and n > 1 else () for d, n in enumerate(x)]
+    return b.rule([fs], [fs], [({0}, ALL_OPS)])
+
+
+def complex_pairs(ctx):
+    """view_as_complex (..., 2) -> (...) and view_as_real (...) -> (..., 2): the leading dims pass, the pair of
+    (real, imaginary) parts stays whole. Linear: a partial value stays partial."""
+    x, out = ctx.in_shapes[0], ctx.out_shapes[0]
+    b = RuleBuilder()
+    lead = [(b.new(n),) if n > 1 else () for n in (x if len(x) < len(out) else out)]
+    pair = (b.new(2, NEED_REP),)
+    ins, outs = (lead + [pair], lead) if len(x) > len(out) else (lead, lead + [pair])
+    return b.rule([ins], [outs], [({0}, ("sum",))])
+
+
 def rules() -> dict:
     return {
         aten.view.default: view, aten._unsafe_view.default: view, aten.reshape.default: view,
@@ -227,4 +248,6 @@ def rules() -> dict:
         aten.select_scatter.default: scatter_into(2, True), aten.slice_scatter.default: scatter_into(2, False), aten.unbind.int: along(1),
         aten.slice_backward.default: along(2), aten.select_backward.default: select_backward,
         aten.as_strided.default: as_strided, aten.as_strided_scatter.default: as_strided_scatter,
+        aten.view_as_complex.default: complex_pairs, aten.view_as_real.default: complex_pairs,
+        aten.flip.default: flip,                          # Mamba-style scans over a reversed sequence
     }

@@ -13,7 +13,7 @@ from ..errors import PartitionError
 from ..mesh import Mesh
 from ..sharding import Sharding
 from . import faults
-from .layout import shard_of
+from .layout import shard_of, unpadded
 
 
 REPORT_WAIT_S = faults.REPORT_WAIT_S
@@ -179,6 +179,13 @@ class DistributedRuntime:
     def dtensor(self, t, sh: Sharding, shape):
         from torch.distributed.tensor import DTensor
 
+        if sh.blocks:
+            from ..errors import PartitionError
+
+            raise PartitionError(f"a value of shape {tuple(shape)} is laid out {sh}: tiled unevenly in blocks of "
+                                 f"several positions, which a DTensor Shard placement cannot hold (it splits single "
+                                 f"positions). Use sizes the axes divide for the values you read as DTensors.")
+        t = unpadded(t, sh, self.mesh, self.coord, shape)       # an uneven shard as DTensor holds it
         return DTensor.from_local(t, self.device_mesh, sh.placements(self.mesh), shape=torch.Size(shape),
                                   stride=torch.empty(shape, device="meta").stride(), run_check=False)
 

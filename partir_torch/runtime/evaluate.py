@@ -10,7 +10,6 @@ training step is never partitioned again.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
@@ -19,31 +18,10 @@ from ..capture.inputs import conform
 from ..contract import Role
 from ..errors import PartitionError, user_stacklevel, warn
 from ..lower.lower import bind
-from ..sharding import REPLICATED
 from .layout import same_layout
+from . import paths
+from .live import LiveLayout
 from .shapes import ShapeCache, ShapeInfo, ShapeProgram, signature
-
-LIVE = "live"
-
-
-@dataclass(frozen=True)
-class LiveLayout:
-    """The eval program's one tactic: seed every state value and input on every axis as the training plan keeps
-    it, one pass per training stage (axes that share a dim compose in the same order as in training: megatron's
-    "model" before ZeRO's "batch" on a weight's dim 0). Propagation does the rest."""
-
-    train: object            # the training Plan
-    name: str = LIVE
-    axis: str = ""
-
-    def apply(self, ctx) -> None:
-        stages = [(s.tactic, s.axis) for s in self.train.stages if s.axis in self.train.mesh.axes]
-        for k, (tactic, axis) in enumerate(stages):
-            last = all(a != axis for _, a in stages[k + 1:])
-            seeds = _seeds(self.train, ctx.captured, axis, tactic, last)
-            if seeds:
-                ctx.seed_and_propagate(axis, seeds, LIVE)
-
 
 class Evaluator:
     def __init__(self, executor):
@@ -51,6 +29,7 @@ class Evaluator:
         # (kind, structure, signature, backend) -> ShapeProgram (plan, lowering bound to the backend), at most
         # Options.max_shapes of them, least recently used first out (shapes.py)
         self.cache = ShapeCache(executor.plan.options.max_shapes, "eval_step / forward")
+        self.paths: dict = {}          # key -> PathTrie, for a step that branches on tensor values (paths.py)
 
     def eval_step(self, batch):
         if self.ex.loss_fn is None:
@@ -76,9 +55,20 @@ class Evaluator:
         # a dict in its key order)
         ex.held().guard(what)
         key = (kind, str(spec), signature(flat), id(ex.rt))
-        entry = self.cache.get(key)
+        # a step that branches on tensor values: its guards select the path's program (paths.py)
+        real = paths.real_values([f"inputs.{i}" for i in range(len(flat))], flat, ex.held())
+        values, ckey, draws = (), (key, ()), {}
+        rng = paths.generator_state(ex.plan.captured.device)
+        if key in self.paths:
+            values, ckey, draws = paths.guard_values(self.paths[key], real)
+        entry = self.cache.get(ckey) if ckey is not None else None
         if entry is None:
-            entry = self.cache.add(self._build(kind, tuple(batch), key))
+            paths.rewind(rng, ex.plan.captured.device)
+            entry = self._build(kind, tuple(batch), key, real)
+            paths.join(self.paths, key, entry, values)
+            if entry.path:      # capture left the generator where it found it
+                values, ckey, draws = paths.guard_values(self.paths[key], real)
+            self.cache.add(entry)
         entry.calls += 1
         plan, low = entry.plan, entry.lowered
         cap = plan.captured
@@ -88,10 +78,14 @@ class Evaluator:
                 args.append(self._live(name, sh))
             elif role == Role.CONST:
                 args.append(ex.rt.shard(cap.consts[name], sh))
+            elif role == Role.DRAW:
+                args.append(ex.rt.shard(draws[name[len("draws."):]], sh))
             else:
                 args.append(ex.rt.shard(flat[k], sh))
                 k += 1
         outs = ex.execute(low.gm, args + ex.rt.coords(), what, plan)
+        if cap.checks:
+            paths.verify(cap.checks, cap.output_names, outs, ex.rt.rank0, what)
         return [ex.rt.rank0(t) for t, n in zip(outs, cap.output_names) if not n.startswith("buffers.")], cap, low
 
     def _live(self, name, sh):
@@ -104,7 +98,7 @@ class Evaluator:
         full = held.rt.full(held.state[name], have, held._shape(name))
         return held.rt.shard(full, sh)
 
-    def _build(self, kind, batch, key):
+    def _build(self, kind, batch, key, real=None):
         from ..plan import capture_for, plan
 
         train = self.ex.plan
@@ -121,7 +115,7 @@ class Evaluator:
             tactics = [t for t in train.tactics if t not in train.capture_rewrites]
             rewrites = [t for t in train.capture_rewrites if t.in_eval] if kind == "loss" else []
             cap = capture_for(model, rewrites + tactics, batch, self.ex.loss_fn if kind == "loss" else None,
-                              eval_loss=kind == "loss")
+                              eval_loss=kind == "loss", values=real)
         finally:
             model.train(was)
         t1 = time.perf_counter()
@@ -139,7 +133,8 @@ class Evaluator:
     def shapes(self) -> list:
         """ShapeInfo rows of the eval and forward programs kept."""
         kinds = {"loss": "eval", "forward": "eval forward"}
-        return [ShapeInfo(kinds[e.signature[0]], e.signature[2], e.capture_s, e.plan_s, e.lower_s, e.calls)
+        return [ShapeInfo(kinds[e.signature[0]], e.signature[2], e.capture_s, e.plan_s, e.lower_s, e.calls,
+                          paths.describe(e.plan.captured.guards, e.path) if e.path else "")
                 for e in self.cache.entries.values()]
 
 
@@ -155,36 +150,3 @@ def _refuse_non_tensors(what, batch) -> None:
                     "returned with the outputs).")
         raise PartitionError(f"{what}: input{keystr(path)} is a {type(x).__name__} ({str(x)[:40]}); the inputs of "
                              f"a step are tensors. {fix}")
-
-
-def _seeds(train, cap, axis, tactic, last) -> list:
-    """(name, dim[, split factor]) or (name, REPLICATED) on `axis` for the values training's `tactic` decided
-    there (last: also those no tactic decided): state as training keeps it; inputs tiled like training's inputs
-    where the size divides."""
-    mesh = train.mesh
-    seeds = []
-    decisions = train.decisions
-    for name, role in zip(cap.input_names, cap.input_roles):
-        vid = train.graph.name_to_vid.get(name)
-        by = decisions.tactic_of(vid, axis) if vid is not None else "-"     # "-": no tactic decided it
-        if not (by == tactic if by != "-" else last):
-            continue
-        if role in (Role.PARAM, Role.BUFFER):
-            sh = decisions.sharding(vid)
-            d = sh.tiled_axes().get(axis)
-            if d is None:
-                seeds.append((name, REPLICATED))
-            else:
-                stride = dict(sh.strides).get(axis)
-                seeds.append((name, d) + ((stride,) if stride and stride > 1 else ()))
-        elif role == Role.INPUT and name in train.graph.name_to_vid:
-            sh = decisions.sharding(vid)
-            d = sh.tiled_axes().get(axis)
-            shape = cap.names[name].meta["val"].shape
-            if d is not None and d < len(shape):
-                k = 1
-                for a in sh.dims[d][:sh.dims[d].index(axis) + 1]:
-                    k *= mesh.shape[a]
-                if shape[d] % k == 0:
-                    seeds.append((name, d))
-    return seeds

@@ -16,6 +16,7 @@ from . import faults
 from .backend import backend_for
 from .interpret import InterpretedRuntime
 from .layout import same_layout
+from . import paths
 from .shapes import (ShapeCache, ShapeProgram, build, check_divisible, global_signature, plan_signature, say_new,
                      show, signature)
 from .state import HeldState
@@ -45,7 +46,9 @@ class Executor:
         self._digest = ""                    # real ranks: the plan's digest, part of every call's agreement
         # one program per input signature (shapes.py), sharing the state held; costs: (capture_s, plan_s) of plan
         self.shapes = ShapeCache(plan.options.max_shapes, _KIND.get(plan.captured.mode, "run"))
-        self._first = self.shapes.add(ShapeProgram(plan_signature(plan), plan, *costs), pinned=True)
+        first = ShapeProgram(plan_signature(plan), plan, *costs)
+        self.paths, self._last = paths.StepPaths(first, self._held.param_steps), None   # branches; last program run
+        self._first = self.shapes.add(first, pinned=True)
 
     @property
     def steps(self) -> int:
@@ -125,24 +128,23 @@ class Executor:
         sig = signature(flat)
         if local:
             sig = global_signature(self.plan, sig)
-        entry = self.shapes.get(sig)
-        if entry is None and local:
-            # per-rank shards of a shape no program has: every rank would have to agree on it before capturing,
-            # and a global batch passed by mistake would pass for one; new shapes come through train_step
-            want = [tuple(s) for n, s in zip(cap.input_names, self._first.lowered.local_shapes) if n in names]
-            raise PartitionError(f"{what}: inputs of shapes {[tuple(x.shape) for x in flat]}; each rank's shard "
-                                 f"must have shapes {want} (global [{show(self._first.signature)}]), or those of "
-                                 f"another shape train_step has run. A new shape is partitioned by train_step, "
-                                 f"which takes the global batch; or pad every rank's shard to these shapes.")
-        if entry is None and self.rt.kind == "xla":
-            # the XLA backend's shardings and constraints are those of the plan it was built for
-            raise PartitionError(f"{what}: inputs [{show(sig)}]; this torch-xla program runs the shapes it was "
-                                 f"built for, [{show(self._first.signature)}] (its shardings are that plan's). "
-                                 f"Pad batches to these shapes, or build the XLA program from a partition with "
-                                 f"example inputs of the new shape.")
+        real = paths.real_values(names, flat, self._held)
+        values, key = (), (sig, ())
+        if self.paths:
+            if local:
+                raise PartitionError(f"{what}: this step branches on tensor values "
+                                     f"({paths.describe(self.plan.captured.guards, self._first.path)}); the branch "
+                                     f"is decided once per step on the global batch, which per-rank shards do not "
+                                     f"give. Call train_step with the global batch.")
+            values, key = self.paths.select(sig, real, cap.device)
+        entry = self.shapes.get(key) if key is not None else None
         if entry is None:
+            _refuse_new(what, local, self.rt.kind, self._first, cap, names, flat, sig)
             check_divisible(self.plan, sig, what)
-            entry = build(self.plan, self.model, self.optimizer, self.loss_fn, tuple(batch), sig)
+            self.paths.before_capture(values, cap.device)
+            # a step that branches reads its values from this call's batch and the state held (not the module's)
+            entry = build(self.plan, self.model, self.optimizer, self.loss_fn, tuple(batch), sig, values=real)
+            self.paths.captured(sig, entry, values, real)
             self._bind(entry, self.rt)
             moved = [n for n, sh in entry.layouts.items() if not same_layout(sh, self._first.layouts[n])]
             if moved:
@@ -150,7 +152,10 @@ class Executor:
                      f"layout than the first program ({', '.join(moved[:3])}); they are resharded whenever the "
                      f"program switches between the two shapes.", stacklevel=user_stacklevel())
             self.shapes.add(entry)
-            say_new(what, entry, self._first, len(self.shapes.entries), self.shapes.limit)
+            if entry.path and sig == self._first.signature:
+                paths.say_new(what, entry, len(self.shapes.entries), self.shapes.limit)
+            else:
+                say_new(what, entry, self._first, len(self.shapes.entries), self.shapes.limit)
         self._bind(entry, self.rt)
         entry.calls += 1
         return entry, flat
@@ -168,8 +173,11 @@ class Executor:
                 args.append(self.rt.local(torch.tensor(self._hyper[(int(g), h)], dtype=torch.float64)))
             elif role == Role.CONST:
                 args.append(self.rt.shard(cap.consts[name], sh))
-            elif role == Role.STEP:
-                args.append(self.rt.local(torch.tensor(float(self.steps + 1), dtype=torch.float64)))
+            elif role == Role.DRAW:   # drawn by the guards before the step (paths.py)
+                args.append(self.rt.shard(self.paths.draw(name), sh))
+            elif role == Role.STEP:   # "step", or "step.<fqn>": a parameter's own count (paths.py)
+                n = self.paths.step_of(name, self.steps)
+                args.append(self.rt.local(torch.tensor(float(n + 1), dtype=torch.float64)))
             else:
                 x = flat[k]
                 k += 1
@@ -212,7 +220,12 @@ class Executor:
         entry, flat = self.program_for(batch, local, what)
         self._held.relayout(entry.layouts)
         args = self._args(entry, flat, local, what)
-        return self.execute(entry.lowered.gm, args, desc, entry.plan)
+        outs = self.execute(entry.lowered.gm, args, desc, entry.plan)
+        self._last = entry
+        cap = entry.plan.captured
+        if cap.checks:     # the model's asserts on tensor values (paths.py)
+            paths.verify(cap.checks, cap.output_names, outs, self.rt.rank0, desc)
+        return outs
 
     def agree(self, what: str, flat) -> None:
         """Real ranks: the ranks agree on the program, the step and the inputs' shapes and dtypes before any
@@ -277,6 +290,7 @@ class Executor:
             raise PartitionError("train_step needs partition(..., loss_fn=..., optimizer=...).")
         outs = self.run(batch, local, "train_step_local" if local else "train_step")
         self._keep_state(outs)
+        self.paths.count(self._last.plan.captured, self.steps)
         self._held.steps += 1
         if self.optimizer is not None:   # the update ran: lr schedulers stepped after it do not warn
             self.optimizer._opt_called = True
@@ -310,3 +324,21 @@ class Executor:
         self._keep_state(outs)
         n = cap.out_spec.num_leaves
         return cap.out_spec.unflatten([self.rt.rank0(t) for t in outs[:n]])
+
+
+def _refuse_new(what, local, kind, first, cap, names, flat, sig) -> None:
+    """A call that would need a new program where none can be made."""
+    if local:
+        # per-rank shards of a shape no program has: every rank would have to agree on it before capturing,
+        # and a global batch passed by mistake would pass for one; new shapes come through train_step
+        want = [tuple(s) for n, s in zip(cap.input_names, first.lowered.local_shapes) if n in names]
+        raise PartitionError(f"{what}: inputs of shapes {[tuple(x.shape) for x in flat]}; each rank's shard "
+                             f"must have shapes {want} (global [{show(first.signature)}]), or those of "
+                             f"another shape train_step has run. A new shape is partitioned by train_step, "
+                             f"which takes the global batch; or pad every rank's shard to these shapes.")
+    if kind == "xla":
+        # the XLA backend's shardings and constraints are those of the plan it was built for
+        raise PartitionError(f"{what}: inputs [{show(sig)}]; this torch-xla program runs the shapes it was "
+                             f"built for, [{show(first.signature)}] (its shardings are that plan's). "
+                             f"Pad batches to these shapes, or build the XLA program from a partition with "
+                             f"example inputs of the new shape.")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..contract import STATE_ROLES, Role
 from ..errors import PartitionError, user_stacklevel, warn
+from .paths import describe
 
 
 def signature(flat) -> tuple:
@@ -57,6 +58,11 @@ class ShapeProgram:
     calls: int = 0
     lowered: object = None
     rt: object = None
+    path: tuple = ()               # a step that branches on tensor values: the guard values of this program's path
+
+    @property
+    def key(self) -> tuple:
+        return (self.signature, self.path)
 
     @property
     def layouts(self) -> dict:
@@ -66,7 +72,8 @@ class ShapeProgram:
                 if r in STATE_ROLES}
 
     def info(self, kind: str) -> "ShapeInfo":
-        return ShapeInfo(kind, self.signature, self.capture_s, self.plan_s, self.lower_s, self.calls)
+        return ShapeInfo(kind, self.signature, self.capture_s, self.plan_s, self.lower_s, self.calls,
+                         describe(self.plan.captured.guards, self.path) if self.path else "")
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ class ShapeInfo:
     plan_s: float | None
     lower_s: float | None
     calls: int
+    path: str = ""
 
     @property
     def seconds(self) -> float:
@@ -90,12 +98,13 @@ class ShapeInfo:
     def __str__(self):
         part = lambda k, t: f"{k} {t:.2f} s" if t is not None else f"{k} -"   # noqa: E731
         return (f"{self.kind} [{show(self.signature)}]: {part('capture', self.capture_s)}, "
-                f"{part('plan', self.plan_s)}, {part('lower', self.lower_s)}; {self.calls} call(s)")
+                f"{part('plan', self.plan_s)}, {part('lower', self.lower_s)}; {self.calls} call(s)"
+                + (f"; path: {self.path}" if self.path else ""))
 
 
 class ShapeCache:
-    """ShapePrograms by signature, least recently used first out beyond `limit`; `pinned` (the example inputs'
-    signature) is never dropped."""
+    """ShapePrograms by key (signature, path), least recently used first out beyond `limit`; `pinned` (the
+    example inputs' program) is never dropped."""
 
     def __init__(self, limit: int, what: str):
         self.limit, self.what = limit, what
@@ -106,19 +115,20 @@ class ShapeCache:
     def __len__(self):
         return len(self.entries)
 
-    def get(self, sig):
-        entry = self.entries.get(sig)
+    def get(self, key):
+        entry = self.entries.get(key)
         if entry is not None:
-            self.entries.move_to_end(sig)
+            self.entries.move_to_end(key)
         return entry
 
     def add(self, entry: ShapeProgram, pinned: bool = False) -> ShapeProgram:
-        self.entries[entry.signature] = entry
+        self.entries[entry.key] = entry
         if pinned:
-            self.pinned = entry.signature
+            self.pinned = entry.key
         while len(self.entries) > self.limit:
-            old = next(s for s in self.entries if s != self.pinned and s != entry.signature)
-            del self.entries[old]
+            old_key = next(s for s in self.entries if s != self.pinned and s != entry.key)
+            old = old_key[0]
+            del self.entries[old_key]
             if not self._said_evict:
                 self._said_evict = True
                 warn(f"{self.what}: more than {self.limit} input shapes: the program for [{show(old)}], the least "
@@ -128,8 +138,9 @@ class ShapeCache:
         return entry
 
 
-def build(train, model, optimizer, loss_fn, batch, sig) -> ShapeProgram:
-    """The step captured and planned again for `batch` (signature `sig`) as `train` (a Plan) was."""
+def build(train, model, optimizer, loss_fn, batch, sig, values=None) -> ShapeProgram:
+    """The step captured and planned again for `batch` (signature `sig`) as `train` (a Plan) was. values: a step
+    that branches on tensor values (capture/branches.py): name -> the full real value of each placeholder."""
     from ..plan import capture_for, plan
 
     cap = train.captured
@@ -140,15 +151,34 @@ def build(train, model, optimizer, loss_fn, batch, sig) -> ShapeProgram:
         if len(cap.modes) == len(modules):
             for m, mode in zip(modules, cap.modes):
                 m.training = mode
-        new = capture_for(model, train.tactics, batch, loss_fn, optimizer, **cap.settings)
+        new = capture_for(model, train.tactics, batch, loss_fn, optimizer, values=values, **cap.settings)
     finally:
         for m, mode in zip(modules, was):
             m.training = mode
     t1 = time.perf_counter()
-    p = plan(new, train.mesh, train.tactics, train.options, train.registry)
+    try:
+        p = plan(new, train.mesh, train.tactics, train.options, train.registry)
+    except PartitionError as e:
+        if not new.guards:
+            raise
+        p = _plan_like(train, new, e)
     entry = ShapeProgram(sig, p, t1 - t0, time.perf_counter() - t1)
     _check_same_state(train, p, sig)
     return entry
+
+
+def _plan_like(train, new, refused):
+    """A path of a step that branches that the schedule refuses (Megatron finds no linear pair on a path where
+    layerdrop skipped every layer): planned to keep the state and the inputs as the first program does (the eval
+    programs' LiveLayout tactic), said once per path."""
+    from ..plan import plan
+    from .live import LiveLayout
+
+    p = plan(new, train.mesh, list(train.capture_rewrites) + [LiveLayout(train)], train.options, train.registry)
+    warn(f"train_step: the schedule refused the path ({describe(new.guards, tuple(g.value for g in new.guards))}): "
+         f"{str(refused).splitlines()[0]} This path's program keeps the state and the inputs in the first "
+         f"program's layout instead.", stacklevel=user_stacklevel())
+    return p
 
 
 def _check_same_state(train, p, sig) -> None:
@@ -167,7 +197,12 @@ def _check_same_state(train, p, sig) -> None:
 
 
 def check_divisible(train, sig, what: str) -> None:
-    """A dim the program tiles over mesh axes must stay divisible by their size (shards are even)."""
+    """Under Options.strict, a dim the program tiles over mesh axes must stay divisible by their size. Otherwise
+    a dim they do not divide is tiled unevenly (a ragged last batch): the new shape's plan either splits it as
+    torch.chunk does, or its propagation refuses it with the fix (drop_last=True) where padding cannot stay out of
+    the values (a view merging the batch with the sequence, propagate/engine.py)."""
+    if not train.options.strict:
+        return
     cap, mesh = train.captured, train.mesh
     names = [n for n, r in zip(cap.input_names, cap.input_roles) if r == Role.INPUT]
     old = plan_signature(train)
@@ -186,8 +221,9 @@ def check_divisible(train, sig, what: str) -> None:
                        f"Pad dim {d} to a multiple of {k} (pad_to_multiple_of={k} in Hugging Face's data "
                        f"collators)")
                 raise PartitionError(f"{what}: {name} has shape {tuple(shape)}; the program tiles its dim {d} on "
-                                     f"{on}, and {k} does not divide {shape[d]} (shards are even; the program was "
-                                     f"partitioned for {tuple(was)}). {fix}.")
+                                     f"{on}, and {k} does not divide {shape[d]} (strict=True: shards are even; the "
+                                     f"program was partitioned for {tuple(was)}). {fix}, or drop strict=True to "
+                                     f"tile it unevenly.")
 
 
 def global_signature(train, local_sig) -> tuple:

@@ -20,7 +20,7 @@ import torch
 
 from ..contract import STATE_ROLES
 from ..errors import PartitionError
-from .layout import same_layout
+from .layout import padded, same_layout
 from .owner import Owner, internal
 
 GROUP_SKIP = ("params",)
@@ -66,7 +66,7 @@ def to_global(value, name: str, shape, rt, sh):
         same = getattr(rt, "device_mesh", None) is value.device_mesh and \
             tuple(value.placements) == tuple(sh.placements(rt.mesh))
         if same and tuple(value.shape) == tuple(shape):
-            return value.to_local().detach().clone()
+            return padded(value.to_local().detach(), sh, rt.mesh, shape).clone()
         value = value.full_tensor()
     if not isinstance(value, torch.Tensor):
         raise PartitionError(f"load_state_dict: {name} is a {type(value).__name__}, not a tensor.")
@@ -91,6 +91,7 @@ class HeldState:
         self.rt = None
         self.state: dict | None = None       # placeholder name -> local tensor
         self.steps = 0
+        self.param_steps: dict = {}          # fqn -> its own step count, where a step that branches left it behind
         # who holds the newer weights: this state or the eager module (owner.py)
         self.owner = Owner(model, weakref.WeakMethod(self.state_full))
 
@@ -168,6 +169,10 @@ class HeldState:
     def state_full(self) -> dict:
         return {n: self._full(n, t) for n, t in self.state.items()}
 
+    def full(self, name: str) -> torch.Tensor:
+        """One state value whole (gathered on real ranks)."""
+        return self.rt.full(self.state[name], self._layout(name), self._shape(name))
+
     def gather_parameters(self) -> dict:
         self.guard("gather_parameters", refuse=False)
         return {n[len("params."):]: self._full(n, t) for n, t in self.state.items() if n.startswith("params.")}
@@ -198,7 +203,7 @@ class HeldState:
             for names in fqns:
                 for f in names:
                     if f in trainable and self._held_here(f"params.{f}"):
-                        d = {"step": torch.tensor(float(self.steps), dtype=torch.float32)}
+                        d = {"step": torch.tensor(float(self.param_steps.get(f, self.steps)), dtype=torch.float32)}
                         d.update({s: get(f"opt.{s}.{f}") for s in cap.fopt.state_names if f"opt.{s}.{f}" in self.state})
                         state[f] = d
             groups = [{**group_hyper(g), "params": list(f)} for g, f in zip(self.optimizer.param_groups, fqns)]
@@ -273,11 +278,12 @@ class HeldState:
                 group.update(group_hyper(self.optimizer.param_groups[gi]))
             for p, f in zip(group["params"], names):
                 st = {s: full[f"opt.{s}.{f}"].clone() for s in cap.fopt.state_names if f"opt.{s}.{f}" in full}
-                if self.steps == 0 or f not in cap.trainable:
+                own = self.param_steps.get(f, self.steps)    # a parameter a branching step left behind
+                if own == 0 or f not in cap.trainable:
                     optimizer.state.pop(p, None)
                     continue
                 if cap.fopt.kind != "sgd":
-                    st["step"] = torch.tensor(float(self.steps), dtype=torch.float32)
+                    st["step"] = torch.tensor(float(own), dtype=torch.float32)
                 optimizer.state[p] = st
         self._exported(model)
 

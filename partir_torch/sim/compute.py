@@ -49,6 +49,16 @@ def cpu_flash_bwd(grad_out, q, k, v, *args, out_val=None, **kwargs):
     return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
 
 
+def experts_flops(hidden, top_k_index, top_k_weights, gate_up, down, *args, out_val=None, **kwargs):
+    """partir::experts_grouped (rules/moe.py): each (token, expert) pair through its expert's two projections."""
+    return 2 * top_k_index.numel() * (math.prod(gate_up.shape[1:]) + math.prod(down.shape[1:]))
+
+
+def experts_backward_flops(grad, hidden, top_k_index, top_k_weights, gate_up, down, *args, out_val=None, **kwargs):
+    """Its backward: the forward recomputed, then input and weight gradients of both projections (3 forwards)."""
+    return 3 * experts_flops(hidden, top_k_index, top_k_weights, gate_up, down)
+
+
 # schema name -> formula, for the ops whose registry row links a formula here (rules/registry.py LINKS)
 EXTRA_FLOPS = {op._schema.name: fn for op, fn in linked("flops", "sim.compute", globals()).items()}
 

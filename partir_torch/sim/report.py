@@ -35,6 +35,13 @@ class SimReport:
 
     Times are seconds, memory bytes per device, FLOPs per device per step. ``stages`` holds one report per tactic
     stage when the caller simulates each stage; ``table()`` then shows one row per stage.
+
+    ``model_flops`` are the model's FLOPs per device: the unpartitioned step's FLOPs (recomputation excluded)
+    divided by the number of devices, the same for every plan of one model, so ``mfu`` x ``step_time_s`` is a
+    constant of the model and a plan that computes redundantly (a replicated head) shows a lower MFU.
+    ``hardware_flops`` are what this device executes (redundant and recomputed FLOPs included) and ``hfu`` their
+    utilisation. (simulate_graph on a bare program, with no unpartitioned step to count, uses the program's own
+    FLOPs less recomputation as model FLOPs and says so in ``notes``.)
     """
 
     step_time_s: float = 0.0
@@ -45,6 +52,9 @@ class SimReport:
     memory_breakdown: dict = field(default_factory=dict)
     model_flops: float = 0.0
     mfu: float = 0.0
+    hardware_flops: float = 0.0
+    hfu: float = 0.0
+    hbm_bytes: float = 0.0               # the chip's memory per device: a peak above it is out of memory
     collectives: list = field(default_factory=list)
     stages: list = field(default_factory=list)
     notes: list = field(default_factory=list)
@@ -73,15 +83,22 @@ class SimReport:
             out[(c.kind, c.axis)] = (n + 1, b + c.nbytes, t + c.time_s)
         return out
 
+    @property
+    def out_of_memory(self) -> bool:
+        """The predicted peak exceeds the chip's HBM per device."""
+        return bool(self.hbm_bytes) and self.peak_memory_bytes > self.hbm_bytes
+
     def _row(self) -> list:
         colls = ", ".join(f"{ABBREV.get(k, k)}x{n} {_bytes(b)}" for k, (n, b, _) in self.collectives_by_kind().items())
         conf = "-" if self.confidence is None else f"±{100 * self.confidence:.0f}% ({self.confidence_family})"
+        peak = _bytes(self.peak_memory_bytes) + (" OOM" if self.out_of_memory else "")
         return [self.stage_name or "program", _ms(self.step_time_s), _ms(self.compute_s), _ms(self.comm_s),
-                _ms(self.exposed_comm_s), _bytes(self.peak_memory_bytes), f"{100 * self.mfu:.1f}%", conf,
-                colls or "-"]
+                _ms(self.exposed_comm_s), peak, f"{100 * self.mfu:.1f}%", conf, colls or "-"]
 
     def table(self) -> str:
-        """One row per stage (or one row for this program), then the memory breakdown of the last row.
+        """One row per stage (or one row for this program), then the memory breakdown of the last row and the
+        notes (out of memory, what-if policies, communication never waited on). "OOM" after a peak: above the
+        chip's HBM per device. MFU: the model's FLOPs (the same for every plan) per step time and peak FLOP/s.
 
         ``confidence``: how far the simulator was off, median |error| on published runs it was not fitted on, for
         the validated family (chip/strategy) closest to this one (benchmarks/sim_validation.py)."""
@@ -93,13 +110,13 @@ class SimReport:
         mem = ", ".join(f"{k} {_bytes(v)}" for k, v in last.memory_breakdown.items() if v)
         if mem:
             text += f"\npeak memory ({last.stage_name or 'program'}): {mem}"
-        if last.pipeline is not None:
-            text += "".join(f"\n{line}" for line in last.pipeline.lines())
-        return text
+        oom = [s.stage_name or "program" for s in (self.stages or [self]) if s.out_of_memory and s is not last]
+        if oom:
+            text += f"\nnote: out of memory (peak above the chip's HBM) after: {', '.join(oom)}"
+        return text + "".join(f"\nnote: {n}" for n in last.notes)
 
     def __str__(self) -> str:
-        notes = "".join(f"\nnote: {n}" for n in self.notes)
-        return self.table() + notes
+        return self.table()
 
     def to_chrome_trace(self, path: str) -> str:
         """Write Chrome trace-event JSON (open in Perfetto / chrome://tracing): track 0 compute, track 1 comm."""

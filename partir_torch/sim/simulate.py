@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from ..errors import PartitionError
 from .comm import check_mesh
-from .compute import CostModel, op_class, val_facts
+from .compute import COMPUTE, CostModel, op_class, val_facts
 from .confidence import closest_family, strategy_of
 from .hardware import Hardware
 from .memory import analyze_memory
@@ -28,10 +28,13 @@ def _cost_model(hw: Hardware) -> CostModel:
 
 
 def simulate_graph(gm, mesh, hw: Hardware, axis_map=None, stage_name: str = "", exclude_flops=None,
-                   issue: str = "program", prefetch: int = 1) -> SimReport:
+                   issue: str = "program", prefetch: int = 1, model_flops: float | None = None) -> SimReport:
     """Predict step time, memory and communication of the per-device program ``gm`` on ``mesh`` laid on ``hw``.
 
     ``exclude_flops``: node names whose FLOPs are not model FLOPs (rematerialised recompute); they still take time.
+    ``model_flops``: the model's FLOPs per device per step (the unpartitioned step's, divided by the devices), what
+    MFU counts; None: this program's executed FLOPs less ``exclude_flops`` (noted in the report: a plan that
+    computes redundantly then shows its redundant work as model work).
     ``axis_map``: TPU only, mesh axis -> torus dims, e.g. ``{"model": ("z",), "data": ("x", "y")}``.
     ``issue``: when a collective starts. "program" (the default) is what partir's runtime executes: each collective
     issued where the program lists it, waited for at its wait_tensor (the order lowering's scheduling pass chose,
@@ -48,13 +51,13 @@ def simulate_graph(gm, mesh, hw: Hardware, axis_map=None, stage_name: str = "", 
     enabled = gc.isenabled()
     gc.disable()                          # the passes allocate many small objects; collector passes cost ~2x
     try:
-        return _simulate(gm, mesh, hw, axis_map, stage_name, set(exclude_flops or ()), issue, prefetch)
+        return _simulate(gm, mesh, hw, axis_map, stage_name, set(exclude_flops or ()), issue, prefetch, model_flops)
     finally:
         if enabled:
             gc.enable()
 
 
-def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue, prefetch) -> SimReport:
+def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue, prefetch, model_flops) -> SimReport:
     # what does not depend on the hardware (per-node facts, buffer liveness) is read once per program, so a search
     # over hardware, axis mappings or issue policies re-simulates a program for the cost of its timeline only
     cached = getattr(gm, "_partir_sim_facts", None)
@@ -83,14 +86,33 @@ def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue, prefetch) -> S
                      f"of HBM per device on {hw.name} (peak at node {mem.peak_node}).")
     by_dtype = line.flops_by_dtype
     peak = hw.peak_flops(max(by_dtype, key=by_dtype.get) if by_dtype else "bfloat16")   # the dominant dtype
+    executed = sum(by_dtype.values())
+    if model_flops is None:
+        model_flops = line.model_flops
+        if executed:
+            notes.append("MFU counts this program's executed FLOPs less recomputation (no unpartitioned step was "
+                         "given: simulate_graph(..., model_flops=)); prog.simulate counts the model's.")
     declared = {c.tactic: c.family for c in line.timings if c.family}
     family, conf = closest_family(hw.name, strategy_of([c.tactic for c in line.timings], declared))
     return SimReport(
         step_time_s=step, compute_s=line.compute_s, comm_s=line.comm_s, exposed_comm_s=line.exposed,
-        peak_memory_bytes=mem.peak_bytes, memory_breakdown=mem.breakdown, model_flops=line.model_flops,
-        mfu=line.model_flops / (step * peak) if step > 0 else 0.0, collectives=line.timings, notes=notes,
+        peak_memory_bytes=mem.peak_bytes, memory_breakdown=mem.breakdown, model_flops=model_flops,
+        mfu=model_flops / (step * peak) if step > 0 else 0.0, hardware_flops=executed,
+        hfu=executed / (step * peak) if step > 0 else 0.0, hbm_bytes=hw.hbm_bytes, collectives=line.timings, notes=notes,
         stage_name=stage_name, hardware=hw.describe(), peak_flops=peak, trace=line.trace, confidence=conf,
         confidence_family=family)
+
+
+def step_flops(gm, hw: Hardware, exclude=()) -> float:
+    """FLOPs of one run of ``gm`` as the cost model counts them (matmuls, convolutions, attention), less the nodes
+    named in ``exclude``. On the captured (unpartitioned) step: the model's FLOPs per step, what MFU counts."""
+    nodes = list(gm.graph.nodes)
+    facts, cm, total = _scan(nodes), _cost_model(hw), 0.0
+    for n in nodes:
+        cls, info = facts.classes.get(n, (None, None))
+        if cls == COMPUTE and info is not None and n.name not in exclude:
+            total += cm.cost(n, n.target, info, facts.sigs, facts.nbytes)[0]
+    return total
 
 
 @dataclass

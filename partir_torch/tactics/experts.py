@@ -11,6 +11,7 @@ from .base import declare
 from .presets import DataParallel
 from .structure import expert_weights, forward_uses
 from ..contract import META_ROLE, forward_nodes
+from ..rules.moe import EXPERTS_OP
 
 
 @declare("expert", macro=True)
@@ -47,14 +48,24 @@ class ExpertParallel:
         k = ctx.mesh.shape[self.axis]
         experts = expert_weights(ctx.captured) if self.params is None else self._selected(ctx)
         if not experts:
+            grouped = sum(1 for n in ctx.captured.gm.graph.nodes if n.target is EXPERTS_OP)
+            if grouped:
+                raise PartitionError(
+                    f"{self.name}: the model's {grouped} MoE layer(s) run Hugging Face's grouped-mm experts, captured "
+                    f"as partir::experts_grouped (one per-token op that keeps tokens on their rank under data "
+                    f"parallelism, rules/moe.py); it needs every expert's weights on the rank, so expert "
+                    f"parallelism over axis '{self.axis}' (size {k}) cannot split them. Shard the experts' weights "
+                    f"with zero(3) instead, or leave expert_parallel out of the schedule.")
             raise PartitionError(f"{self.name}: the model has no stacked expert weights (parameters (E, ., .) used "
                                  f"by a batched matmul over E or selected per token); expert parallelism does not "
                                  f"apply to a dense model.")
         bad = [n for n in experts if ctx.value_meta(n)["shape"][0] % k]
         if bad:
             raise PartitionError(f"{self.name}: {bad[0]} has {ctx.value_meta(bad[0])['shape'][0]} experts, not "
-                                 f"divisible by axis '{self.axis}' (size {k}). Use a number of experts divisible "
-                                 f"by {k}.")
+                                 f"divisible by axis '{self.axis}' (size {k}): expert parallelism needs equal "
+                                 f"expert groups (its token exchange is one all_to_all of equal blocks; uneven "
+                                 f"groups are not supported yet). Use a number of experts divisible by {k}, or "
+                                 f"shard the experts with zero(3) / megatron, which tile unevenly.")
         seeds = [(n, 0) for n in experts]
         if self._exchanges_tokens(ctx, seeds):
             ctx.seed_and_propagate(self.axis, seeds, self.name, closed=True)

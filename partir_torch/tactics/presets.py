@@ -148,7 +148,9 @@ class Megatron(SeedTactic):
                               f"it needs (as multi_query does for shared K/V)")
                     kept.append(w)
                     blocked.append((w, "attention heads", lin.heads))
-                elif feats % k:
+                elif feats % k and (ctx.options.strict or lin.chunks > 1):
+                    # uneven features split as torch.chunk does, unless strict=True or a packed projection (its
+                    # chunks are tiled strided, which an uneven split cannot be)
                     why[w] = f"{feats} output features, not divisible by axis '{self.axis}' (size {k})"
                     blocked.append((w, "output features", feats))
                 else:
@@ -409,7 +411,13 @@ class Zero:
         if sizes and sizes[0][1] == 0 and sizes[0][0] % k == 0:
             return 0
         ok = [d for s, d in sorted(sizes, reverse=True) if s % k == 0]
-        return ok[0] if ok else None
+        if ok or ctx.options.strict:
+            return ok[0] if ok else None
+        # no dim divides: the largest dim of more than one position that earlier axes split exactly, tiled
+        # unevenly (torch.chunk sizes, as FSDP2 shards dim 0; sharding.chunk_size)
+        exact = [(s, d) for s, d in sizes if s > 1 and shape[d] % math.prod(
+            ctx.mesh.shape[a] for a in ctx.dim_axes(name, d)) == 0]
+        return max(exact, key=lambda sd: (sd[0], -sd[1]))[1] if exact else None
 
     def _shards_nothing(self, ctx, indivisible, k) -> None:
         """Raise: the axis divides no dim of any parameter left to this tactic (a no-op would pass silently)."""
@@ -421,8 +429,8 @@ class Zero:
         raise PartitionError(f"{self.name}: axis '{self.axis}' (size {k}) divides no dim of any parameter it could "
                              f"shard ({len(indivisible)} parameters, local shapes e.g. {shown}{more}): "
                              f"zero({self.stage}) would shard nothing. Use a mesh axis whose size divides the "
-                             f"parameters' dims, or leave zero out of the schedule (dims a mesh axis does not divide "
-                             f"are not sharded unevenly yet).")
+                             f"parameters' dims, drop strict=True (dims a mesh axis does not divide are then sharded "
+                             f"unevenly), or leave zero out of the schedule.")
 
     def apply(self, ctx) -> None:
         ctx.mesh.check_axis(self.axis, self.name)
@@ -450,7 +458,7 @@ class Zero:
             if d is None:
                 ctx.note(p, f"{self.name}: no dim of {tuple(ctx.graph.shapes[ctx.graph.name_to_vid[p]])} is "
                             f"divisible by axis '{self.axis}' (size {k}) (a dim an earlier axis tiles strided does "
-                            f"not count); replicated")
+                            f"not count){' (strict=True)' if ctx.options.strict else ' and none is large enough to tile unevenly'}; replicated")
                 indivisible.append(p)
                 continue
             seeds += [(s, d) for s in states]

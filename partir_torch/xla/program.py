@@ -142,6 +142,7 @@ class XlaBackend:
         self.layouts = {}        # placeholder name -> Sharding
         for node, name in zip(self._placeholders(), self.cap.input_names):
             self.layouts[name] = plan.sharding(g.vid[node])
+        self._refuse_uneven()
         self.constraints = self._constraints()
         self.op_specs = self._op_specs()
         self._regather = param_derived(self.cap.gm) if self.cap.mode != FORWARD else frozenset()
@@ -150,6 +151,20 @@ class XlaBackend:
 
     def _placeholders(self):
         return [n for n in self.cap.gm.graph.nodes if n.op == "placeholder"]
+
+    def _refuse_uneven(self) -> None:
+        """XLA's partitioner pads uneven tiles itself, but this backend has not been checked against it yet: a
+        plan with a dim a mesh axis does not divide is refused here rather than run unverified."""
+        g = self.plan.graph
+        for v in range(len(g.values)):
+            sh = self.plan.sharding(v)
+            uneven = sh.uneven_dims(g.shapes[v], self.mesh)
+            if uneven:
+                d, (size, axis, _) = next(iter(uneven.items()))
+                raise PartitionError(f"to_xla: {g.name(v)} is tiled unevenly on dim {d} (size {size}) over axis "
+                                     f"'{axis}' (size {self.mesh.shape[axis]}); the torch-xla backend does not run "
+                                     f"uneven layouts yet. Partition with strict=True and sizes the axes divide "
+                                     f"for to_xla(), or run the program on partir's own runtime.")
 
     def _constraints(self) -> dict:
         """FX node name -> partition spec, for every value whose layout XLA can be told: each value's final

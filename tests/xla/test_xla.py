@@ -165,6 +165,18 @@ def test_a_mesh_of_another_size_than_the_devices_is_refused_by_name():
         prog.to_xla()
 
 
+def test_an_uneven_layout_is_refused_by_name():
+    """Issue 22: a batch of 12 on 8 devices is tiled unevenly (2 rows on six devices, none on two) by partir's own runtime; the XLA
+    backend has not been checked on uneven layouts and refuses them, naming the value and the fix."""
+    spec = get("mlp")
+    model = spec.build()
+    prog = pt.partition(model, pt.Mesh({"batch": 8}), [T.data_parallel("batch")], example_inputs=spec.batch(12),
+                        loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    with pytest.raises(pt.PartitionError, match=r"to_xla: inputs\.0 is tiled unevenly on dim 0 \(size 12\) over "
+                                                r"axis 'batch' \(size 8\).*strict=True"):
+        prog.to_xla()
+
+
 def test_forward_program_equals_the_model():
     """A program captured without loss_fn runs the forward on XLA: Llama logits under BP on 8 devices."""
     spec = get("llama")
