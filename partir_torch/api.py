@@ -75,6 +75,7 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
                              f"{accumulate!r}.")
     if accumulate > 1 and loss_fn is None:
         raise PartitionError("partition: accumulate sums the gradients of micro-batches; pass loss_fn=.")
+    _check_pipeline(tactics, loss_fn, compile, measure_memory)
     options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile, prefetch=prefetch,
                       reduce_in_flight=reduce_in_flight, tp_chunks=tp_chunks, measure_memory=measure_memory,
                       max_shapes=max_shapes, memory_budget=memory_budget, strict=strict)
@@ -88,3 +89,20 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     if simulate is not None:
         print(prog.simulate(simulate).table())
     return prog
+
+
+def _check_pipeline(tactics, loss_fn, compile: bool, measure_memory: bool) -> None:
+    """What a pipeline tactic (tactics/pipeline.py) does not run with yet: each named, with the fix."""
+    pipe = [t for t in tactics if getattr(t, "family", None) == "pipeline"]
+    if not pipe:
+        return
+    name = pipe[0].name
+    if loss_fn is None:
+        raise PartitionError(f"partition: {name} pipelines a training step (forward and backward per micro-batch); "
+                             f"pass loss_fn= (and optimizer=).")
+    if compile:
+        raise PartitionError(f"partition: compile=True with a pipeline tactic ({name}) is not supported yet; leave "
+                             f"compile=False.")
+    if measure_memory:
+        raise PartitionError(f"partition: measure_memory=True with a pipeline tactic ({name}) is not supported yet; "
+                             f"prog.simulate(hw).pipeline.peak_bytes predicts each stage's peak.")

@@ -63,11 +63,15 @@ META_RECOMPUTE = "partir_recompute"        # remat: on a recomputed copy, the mo
 META_RECOMPUTE_OF = "partir_recompute_of"  # remat: on a recomputed copy, the name of the node it recomputes
 META_NO_PARTIAL_PASS = "partir_no_partial_pass"   # mixed precision: a partial value is reduced before this node
 META_ACCUMULATE = "partir_accumulate"      # fx custom meta: the node belongs to one micro-batch (accumulate=k)
+META_MODULE = "partir_module"              # pipeline capture: FQN of the module whose forward (or backward) made it
+META_MICRO = "partir_micro"                # pipeline capture: index of the micro-batch the node computes for
 # per-device (lowered) graph
 META_SRC = "partir_src"                    # the captured node a lowered op computes
 META_COLLECTIVE = "partir_collective"      # a CollectiveRecord, on the collective node
 META_LOCAL_SHAPE = "partir_local_shape"    # shape of an emitted node's local result
 META_IN_SHAPE = "partir_in_shape"          # a collective's local input shape
+META_STAGE = "partir_stage"                # pipelined programs: the pipeline stage that runs the node
+META_ACTION = "partir_action"              # pipelined programs: the node's action ("F", j) | ("B", j) | ("U", 0)
 # on an exception raised by a per-device op in emulation: the name of the lowered node that raised it
 EXC_NODE = "partir_node"
 

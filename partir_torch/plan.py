@@ -65,6 +65,8 @@ class Plan:
     remarks: MappingProxyType            # tactic name -> (text, ...) for summary()
     searches: tuple = ()                 # the automatic tactics' SearchReports
     actions: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))   # (canon vid, axis) -> label
+    pipeline: object = None              # tactics.pipeline.PipelineSpec when the schedule has a pipeline tactic
+    pipeline_at: int = -1                # the index of the pipeline tactic in `tactics`
     _lowered: dict = field(default_factory=dict, repr=False)   # stage index -> lower.Lowered (memo)
 
     @property
@@ -106,8 +108,14 @@ class Plan:
     def _lower(self, k: int, options: Options):
         from .lower.lower import Lowerer, canonical_groups
 
-        return Lowerer(self.graph, self.stage_decisions(k), self.mesh, self.captured, canonical_groups(self.mesh),
-                       options, self.families, self.kept_gathered).run()
+        piped = self.pipeline is not None and 0 <= self.pipeline_at <= k
+        low = Lowerer(self.graph, self.stage_decisions(k), self.mesh, self.captured, canonical_groups(self.mesh),
+                      options, self.families, self.kept_gathered, pipelined=piped).run()
+        if piped:
+            from .lower.pipeline import pipeline_program
+
+            low = pipeline_program(low, self.pipeline, self.captured)
+        return low
 
     def _within_budget(self, k: int, low):
         """Options.memory_budget: the first schedule whose peak (sim/memory.py's liveness of the lowered program, the
@@ -165,14 +173,28 @@ class Plan:
 
 
 def capture_for(model, schedule, example_inputs, loss_fn=None, optimizer=None, clip_grad_norm=None,
-                accumulate: int = 1, accumulate_dims=None, eval_loss: bool = False, values=None):
+                accumulate: int = 1, accumulate_dims=None, eval_loss: bool = False, values=None,
+                record_modules: bool = False):
     """Capture `model`'s step as `schedule` needs it: its capture rewrites (mixed precision, remat) applied and the
-    decompositions its tactics ask for. The result can be planned with any schedule of the same capture rewrites."""
+    decompositions its tactics ask for. The result can be planned with any schedule of the same capture rewrites.
+    A pipeline tactic in the schedule (training) captures its micro-batches unrolled (accumulate) and each op's
+    module and micro-batch (capture/stages.py)."""
+    from .tactics.pipeline import Pipeline
+
     entries = flatten_schedule(schedule)
     rewrites = [t for t in entries if isinstance(t, CaptureRewrite)]
+    pipe = next((t for t in entries if isinstance(t, Pipeline)), None)
+    if pipe is not None and loss_fn is not None and not eval_loss:
+        record_modules = True
+        if accumulate not in (1, pipe.n_microbatches):
+            raise PartitionError(f"partition: accumulate={accumulate} and the pipeline tactic's microbatches="
+                                 f"{pipe.n_microbatches} disagree; the pipeline runs its micro-batches as the "
+                                 f"accumulation. Leave accumulate at 1.")
+        accumulate = pipe.n_microbatches
     return capture(model, example_inputs, loss_fn, optimizer, rewrites, _decompositions(entries),
                    clip_grad_norm=clip_grad_norm,
-                   accumulate=accumulate, accumulate_dims=accumulate_dims, eval_loss=eval_loss, values=values)
+                   accumulate=accumulate, accumulate_dims=accumulate_dims, eval_loss=eval_loss, values=values,
+                   record_modules=record_modules)
 
 
 def plan(captured, mesh: Mesh, schedule, options: Options | None = None, registry=None) -> Plan:
@@ -197,10 +219,18 @@ def plan(captured, mesh: Mesh, schedule, options: Options | None = None, registr
             decided = sum(1 for st in prop.rec.axes.values() for p in st.prov.values() if p.tactic == t.name)
             axis = t.axis if isinstance(t, Tactic) else ""      # a capture rewrite decides no axis
             stages.append(Stage(t.name, axis, Decisions(prop.rec), tuple(prop.rec.conflicts), decided))
+        spec = planning.pipeline
+        if spec is not None and ctx.axis_in_use(spec.axis):
+            raise PartitionError(f"plan: a tactic after the pipeline decided values on its axis '{spec.axis}'; the "
+                                 f"pipeline axis runs stages, every value stays whole on it. Give the other tactics "
+                                 f"the other axes.")
     frozen = lambda d: MappingProxyType({k: tuple(v) for k, v in d.items()})   # noqa: E731
+    at = next((k for k, t in enumerate(entries) if getattr(t, "family", None) == "pipeline"), -1)
+    # a tactic's own lowering (the automatic search's winner) is not pipelined: lower again
+    lowered = {} if spec is not None else dict(planning.lowered)
     return Plan(captured, graph, mesh, entries, tuple(stages), options, registry, frozen(planning.notes),
                 frozen(planning.remarks), tuple(planning.searches), MappingProxyType(dict(planning.actions)),
-                dict(planning.lowered))
+                spec, at, lowered)
 
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 
+import torch
 from tabulate import tabulate
 
-from .contract import META_COLLECTIVE, META_NAME, META_RECOMPUTE, META_SRC, META_TAG, Role
+from .contract import META_ACTION, META_COLLECTIVE, META_NAME, META_RECOMPUTE, META_SRC, META_TAG, Role
 from .errors import PartitionError, closest
+from .lower.pipeline import pp_transfer
 from .lower.records import RESHARD, WHYS
 
 
@@ -185,6 +187,12 @@ class Reports:
         for k, name in (chosen if stages else chosen[-1:]):
             low = self.plan.annotated_lowered(k)
             recompute = {n.name for n in low.gm.graph.nodes if n.meta.get(META_RECOMPUTE)}
+            if low.pipeline is not None:      # one timeline per rank of the pipeline axis (sim/pipeline.py)
+                from .sim.pipeline import simulate_pipeline
+
+                reports.append(simulate_pipeline(low.gm, self.mesh, hw, low.pipeline, axis_map=axis_map,
+                                                 stage_name=name, exclude_flops=recompute))
+                continue
             reports.append(simulate_graph(low.gm, self.mesh, hw, axis_map=axis_map, stage_name=name, issue=issue,
                                           exclude_flops=recompute, model_flops=per_device))
         final = reports[-1]
@@ -206,6 +214,8 @@ class Reports:
         table = tabulate(rows, headers=["tactic", "axis", "decisions", "conflicts", "collectives added",
                                         "comm bytes/step", "params/device", "opt state/device"], tablefmt="simple")
         notes = [why_line(self.plan.lowered().records)]
+        if self.plan.pipeline is not None:
+            notes.append(self.pipeline_table())
         notes += [text for s in self.stages for text in self.plan.remarks.get(s.tactic, ())]
         conflicts = self.plan.conflicts
         if conflicts:
@@ -227,17 +237,44 @@ class Reports:
         for r in low.records:
             by[(r.kind, r.axis)] = by.get((r.kind, r.axis), 0) + 1
         sent = sum(r.nbytes for r in low.records)
-        param = opt = 0
         cap = self.plan.captured
+        spec = low.pipeline.spec if low.pipeline is not None else None
+        ranks = spec.ranks if spec is not None else 1
+        param, opt = [0] * ranks, [0] * ranks      # a pipelined device holds its stages' state only
         for role, shape, n in zip(cap.input_roles, low.local_shapes,
                                   [n for n in cap.gm.graph.nodes if n.op == "placeholder"]):
             if role in (Role.PARAM, Role.OPT_STATE) and shape is not None:
                 b = math.prod(shape) * n.meta["val"].element_size()
+                r = spec.rank_of(spec.stage_of.get(n.name, 0)) if spec is not None else 0
                 if role == Role.PARAM:
-                    param += b
+                    param[r] += b
                 else:
-                    opt += b
-        return {"by": by, "bytes": sent, "param": param, "opt": opt}
+                    opt[r] += b
+        return {"by": by, "bytes": sent, "param": max(param), "opt": max(opt)}
+
+    def pipeline_table(self) -> str:
+        """The stage split of a pipelined program: per stage its rank, modules, parameters and the bytes it sends
+        per micro-batch (forward activations and backward gradients, in their layout on the other axes)."""
+        low = self.plan.annotated_lowered()
+        spec = low.pipeline.spec
+        sent = [0] * spec.n_stages
+        for n in low.gm.graph.nodes:
+            if n.target is pp_transfer:
+                v = n.meta.get("val")
+                if isinstance(v, torch.Tensor):
+                    sent[n.meta[META_ACTION][0]] += v.numel() * v.element_size()
+        names = self.plan.captured.names
+        rows = []
+        for s in range(spec.n_stages):
+            nbytes = sum(names[f"params.{p}"].meta["val"].numel() * names[f"params.{p}"].meta["val"].element_size()
+                         for p in spec.params[s] if f"params.{p}" in names)
+            mods = ", ".join(spec.modules[s])
+            rows.append([s, spec.rank_of(s), mods if len(mods) <= 48 else mods[:45] + "...", len(spec.params[s]),
+                         _fmt_bytes(nbytes), _fmt_bytes(sent[s] / spec.microbatches)])
+        head = (f"pipeline on axis '{spec.axis}': {spec.n_stages} stages, {spec.schedule}, {spec.microbatches} "
+                f"micro-batches")
+        return head + "\n" + tabulate(rows, headers=["stage", "rank", "modules", "params", "param bytes",
+                                                     "sent/micro-batch"], tablefmt="simple")
 
 
 def why_line(records) -> str:

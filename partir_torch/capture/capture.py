@@ -29,6 +29,7 @@ from .decompositions import capture_decompositions
 from .framestack import call_in_fresh_chunk
 from .inputs import as_batch, check_leaves, forward_kwargs
 from .sources import recording_sources
+from .stages import recording_modules
 from .graphutil import no_gc, source_line, split_for_backward
 from .optim import functional_optimizer
 from .outputs import flatten_outputs
@@ -411,6 +412,8 @@ class _Step:
         self.clip_grad_norm, self.accumulate, self.accumulate_dims = clip_grad_norm, accumulate, accumulate_dims
         self.out_names: list = []
         self.out_spec = None
+        self.module_recorder = None                # stages._Recorder when capture records modules (pipelines)
+        self.record_modules = False
         self.updated, self.anchor = None, None     # TRAIN: the update's parameters, the last node before it
         self.running_stats = {f"{fqn}.{n}" if fqn else n for fqn, mod in model.named_modules()
                               if isinstance(mod, torch.nn.modules.batchnorm._NormBase)
@@ -455,7 +458,9 @@ class _Step:
     def _loss_and_grads(self, p, state, fargs):
         trainable, k_acc = self.lay.trainable, self.accumulate
         loss, grads, unused = None, None, set()
-        for micro in _micro_batches(fargs, k_acc, self.accumulate_dims):
+        for j, micro in enumerate(_micro_batches(fargs, k_acc, self.accumulate_dims)):
+            if self.module_recorder is not None:   # a pipeline's capture: the ops of micro-batch j (stages.py)
+                self.module_recorder.micro = j
             # the module holds the traced state until the backward has run: checkpointed blocks recompute their
             # forward inside it
             with torch.enable_grad(), _reparametrize_module(self.model, state, tie_weights=True):
@@ -476,6 +481,8 @@ class _Step:
                 with fx_traceback.preserve_node_meta(), fx_traceback.annotate({META_ACCUMULATE: True}):
                     grads = {k: grads[k] + got[k] for k in trainable}
             loss = part.detach() if loss is None else loss + part.detach()
+        if self.module_recorder is not None:
+            self.module_recorder.micro = None
         return loss, grads, unused
 
     def _update(self, p, grads, loss, rest):
@@ -535,8 +542,10 @@ def _real_values(model, example_inputs):
 def _trace(step, lay, table, recorder):
     drawn: list = []
     with _tracing_session(), _use_lazy_graph_module(True), no_gc(), recording_sources(), hf_experts(), \
-            python_draws(drawn):
+            python_draws(drawn), \
+            (recording_modules(step.model) if step.record_modules else contextlib.nullcontext()) as modules:
         # lazy: code generated on first use (below); sources: the user's line of each forward op (sources.py)
+        step.module_recorder = modules
         gm = make_fx(_functional(step, recorder), tracing_mode="fake", decomposition_table=table)(*lay.flat)
         if recorder is not None:       # the guards' programs, from the graph as traced
             recorder.build()
@@ -560,13 +569,14 @@ def _traced_with_branches(model, example_inputs, step, table, device, values):
 
 def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None, options=(),
             decompositions=None, clip_grad_norm=None, accumulate=1, accumulate_dims=None,
-            eval_loss=False, values=None) -> Captured:
+            eval_loss=False, values=None, record_modules=False) -> Captured:
     """options: capture-time tactics (MixedPrecision, Remat) that shape the traced step; decompositions: extra
     ones a tactic needs (see decompositions.py). clip_grad_norm, accumulate, accumulate_dims: see partition().
     eval_loss: the loss only, no gradients (mode EVAL). values: name -> real full tensor of a placeholder, for a
     step that branches on tensor values (branches.py; default: the module's and the example inputs' own). Such a
     step is traced twice: the plain trace stops at the first branch, and the step is traced again with a
-    branches.Recorder (no cost for a step without branches)."""
+    branches.Recorder (no cost for a step without branches). record_modules: every op records its module
+    and micro-batch (stages.py; what a pipeline tactic cuts the step by)."""
     example_inputs = as_batch(example_inputs)
     mode = FORWARD if loss_fn is None else EVAL if eval_loss else (LOSS_AND_GRADS if optimizer is None else TRAIN)
     if loss_fn is not None:
@@ -575,6 +585,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)   # tensors the model or loss_fn close over: constants
     lay = _layout(model, example_inputs, optimizer, mode, fake_mode, device)
     step = _Step(model, lay, loss_fn, options, clip_grad_norm, accumulate, accumulate_dims)
+    step.record_modules = record_modules
     handles = install_hooks(model)
     for opt in options:
         handles += opt.install(model)
@@ -590,6 +601,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         if gm is None:
             lay = _layout(model, example_inputs, optimizer, mode, fake_mode, device, param_steps=True)
             step = _Step(model, lay, loss_fn, options, clip_grad_norm, accumulate, accumulate_dims)
+            step.record_modules = record_modules
             gm, recorder = _traced_with_branches(model, example_inputs, step, table, device, values)
     except PartitionError:
         raise
@@ -615,7 +627,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     cap.consts = consts
     cap.in_spec = lay.in_spec
     cap.settings = dict(clip_grad_norm=clip_grad_norm, accumulate=accumulate, accumulate_dims=accumulate_dims,
-                        eval_loss=eval_loss)
+                        eval_loss=eval_loss, record_modules=record_modules)
     cap.modes = tuple(m.training for m in model.modules())
     if recorder is not None:
         cap.guards, cap.checks = tuple(recorder.guards), tuple(checks)

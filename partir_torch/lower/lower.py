@@ -48,6 +48,7 @@ class Lowered:
     local_shapes: list = field(default_factory=list)   # per captured placeholder
     annotated: bool = False          # every node's meta["val"] holds its local shape as a meta tensor (fakeprop.py)
     scheduled: Scheduled | None = None   # where collectives are issued and waited for (schedule.py)
+    pipeline: object = None          # pipeline.Pipelined: the stages' actions and transfers (pipelined programs)
 
 
 def _local(shape, sh: Sharding, mesh):
@@ -147,8 +148,11 @@ class Lowerer:
     buckets of options.bucket_bytes (bucket.py)."""
 
     def __init__(self, graph, decisions: Decisions, mesh, captured, groups: dict, options: Options | None = None,
-                 families: dict | None = None, kept: frozenset = frozenset()):
+                 families: dict | None = None, kept: frozenset = frozenset(), pipelined: bool = False):
         self.g, self.d, self.mesh, self.cap = graph, decisions, mesh, captured
+        # a pipelined program (lower/pipeline.py) is cut into stages after lowering: no bucket or fused update may
+        # mix the values of two stages, so neither is made (buckets of one stage: not yet)
+        self.pipelined = pipelined
         self.kept = kept                 # tactics whose gathered state is shared by forward and backward
         self.options = options or Options()
         self.new = fx.Graph()
@@ -189,11 +193,11 @@ class Lowerer:
             raise
         except Exception as e:  # noqa: BLE001 - a bug of ours, reported with the node that hit it
             raise internal_error(current, "lowering", e) from e
-        cap = self.options.bucket_bytes
+        cap = 0 if self.pipelined else self.options.bucket_bytes
         records = bucket_collectives(self.new, self.em.records, cap) if cap else self.em.records
         records = chunk_tp(self.new, records, self.options.tp_chunks)
         scheduled = schedule(self.new, self.options.prefetch, self.options.reduce_in_flight)
-        if not self.options.compile:   # eager: the optimizer update as fused kernels (Inductor fuses its own)
+        if not self.options.compile and not self.pipelined:   # eager: the optimizer update as fused kernels (Inductor fuses its own)
             fuse_optimizer(self.new, self.cap)
         at = {n.name: i for i, n in enumerate(self.new.nodes)}
         records = sorted(records, key=lambda r: at[r.node])   # program order, as scheduled
@@ -391,8 +395,9 @@ def bind(lowered: "Lowered", groups: dict) -> "Lowered":
         if node.op == "call_function" and any(isinstance(a, str) and a in rename for a in node.args):
             node.args = tuple(rename.get(a, a) if isinstance(a, str) else a for a in node.args)
     gm = _LazyGraphModule(torch.nn.Module(), graph)
+    gm.meta.update(lowered.gm.meta)
     return Lowered(gm, lowered.records, lowered.input_layouts, lowered.output_layouts, lowered.coord_axes,
-                   lowered.local_shapes, scheduled=lowered.scheduled)
+                   lowered.local_shapes, scheduled=lowered.scheduled, pipeline=lowered.pipeline)
 
 
 # A local shard's strides can differ from the traced tensor's (an operand arrives gathered, a kernel lays out its

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RankFailureError, RuntimeMismatchError
+from ..errors import PartitionError
 from ..mesh import Mesh
 from ..sharding import Sharding
 from . import faults
@@ -54,6 +55,7 @@ class DistributedRuntime:
         self._compiled: dict = {}
         self.measure_memory = False      # the Executor sets it from Options.measure_memory
         self.last_peak = None            # {this rank: bytes} of the last measured step (runtime/memtrack.py)
+        self.state_owner = None          # pipelined programs: (axis, {state name: coordinate that holds it})
 
     def _group_options(self, dev: str):
         from torch._C._distributed_c10d import Backend as C10dBackend
@@ -191,13 +193,55 @@ class DistributedRuntime:
         return self.dtensor(t, sh, shape).full_tensor()
 
     def value(self, t, sh: Sharding, shape):
+        if self.state_owner is not None:
+            raise PartitionError("partir_torch: a state value of a pipelined program is read with value_owned (its "
+                                 "stage's ranks hold it).")
         return self.dtensor(t, sh, shape)
+
+    def value_owned(self, t, sh: Sharding, shape, name: str):
+        """A state value of a pipelined program as the ranks of its stage hold it: a DTensor over their sub-mesh
+        (the other axes; a plain tensor when there are none), None on the other ranks. torch.distributed.checkpoint
+        saves each stage's values from its ranks: one FQN space over the stages."""
+        from torch.distributed.tensor import DTensor
+
+        axis, coords = self.state_owner
+        if coords.get(name, self.coord[axis]) != self.coord[axis]:
+            return None
+        rest = tuple(a for a in self.mesh.axes if a != axis)
+        if not rest:
+            return t
+        placements = [p for a, p in zip(self.mesh.axes, sh.placements(self.mesh)) if a != axis]
+        return DTensor.from_local(t, self.device_mesh[rest], placements, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride(), run_check=False)
 
     def program(self, plan):
         """The plan's per-device program (lowered once per plan) bound to this runtime's process groups."""
         from ..lower.lower import bind
 
+        if plan.pipeline is not None:    # this rank's stage, its transfers as send/recv (p2p.py)
+            from .p2p import rank_program, state_coords
+
+            if self.compile or self.measure_memory:
+                raise PartitionError("partition: a pipeline on real ranks runs eager and unmeasured for now; leave "
+                                     "compile and measure_memory off.")
+            self.state_owner = (plan.pipeline.axis, state_coords(plan))
+            return rank_program(bind(plan.annotated_lowered(), self.groups), plan, self)
         return bind(plan.lowered(), self.groups)
+
+    def full_owned(self, t, sh: Sharding, shape, name: str, dtype) -> torch.Tensor:
+        """A state value of a pipelined program: gathered by the ranks of the stage that holds it (on their own
+        groups of the other axes), then broadcast on the pipeline axis from each rank's peer in that stage."""
+        axis, coords = self.state_owner
+        c = coords.get(name)
+        if c is None:
+            return self.full(t, sh, shape)
+        if self.coord[axis] == c:
+            out = self.full(t, sh, shape).contiguous()
+        else:
+            out = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+        src = self.mesh.rank_of({**self.coord, axis: c})
+        dist.broadcast(out, src=src, group=self.device_mesh.get_group(axis))
+        return out
 
     def rank0(self, t) -> torch.Tensor:
         return t

@@ -102,6 +102,10 @@ class Evaluator:
         from ..plan import capture_for, plan
 
         train = self.ex.plan
+        if train.pipeline is not None and self.ex.rt.kind == "distributed":
+            raise PartitionError(f"{'eval_step' if kind == 'loss' else 'forward'} of a pipelined program on real "
+                                 f"ranks is not supported yet (each rank holds its stage's state only); run it with "
+                                 f"ranks emulated, or gather the parameters (prog.gather_parameters()).")
         model = self.ex.model
         was = model.training
         model.eval()

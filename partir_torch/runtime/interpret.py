@@ -9,6 +9,12 @@ their coordinate on the collective's axis), in rank order:
     rt = InterpretedRuntime(mesh)
     outs = rt.run(lowered.gm, args)          # args, outs: PerRank values (one tensor per rank)
 
+A pipelined program (lower/pipeline.py) is MPMD on its pipeline axis: each node carries the coordinate that runs
+it (META_STAGE); a segment (cut where that coordinate changes) runs on those ranks only, a collective combines only
+their groups, and a pp_transfer hands each sending rank's value to the rank at the destination coordinate with the
+same coordinates on the other axes. A value lives on the ranks of its stage (None elsewhere); the step's outputs
+are then completed from them (the emulated ranks share the stage's tensors: one state, read by every rank).
+
 Random draws agree on every rank (the rules keep them whole): each rank's segment starts from the same generator
 state, as torch.distributed._local_tensor.LocalTensorMode does (tests/test_fast.py checks both give the same step).
 With compile=True each segment is compiled once with TorchInductor and called for every rank (runtime/compiled.py).
@@ -20,7 +26,8 @@ import traceback
 import torch
 import torch.fx as fx
 
-from ..contract import EXC_NODE, RANDOM_OPS
+from ..contract import EXC_NODE, META_STAGE, RANDOM_OPS
+from ..lower.pipeline import PIPELINE_AXIS, pp_transfer
 from ..mesh import Mesh
 from ..sharding import Sharding
 from .layout import assemble, shard_of
@@ -61,6 +68,7 @@ class _Segment:
         for n in nodes:
             env[n] = g.node_copy(n, arg)
         self.outputs = [n for n in nodes if n in later]
+        self.stage = None                # pipelined programs: the coordinate on the pipeline axis that runs it
         g.output(tuple(env[n] for n in self.outputs))
         self.gm = fx.GraphModule(torch.nn.Module(), g)
         self.fn = self.gm                # compile_segments replaces it (positional arguments)
@@ -90,10 +98,20 @@ class Plan:
         self.output = next(n for n in nodes if n.op == "output")
         self.alias: dict = {}            # wait_tensor node -> the collective it waits for (the value itself)
         steps, run, wait_at = [], [], {}
+        stage = lambda n: n.meta.get(META_STAGE)   # noqa: E731 - pipelined programs: the coordinate running n
+        self.pipeline_axis = gm.meta.get(PIPELINE_AXIS)
         for n in nodes:
             if n.op in ("placeholder", "output"):
                 continue
-            if n.target is WAIT:
+            if run and stage(n) != stage(run[-1]):
+                steps.append(run)
+                run = []
+            if n.target is pp_transfer:
+                if run:
+                    steps.append(run)
+                    run = []
+                steps.append(n)
+            elif n.target is WAIT:
                 self.alias[n] = self._resolve(n.args[0])
                 if split_waits and run:          # the run before the wait ends there: its operand dies after it
                     steps.append(run)
@@ -129,9 +147,10 @@ class Plan:
                 # the segment reads waits through their collectives
                 for i, n in enumerate(seg.inputs):
                     seg.inputs[i] = self._resolve(n)
+                seg.stage = stage(s[0])
                 self.steps.append(("segment", seg))
             else:
-                self.steps.append(("collective", s))
+                self.steps.append(("transfer" if s.target is pp_transfer else "collective", s))
 
         self.dying = self._dying(steps, owner, wait_at, later)
 
@@ -184,6 +203,7 @@ class InterpretedRuntime:
         self._plans: dict = {}
         self.measure_memory = False      # the Executor sets it from Options.measure_memory
         self.last_peak = None            # {rank: bytes} of the last measured step
+        self._pp = None                  # the pipeline axis of the program being run (None: SPMD)
 
     def _groups_of(self, axis) -> list:
         """The ranks of each group of `axis` (same coordinates on the other axes), ordered by coordinate."""
@@ -263,9 +283,12 @@ class InterpretedRuntime:
 
     def _run(self, plan, env, tr) -> list:
         ranks = range(self.n)
+        self._pp = plan.pipeline_axis
         for (kind, s), dying in zip(plan.steps, plan.dying):
             if kind == "collective":
                 env[s] = self._collective(s, env[plan._resolve(s.args[0])].ts, tr)
+            elif kind == "transfer":
+                env[s] = self._transfer(s, env[plan._resolve(s.args[0])].ts)
             else:
                 self._segment(s, env, [n for n in s.inputs if n in dying], tr)
             for n in dying:
@@ -273,10 +296,42 @@ class InterpretedRuntime:
         res = []
         for o in plan.output.args[0]:
             if isinstance(o, fx.Node):
-                res.append(env[plan._resolve(o)])
+                res.append(self._complete(env[plan._resolve(o)]) if self._pp else env[plan._resolve(o)])
             else:
                 res.append(PerRank([o] * len(ranks)))
         return res
+
+    # -- pipelined programs ----------------------------------------------------------------------------------------
+    def _ranks_at(self, c) -> list:
+        """The ranks that run a node at coordinate c of the pipeline axis (all ranks when c is None)."""
+        if c is None or self._pp is None:
+            return list(range(self.n))
+        return [r for r in range(self.n) if self.mesh.coordinate(r)[self._pp] == c]
+
+    def _peer(self, r: int, c: int) -> int:
+        """The rank at coordinate c of the pipeline axis with rank r's coordinates on the other axes."""
+        coord = dict(self.mesh.coordinate(r))
+        coord[self._pp] = c
+        return self.mesh.rank_of(coord)
+
+    def _transfer(self, node, x: list) -> PerRank:
+        """pp_transfer(x, src, dst, group): each rank at src hands its value to its peer at dst."""
+        _, src, dst, _ = node.args
+        out = [None] * self.n
+        for r in self._ranks_at(src):
+            out[self._peer(r, dst)] = x[r]
+        return PerRank(out)
+
+    def _complete(self, t: PerRank) -> PerRank:
+        """An output of a pipelined step, held by the ranks of one stage: every other rank reads its peer's."""
+        if all(x is not None for x in t.ts):
+            return t
+        out = list(t.ts)
+        for r in range(self.n):
+            if out[r] is None:
+                out[r] = next((t.ts[self._peer(r, c)] for c in range(self.mesh.shape[self._pp])
+                               if t.ts[self._peer(r, c)] is not None), None)
+        return PerRank(out)
 
     def _segment(self, s, env, dying: list, tr) -> None:
         """Run segment `s` for every rank. Eager segments take their inputs boxed (a list they clear), and the
@@ -287,7 +342,8 @@ class InterpretedRuntime:
         rng = torch.get_rng_state() if s.random else None
         eager = s.fn is s.gm
         outs = []
-        for r in range(self.n):
+        ranks = self._ranks_at(s.stage)
+        for r in ranks:
             if rng is not None:
                 torch.set_rng_state(rng)
             xs = [x[r] for x in ins]
@@ -304,8 +360,15 @@ class InterpretedRuntime:
                 if tr is not None:
                     tr.rank = None
             del xs
+        if len(ranks) == self.n:
+            for j, n in enumerate(s.outputs):
+                env[n] = PerRank([o[j] for o in outs])
+            return
         for j, n in enumerate(s.outputs):
-            env[n] = PerRank([o[j] for o in outs])
+            ts = [None] * self.n
+            for r, o in zip(ranks, outs):
+                ts[r] = o[j]
+            env[n] = PerRank(ts)
 
     def _collective(self, node, x: list, tr=None) -> PerRank:
         """The collective over each group of its axis, from every rank's operand x (exact, in rank order). Ranks of
@@ -325,7 +388,10 @@ class InterpretedRuntime:
         t = node.target
         out = [None] * self.n
         axis = self._axis_of[node.args[-1]]
+        here = set(self._ranks_at(node.meta.get(META_STAGE)))
         for grp in self._rank_groups[axis]:
+            if grp[0] not in here:
+                continue
             vals = [x[r] for r in grp]
             if t is c10d.all_reduce.default:
                 red = _reduce(vals, node.args[1])

@@ -111,8 +111,13 @@ class HeldState:
             self.owner.claim("the program's first call")
             full, self.steps = self._full_from(self.model, self.optimizer)
         self.state = {}
+        # real ranks of a pipelined program (p2p.py): a rank holds only its stages' state (others' as empty tensors)
+        own = getattr(self.rt, "state_owner", None)
         for name, role in zip(cap.input_names, cap.input_roles):
-            if role in STATE_ROLES:
+            if role in STATE_ROLES and own is not None and own[1].get(name, self.rt.coord[own[0]]) \
+                    != self.rt.coord[own[0]]:
+                self.state[name] = torch.empty(0, dtype=full[name].dtype, device=self.rt.device)
+            elif role in STATE_ROLES:
                 try:
                     self.state[name] = self.rt.shard(full[name], self.layouts[name])
                 except PartitionError as e:      # a layout this backend cannot hold: name the value
@@ -143,7 +148,7 @@ class HeldState:
         for n, sh in layouts.items():
             have = self.layouts[n]
             if not same_layout(sh, have):
-                self.state[n] = self.rt.shard(self.rt.full(self.state[n], have, self._shape(n)), sh)
+                self.state[n] = self.rt.shard(self._full(n, self.state[n], have), sh)
                 self.layouts[n] = sh
 
     def _layout(self, name):
@@ -153,8 +158,16 @@ class HeldState:
         g = self.plan.graph
         return g.shapes[g.vid[self.plan.captured.names[name]]]
 
+    def _full(self, n, t, layout=None):
+        """State value n whole; on real ranks of a pipelined program, read from the stage that holds it."""
+        layout = self._layout(n) if layout is None else layout
+        if getattr(self.rt, "state_owner", None) is not None:
+            dtype = self.plan.captured.names[n].meta["val"].dtype
+            return self.rt.full_owned(t, layout, self._shape(n), n, dtype)
+        return self.rt.full(t, layout, self._shape(n))
+
     def state_full(self) -> dict:
-        return {n: self.rt.full(t, self._layout(n), self._shape(n)) for n, t in self.state.items()}
+        return {n: self._full(n, t) for n, t in self.state.items()}
 
     def full(self, name: str) -> torch.Tensor:
         """One state value whole (gathered on real ranks)."""
@@ -162,12 +175,19 @@ class HeldState:
 
     def gather_parameters(self) -> dict:
         self.guard("gather_parameters", refuse=False)
-        return {n[len("params."):]: self.rt.full(t, self._layout(n), self._shape(n))
-                for n, t in self.state.items() if n.startswith("params.")}
+        return {n[len("params."):]: self._full(n, t) for n, t in self.state.items() if n.startswith("params.")}
 
     def _value(self, n):
-        """State value n as a DTensor (real ranks) or full tensor (emulation)."""
+        """State value n as a DTensor (real ranks) or full tensor (emulation); on real ranks of a pipelined program,
+        None where another stage holds it."""
+        if getattr(self.rt, "state_owner", None) is not None:
+            return self.rt.value_owned(self.state[n], self._layout(n), self._shape(n), n)
         return self.rt.value(self.state[n], self._layout(n), self._shape(n))
+
+    def _held_here(self, n) -> bool:
+        """Whether this rank holds state value n (all do, but on real ranks of a pipelined program)."""
+        own = getattr(self.rt, "state_owner", None)
+        return own is None or own[1].get(n, self.rt.coord[own[0]]) == self.rt.coord[own[0]]
 
     def state_dict(self) -> dict:
         """{"model": ..., "optimizer": ...} in get_state_dict's layout (see state.py)."""
@@ -175,14 +195,14 @@ class HeldState:
         cap = self.plan.captured
         values: dict = {}
         get = lambda n: values[n] if n in values else values.setdefault(n, self._value(n))
-        out = {"model": {k: get(n) for k, n in model_keys(self.model, self.state).items()}}
+        out = {"model": {k: get(n) for k, n in model_keys(self.model, self.state).items() if self._held_here(n)}}
         if cap.fopt is not None:
             fqns = optimizer_fqns(self.model, self.optimizer)
             trainable = set(cap.trainable)
             state = {}
             for names in fqns:
                 for f in names:
-                    if f in trainable:
+                    if f in trainable and self._held_here(f"params.{f}"):
                         d = {"step": torch.tensor(float(self.param_steps.get(f, self.steps)), dtype=torch.float32)}
                         d.update({s: get(f"opt.{s}.{f}") for s in cap.fopt.state_names if f"opt.{s}.{f}" in self.state})
                         state[f] = d
@@ -201,7 +221,7 @@ class HeldState:
         shape = self._shape
         new, keys = {}, model_keys(self.model, self.state)
         for k, n in keys.items():
-            if k in sd["model"] and n not in new:
+            if k in sd["model"] and n not in new and self._held_here(n):
                 new[n] = to_global(sd["model"][k], k, shape(n), self.rt, self._layout(n))
         opt = sd.get("optimizer")
         steps = self.steps
@@ -211,7 +231,7 @@ class HeldState:
                     n = f"opt.{s}.{f}"
                     if s == "step":
                         steps = int(float(v.full_tensor() if hasattr(v, "full_tensor") else v))
-                    elif n in self.state:
+                    elif n in self.state and self._held_here(n):
                         new[n] = to_global(v, f"optimizer state {f} {s}", shape(n), self.rt, self._layout(n))
             groups = opt.get("param_groups", [])
             if len(groups) != len(self.optimizer.param_groups):
@@ -222,7 +242,7 @@ class HeldState:
             if cap.fopt.kind == "sgd" and not any(s == "step" for d in opt.get("state", {}).values() for s in d):
                 steps = 1 if any("momentum_buffer" in d for d in opt.get("state", {}).values()) else 0
         required = set(keys.values()) | ({n for n in self.state if n.startswith("opt.")} if opt is not None else set())
-        missing = sorted(required - set(new))
+        missing = sorted(n for n in required - set(new) if self._held_here(n))
         if strict and missing:
             raise PartitionError(f"load_state_dict: the state dict lacks {len(missing)} value(s) the program holds: "
                                  f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} (strict=False keeps "

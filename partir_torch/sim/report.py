@@ -65,6 +65,7 @@ class SimReport:
     # held-out median |error| of the closest validated family (sim/confidence.py) and that family's name
     confidence: float | None = None
     confidence_family: str = ""
+    pipeline: object = None              # sim/pipeline.PipelineSim of a pipelined program (bubble, stages, transfers)
 
     def collectives_by_kind(self) -> dict:
         """kind -> (count, bytes, seconds)."""

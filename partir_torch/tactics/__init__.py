@@ -7,7 +7,8 @@ from .structure import find_linear_pairs
 from .memory import MixedPrecision, Remat, mixed_precision, remat
 from .schedule import flatten_schedule
 from .auto import AutomaticPartition, automatic
+from .pipeline import Pipeline, pipeline
 
 __all__ = ["ManualPartition", "Megatron", "Zero", "data_parallel", "megatron", "zero", "find_linear_pairs", "SequenceParallel", "sequence_parallel",
            "flatten_schedule", "DataParallel", "ExpertParallel", "expert_parallel", "MultiQuery", "multi_query", "EmbeddingSharding", "embedding", "MixedPrecision", "mixed_precision", "Remat", "remat",
-           "AutomaticPartition", "automatic"]
+           "AutomaticPartition", "automatic", "Pipeline", "pipeline"]

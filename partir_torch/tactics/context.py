@@ -28,6 +28,7 @@ class Planning:
     lowered: dict = field(default_factory=dict)          # stage index -> lower.Lowered
     stage: int = 0                                       # index of the stage being planned
     families: dict = field(default_factory=dict)         # tactic name -> declared family (collective records)
+    pipeline: object = None                              # tactics.pipeline.PipelineSpec, set by the pipeline tactic
 
 
 class TacticContext:

@@ -1,0 +1,245 @@
+"""Pipelined lowering: the per-device program of a plan with a pipeline tactic, cut into stages and ordered by the
+schedule (MPMD on the pipeline axis).
+
+The whole step is first lowered as usual (the pipeline axis replicated: the tactics on the other axes put their
+collectives in every stage's ops). Then:
+
+1. every op gets its stage (tactics/pipeline.py decided it for the captured op it computes; what lowering added, a
+   reshard's collective, follows the latest stage among its operands; what reads only the batch, the hyperparameters
+   and the rank's coordinates is copied into every stage that reads it);
+2. every op gets its action, (stage, "F" | "B", micro-batch) or (stage, "U", 0) for the optimizer update; what
+   lowering added follows its latest operand's action in its stage (else its earliest reader's);
+3. a value read on another rank of the pipeline axis becomes a `pp_transfer` node at the end of its producer's
+   action: sent by the ranks at coordinate src to the ranks at dst with the same coordinates on the other axes
+   (the value keeps its layout on them);
+4. the program is reordered action by action: each rank's actions in the schedule's order (`rank_orders`: GPipe,
+   1F1B, Interleaved1F1B), merged into one order in which every action comes after the actions it receives from
+   (the schedule is run round by round: each round, every rank whose next action has all its inputs runs it).
+
+Each node carries META_STAGE (the coordinate on the pipeline axis that runs it) and META_ACTION. The emulator
+(runtime/interpret.py) runs each node on the ranks of its coordinate only and a transfer as a hand-off; the
+simulator (sim/pipeline.py) times each rank's actions and the transfers between them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..contract import META_ACTION, META_MICRO, META_SRC, META_STAGE, Phase, phase_of
+from ..errors import InternalError, PartitionError
+
+PIPELINE_AXIS = "partir_pipeline_axis"     # gm.meta key: the pipeline axis of a pipelined program
+
+
+def pp_transfer(x: torch.Tensor, src: int, dst: int, group: str) -> torch.Tensor:
+    """`x`, sent by the ranks at coordinate `src` on the pipeline axis (process group `group`) to those at `dst` with
+    the same coordinates on the other axes. On one device (fake propagation, the LocalTensorMode cross-check, where
+    every rank computes every stage) it is a copy; the emulator (runtime/interpret.py) and real ranks hand it over."""
+    return x.clone()
+
+
+@dataclass(frozen=True)
+class Pipelined:
+    """The pipeline part of a pipelined Lowered: the spec, each rank's actions in order, and the transfers."""
+
+    spec: object                  # tactics.pipeline.PipelineSpec
+    orders: tuple                 # per rank (coordinate on the axis): its actions (stage, kind, micro-batch) in order
+    transfers: tuple              # transfer node names, program order
+
+    @property
+    def axis(self) -> str:
+        return self.spec.axis
+
+
+def rank_orders(spec) -> list:
+    """Per rank of the pipeline axis, its actions in the order the schedule runs them (then the optimizer update
+    of each of its stages). GPipe: every forward, then every backward. 1F1B (PipeDream-flush, Narayanan et al.
+    2021): p - 1 - r forwards to warm up, then one forward and one backward in turn, then the remaining backwards.
+    Interleaved1F1B (Megatron-LM's virtual stages, rank r holding stages r, r + p, ...): the same with the
+    micro-batches in groups of p, each group through every chunk in turn, warm-up (p - r - 1) * 2 + (v - 1) * p."""
+    p, m, v = spec.ranks, spec.microbatches, spec.chunks
+    out = []
+    for r in range(p):
+        if spec.schedule == "GPipe":
+            acts = [(r, "F", j) for j in range(m)] + [(r, "B", j) for j in range(m)]
+        elif spec.schedule == "1F1B":
+            warm = min(p - 1 - r, m)
+            fs = [(r, "F", j) for j in range(m)]
+            bs = [(r, "B", j) for j in range(m)]
+            acts = fs[:warm]
+            for i in range(m - warm):
+                acts += [fs[warm + i], bs[i]]
+            acts += bs[m - warm:]
+        else:
+            n = v * m
+
+            def fwd(k):
+                chunk = (k // p) % v
+                return (chunk * p + r, "F", (k // (p * v)) * p + k % p)
+
+            def bwd(k):
+                chunk = v - 1 - (k // p) % v
+                return (chunk * p + r, "B", (k // (p * v)) * p + k % p)
+
+            warm = min((p - r - 1) * 2 + (v - 1) * p, n)
+            acts = [fwd(k) for k in range(warm)]
+            for i in range(n - warm):
+                acts += [fwd(warm + i), bwd(i)]
+            acts += [bwd(k) for k in range(n - warm, n)]
+        acts += [(s, "U", 0) for s in range(r, spec.n_stages, p)]
+        out.append(acts)
+    return out
+
+
+def pipeline_program(low, spec, captured):
+    """The pipelined form of `low` (a Lowered of the whole step, the pipeline axis replicated): see the module
+    docstring. Edits low.gm's graph in place; returns low with `pipeline` set."""
+    if spec.schedule == "Interleaved1F1B" and spec.microbatches % spec.ranks:
+        raise PartitionError(f"pipeline: Interleaved1F1B runs the micro-batches in groups of the axis size "
+                             f"{spec.ranks}; {spec.microbatches} micro-batches is not a multiple of it.")
+    g = low.gm.graph
+    cap_nodes = {n.name: n for n in captured.gm.graph.nodes}
+    stage = _stages(g, spec)
+    _copy_free(g, stage, spec)
+    orders = rank_orders(spec)
+    pos = {a: i for acts in orders for i, a in enumerate(acts)}
+    act = _actions(g, stage, cap_nodes, pos)
+    transfers = _transfers(g, stage, act, spec)
+    order = _merge(g, act, orders, pos, spec)
+    prev = next(n for n in reversed(list(g.nodes)) if n.op == "placeholder")
+    for n in order:
+        prev.append(n)
+        prev = n
+        n.meta[META_STAGE] = spec.rank_of(stage[n])
+        n.meta[META_ACTION] = act[n]
+    g.lint()
+    low.gm.recompile()
+    low.gm.meta[PIPELINE_AXIS] = spec.axis
+    at = {n.name: i for i, n in enumerate(g.nodes)}
+    low.records = sorted((r for r in low.records if r.node in at), key=lambda r: at[r.node])
+    low.pipeline = Pipelined(spec, tuple(tuple(a) for a in orders), tuple(t.name for t in transfers))
+    return low
+
+
+def _stages(g, spec) -> dict:
+    """node -> stage: the captured op's stage, else the latest among its operands'; absent: free (reads no stage)."""
+    stage = {}
+    for n in g.nodes:
+        if n.op == "output":
+            continue
+        s = spec.stage_of.get(n.name) if n.op == "placeholder" else spec.stage_of.get(n.meta.get(META_SRC))
+        if s is None and n.op != "placeholder":
+            ins = [stage[a] for a in n.all_input_nodes if a in stage]
+            s = max(ins) if ins else None
+        if s is not None:
+            stage[n] = s
+    return stage
+
+
+def _copy_free(g, stage, spec) -> None:
+    """A free op (it reads only the batch, hyperparameters, coordinates or other free ops) runs on the stage that
+    reads it, copied once per further stage that does (the micro-batch slices of the targets: on the last stage)."""
+    for n in reversed(list(g.nodes)):
+        if n.op in ("placeholder", "output") or n in stage:
+            continue
+        readers = sorted({stage[u] for u in n.users if u in stage})
+        if not readers:                      # read by the step's output only
+            stage[n] = spec.n_stages - 1
+            continue
+        stage[n] = readers[0]
+        for s in readers[1:]:
+            with g.inserting_after(n):
+                c = g.node_copy(n, lambda a: a)
+            stage[c] = s
+            for u in list(n.users):
+                if stage.get(u) == s:
+                    u.replace_input_with(n, c)
+
+
+def _actions(g, stage, cap_nodes, pos) -> dict:
+    """node -> (stage, kind, micro-batch): from the captured op's phase and micro-batch; what lowering added follows
+    the latest action among its operands of the same stage, else the earliest among its readers'."""
+    act = {}
+    nodes = [n for n in g.nodes if n in stage and n.op != "placeholder"]
+    for n in nodes:
+        src = cap_nodes.get(n.meta.get(META_SRC))
+        if src is None:
+            continue
+        ph, j = phase_of(src), src.meta.get(META_MICRO)
+        if ph == Phase.OPTIMIZER:
+            act[n] = (stage[n], "U", 0)
+        elif j is not None:
+            act[n] = (stage[n], "F" if ph == Phase.FORWARD else "B", j)
+    for n in nodes:
+        if n not in act:
+            ins = [act[a] for a in n.all_input_nodes if a in act and act[a][0] == stage[n]]
+            if ins:
+                act[n] = max(ins, key=pos.__getitem__)
+    for n in reversed(nodes):
+        if n not in act:
+            outs = [act[u] for u in n.users if u in act and act[u][0] == stage[n]]
+            if outs:
+                act[n] = min(outs, key=pos.__getitem__)
+    for n in nodes:
+        if n not in act:     # read by nothing of its stage (the step's output): at the end of the stage
+            act[n] = (stage[n], "U", 0)
+    return act
+
+
+def _transfers(g, stage, act, spec) -> list:
+    """A pp_transfer for each (value, reading rank) where a value is read on another coordinate of the axis."""
+    group = f"partir_{spec.axis}"
+    made, out = {}, []
+    for n in list(g.nodes):
+        if n not in stage or n.op == "placeholder":
+            continue
+        dst = spec.rank_of(stage[n])
+        for a in list(n.all_input_nodes):
+            if a.op == "placeholder" or a not in stage or spec.rank_of(stage[a]) == dst:
+                continue
+            key = (a, stage[n])
+            if key not in made:
+                with g.inserting_after(a):
+                    t = g.call_function(pp_transfer, (a, spec.rank_of(stage[a]), dst, group))
+                t.meta.update({k: v for k, v in a.meta.items() if k in ("val", "partir_local_shape")})
+                t.meta["partir_transfer_to"] = stage[n]
+                stage[t], act[t] = stage[a], act[a]
+                made[key] = t
+                out.append(t)
+            n.replace_input_with(a, made[key])
+    return out
+
+
+def _merge(g, act, orders, pos, spec) -> list:
+    """The nodes in one program order: each rank's actions in its schedule's order, merged so that an action comes
+    after every action it reads from (round by round); within an action, the lowered order."""
+    deps: dict = {a: set() for acts in orders for a in acts}
+    members: dict = {a: [] for a in deps}
+    for n in g.nodes:
+        if n not in act:
+            continue
+        a = act[n]
+        members[a].append(n)
+        for x in n.all_input_nodes:
+            b = act.get(x)
+            if b is None or b == a:
+                continue
+            if spec.rank_of(b[0]) == spec.rank_of(a[0]):
+                if pos[b] > pos[a]:
+                    raise InternalError(f"pipeline: {n.name} in action {a} reads {x.name} of the later action {b} "
+                                        f"on the same rank ({spec.schedule}).")
+                continue
+            deps[a].add(b)
+    done, ptr, out = set(), [0] * len(orders), []
+    while any(ptr[r] < len(orders[r]) for r in range(len(orders))):
+        ready = [orders[r][ptr[r]] for r in range(len(orders))
+                 if ptr[r] < len(orders[r]) and deps[orders[r][ptr[r]]] <= done]
+        if not ready:
+            stuck = {r: orders[r][ptr[r]] for r in range(len(orders)) if ptr[r] < len(orders[r])}
+            raise InternalError(f"pipeline: the {spec.schedule} schedule deadlocks at {stuck}.")
+        for a in ready:
+            out.extend(members[a])
+            ptr[spec.rank_of(a[0])] += 1
+        done.update(ready)
+    return out

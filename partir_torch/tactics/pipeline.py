@@ -1,0 +1,352 @@
+"""Pipeline parallelism as a tactic (MPMD on one mesh axis, Shardy-MPMD style).
+
+    schedule = [pt.tactics.pipeline("pp", [["tok", "blocks.[0-3]"], ["blocks.[4-7]", "norm", "head"]],
+                                    schedule="1F1B", microbatches=8),
+                pt.tactics.data_parallel("dp"), pt.tactics.megatron("tp")]
+
+The step is captured with its m micro-batches unrolled in one graph (partition's accumulate machinery: one
+gradient sum, one optimizer update). This tactic decides nothing on the other axes: it assigns every op of the
+captured step to a stage, and the pipeline axis stays whole (no value is tiled or partial on it):
+
+- a forward op to the stage whose module globs match its module (capture/stages.py records the innermost module
+  whose forward made the op; a glob matches a module or any of its ancestors, fnmatch syntax, as torchtitan's
+  module_fqns_per_model_part); a backward op to the stage of the module whose forward it differentiates;
+- an op outside every stage's modules (the loss, the gradient sums, the optimizer update of a parameter) to the
+  latest stage among its operands; an op of none (slicing the batch into micro-batches) to every stage that
+  reads it (lowering copies it);
+- parameters, buffers and optimizer state to the stage of their module.
+
+Lowering (lower/pipeline.py) then runs each stage's ops on the ranks of its coordinate on the axis, in the
+schedule's order per micro-batch, and turns every value crossing a stage boundary into a point-to-point transfer
+on the axis. The tactics on the other axes partition every stage's ops as they would the whole step.
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+
+from ..contract import META_MICRO, META_MODULE, META_NAME, META_ROLE, RANDOM_OPS, Phase, Role, phase_of
+from ..errors import PartitionError, warn
+from .base import declare
+from .structure import param_source
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What the pipeline tactic decided (Plan.pipeline): read by lowering, the runtime, summary and simulate."""
+
+    axis: str
+    schedule: str
+    n_stages: int                 # stages in all (ranks x chunks per rank)
+    ranks: int                    # the axis size
+    microbatches: int
+    stage_of: MappingProxyType    # captured node name -> stage (absent: the node belongs to no stage)
+    modules: tuple                # per stage: the module FQN globs (as given, or as the balanced cut chose)
+    params: tuple                 # per stage: the parameter FQNs it owns
+
+    def rank_of(self, stage: int) -> int:
+        """The coordinate on the axis that runs `stage`: stage s on rank s % ranks (interleaved: rank r runs
+        stages r, r + ranks, ... as Megatron-LM's virtual stages)."""
+        return stage % self.ranks
+
+    @property
+    def chunks(self) -> int:
+        return self.n_stages // self.ranks
+
+
+@declare("pipeline")
+@dataclass(frozen=True)
+class Pipeline:
+    """PP: the stages of the step on the ranks of `axis` (see the module docstring). stages: an int (that many
+    stages, cut between the model's repeated blocks so that their forward FLOPs are balanced) or one list of module
+    FQN globs per stage. schedule: "GPipe", "1F1B" or "Interleaved1F1B" (several stages per rank). microbatches:
+    per step (default 2 x stages); partition captures the step with that many (accumulate)."""
+
+    axis: str
+    stages: object = 2
+    schedule: str = "1F1B"
+    microbatches: int | None = None
+    name: str = "PP"
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise PartitionError(f"pipeline: schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}.")
+        st = self.stages
+        if isinstance(st, bool) or not (isinstance(st, int) and st >= 1 or isinstance(st, (list, tuple)) and st
+                                        and all(isinstance(g, (list, tuple)) and g for g in st)):
+            raise PartitionError(f"pipeline: stages must be an int >= 1 or a non-empty list with one non-empty list of "
+                                 f"module FQN globs per stage, got {st!r}.")
+        if isinstance(st, list):
+            object.__setattr__(self, "stages", tuple(tuple(g) for g in st))
+        m = self.microbatches
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise PartitionError(f"pipeline: microbatches must be a positive int, got {m!r}.")
+
+    @property
+    def n_stages(self) -> int:
+        return self.stages if isinstance(self.stages, int) else len(self.stages)
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.microbatches if self.microbatches is not None else 2 * self.n_stages
+
+    def apply(self, ctx) -> None:
+        cap, mesh = ctx.captured, ctx.mesh
+        if self.axis not in mesh.axes:
+            raise PartitionError(f"{self.name}: axis '{self.axis}' is not an axis of the mesh {dict(mesh.shape)}.")
+        if getattr(ctx.planning, "pipeline", None) is not None:
+            raise PartitionError(f"{self.name}: the schedule has two pipeline tactics; one pipeline axis per program.")
+        if ctx.axis_in_use(self.axis):
+            raise PartitionError(f"{self.name}: axis '{self.axis}' already holds decisions of an earlier tactic; the "
+                                 f"pipeline axis runs stages, not shards. Put the pipeline tactic first on its own "
+                                 f"axis.")
+        ranks = mesh.shape[self.axis]
+        n = self.n_stages
+        if self.schedule == "Interleaved1F1B":
+            if n % ranks or n < 2 * ranks:
+                raise PartitionError(f"{self.name}: Interleaved1F1B runs v >= 2 stages per rank: {n} stages on axis "
+                                     f"'{self.axis}' (size {ranks}) is not a multiple >= 2 of it. Use stages="
+                                     f"{2 * ranks}.")
+            if self.n_microbatches % ranks:
+                raise PartitionError(f"{self.name}: Interleaved1F1B runs the micro-batches in groups of the axis size "
+                                     f"{ranks}; {self.n_microbatches} micro-batches is not a multiple of it.")
+        elif n != ranks:
+            raise PartitionError(f"{self.name}: {self.schedule} runs one stage per rank: {n} stages on axis "
+                                 f"'{self.axis}' of size {ranks}. Use stages={ranks}, or Interleaved1F1B for "
+                                 f"several stages per rank.")
+        s = cap.settings
+        if cap.mode != "train" and cap.mode != "loss_and_grads":
+            raise PartitionError(f"{self.name}: a pipeline runs a training step; pass loss_fn= (and optimizer=).")
+        if not s.get("record_modules"):
+            raise PartitionError(f"{self.name}: the step was captured without the module of each op; capture it for "
+                                 f"this schedule (plan.capture_for(model, schedule, ...) or pt.partition).")
+        if s.get("accumulate", 1) != self.n_microbatches:
+            raise PartitionError(f"{self.name}: the step was captured with {s.get('accumulate', 1)} micro-batches and "
+                                 f"the pipeline runs {self.n_microbatches}; pt.partition(..., accumulate=) must be "
+                                 f"{self.n_microbatches} or left at 1 (the pipeline sets it).")
+        if s.get("clip_grad_norm") is not None:
+            raise PartitionError(f"{self.name}: clip_grad_norm with a pipeline is not supported yet (the global norm "
+                                 f"sums every stage's gradients); leave clip_grad_norm=None.")
+        globs = self.stages if not isinstance(self.stages, int) else balanced_cut(cap, self.stages)
+        spec = assign_stages(cap, globs, self, ranks)
+        ctx.planning.pipeline = spec
+        drawn = sorted({str(n.target) for n in cap.gm.graph.nodes if n.target in RANDOM_OPS})
+        if drawn:
+            warn(f"{self.name}: the step draws random numbers ({', '.join(drawn[:3])}); the pipeline runs the "
+                 f"micro-batches' forwards in the {self.schedule} order, so the draws (dropout masks) differ from one "
+                 f"device's (same distribution, another order). Train with dropout 0 to compare with one device.")
+        sizes = ", ".join(f"{len(p)}" for p in spec.params)
+        ctx.remark(self.name, f"{n} stages on axis '{self.axis}' ({self.schedule}, {spec.microbatches} micro-batches); "
+                              f"parameters per stage: {sizes}")
+
+
+def pipeline(axis: str, stages=2, schedule: str = "1F1B", microbatches: int | None = None,
+             name: str = "PP") -> Pipeline:
+    """The pipeline tactic (see Pipeline)."""
+    return Pipeline(axis, stages, schedule, microbatches, name)
+
+
+# -- the cut -------------------------------------------------------------------------------------------------------
+def _matcher(globs) -> callable:
+    """module FQN -> the first stage with a glob matching it or one of its ancestors, else None."""
+    memo: dict = {}
+
+    def stage(fqn: str | None):
+        if not fqn:
+            return None
+        if fqn not in memo:
+            parts = fqn.split(".")
+            prefixes = [".".join(parts[:k]) for k in range(len(parts), 0, -1)]
+            memo[fqn] = next((i for p in prefixes for i, gs in enumerate(globs)
+                              if any(fnmatch.fnmatchcase(p, g) for g in gs)), None)
+        return memo[fqn]
+    return stage
+
+
+def _state_fqn(name: str) -> str | None:
+    """The module owning a state value: params.<m>.<p> / buffers.<m>.<b> / opt.<state>.<m>.<p> -> <m>."""
+    if name.startswith(("params.", "buffers.")):
+        fqn = name.split(".", 1)[1]
+    elif name.startswith("opt."):
+        fqn = name.split(".", 2)[2]
+    else:
+        return None
+    return fqn.rsplit(".", 1)[0] if "." in fqn else ""
+
+
+def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
+    """Every op of the captured step -> its stage (see the module docstring); refuses what a pipeline cannot run:
+    a parameter no stage holds, a parameter read by two stages (tied weights), a forward op reading a later
+    stage's value."""
+    stage_of_module = _matcher(globs)
+    updated = {ph for ph, _ in cap.ties}
+    stage: dict = {}
+    by_param: dict = {}
+    params = [[] for _ in globs]
+    for n in cap.gm.graph.nodes:
+        if n.op == "placeholder":
+            name = n.meta.get(META_NAME, "")
+            fqn = _state_fqn(name)
+            if n.meta.get(META_ROLE) == Role.BUFFER and n not in updated:
+                fqn = None      # a constant buffer (rope tables): every stage reads its own copy, as the batch
+            if name.startswith("opt.") and name.split(".", 2)[2] in by_param:
+                s = by_param[name.split(".", 2)[2]]        # a parameter's optimizer state lives with it
+            elif fqn is not None:
+                s = stage_of_module(fqn) if fqn else None
+                if s is None and n.users and (fqn == "" or isinstance(tactic.stages, int)):
+                    # the root module's own state, or (a balanced cut) a module read only through its attributes
+                    # (wpe.weight[:T]): the first stage whose modules read it, else the last
+                    s = _first_reader(n, stage_of_module, len(globs) - 1)
+            if fqn is not None:
+                if s is None:
+                    raise PartitionError(f"{tactic.name}: {name} belongs to module '{fqn or '<root>'}', which no "
+                                         f"stage's globs match ({[list(g) for g in globs]}). Add it to a stage.")
+                stage[n] = s
+                if n.meta.get(META_ROLE) == Role.PARAM:
+                    params[s].append(name[len("params."):])
+                    by_param[name[len("params."):]] = s
+            continue
+        if n.op != "call_function":
+            continue
+        ins = [stage[a] for a in n.all_input_nodes if stage.get(a) is not None]
+        s = stage_of_module(n.meta.get(META_MODULE))
+        if s is None:
+            s = max(ins) if ins else None
+        elif phase_of(n) == Phase.FORWARD and ins and max(ins) > s:
+            late = next(a for a in n.all_input_nodes if stage.get(a) == max(ins))
+            raise PartitionError(f"{tactic.name}: {n.format_node()} of module '{n.meta.get(META_MODULE)}' (stage {s}) "
+                                 f"reads {late.name}, computed on the later stage {max(ins)}; stages must follow "
+                                 f"the forward's order. Reorder the stages' module globs.")
+        if s is not None:
+            stage[n] = s
+        for a in n.all_input_nodes:
+            src = a if a.op == "placeholder" else (param_source(a) or (None,))[0]
+            if src is not None and stage.get(src) is not None and s is not None and stage.get(a) != s:
+                raise PartitionError(f"{tactic.name}: {src.meta.get(META_NAME)} (stage {stage[src]}) is read by "
+                                     f"{n.format_node()} on stage {s}; a value of the step's state must live on one "
+                                     f"stage (tied weights across stages are not supported yet). Put both uses in "
+                                     f"one stage, or untie the weights.")
+    for i, p in enumerate(params):
+        if not p and not any(s == i for s in stage.values()):
+            raise PartitionError(f"{tactic.name}: stage {i} ({list(globs[i])}) holds no op of the step; every stage "
+                                 f"needs some of the model.")
+    return PipelineSpec(tactic.axis, tactic.schedule, len(globs), ranks, tactic.n_microbatches,
+                        MappingProxyType({n.name: s for n, s in stage.items()}), tuple(tuple(g) for g in globs),
+                        tuple(tuple(p) for p in params))
+
+
+def _first_reader(node, stage_of_module, last: int) -> int:
+    """The lowest stage among the first ops of some stage's modules that read `node`'s value (through ops of no
+    module: a slice, the residual add around the blocks); `last` when none does (the loss reads it)."""
+    found, seen, todo = [], set(), list(node.users)
+    while todo:
+        u = todo.pop()
+        if u in seen or u.op != "call_function" or phase_of(u) != Phase.FORWARD:
+            continue
+        seen.add(u)
+        s = stage_of_module(u.meta.get(META_MODULE))
+        if s is not None:
+            found.append(s)
+        else:
+            todo.extend(u.users)
+    return min(found) if found else last
+
+
+def balanced_cut(cap, n: int) -> tuple:
+    """Globs for `n` stages cut between the model's repeated blocks (the longest run `<prefix>.<i>` of module FQNs),
+    contiguous, minimising the largest stage's forward FLOPs (matmul FLOPs, plus one per element of every other
+    op's result): the modules before the blocks join the first stage, those after them the last."""
+    fwd = [x for x in cap.gm.graph.nodes if x.op == "call_function" and phase_of(x) == Phase.FORWARD
+           and x.meta.get(META_MICRO, 0) == 0]
+    runs: dict = {}
+    for x in fwd:
+        for m in re.finditer(r"(?:^|\.)(\d+)(?=\.|$)", x.meta.get(META_MODULE) or ""):
+            prefix = x.meta[META_MODULE][:m.start(1)].rstrip(".")
+            runs.setdefault(prefix, set()).add(int(m.group(1)))
+            break
+    if not runs:
+        raise PartitionError(f"pipeline: stages={n} cuts between repeated blocks (modules '<name>.<i>'), and the model "
+                             f"has none; give the stages as lists of module globs.")
+    prefix = max(runs, key=lambda p: len(runs[p]))
+    blocks = sorted(runs[prefix])
+    if len(blocks) < n:
+        raise PartitionError(f"pipeline: {n} stages need at least {n} repeated blocks; '{prefix}' has {len(blocks)}.")
+    pre = f"{prefix}." if prefix else ""
+    cost = {b: 0.0 for b in blocks}
+    before, after, started = 0.0, 0.0, False
+    tops: list = []              # top-level modules outside the blocks, in forward order
+    for x in fwd:
+        mod = x.meta.get(META_MODULE) or ""
+        c = _flops(x)
+        b = _block_of(mod, pre)
+        if b is not None and b in cost:
+            cost[b] += c
+            started = True
+        else:
+            if mod and mod.split(".")[0] not in [t for t, _ in tops]:
+                tops.append((mod.split(".")[0], started))
+            if started:
+                after += c
+            else:
+                before += c
+    # contiguous split of the blocks minimising the largest stage (n and the block count are small: exhaustive DP)
+    k = len(blocks)
+    costs = [cost[b] for b in blocks]
+    best = {}
+
+    def solve(i, s):     # blocks i.. over stages s..n-1 -> (max cost, cuts)
+        if (i, s) in best:
+            return best[(i, s)]
+        if s == n - 1:
+            r = (sum(costs[i:]) + after, (k,))
+        else:
+            r = None
+            for j in range(i + 1, k - (n - 1 - s) + 1):
+                head = sum(costs[i:j]) + (before if s == 0 else 0.0)
+                sub = solve(j, s + 1)
+                cand = (max(head, sub[0]), (j,) + sub[1])
+                if r is None or cand[0] < r[0]:
+                    r = cand
+        best[(i, s)] = r
+        return r
+
+    cuts = (0,) + solve(0, 0)[1]
+    firsts = [t for t, late in tops if not late]
+    lasts = [t for t, late in tops if late]
+    globs = []
+    for s in range(n):
+        g = [f"{pre}{blocks[i]}" for i in range(cuts[s], cuts[s + 1])]
+        if s == 0:
+            g = firsts + g
+        if s == n - 1:
+            g = g + lasts
+        globs.append(tuple(g))
+    return tuple(globs)
+
+
+def _block_of(mod: str, pre: str):
+    if not mod.startswith(pre):
+        return None
+    head = mod[len(pre):].split(".")[0]
+    return int(head) if head.isdigit() else None
+
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def _flops(node) -> float:
+    v = node.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        return 0.0
+    if node.target in _MATMULS:
+        a = node.args[-2] if node.target is torch.ops.aten.addmm.default else node.args[0]
+        k = a.meta["val"].shape[-1] if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"),
+                                                                                   torch.Tensor) else 1
+        return 2.0 * v.numel() * k
+    return float(v.numel())

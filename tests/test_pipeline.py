@@ -1,0 +1,240 @@
+"""Pipeline parallelism as a tactic (issue 24): tactics/pipeline.py, lower/pipeline.py, the emulator's stages
+(runtime/interpret.py), sim/pipeline.py.
+
+Parity: every schedule trains like one device with the same global batch (tests/harness.py tolerances) on emulated
+{pp: 2}, {pp: 2, dp: 2}, {pp: 2, dp: 2, tp: 2} (megatron on tp), {pp: 4}; the simulated bubble of uniform stages is
+within 5% of the textbook (p - 1) / (v m + p - 1)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import partir_torch as pt
+from partir_torch.contract import META_ACTION, META_MODULE, META_STAGE, Phase, phase_of
+from partir_torch.errors import PartitionError
+from partir_torch.lower.pipeline import pp_transfer, rank_orders
+from examples.models import get
+from tests.harness import adamw, train_next_to_eager
+
+T = pt.tactics
+LLAMA = get("llama", layers=4)
+
+
+def _partition(mesh, schedule, spec=LLAMA, bs=8, **kw):
+    model = spec.build()
+    ref = copy.deepcopy(model)
+    batch = spec.batch(bs)
+    prog = pt.partition(model, pt.Mesh(mesh), schedule, example_inputs=batch, loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), **kw)
+    return prog, ref, batch
+
+
+def _parity(mesh, schedule, steps=2, **kw):
+    prog, ref, batch = _partition(mesh, schedule, **kw)
+    train_next_to_eager(prog, ref, [batch] * steps, LLAMA.loss_fn, adamw(1e-3), what=str(mesh))
+    return prog
+
+
+# -- parity --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_pp2_trains_like_one_device(schedule):
+    prog = _parity({"pp": 2}, [T.pipeline("pp", 2, schedule, microbatches=4)])
+    low = prog.plan.lowered()
+    # MPMD: every op runs on one coordinate of the axis; 4 micro-batches x (activation forward + gradient backward)
+    stages = {n.meta.get(META_STAGE) for n in low.gm.graph.nodes if n.op == "call_function"}
+    assert stages == {0, 1}
+    assert len(low.pipeline.transfers) == 8
+
+
+def test_pp2_dp2_1f1b():
+    _parity({"pp": 2, "dp": 2}, [T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("dp")])
+
+
+def test_pp2_dp2_tp2_megatron():
+    with pytest.warns(UserWarning, match="output.weight"):
+        prog = _parity({"pp": 2, "dp": 2, "tp": 2},
+                       [T.pipeline("pp", 2, "GPipe", 4), T.data_parallel("dp"), T.megatron("tp")])
+    kinds = {(r.kind, r.axis) for r in prog.plan.lowered().records}
+    assert ("all_reduce", "tp") in kinds and not any(a == "pp" for _, a in kinds)
+
+
+def test_pp4_1f1b():
+    _parity({"pp": 4}, [T.pipeline("pp", 4, "1F1B", 4)], steps=1)
+
+
+def test_interleaved_two_stages_per_rank():
+    prog = _parity({"pp": 2}, [T.pipeline("pp", 4, "Interleaved1F1B", 4)], steps=1)
+    low = prog.plan.lowered()
+    assert {n.meta[META_ACTION][0] for n in low.gm.graph.nodes if META_ACTION in n.meta} == {0, 1, 2, 3}
+    assert {n.meta[META_STAGE] for n in low.gm.graph.nodes if META_ACTION in n.meta} == {0, 1}
+
+
+def test_zero3_inside_stages_and_state_dict():
+    prog = _parity({"pp": 2, "dp": 2}, [T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("dp"), T.zero(3, "dp")])
+    sd = prog.state_dict()
+    full = prog.full_state_dict()
+    assert set(full) >= {k for k, _ in LLAMA.build().named_parameters()}
+    before = {k: v.clone() for k, v in prog.gather_parameters().items()}
+    prog.train_step(*LLAMA.batch(8))
+    prog.load_state_dict(sd)
+    after = prog.gather_parameters()
+    for k, v in before.items():
+        torch.testing.assert_close(after[k], v, rtol=0, atol=0)
+
+
+def test_fqn_globs_and_automatic_after_pipeline():
+    stages = [["tok_embeddings", "layers.[0-2]"], ["layers.3", "norm", "output"]]
+    prog = _parity({"pp": 2, "dp": 2}, [T.pipeline("pp", stages, "1F1B", 4),
+                                         T.automatic("dp", hardware=pt.sim.hardware("h100", gpus_per_node=4))],
+                   steps=1)
+    spec = prog.plan.pipeline
+    assert spec.modules == (("tok_embeddings", "layers.[0-2]"), ("layers.3", "norm", "output"))
+    assert "output.weight" in spec.params[1] and "layers.2.attention.wq.weight" in spec.params[0]
+
+
+def test_new_batch_shape_and_eval_step():
+    """A batch of another size is partitioned again with the pipeline (same state); eval_step runs the model on the
+    live state (emulated: every stage's state is readable)."""
+    prog, ref, batch = _partition({"pp": 2}, [T.pipeline("pp", 2, "1F1B", 4)])
+    big = LLAMA.batch(16, seed=3)
+    train_next_to_eager(prog, ref, [batch, big], LLAMA.loss_fn, adamw(1e-3))
+    assert prog.plan.pipeline is not None and len(prog.shapes()) == 2
+    with torch.no_grad():
+        want = LLAMA.loss_fn(ref.eval(), *batch)
+    torch.testing.assert_close(prog.eval_step(*batch), want, rtol=1e-5, atol=0)
+
+
+# -- the cut -------------------------------------------------------------------------------------------------------
+def test_backward_ops_follow_their_forward_module():
+    prog, _, _ = _partition({"pp": 2}, [T.pipeline("pp", 2, "GPipe", 2)])
+    cap, spec = prog.plan.captured, prog.plan.pipeline
+    bwd = [n for n in cap.gm.graph.nodes if n.op == "call_function" and phase_of(n) == Phase.BACKWARD
+           and (n.meta.get(META_MODULE) or "").startswith("layers.3.")]
+    assert bwd and all(spec.stage_of[n.name] == 1 for n in bwd)
+    first = [n for n in cap.gm.graph.nodes if (n.meta.get(META_MODULE) or "").startswith("layers.0.")]
+    assert first and all(spec.stage_of[n.name] == 0 for n in first)
+
+
+def test_balanced_cut_is_contiguous():
+    prog, _, _ = _partition({"pp": 2}, [T.pipeline("pp", 2, "1F1B", 2)])
+    assert prog.plan.pipeline.modules == (("tok_embeddings", "layers.0", "layers.1"),
+                                          ("layers.2", "layers.3", "norm", "output"))
+
+
+def test_schedule_orders():
+    class S:
+        ranks, microbatches, chunks, n_stages = 2, 4, 1, 2
+        schedule = "1F1B"
+
+        def rank_of(self, s):
+            return s % 2
+    o = rank_orders(S())
+    assert [(k, j) for _, k, j in o[0]] == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2),
+                                            ("B", 3), ("U", 0)]
+    assert [(k, j) for _, k, j in o[1]] == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3),
+                                            ("B", 3), ("U", 0)]
+    S.schedule, S.chunks, S.n_stages = "Interleaved1F1B", 2, 4
+    o = rank_orders(S())
+    for r in range(2):       # every (stage, F/B, micro-batch) of the rank's two stages exactly once
+        assert sorted(o[r]) == sorted([(s, k, j) for s in (r, r + 2) for k in "FB" for j in range(4)]
+                                      + [(r, "U", 0), (r + 2, "U", 0)])
+
+
+# -- refusals ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule, kw, match", [
+    ([T.pipeline("pp", 3, "1F1B", 4)], {}, "one stage per rank"),
+    ([T.pipeline("pp", 2, "Interleaved1F1B", 4)], {}, "v >= 2 stages per rank"),
+    ([T.pipeline("pp", 4, "Interleaved1F1B", 1)], {}, "groups of the axis size"),
+    ([T.pipeline("pp", [["layers.*"], ["norm", "output"]], "1F1B", 4)], {}, "tok_embeddings"),
+    ([T.pipeline("pp", [["layers.[2-3]", "norm", "output"], ["tok_embeddings", "layers.[0-1]"]])], {},
+     "later stage"),
+    ([T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("pp")], {}, "pipeline axis"),
+    ([T.pipeline("pp", 2, "1F1B", 4)], {"compile": True}, "compile=True"),
+    ([T.pipeline("pp", 2, "1F1B", 4)], {"measure_memory": True}, "measure_memory"),
+    ([T.pipeline("pp", 2, "1F1B", 4)], {"accumulate": 2}, "accumulate=2"),
+])
+def test_refused_with_the_cause(schedule, kw, match):
+    with pytest.raises(PartitionError, match=match):
+        _partition({"pp": 2}, schedule, **kw)
+
+
+def test_tied_weights_across_stages_refused():
+    gpt = get("gpt")
+    with pytest.raises(PartitionError, match="tied weights"):
+        _partition({"pp": 2}, [T.pipeline("pp", 2, "1F1B", 4)], spec=gpt)
+
+
+def test_random_draws_warn_that_masks_differ_from_one_device():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 8), nn.Dropout(0.1))
+    x = torch.randn(8, 8)
+    with pytest.warns(UserWarning, match="draws random numbers"):
+        pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", [["0", "1"], ["2", "3"]], "1F1B", 4)],
+                     example_inputs=(x, x), loss_fn=lambda m, x, y: F.mse_loss(m(x), y),
+                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_unknown_schedule():
+    with pytest.raises(PartitionError, match="GPipe, 1F1B, Interleaved1F1B"):
+        T.pipeline("pp", 2, "ZeroBubble")
+
+
+# -- inspection and simulation -------------------------------------------------------------------------------------
+def test_summary_has_the_stage_split():
+    prog, _, _ = _partition({"pp": 2, "dp": 2}, [T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("dp")])
+    text = prog.summary()
+    assert "pipeline on axis 'pp': 2 stages, 1F1B, 4 micro-batches" in text
+    # per micro-batch and direction one activation of 8 / 4 micro-batches / 2 dp ranks = 1 row of 16 x 32 fp32 (2 KiB)
+    low = prog.plan.annotated_lowered()
+    sent = [n for n in low.gm.graph.nodes if n.target is pp_transfer]
+    assert len(sent) == 8 and all(tuple(n.meta["val"].shape) == (1, 16, 32) for n in sent)
+    assert "2.00 KiB" in text
+
+
+class _Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class _Stack(nn.Module):
+    """Equal blocks; the scale in front makes the first block compute its input gradient as the others do."""
+
+    def __init__(self, d, n):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d))
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(n))
+
+    def forward(self, x):
+        x = x * self.scale
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("p, m, v, schedule", [(4, 8, 1, "1F1B"), (4, 8, 1, "GPipe"), (2, 4, 2, "Interleaved1F1B"),
+                                                (4, 8, 2, "Interleaved1F1B")])
+def test_simulated_bubble_matches_the_textbook(p, m, v, schedule):
+    """Equal stages whose transfers are small next to their compute (an interleaved bubble is small, so the transfers'
+    latency weighs more in it: d = 8192)."""
+    d, rows = (2048, 2048) if v == 1 else (8192, 512)
+    with torch.device("meta"):
+        model = _Stack(d, (4 if v == 1 else 2) * p * v)
+        x, y = torch.randn(m * rows, d), torch.randn(m * rows, d)
+    prog = pt.partition(model, pt.Mesh({"pp": p}), [T.pipeline("pp", p * v, schedule, m)], example_inputs=(x, y),
+                        loss_fn=lambda mod, x, y: F.mse_loss(mod(x), y),
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    rep = prog.simulate(pt.sim.hardware("h100", gpus_per_node=p))
+    sim = rep.pipeline
+    assert sim.formula == pytest.approx((p - 1) / (v * m + p - 1))
+    assert abs(sim.bubble / sim.formula - 1) < 0.05, (sim.bubble, sim.formula)
+    assert sim.transfers == 2 * m * (p * v - 1)
+    assert "bubble" in rep.table() and "slowest stage" in rep.table()
+    if schedule == "1F1B":   # the first stage holds p micro-batches' activations, the last one (GPipe: m on each)
+        assert sim.peak_bytes[0] > 1.5 * sim.peak_bytes[-1]
