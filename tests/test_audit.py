@@ -138,8 +138,8 @@ def test_gns_under_data_parallelism_reshards_at_its_edge_gathers():
 
 
 # -- an op without a rule -----------------------------------------------------------------------------------------
-class Flipped(nn.Module):
-    """aten.flip has no rule: under data parallelism it is a barrier (forward and backward)."""
+class Rolled(nn.Module):
+    """aten.roll has no rule: under data parallelism it is a barrier (forward and backward)."""
 
     def __init__(self):
         super().__init__()
@@ -147,22 +147,22 @@ class Flipped(nn.Module):
 
     def forward(self, x):
         h = torch.relu(self.fc1(x))
-        h = torch.flip(h, dims=[1])  # FLIP_LINE
+        h = torch.roll(h, 1, dims=1)  # ROLL_LINE
         return self.fc2(h)
 
 
-def _flip_line() -> int:
+def _roll_line() -> int:
     import inspect
 
-    src, first = inspect.getsourcelines(Flipped.forward)
-    return first + next(i for i, line in enumerate(src) if "FLIP_LINE" in line)
+    src, first = inspect.getsourcelines(Rolled.forward)
+    return first + next(i for i, line in enumerate(src) if "ROLL_LINE" in line)
 
 
-def _partition_flipped():
+def _partition_rolled():
     torch.manual_seed(0)
-    model = Flipped()
+    model = Rolled()
     x, y = torch.randn(4, 8), torch.randn(4, 4)
-    assert torch.ops.aten.flip.default not in pt.rules.registry.default_registry()
+    assert torch.ops.aten.roll.default not in pt.rules.registry.default_registry()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=(x, y),
@@ -174,24 +174,24 @@ def _partition_flipped():
 
 
 def test_op_without_rule_reshards_warns_once_and_audit_names_it():
-    prog, warned = _partition_flipped()
-    where = f"tests/test_audit.py:{_flip_line()}"
+    prog, warned = _partition_rolled()
+    where = f"tests/test_audit.py:{_roll_line()}"
     recs = prog.collectives()
     reshard = [m for m in members(recs) if m.why == "reshard"]
-    # the flip's operand gathered in the forward, its gradient's in the backward: (B, 16) fp32 each
+    # the roll's operand gathered in the forward, its gradient's in the backward: (B, 16) fp32 each
     assert [(m.kind, m.phase, m.nbytes, m.op) for m in reshard] == [
-        ("all_gather", "forward", 4 * 16 * 4, "aten.flip.default"),
-        ("all_gather", "backward", 4 * 16 * 4, "aten.flip.default")]
+        ("all_gather", "forward", 4 * 16 * 4, "aten.roll.default"),
+        ("all_gather", "backward", 4 * 16 * 4, "aten.roll.default")]
     assert reshard[0].source == where
     assert whys(recs) == Counter({"gradient": 4, "reshard": 2, "tactic": 1})
     # one warning for the op type, though two collectives: the op, the line, the bytes, the fix
     assert len(warned) == 1, [str(w.message) for w in warned]
     text = str(warned[0].message)
-    assert "aten.flip.default forces 2 reshard collectives (512 B per step)" in text and where in text
+    assert "aten.roll.default forces 2 reshard collectives (512 B per step)" in text and where in text
     assert "pt.register_rule" in text
     assert warned[0].filename == __file__                 # attributed to the caller of partition
     audit = prog.audit()
-    assert "aten.flip.default: 512 B per step (all_gather[batch] x2)" in audit
+    assert "aten.roll.default: 512 B per step (all_gather[batch] x2)" in audit
     assert f"{where}: 256 B  (relu)" in audit
     assert "collectives by why: gradient 4 (848 B), state 0, tactic 1 (4 B), reshard 2 (512 B)" in prog.summary()
 
@@ -238,6 +238,6 @@ def test_warn_in_one_process_without_torch_distributed(monkeypatch):
 
 def test_reshard_warning_is_silent_on_other_ranks(monkeypatch):
     _ranks(monkeypatch, 1)
-    prog, warned = _partition_flipped()
+    prog, warned = _partition_rolled()
     assert not warned
     assert [m.why for m in members(prog.collectives())].count("reshard") == 2
