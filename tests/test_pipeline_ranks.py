@@ -14,10 +14,6 @@ bitwise."""
 from __future__ import annotations
 
 import os
-import queue as queue_mod
-import shutil
-import socket
-import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -25,8 +21,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.spawn import spawn_ranks
 from tests.harness import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL
 
 pytestmark = pytest.mark.xdist_group("real_ranks")     # under pytest-xdist, the spawns share one worker
@@ -34,12 +30,6 @@ pytestmark = pytest.mark.xdist_group("real_ranks")     # under pytest-xdist, the
 WORLD, STEPS, LR = 4, 2, 1e-3
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "1F1B-pp4")     # the last: {pp: 4}, one stage per rank
 SPAWN_TIMEOUT_S, GLOO_TIMEOUT_S = 240, 60
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _phase_dcp(pt, spec, batch, ckpt):
@@ -112,33 +102,8 @@ def _worker(rank, port, ckpt, queue):
 
 @pytest.fixture(scope="module")
 def ranks():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    ckpt = tempfile.mkdtemp(prefix="partir_pp_dcp_")
-    procs = mp.start_processes(_worker, args=(_free_port(), ckpt, queue), nprocs=WORLD, join=False,
-                               start_method="spawn")
-    results, deadline = {}, time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while len(results) < WORLD:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                pytest.fail(f"real ranks: only ranks {sorted(results)} reported within {SPAWN_TIMEOUT_S} s")
-            try:
-                r = queue.get(timeout=min(left, 5.0))
-                results[r["rank"]] = r
-            except queue_mod.Empty:
-                dead = [i for i, p in enumerate(procs.processes) if p.exitcode not in (None, 0) and i not in results]
-                if dead:
-                    pytest.fail(f"real ranks: rank {dead[0]} exited before reporting")
-        procs.join(timeout=30)
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.kill()
-        shutil.rmtree(ckpt, ignore_errors=True)
-    for r in results.values():
-        assert "fatal" not in r, f"rank {r['rank']}: {r['fatal']}"
-    return results
+    """Spawn the 4 ranks once; {rank: results}."""
+    return spawn_ranks(_worker, WORLD, SPAWN_TIMEOUT_S, prefix="partir_pp_dcp_")
 
 
 def _reference():

@@ -47,10 +47,6 @@ from __future__ import annotations
 
 import copy
 import os
-import queue as queue_mod
-import shutil
-import socket
-import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -58,7 +54,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.spawn import spawn_ranks
 
 pytestmark = pytest.mark.xdist_group("real_ranks")     # under pytest-xdist, one worker runs the one spawn
 
@@ -70,12 +67,6 @@ GLOO_TIMEOUT_S = 60
 HANG_TIMEOUT_S, HANG_S = 5, 10    # the "hang" phase's timeout_s; rank 3 sleeps past the others' roll call
 LOSS_RTOL = 1e-5
 PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-6   # fp32; see test_parity.py for why an atol is needed with AdamW
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _max_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -504,38 +495,7 @@ def _worker(rank, port, ckpt, queue):
 @pytest.fixture(scope="module")
 def ranks():
     """Spawn the 4 ranks once; {rank: results}. Fails (never hangs) after SPAWN_TIMEOUT_S."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    t0 = time.perf_counter()
-    ckpt = tempfile.mkdtemp(prefix="partir_dcp_")     # the "dcp" phase's checkpoint
-    procs = mp.start_processes(_worker, args=(_free_port(), ckpt, queue), nprocs=WORLD, join=False,
-                               start_method="spawn")
-    results, deadline = {}, time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while len(results) < WORLD:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                pytest.fail(f"real ranks: only ranks {sorted(results)} reported within {SPAWN_TIMEOUT_S} s")
-            try:
-                r = queue.get(timeout=min(left, 5.0))
-                results[r["rank"]] = r
-            except queue_mod.Empty:
-                dead = [(i, p.exitcode) for i, p in enumerate(procs.processes)
-                        if p.exitcode not in (None, 0) and i not in results]
-                if dead:
-                    pytest.fail(f"real ranks: rank {dead[0][0]} exited with code {dead[0][1]} before reporting")
-        while not procs.join(timeout=max(deadline - time.monotonic(), 1)):
-            if time.monotonic() > deadline:
-                pytest.fail("real ranks: processes did not exit")
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.kill()
-        shutil.rmtree(ckpt, ignore_errors=True)
-    print(f"spawn of {WORLD} gloo ranks: {time.perf_counter() - t0:.1f} s")
-    for r in results.values():
-        assert "fatal" not in r, f"rank {r['rank']}: {r['fatal']}"
-    return results
+    return spawn_ranks(_worker, WORLD, SPAWN_TIMEOUT_S, prefix="partir_dcp_")
 
 
 def _phase(ranks, name) -> dict:

@@ -21,14 +21,12 @@ ROOT = Path(R.__file__).resolve().parents[1]
 KNOWN_GAPS = {
     "aten.dot.default": ["flops"],              # matmul-like, not in torch's flop counter: charged as memory bound
     "aten.mv.default": ["flops"],
-    "aten.linalg_solve_triangular.default": ["flops"],   # n^2 k per batch: charged as memory bound
     "aten.glu_backward.default": ["xla"],       # torch-xla 2.9 has no kernel and no composite for it
-    "aten.im2col.default": ["xla"],             # nn.Unfold / nn.Fold: not checked on torch-xla
+    "aten.im2col.default": ["xla"],             # nn.Unfold / nn.Fold: torch-xla 2.9 has no kernel
     "aten.col2im.default": ["xla"],
-    "aten.upsample_bilinear2d.default": ["xla"],    # MobileViT: not checked on torch-xla
-    "aten.upsample_bilinear2d.vec": ["xla"],
-    "aten.upsample_bilinear2d_backward.default": ["xla"],
-    "aten._fft_c2c.default": ["xla"],           # FFTs (FNet): not checked on torch-xla
+    "aten.linalg_solve_triangular.default": ["xla"],    # torch-xla 2.9 has no kernel for it
+    "aten.unfold_backward.default": ["xla"],
+    "aten._fft_c2c.default": ["xla"],           # FFTs (FNet): torch-xla 2.9 has no kernel
     "aten._fft_r2c.default": ["xla"],
     "aten._fft_c2r.default": ["xla"],
     "partir.experts_grouped.default": ["xla"],  # HF's grouped-mm experts (rules/moe.py): not traced on XLA yet

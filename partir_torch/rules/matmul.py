@@ -30,18 +30,6 @@ def baddbmm(ctx):
                   linear=[({0, 1}, SUM), ({0, 2}, SUM)])
 
 
-def solve_triangular(ctx):
-    """linalg_solve_triangular(A (*, n, n), B (*, n, k), upper, left=True) -> X: A X = B per batch (X A = B when
-    left=False). The batch dims pass (broadcast where A or B has size 1); the solved dims stay whole; B's free dim
-    (k, or n of X A = B's rows) passes: columns (rows) are solved independently. Linear in B."""
-    a, bsh, out = ctx.in_shapes[0], ctx.in_shapes[1], ctx.out_shapes[0]
-    lead = "abcdefgh"[:len(out) - 2]
-    of = lambda s: lead[len(lead) - (len(s) - 2):]      # noqa: E731 - an operand's batch letters (right-aligned)
-    x = "nk" if bool(ctx.arg(3, "left", True)) else "kn"
-    return einsum(f"{of(a)}nn,{of(bsh)}{x}->{lead}{x}", ctx.in_shapes, ctx.out_shapes, need_rep="n",
-                  linear=[({1}, SUM)])
-
-
 def rules() -> dict:
     return {
         aten.mm.default: _spec("mk,kn->mn", LIN2),       # k is a reduction: tiling it makes the result partial(sum)
@@ -50,5 +38,4 @@ def rules() -> dict:
         aten.dot.default: _spec("k,k->", LIN2),
         aten.addmm.default: addmm,
         aten.baddbmm.default: baddbmm,
-        aten.linalg_solve_triangular.default: solve_triangular,   # gated delta-net chunks (Qwen3-Next, Qwen3.5)
     }

@@ -5,6 +5,7 @@ import torch
 
 from .factors import BLOCKED, NEED_REP, PASS, REDUCE, SUM, RuleBuilder, einsum
 from .reduction import along_dim
+from .views import unfold
 
 aten = torch.ops.aten
 
@@ -173,6 +174,18 @@ def fft_rule(ctx):
                   [({0}, ("sum",))])
 
 
+def solve_triangular(ctx):
+    """linalg_solve_triangular(A (*, n, n), B (*, n, k), upper, left=True) -> X: A X = B per batch (X A = B when
+    left=False). The batch dims pass (broadcast where A or B has size 1); the solved dims stay whole; B's free dim
+    (k, or n of X A = B's rows) passes: columns (rows) are solved independently. Linear in B."""
+    a, bsh, out = ctx.in_shapes[0], ctx.in_shapes[1], ctx.out_shapes[0]
+    lead = "abcdefgh"[:len(out) - 2]
+    of = lambda s: lead[len(lead) - (len(s) - 2):]      # noqa: E731 - an operand's batch letters (right-aligned)
+    x = "nk" if bool(ctx.arg(3, "left", True)) else "kn"
+    return einsum(f"{of(a)}nn,{of(bsh)}{x}->{lead}{x}", ctx.in_shapes, ctx.out_shapes, need_rep="n",
+                  linear=[({1}, SUM)])
+
+
 def rules() -> dict:
     from .pointwise import pointwise
     return {
@@ -191,6 +204,8 @@ def rules() -> dict:
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default: sdpa_cpu_backward,
         aten.native_dropout_backward.default: pointwise,
         aten.im2col.default: patches, aten.col2im.default: patches,
+        aten.linalg_solve_triangular.default: solve_triangular,   # gated delta-net chunks (Qwen3-Next, Qwen3.5)
+        aten.unfold_backward.default: unfold,                     # views.py's unfold, backward
         aten._fft_c2c.default: fft_rule, aten._fft_r2c.default: fft_rule, aten._fft_c2r.default: fft_rule,
         aten.full.default: factory, aten.zeros.default: factory, aten.ones.default: factory,
         aten.empty.memory_format: factory, aten.scalar_tensor.default: factory, aten.rand.default: blocked_factory,

@@ -246,13 +246,16 @@ LINKS = {
                                                     xla="xla.kernels.upsample_nearest2d_backward"),
     # torch-xla 2.9 has no kernel and no composite for glu's backward: the XLA form is missing
     aten.glu_backward.default: Links(local=AS_IS, flops=NONE),
-    # nn.Unfold / nn.Fold: memory-bound rearrangements; not checked on torch-xla
+    # nn.Unfold / nn.Fold: memory-bound rearrangements; torch-xla 2.9 has no kernel for them
     aten.im2col.default: Links(local=AS_IS, flops=NONE), aten.col2im.default: Links(local=AS_IS, flops=NONE),
-    # bilinear upsampling (MobileViT): not checked on torch-xla
-    aten.upsample_bilinear2d.default: Links(local=AS_IS, flops=NONE),
-    aten.upsample_bilinear2d.vec: Links(local=AS_IS, flops=NONE),
-    aten.upsample_bilinear2d_backward.default: Links(local=AS_IS, flops=NONE),
-    # FFTs (FNet): charged as memory bound; not checked on torch-xla
+    # bilinear upsampling (MobileViT): torch-xla has kernels
+    aten.upsample_bilinear2d.default: Links(local=AS_IS, flops=NONE, xla=AS_IS),
+    aten.upsample_bilinear2d.vec: Links(local=AS_IS, flops=NONE, xla=AS_IS),
+    aten.upsample_bilinear2d_backward.default: Links(local=AS_IS, flops=NONE, xla=AS_IS),
+    # gated delta-net chunks (n^2 k per batch: charged as memory bound) and unfold's backward: no torch-xla kernel
+    aten.linalg_solve_triangular.default: Links(local=AS_IS, flops=NONE),
+    aten.unfold_backward.default: Links(local=AS_IS, flops=NONE),
+    # FFTs (FNet): charged as memory bound; torch-xla 2.9 has no kernel for them
     aten._fft_c2c.default: Links(local=AS_IS, flops=NONE), aten._fft_r2c.default: Links(local=AS_IS, flops=NONE),
     aten._fft_c2r.default: Links(local=AS_IS, flops=NONE),
     # HF's grouped-mm experts as one per-token op (rules/moe.py): its kernel is HF's function on the local tokens;

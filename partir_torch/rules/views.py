@@ -262,5 +262,5 @@ def rules() -> dict:
         aten.as_strided.default: as_strided, aten.as_strided_scatter.default: as_strided_scatter,
         aten.view_as_complex.default: complex_pairs, aten.view_as_real.default: complex_pairs,
         aten.flip.default: flip,
-        aten.unfold.default: unfold, aten.unfold_backward.default: unfold,                          # Mamba-style scans over a reversed sequence
+        aten.unfold.default: unfold,                          # Mamba-style scans over a reversed sequence
     }

@@ -90,5 +90,11 @@ def test_the_registry_rows_say_how_torch_xla_runs_each_op():
         return any(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), k) for k in keys)
 
     assert [str(r.op) for r in rows if r.xla == R.AS_IS and not runs_on_xla(r.op)] == []
-    assert [str(r.op) for r in rows if r.xla is None] == ["aten.glu_backward.default"]
-    assert not runs_on_xla(aten.glu_backward.default)
+    lacking = [r.op for r in rows if r.xla is None]
+    assert sorted(map(str, lacking)) == sorted([
+        "aten.glu_backward.default", "aten.im2col.default", "aten.col2im.default",
+        "aten.linalg_solve_triangular.default", "aten.unfold_backward.default", "aten._fft_c2c.default",
+        "aten._fft_r2c.default", "aten._fft_c2r.default",
+        # partir's own op: its composite kernel is HF's grouped-mm function, not run on XLA tensors here
+        "partir.experts_grouped.default", "partir.experts_grouped_backward.default"])
+    assert not any(runs_on_xla(op) for op in lacking if op.namespace == "aten")
