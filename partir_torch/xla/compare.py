@@ -42,6 +42,20 @@ class Comparison:
         return not self.host_ops and not self.missing and bytes_ok and \
             self.extra_bytes <= self.tolerance * max(self.partir_bytes, 1)
 
+    def summary_line(self) -> str:
+        """What differs, on one line: axes whose bytes differ beyond the tolerance, XLA's extra collectives, the
+        kinds it lacks."""
+        err = self.axis_errors()
+        parts = [f"{a} {p:,} B in partir's plan vs {x:,} B in XLA's" for a, (p, x) in self.axis_bytes.items()
+                 if err[a] > self.tolerance]
+        if self.extra:
+            parts.append(f"extra {', '.join(f'{k}[{a}] x{n} {b:,} B' for k, a, n, b in self.extra)}")
+        if self.missing:
+            parts.append(f"missing {', '.join(f'{k}[{a}]' for k, a in self.missing)}")
+        if self.host_ops:
+            parts.append(f"ops on the host {', '.join(self.host_ops)}")
+        return "; ".join(parts) or "carried out"
+
     def table(self) -> str:
         body = tabulate(self.rows, headers=["kind", "axis", "partir n", "partir bytes", "xla n", "xla bytes"],
                         tablefmt="simple", intfmt=",")

@@ -142,7 +142,8 @@ class XlaBackend:
         self.layouts = {}        # placeholder name -> Sharding
         for node, name in zip(self._placeholders(), self.cap.input_names):
             self.layouts[name] = plan.sharding(g.vid[node])
-        self._refuse_uneven()
+        self.uneven = self._uneven()
+        self.uneven_checked: set = set()
         self.constraints = self._constraints()
         self.op_specs = self._op_specs()
         self._regather = param_derived(self.cap.gm) if self.cap.mode != FORWARD else frozenset()
@@ -152,19 +153,38 @@ class XlaBackend:
     def _placeholders(self):
         return [n for n in self.cap.gm.graph.nodes if n.op == "placeholder"]
 
-    def _refuse_uneven(self) -> None:
-        """XLA's partitioner pads uneven tiles itself, but this backend has not been checked against it yet: a
-        plan with a dim a mesh axis does not divide is refused here rather than run unverified."""
-        g = self.plan.graph
+    def _uneven(self) -> list:
+        """The values tiled unevenly ("name dim d (size n) over 'axis' (size k)"). XLA's partitioner pads such
+        tiles itself, so the step computes the same values; what it moves to do so is checked against partir's plan
+        after the first compile of each mode (_check_uneven)."""
+        g, out = self.plan.graph, []
         for v in range(len(g.values)):
-            sh = self.plan.sharding(v)
-            uneven = sh.uneven_dims(g.shapes[v], self.mesh)
-            if uneven:
-                d, (size, axis, _) = next(iter(uneven.items()))
-                raise PartitionError(f"to_xla: {g.name(v)} is tiled unevenly on dim {d} (size {size}) over axis "
-                                     f"'{axis}' (size {self.mesh.shape[axis]}); the torch-xla backend does not run "
-                                     f"uneven layouts yet. Partition with strict=True and sizes the axes divide "
-                                     f"for to_xla(), or run the program on partir's own runtime.")
+            for d, (size, axis, _) in self.plan.sharding(v).uneven_dims(g.shapes[v], self.mesh).items():
+                out.append(f"{g.name(v)} dim {d} (size {size}) over '{axis}' (size {self.mesh.shape[axis]})")
+        return out
+
+    def _check_uneven(self, mode: str) -> None:
+        """Once per mode, on a plan with uneven tiles: XLA pads them its own way, and where a padded dim meets a
+        reshape it may exchange halos or gather (collective_permute, all_gather) where partir's plan moves nothing.
+        Say so once, with the bytes, when its program does not carry out partir's plan (compare())."""
+        if not self.uneven or mode in self.uneven_checked:
+            return
+        self.uneven_checked.add(mode)
+        shown = "; ".join(self.uneven[:3]) + (f"; and {len(self.uneven) - 3} more" if len(self.uneven) > 3 else "")
+        if mode not in self.modules:
+            warn(f"to_xla: XLA pads the uneven tiles of this plan ({shown}) its own way; XLA was started without "
+                 f"HLO dumps, so whether its program moves more than partir's plan cannot be checked (import "
+                 f"partir_torch.xla before the first XLA tensor is created).", stacklevel=4)
+            return
+        from .compare import compare
+
+        with open(os.path.join(xdev.dump_dir(), self.modules[mode])) as f:
+            cmp = compare(self.plan, parse_collectives(f.read(), self.plan.mesh), host_ops=self.host_ops)
+        if not cmp.ok:
+            warn(f"to_xla: XLA pads the uneven tiles of this plan ({shown}) its own way, and its {mode} program "
+                 f"moves more than partir's plan: {cmp.summary_line()}. The values are the same; partir's own "
+                 f"runtime runs the plan as printed. For an XLA program that matches it, use sizes the mesh axes "
+                 f"divide (pt.partition(..., strict=True) refuses the others).", stacklevel=4)
 
     def _constraints(self) -> dict:
         """FX node name -> partition spec, for every value whose layout XLA can be told: each value's final
@@ -241,6 +261,7 @@ class XlaBackend:
         if before is not None:
             self._remember_module(mode, before)
         self._check_host_ops(host_before)
+        self._check_uneven(mode)
         return list(outs)
 
     def full(self, t, sh, shape) -> torch.Tensor:
