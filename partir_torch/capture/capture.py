@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_mutation, sync_functional_tensor, to_fun
 
-from ..contract import META_ACCUMULATE, META_NAME, META_OUTPUT, META_ROLE, forward_nodes, stamp_phases
+from ..contract import (META_ACCUMULATE, META_MICRO, META_NAME, META_OUTPUT, META_PHASE, META_RECOMPUTE,
+                        META_REMAT, META_ROLE, forward_nodes, stamp_phases)
 from ..errors import PartitionError, TraceError, user_stacklevel, warn
 from .branches import Recorder, add_checks, lift_draws, python_draws
 from .decompositions import capture_decompositions
@@ -36,7 +37,7 @@ from .outputs import flatten_outputs
 from .replicate import splice_update
 from .tags import tracing_graph, collect_tags, install_hooks
 from .moe import hf_experts
-from .tidy import identity_indices, untie_random_templates
+from .tidy import identity_indices, share_views, untie_random_templates
 
 FORWARD, LOSS_AND_GRADS, TRAIN, EVAL = "forward", "loss_and_grads", "train", "eval"
 # TRAIN: trace the optimizer update once per class of parameters and copy it for each (replicate.py), not op by op
@@ -672,6 +673,7 @@ def _annotate(gm, mode, names, roles, out_names, out_spec, fopt, param_fqns, tra
     stamp_phases(gm, forward_only=mode in (FORWARD, EVAL))     # the rewrites below stamp the nodes they add
     if mode != FORWARD:
         _split_param_views(gm)
+    share_views(gm, same=(META_PHASE, META_MICRO, META_REMAT, META_RECOMPUTE, "custom"))
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outs = list(out_node.args[0])
     for node in outs:

@@ -92,3 +92,60 @@ def identity_indices(gm: fx.GraphModule) -> int:
         gm.graph.eliminate_dead_code()
         gm.graph.lint()
     return done
+
+
+# views whose result is a function of their operands and arguments alone: two equal calls are one value
+_SHARED_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
+                 aten.transpose.int, aten.permute.default, aten.expand.default, aten.unsqueeze.default,
+                 aten.squeeze.dim, aten.slice.Tensor, aten.select.int, aten.alias.default}
+
+
+def share_views(gm: fx.GraphModule, same=()) -> int:
+    """Equal views of one value made in one phase are one node. Each F.linear reading one activation makes its
+    own `view(x, [B*T, d])` (q, k and v of an attention; gate and up of a gated MLP): as separate values, each
+    would be resharded on its own (sequence parallelism gathered the norm output once per projection: 2.5x the
+    bytes of Megatron's program). `same`: meta keys that must agree too (phase, micro-batch, recomputation), so
+    views that capture duplicates on purpose (remat's recomputed copies) stay apart; views of step inputs are left
+    as they are (a parameter's views per phase and micro-batch: one ZeRO-3 gather each).
+    The first node is kept; the other's module-output tags move to it. Returns how many were removed."""
+    from ..contract import META_TAG, META_TAGS
+
+    seen: dict = {}
+    done = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in _SHARED_VIEWS or _of_state(n):
+            continue
+        try:
+            key = (n.target, _frozen(n.args), _frozen(tuple(sorted(n.kwargs.items()))),
+                   tuple(repr(n.meta.get(k)) for k in same))
+            hash(key)
+        except TypeError:
+            continue
+        first = seen.setdefault(key, n)
+        if first is n:
+            continue
+        tags = list(first.meta.get(META_TAGS, ())) + [t for t in n.meta.get(META_TAGS, ())
+                                                       if t not in first.meta.get(META_TAGS, ())]
+        if tags:
+            first.meta[META_TAGS] = tags
+            first.meta.setdefault(META_TAG, tags[0])
+        n.replace_all_uses_with(first)
+        gm.graph.erase_node(n)
+        done += 1
+    if done:
+        gm.graph.lint()
+    return done
+
+
+def _of_state(n: fx.Node) -> bool:
+    """A view of a step input (a parameter, its cast): capture keeps one per use on purpose (a gather per phase
+    and micro-batch under ZeRO-3)."""
+    while n.op == "call_function" and (n.target in _SHARED_VIEWS or n.target == aten._to_copy.default):
+        n = n.args[0]
+    return n.op == "placeholder"
+
+
+def _frozen(a):
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__,) + tuple(_frozen(x) for x in a)
+    return a
