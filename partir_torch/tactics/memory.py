@@ -9,6 +9,7 @@ schedule; partition() hands them to capture):
 from __future__ import annotations
 
 import fnmatch
+import operator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -122,10 +123,19 @@ class Remat:
     matched module contains other matched modules, the outermost one is the checkpointed region): each one's
     forward intermediates are recomputed in the backward, just before their first use, instead of being kept
     alive from forward to backward. The module's inputs and output are kept; random ops (dropout) are kept too,
-    so the recomputation sees the same masks."""
+    so the recomputation sees the same masks.
+
+    policy "full" recomputes every other intermediate. "selective" is per-op checkpointing as torchtitan's "op"
+    policy runs it: the outputs of the attention kernels and of every other matmul of a region are kept too, so
+    the backward recomputes the remaining matmuls and the cheap ops between them (norms, activations, casts)."""
 
     selector: str
+    policy: str = "full"
     name: str = "Remat"
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise PartitionError(f"remat: policy must be one of {', '.join(POLICIES)}, got {self.policy!r}.")
     in_eval: ClassVar[bool] = False    # an eval step has no backward to recompute for
     axis = ""
 
@@ -175,6 +185,8 @@ class Remat:
                     or any(u not in inside and u in fwd for u in n.users)}
             kept |= {u for n in members if n.target in _RANDOM for u in n.users if u in inside
                      and u.target is __import__("operator").getitem}
+            if self.policy == "selective":
+                kept |= _saved_kernels(members, inside)
             late = {n: [u for u in n.users if u not in fwd and u.op != "output"] for n in members if n not in kept}
             late = {n: us for n, us in late.items() if us}
             if not late:
@@ -206,5 +218,28 @@ class Remat:
 
 
 
-def remat(selector: str) -> Remat:
-    return Remat(selector)
+POLICIES = ("full", "selective")
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+
+def _saved_kernels(members: list, inside: set) -> set:
+    """What selective checkpointing keeps in one region: attention kernels' outputs (and the getitems reading them)
+    and every other matmul's output, in forward order (torchtitan's per-op policy)."""
+    saved, mms = set(), 0
+    for n in members:
+        if n.op != "call_function":
+            continue
+        if "scaled_dot_product" in str(n.target):
+            saved.add(n)
+            saved |= {u for u in n.users if u in inside and u.target is operator.getitem}
+        elif n.target in _MATMULS:
+            if mms % 2 == 0:
+                saved.add(n)
+            mms += 1
+    return saved
+
+
+def remat(selector: str, policy: str = "full") -> Remat:
+    """Activation checkpointing of the modules matching `selector`; policy "full" (recompute every intermediate)
+    or "selective" (keep attention outputs and every other matmul's, recompute the rest)."""
+    return Remat(selector, policy)
