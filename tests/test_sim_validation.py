@@ -65,6 +65,15 @@ def test_strategy_from_tactics():
     assert C.strategy_of([]) == "single"
 
 
+def test_a_pipelined_program_is_judged_by_the_pipelined_runs():
+    """The confidence of a pipelined program comes from the validated pipelined family (Megatron-Core's TP x PP
+    rows), not from the SPMD family of its stages."""
+    assert C.pipelined("tp") == C.pipelined("fsdp+tp") == "tp+pp"
+    assert C.closest_family("h100", C.pipelined("tp")) == ("h100/tp+pp", C.FAMILY_ERROR["h100/tp+pp"])
+    assert C.closest_family("h100", C.pipelined("dp"))[0] == "h100/tp+pp"
+    assert C.closest_family("h100", "tp")[0] == "h100/tp"
+
+
 def test_strategy_comes_from_the_families_tactic_classes_declare(monkeypatch):
     """A tactic class of the user's, declared tensor parallel under its own name, makes a tensor-parallel program;
     the same name undeclared counts as data parallel."""

@@ -18,28 +18,29 @@ from .hardware import CHIPS
 FAMILY_ERROR = {
     "a100/all_reduce": 0.004,
     "a100/attention": 0.042,
-    "a100/fsdp": 0.061,
+    "a100/fsdp": 0.021,
     "a100/gemm": 0.175,
-    "a100/hbm": 0.076,
+    "a100/hbm": 0.073,
     "b200/all_reduce": 0.153,
     "h100/all_gather": 0.005,
     "h100/all_reduce": 0.034,
     "h100/all_to_all": 0.084,
     "h100/attention": 0.023,
-    "h100/dp": 0.094,
-    "h100/fsdp": 0.058,
+    "h100/dp": 0.105,
+    "h100/fsdp": 0.055,
     "h100/fsdp+dcn": 0.044,
-    "h100/fsdp+tp": 0.257,
+    "h100/fsdp+tp": 0.181,
     "h100/gemm": 0.063,
     "h100/hbm": 0.076,
     "h100/tp": 0.138,
+    "h100/tp+pp": 0.413,
     "h100/zero2": 0.034,
     "h200/all_reduce": 0.012,
     "h200/attention": 0.019,
     "h200/gemm": 0.179,
-    "h200/hbm": 0.043,
+    "h200/hbm": 0.049,
     "v4/fsdp": 0.184,
-    "v5e/fsdp": 0.036,
+    "v5e/fsdp": 0.039,
     "v5e/fsdp+dcn": 0.041,
     "v5p/fsdp+tp": 0.075,
 }  # end FAMILY_ERROR
@@ -48,7 +49,7 @@ FAMILY_ERROR = {
 CHIP = {name: chip.confidence for name, chip in CHIPS.items()}
 NEAR_CHIPS = {chip.confidence: chip.nearest for chip in CHIPS.values()}
 NEAR_STRATEGIES = {"fsdp": ("fsdp+dcn", "zero2", "dp"), "fsdp+dcn": ("fsdp", "zero2"), "zero2": ("fsdp", "dp"),
-                   "dp": ("zero2", "fsdp"), "tp": ("fsdp+tp",), "fsdp+tp": ("tp", "fsdp"),
+                   "dp": ("zero2", "fsdp"), "tp": ("fsdp+tp",), "fsdp+tp": ("tp", "fsdp"), "tp+pp": ("tp", "fsdp+tp"),
                    "ep": ("all_to_all", "dp"), "single": ("gemm", "attention", "hbm", "dp")}
 
 
@@ -81,12 +82,24 @@ def strategy_of(tactics, families: dict | None = None) -> str:
     return "dp" if names else "single"
 
 
+def pipelined(strategy: str) -> str:
+    """The strategy family of a pipelined program whose SPMD part is `strategy`: validated pipelined runs are
+    tensor-parallel inside their stages ("tp+pp")."""
+    return "tp+pp" if strategy in ("tp", "fsdp+tp") else f"{strategy}+pp"
+
+
 def closest_family(hw_name: str, strategy: str) -> tuple:
     """(family, held-out median |error|) of the validated family closest to this chip and strategy, or
-    ("", None) when no family has been validated."""
+    ("", None) when no family has been validated. A pipelined strategy ("...+pp") is closest to the pipelined
+    family, then to its SPMD part's."""
     chip = CHIP.get(hw_name, hw_name)
     chips = (chip,) + NEAR_CHIPS.get(chip, ())
-    strategies = (strategy,) + NEAR_STRATEGIES.get(strategy, ())
+    if strategy.endswith("+pp"):
+        base = strategy[:-3]
+        strategies = (strategy, "tp+pp", base) + NEAR_STRATEGIES.get(base, ())
+        strategies = tuple(dict.fromkeys(strategies))
+    else:
+        strategies = (strategy,) + NEAR_STRATEGIES.get(strategy, ())
     ranked = sorted(((si + ci, ci), f"{c}/{s}") for si, s in enumerate(strategies) for ci, c in enumerate(chips))
     for _, fam in ranked:
         if fam in FAMILY_ERROR:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ..contract import META_ACTION, META_STAGE
 from ..lower.pipeline import pp_transfer
 from .comm import check_mesh, gpu_group
-from .confidence import closest_family, strategy_of
+from .confidence import closest_family, pipelined, strategy_of
 from .hardware import Hardware
 from .memory import analyze_memory
 from .report import SimReport
@@ -150,7 +150,7 @@ def _report(lines, spans, spec, nodes, facts, hw, sent: int, n_sent: int, stage_
     peak_flops = hw.peak_flops(max(by_dtype, key=by_dtype.get) if by_dtype else "bfloat16")
     timings = [c for line in lines for c in line.timings]
     declared = {c.tactic: c.family for c in timings if c.family}
-    family, conf = closest_family(hw.name, strategy_of([c.tactic for c in timings], declared))
+    family, conf = closest_family(hw.name, pipelined(strategy_of([c.tactic for c in timings], declared)))
     notes = [n for line in lines for n in line.notes] + sim.lines()
     rep = SimReport(step_time_s=step, compute_s=slow.compute_s, comm_s=slow.comm_s, exposed_comm_s=slow.exposed,
                     peak_memory_bytes=max(peaks), memory_breakdown={}, model_flops=flops,
