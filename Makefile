@@ -39,7 +39,7 @@ install-timm: $(TIMM_VENV)/.installed
 $(XLA_VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(XPY) || python3 -m venv $(XLA_VENV)
 	$(XPY) -m pip install -q --upgrade pip setuptools
-	$(XPY) -m pip install -q "torch==2.9.0" "torch-xla==2.9.0" numpy tabulate $(TEST_TOOLS)
+	$(XPY) -m pip install -q "torch==2.9.0" "torch-xla==2.9.0" numpy tabulate $(TEST_TOOLS) "transformers==5.24.0"
 	$(XPY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
