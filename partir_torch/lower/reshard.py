@@ -274,7 +274,10 @@ def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tacti
                 cur_dims[d].append(axis)
                 del pending[axis]
                 progress = True
-    for axis, op in list(pending.items()):
+    # the latest tactic's axis first, the first tactic's (data parallelism's, for a gradient) last: a gradient that
+    # sequence parallelism also left partial on the tensor-parallel axis is reduced there first, so its
+    # data-parallel all_reduce is the last of its chain and joins its neighbours' bucket (lower/bucket.py)
+    for axis, op in reversed(list(pending.items())):
         if dst.partial_op(axis) == op:
             continue
         x, shape = all_reduce(em, x, shape, op, axis, dtype, value, tactic_of(axis))
