@@ -288,7 +288,7 @@ def why_line(records) -> str:
                 count[m.why] += 1
                 size[m.why] += m.nbytes
     return "collectives by why: " + ", ".join(f"{w} {count[w]}" + (f" ({_fmt_bytes(size[w])})" if count[w] else "")
-                                              for w in WHYS)
+                                              for w in WHYS if w in WHYS[:4] or count[w])
 
 
 def reshard_groups(records) -> list:

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_mutation, sync_functional_tensor, to_fun
 
-from ..contract import META_ACCUMULATE, META_NAME, META_OUTPUT, META_ROLE, forward_nodes, stamp_phases
+from ..contract import META_ACCUMULATE, META_CLIP, META_NAME, META_OUTPUT, META_ROLE, forward_nodes, stamp_phases
 from ..errors import PartitionError, TraceError, user_stacklevel, warn
 from .branches import Recorder, add_checks, lift_draws, python_draws
 from .decompositions import capture_decompositions
@@ -332,14 +332,26 @@ def _clip_by_global_norm(grads: dict, max_norm: float, like: dict) -> tuple:
     the sum is partial and is reduced on the axes it is tiled on, a replicated one is counted once. Each square
     is taken as addcmul(zeros_like(s), g, g) (exactly g * g) with s the parameter's optimizer state (else the
     parameter): the zeros carry the state's layout and sit in the optimizer region, so a gradient is squared in
-    the layout the update reads it in (a ZeRO shard after its reduce_scatter), not gathered whole for the norm."""
+    the layout the update reads it in (a ZeRO shard after its reduce_scatter), not gathered whole for the norm.
+    The ops are tagged (META_CLIP, fx custom meta) for a pipeline's lowering, which sums each stage's squares on
+    its own ranks and all-reduces the partial totals on the pipeline axis (lower/pipeline.py)."""
     total = None
     for k, g in grads.items():
-        sq = torch.addcmul(torch.zeros_like(like[k], dtype=torch.float32), g.float(), g.float()).sum()
-        total = sq if total is None else total + sq
-    norm = total.sqrt()
-    coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
-    return {k: g * coef.to(g.dtype) for k, g in grads.items()}, norm
+        with _clip_tag("square"):
+            sq = torch.addcmul(torch.zeros_like(like[k], dtype=torch.float32), g.float(), g.float()).sum()
+        with _clip_tag("sum"):
+            total = sq if total is None else total + sq
+    with _clip_tag("coef"):
+        norm = total.sqrt()
+        coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+    with _clip_tag("scale"):
+        return {k: g * coef.to(g.dtype) for k, g in grads.items()}, norm
+
+
+@contextlib.contextmanager
+def _clip_tag(what: str):
+    with fx_traceback.preserve_node_meta(), fx_traceback.annotate({META_CLIP: what}):
+        yield
 
 
 @dataclass

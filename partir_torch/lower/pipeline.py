@@ -22,14 +22,19 @@ simulator (sim/pipeline.py) times each rank's actions and the transfers between 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..contract import META_ACTION, META_MICRO, META_SRC, META_STAGE, Phase, phase_of
+from ..contract import (META_ACTION, META_CLIP, META_COLLECTIVE, META_IN_SHAPE, META_LOCAL_SHAPE, META_MICRO,
+                        META_SRC, META_STAGE, Phase, phase_of)
 from ..errors import InternalError, PartitionError
+from .records import ALL_REDUCE, GRAD_NORM, CollectiveRecord
 
 PIPELINE_AXIS = "partir_pipeline_axis"     # gm.meta key: the pipeline axis of a pipelined program
+SYNC = (None, "R", 0)      # the action every rank of the axis runs together: the all_reduces on the pipeline axis
+_c10d = torch.ops._c10d_functional
+_LINEAR = (_c10d.all_reduce.default, _c10d.wait_tensor.default)
 
 
 def pp_transfer(x: torch.Tensor, src: int, dst: int, group: str) -> torch.Tensor:
@@ -37,6 +42,13 @@ def pp_transfer(x: torch.Tensor, src: int, dst: int, group: str) -> torch.Tensor
     the same coordinates on the other axes. On one device (fake propagation, the LocalTensorMode cross-check, where
     every rank computes every stage) it is a copy; the emulator (runtime/interpret.py) and real ranks hand it over."""
     return x.clone()
+
+
+def pp_select(*parts):
+    """The operand of an all_reduce on the pipeline axis: parts[c] is computed by the ranks at coordinate c, and every
+    rank contributes its own. The emulator runs it on every rank with the other coordinates' parts absent (None);
+    real ranks (runtime/p2p.py) read their own; on one device (fake propagation) it is the first."""
+    return next(x for x in parts if x is not None)
 
 
 @dataclass(frozen=True)
@@ -52,9 +64,10 @@ class Pipelined:
         return self.spec.axis
 
 
-def rank_orders(spec) -> list:
+def rank_orders(spec, sync: bool = False) -> list:
     """Per rank of the pipeline axis, its actions in the order the schedule runs them (then the optimizer update
-    of each of its stages). GPipe: every forward, then every backward. 1F1B (PipeDream-flush, Narayanan et al.
+    of each of its stages; sync: first each stage's "N" action, the squared gradients it contributes to the norm,
+    and SYNC, the all_reduces on the pipeline axis that every rank runs together). GPipe: every forward, then every backward. 1F1B (PipeDream-flush, Narayanan et al.
     2021): p - 1 - r forwards to warm up, then one forward and one backward in turn, then the remaining backwards.
     Interleaved1F1B (Megatron-LM's virtual stages, rank r holding stages r, r + p, ...): the same with the
     micro-batches in groups of p, each group through every chunk in turn, warm-up (p - r - 1) * 2 + (v - 1) * p."""
@@ -87,6 +100,8 @@ def rank_orders(spec) -> list:
             for i in range(n - warm):
                 acts += [fwd(warm + i), bwd(i)]
             acts += [bwd(k) for k in range(n - warm, n)]
+        if sync:
+            acts += [(s, "N", 0) for s in range(r, spec.n_stages, p)] + [SYNC]
         acts += [(s, "U", 0) for s in range(r, spec.n_stages, p)]
         out.append(acts)
     return out
@@ -102,16 +117,19 @@ def pipeline_program(low, spec, captured):
     cap_nodes = {n.name: n for n in captured.gm.graph.nodes}
     stage = _stages(g, spec)
     _copy_free(g, stage, spec)
-    orders = rank_orders(spec)
+    everywhere, parts = _clip_norm(g, stage, spec, cap_nodes, low)
+    orders = rank_orders(spec, sync=bool(everywhere))
     pos = {a: i for acts in orders for i, a in enumerate(acts)}
     act = _actions(g, stage, cap_nodes, pos)
+    _norm_actions(act, parts)
+    act.update((n, SYNC) for n in everywhere)
     transfers = _transfers(g, stage, act, spec)
     order = _merge(g, act, orders, pos, spec)
     prev = next(n for n in reversed(list(g.nodes)) if n.op == "placeholder")
     for n in order:
         prev.append(n)
         prev = n
-        n.meta[META_STAGE] = spec.rank_of(stage[n])
+        n.meta[META_STAGE] = spec.rank_of(stage[n]) if n in stage else None     # None: every rank of the axis
         n.meta[META_ACTION] = act[n]
     g.lint()
     low.gm.recompile()
@@ -155,6 +173,110 @@ def _copy_free(g, stage, spec) -> None:
             for u in list(n.users):
                 if stage.get(u) == s:
                     u.replace_input_with(n, c)
+
+
+def _clip_tag(node):
+    return None if node is None else (node.meta.get("custom") or {}).get(META_CLIP)
+
+
+def _clip_norm(g, stage, spec, cap_nodes, low) -> tuple:
+    """clip_grad_norm across stages. The captured total is one running sum of every gradient's squares (with the
+    collectives lowering put on it for the other axes: adds and all_reduces, all linear); here each rank of the
+    pipeline axis sums its own stages' squares (a copy of that running sum in which the other ranks' squares are
+    left out), the ranks' partial totals are all-reduced on the pipeline axis, and the norm and the clipping factor
+    are computed on every rank, so each stage scales its gradients by the same factor. Returns (the nodes every rank
+    runs, the ranks' partial totals); ((), ()) when the step does not clip."""
+    tag = lambda n: _clip_tag(cap_nodes.get(n.meta.get(META_SRC)))     # noqa: E731
+    sqrt = next((n for n in g.nodes if n.op == "call_function" and tag(n) == "coef"), None)
+    if sqrt is None:
+        return set(), []
+    root = sqrt.args[0]
+    region, todo = set(), [root]
+    while todo:
+        x = todo.pop()
+        if x not in region and (tag(x) == "sum" or x.target in _LINEAR and META_SRC not in x.meta):
+            region.add(x)
+            todo.extend(x.all_input_nodes)
+    inside = [n for n in g.nodes if n in region]
+    leaves = {a for n in inside for a in n.all_input_nodes if a not in region} | ({root} - region)
+    if any(x not in stage for x in leaves):
+        raise InternalError(f"pipeline: clip_grad_norm's squared gradients {sorted(x.name for x in leaves)} are not "
+                            f"all on a stage.")
+    parts = []
+    for c in range(spec.ranks):
+        env: dict = {}
+
+        def mine(x, c=c, env=env):
+            return env[x] if x in region else x if spec.rank_of(stage[x]) == c else None
+        for n in inside:
+            xs = [mine(a) for a in n.all_input_nodes]
+            if all(x is None for x in xs):
+                env[n] = None
+            elif n.target is torch.ops.aten.add.Tensor and None in xs:     # x + (another rank's squares) -> x
+                env[n] = next(x for x in xs if x is not None)
+            else:
+                with g.inserting_before(n):
+                    env[n] = cp = g.node_copy(n, mine)
+                stage[cp] = max(stage[x] for x in xs if x is not None)
+                if META_COLLECTIVE in n.meta:
+                    cp.meta[META_COLLECTIVE] = replace(n.meta[META_COLLECTIVE], node=cp.name)
+                    low.records.append(cp.meta[META_COLLECTIVE])
+        part = mine(root)
+        if part is None:            # a rank whose stages have no gradient: it adds zero
+            with g.inserting_before(sqrt):
+                part = g.call_function(torch.ops.aten.zeros_like.default, (_scalar_input(g, stage),),
+                                       {"dtype": root.meta["val"].dtype})
+            part.meta.update({k: v for k, v in root.meta.items() if k in ("val", META_LOCAL_SHAPE)})
+            stage[part] = c
+        parts.append(part)
+    with g.inserting_before(sqrt):
+        sel = g.call_function(pp_select, tuple(parts))
+        ar = g.call_function(_c10d.all_reduce.default, (sel, "sum", f"partir_{spec.axis}"))
+        total = g.call_function(_c10d.wait_tensor.default, (ar,))
+    v = root.meta.get("val")
+    for x in (sel, ar, total):
+        x.meta.update({k: v for k, v in root.meta.items() if k in ("val", META_LOCAL_SHAPE)})
+    ar.meta[META_IN_SHAPE] = tuple(v.shape) if v is not None else ()
+    nbytes = v.numel() * v.element_size() if v is not None else 4
+    ar.meta[META_COLLECTIVE] = rec = CollectiveRecord(
+        ALL_REDUCE, spec.axis, spec.ranks, nbytes, str(v.dtype if v is not None else "float32").replace("torch.", ""),
+        spec.name, "grad_norm", ar.name, reduce_op="sum", phase="optimizer", family="pipeline", why=GRAD_NORM,
+        op=str(sqrt.target))
+    low.records.append(rec)
+    sqrt.replace_input_with(root, total)
+    for n in reversed(inside):
+        if not n.users:
+            g.erase_node(n)
+            stage.pop(n, None)
+    every = {sel, ar, total}
+    for n in g.nodes:      # the norm and the clipping factor: every rank computes them from the total
+        ins = n.all_input_nodes
+        if n.op == "call_function" and tag(n) in ("coef", "scale") and any(a in every for a in ins) \
+                and all(a in every or a not in stage for a in ins):
+            every.add(n)
+            stage.pop(n, None)
+    return every, parts
+
+
+def _scalar_input(g, stage):
+    """An input every rank holds, of shape () (a hyperparameter or the step count)."""
+    for n in g.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder" and n not in stage and isinstance(v, torch.Tensor) and v.dim() == 0:
+            return n
+    raise InternalError("pipeline: clip_grad_norm found no scalar input for a rank that holds no gradient.")
+
+
+def _norm_actions(act, parts) -> None:
+    """The ranks' partial totals and what of their stage's update they read (the squares) move from the update
+    "U" to the stage's "N" action, which runs before the ranks meet in SYNC."""
+    todo = list(parts)
+    while todo:
+        x = todo.pop()
+        a = act.get(x)
+        if a is not None and a[1] == "U":
+            act[x] = (a[0], "N", 0)
+            todo.extend(x.all_input_nodes)
 
 
 def _actions(g, stage, cap_nodes, pos) -> dict:
@@ -213,7 +335,8 @@ def _transfers(g, stage, act, spec) -> list:
 
 def _merge(g, act, orders, pos, spec) -> list:
     """The nodes in one program order: each rank's actions in its schedule's order, merged so that an action comes
-    after every action it reads from (round by round); within an action, the lowered order."""
+    after every action it reads from (round by round; SYNC once every rank has reached it); within an action, the
+    lowered order."""
     deps: dict = {a: set() for acts in orders for a in acts}
     members: dict = {a: [] for a in deps}
     for n in g.nodes:
@@ -225,7 +348,7 @@ def _merge(g, act, orders, pos, spec) -> list:
             b = act.get(x)
             if b is None or b == a:
                 continue
-            if spec.rank_of(b[0]) == spec.rank_of(a[0]):
+            if SYNC not in (a, b) and spec.rank_of(b[0]) == spec.rank_of(a[0]):
                 if pos[b] > pos[a]:
                     raise InternalError(f"pipeline: {n.name} in action {a} reads {x.name} of the later action {b} "
                                         f"on the same rank ({spec.schedule}).")
@@ -233,11 +356,16 @@ def _merge(g, act, orders, pos, spec) -> list:
             deps[a].add(b)
     done, ptr, out = set(), [0] * len(orders), []
     while any(ptr[r] < len(orders[r]) for r in range(len(orders))):
-        ready = [orders[r][ptr[r]] for r in range(len(orders))
-                 if ptr[r] < len(orders[r]) and deps[orders[r][ptr[r]]] <= done]
+        heads = {r: orders[r][ptr[r]] for r in range(len(orders)) if ptr[r] < len(orders[r])}
+        ready = [a for a in heads.values() if a != SYNC and deps[a] <= done]
+        if not ready and len(heads) == len(orders) and all(a == SYNC for a in heads.values()) \
+                and deps[SYNC] <= done:
+            out.extend(members[SYNC])
+            ptr = [p + 1 for p in ptr]
+            done.add(SYNC)
+            continue
         if not ready:
-            stuck = {r: orders[r][ptr[r]] for r in range(len(orders)) if ptr[r] < len(orders[r])}
-            raise InternalError(f"pipeline: the {spec.schedule} schedule deadlocks at {stuck}.")
+            raise InternalError(f"pipeline: the {spec.schedule} schedule deadlocks at {heads}.")
         for a in ready:
             out.extend(members[a])
             ptr[spec.rank_of(a[0])] += 1

@@ -14,7 +14,9 @@ captured step to a stage, and the pipeline axis stays whole (no value is tiled o
 - an op outside every stage's modules (the loss, the gradient sums, the optimizer update of a parameter) to the
   latest stage among its operands; an op of none (slicing the batch into micro-batches) to every stage that
   reads it (lowering copies it);
-- parameters, buffers and optimizer state to the stage of their module.
+- parameters, buffers and optimizer state to the stage of their module;
+- with clip_grad_norm, a gradient's scaling to the gradient's stage (lowering computes the norm on every rank from
+  the stages' partial sums of squares, all-reduced on the axis).
 
 Lowering (lower/pipeline.py) then runs each stage's ops on the ranks of its coordinate on the axis, in the
 schedule's order per micro-batch, and turns every value crossing a stage boundary into a point-to-point transfer
@@ -29,7 +31,7 @@ from types import MappingProxyType
 
 import torch
 
-from ..contract import META_MICRO, META_MODULE, META_NAME, META_ROLE, RANDOM_OPS, Phase, Role, phase_of
+from ..contract import META_CLIP, META_MICRO, META_MODULE, META_NAME, META_ROLE, RANDOM_OPS, Phase, Role, phase_of
 from ..errors import PartitionError, warn
 from .base import declare
 from .structure import param_source
@@ -49,6 +51,7 @@ class PipelineSpec:
     stage_of: MappingProxyType    # captured node name -> stage (absent: the node belongs to no stage)
     modules: tuple                # per stage: the module FQN globs (as given, or as the balanced cut chose)
     params: tuple                 # per stage: the parameter FQNs it owns
+    name: str = "PP"              # the tactic's name (the pipeline axis's collectives record it)
 
     def rank_of(self, stage: int) -> int:
         """The coordinate on the axis that runs `stage`: stage s on rank s % ranks (interleaved: rank r runs
@@ -130,9 +133,6 @@ class Pipeline:
             raise PartitionError(f"{self.name}: the step was captured with {s.get('accumulate', 1)} micro-batches and "
                                  f"the pipeline runs {self.n_microbatches}; pt.partition(..., accumulate=) must be "
                                  f"{self.n_microbatches} or left at 1 (the pipeline sets it).")
-        if s.get("clip_grad_norm") is not None:
-            raise PartitionError(f"{self.name}: clip_grad_norm with a pipeline is not supported yet (the global norm "
-                                 f"sums every stage's gradients); leave clip_grad_norm=None.")
         globs = self.stages if not isinstance(self.stages, int) else balanced_cut(cap, self.stages)
         spec = assign_stages(cap, globs, self, ranks)
         ctx.planning.pipeline = spec
@@ -216,7 +216,9 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
             continue
         ins = [stage[a] for a in n.all_input_nodes if stage.get(a) is not None]
         s = stage_of_module(n.meta.get(META_MODULE))
-        if s is None:
+        if (n.meta.get("custom") or {}).get(META_CLIP) == "scale" and stage.get(n.args[0]) is not None:
+            s = stage[n.args[0]]      # clip_grad_norm scales a gradient on its own stage (by the factor every rank has)
+        elif s is None:
             s = max(ins) if ins else None
         elif phase_of(n) == Phase.FORWARD and ins and max(ins) > s:
             late = next(a for a in n.all_input_nodes if stage.get(a) == max(ins))
@@ -238,7 +240,7 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
                                  f"needs some of the model.")
     return PipelineSpec(tactic.axis, tactic.schedule, len(globs), ranks, tactic.n_microbatches,
                         MappingProxyType({n.name: s for n, s in stage.items()}), tuple(tuple(g) for g in globs),
-                        tuple(tuple(p) for p in params))
+                        tuple(tuple(p) for p in params), tactic.name)
 
 
 def _first_reader(node, stage_of_module, last: int) -> int:
