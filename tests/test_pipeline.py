@@ -18,7 +18,7 @@ from partir_torch.contract import META_ACTION, META_MODULE, META_STAGE, Phase, p
 from partir_torch.errors import PartitionError
 from partir_torch.lower.pipeline import pp_transfer, rank_orders
 from examples.models import get
-from tests.harness import adamw, train_next_to_eager
+from tests.harness import LOSS_RTOL, adamw, assert_parameters_equal, train_next_to_eager
 
 T = pt.tactics
 LLAMA = get("llama", layers=4)
@@ -106,6 +106,53 @@ def test_new_batch_shape_and_eval_step():
     with torch.no_grad():
         want = LLAMA.loss_fn(ref.eval(), *batch)
     torch.testing.assert_close(prog.eval_step(*batch), want, rtol=1e-5, atol=0)
+
+
+# -- clip_grad_norm -------------------------------------------------------------------------------------------------
+def _clip_parity(mesh, schedule, steps=2):
+    """clip_grad_norm at 1/4 of the first step's global norm (so clipping acts): losses, the norm before clipping and
+    the parameters after `steps` AdamW steps equal one device's clip_grad_norm_."""
+    model = LLAMA.build()
+    ref = copy.deepcopy(model)
+    batch = LLAMA.batch(8)
+    probe = copy.deepcopy(model)
+    LLAMA.loss_fn(probe, *batch).backward()
+    max_norm = 0.25 * torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf")).item()
+    prog = pt.partition(model, pt.Mesh(mesh), schedule, example_inputs=batch, loss_fn=LLAMA.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), clip_grad_norm=max_norm)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(steps):
+        got = prog.train_step(*batch)
+        opt.zero_grad()
+        want = LLAMA.loss_fn(ref, *batch)
+        want.backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        opt.step()
+        assert norm > max_norm
+        torch.testing.assert_close(got, want.detach(), rtol=LOSS_RTOL, atol=0, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(prog.last_grad_norm, norm, rtol=LOSS_RTOL, atol=0)
+    assert_parameters_equal(prog, ref, what=str(mesh))
+    return prog
+
+
+@pytest.mark.parametrize("mesh, schedule", [
+    ({"pp": 2}, [T.pipeline("pp", 2, "1F1B", 4)]),
+    ({"pp": 2}, [T.pipeline("pp", 4, "Interleaved1F1B", 4)]),
+    ({"pp": 2, "dp": 2}, [T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("dp"), T.zero(3, "dp")]),
+], ids=["pp2", "interleaved", "pp2-dp2-zero3"])
+def test_clip_grad_norm_sums_every_stage(mesh, schedule):
+    prog = _clip_parity(mesh, schedule)
+    pp = [r for r in prog.collectives() if r.axis == "pp"]
+    assert [(r.kind, r.why, r.value, r.nbytes) for r in pp] == [("all_reduce", "grad norm", "grad_norm", 4)]
+    assert "grad norm 1 (4 B)" in prog.summary()
+    sim = prog.simulate(pt.sim.hardware("h100", gpus_per_node=prog.plan.mesh.size), stages=False)
+    assert any(c.axis == "pp" and c.kind == "all_reduce" and c.time_s > 0 for c in sim.collectives)
+
+
+def test_clip_grad_norm_with_megatron():
+    with pytest.warns(UserWarning, match="output.weight"):
+        _clip_parity({"pp": 2, "dp": 2, "tp": 2}, [T.pipeline("pp", 2, "GPipe", 4), T.data_parallel("dp"),
+                                                   T.megatron("tp")], steps=1)
 
 
 # -- the cut -------------------------------------------------------------------------------------------------------
