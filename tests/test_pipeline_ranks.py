@@ -10,7 +10,10 @@ isend/recv on the pp axis (runtime/p2p.py).
 Phase "dcp": 1F1B on {pp: 2, dp: 2}; after one step prog.state_dict() (each rank: its stage's values, DTensors on
 its stage's dp sub-mesh) is saved with torch.distributed.checkpoint; a second step runs; a new program of a fresh
 model loads the checkpoint into its own state_dict() and runs the second step again: the same loss and parameters,
-bitwise."""
+bitwise.
+
+Phase "clip": 1F1B on {pp: 2, dp: 2} with clip_grad_norm below the gradient norm: losses, norms and parameters
+equal one device's clip_grad_norm_ (the stages' partial sums of squares all-reduced on pp)."""
 from __future__ import annotations
 
 import os
@@ -58,6 +61,29 @@ def _phase_dcp(pt, spec, batch, ckpt):
             "params_equal": all(torch.equal(got_params[k], v) for k, v in want_params.items())}
 
 
+def _max_norm(spec, batch) -> float:
+    """A clip threshold at 1/4 of the first step's global gradient norm: clipping acts."""
+    probe = spec.build()
+    spec.loss_fn(probe, *batch).backward()
+    return 0.25 * torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf")).item()
+
+
+def _phase_clip(pt, spec, batch):
+    """1F1B on {pp: 2, dp: 2} with clip_grad_norm: each rank's stage sums its squared gradients, the partial sums
+    are all-reduced on pp, every stage scales by the same factor."""
+    model = spec.build()
+    prog = pt.partition(model, pt.Mesh({"pp": 2, "dp": 2}),
+                        [pt.tactics.pipeline("pp", 2, "1F1B", 4), pt.tactics.data_parallel("dp")],
+                        example_inputs=batch, loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR), clip_grad_norm=_max_norm(spec, batch))
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(prog.train_step(*batch).item())
+        norms.append(prog.last_grad_norm.item())
+    return {"losses": losses, "norms": norms,
+            "params": {k: v.tolist() for k, v in prog.gather_parameters().items()}}
+
+
 def _worker(rank, port, ckpt, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -90,6 +116,8 @@ def _worker(rank, port, ckpt, queue):
                          "coord": mesh.coordinate(rank)["pp"]}
             dist.barrier()
         out["dcp"] = _phase_dcp(pt, spec, batch, ckpt)
+        dist.barrier()
+        out["clip"] = _phase_clip(pt, spec, batch)
     except Exception:  # noqa: BLE001 - reported to the parent
         out["fatal"] = traceback.format_exc()
     queue.put(out)
@@ -106,21 +134,27 @@ def ranks():
     return spawn_ranks(_worker, WORLD, SPAWN_TIMEOUT_S, prefix="partir_pp_dcp_")
 
 
-def _reference():
+def _reference(clip: bool = False):
+    """One device's losses and parameters after STEPS AdamW steps (clip: with clip_grad_norm_, and its norms)."""
     from examples.models import get
 
     spec = get("llama", layers=4)
     batch = spec.batch(8)
+    max_norm = _max_norm(spec, batch) if clip else None
     ref = spec.build()
     opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    losses = []
+    losses, norms = [], []
     for _ in range(STEPS):
         opt.zero_grad()
         loss = spec.loss_fn(ref, *batch)
         loss.backward()
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm).item())
+            assert norms[-1] > max_norm
         opt.step()
         losses.append(loss.item())
-    return losses, {k: p.detach() for k, p in ref.named_parameters()}
+    params = {k: p.detach() for k, p in ref.named_parameters()}
+    return (losses, params, norms) if clip else (losses, params)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -151,3 +185,16 @@ def test_dcp_saves_each_stage_from_its_ranks_and_resumes(ranks):
     # the stages' keys together: one FQN space, every parameter once
     by_stage = {tuple(r["dcp"]["keys"]) for r in ranks.values()}
     assert len(by_stage) == 2 and set().union(*by_stage) >= names and not set.intersection(*map(set, by_stage))
+
+
+def test_clip_grad_norm_on_gloo_ranks_equals_one_device(ranks):
+    want_losses, want_params, want_norms = _reference(clip=True)
+    for rank, r in sorted(ranks.items()):
+        got = r["clip"]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses), rtol=LOSS_RTOL, atol=0,
+                                   msg=lambda m: f"rank {rank} clip losses: {m}")
+        torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(want_norms), rtol=LOSS_RTOL, atol=0,
+                                   msg=lambda m: f"rank {rank} clip norms: {m}")
+        for k, w in want_params.items():
+            torch.testing.assert_close(torch.tensor(got["params"][k]), w, rtol=PARAM_RTOL, atol=PARAM_ATOL,
+                                       msg=lambda m: f"rank {rank} clip {k}: {m}")
