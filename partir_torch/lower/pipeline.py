@@ -27,14 +27,20 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..contract import (META_ACTION, META_CLIP, META_COLLECTIVE, META_IN_SHAPE, META_LOCAL_SHAPE, META_MICRO,
-                        META_SRC, META_STAGE, Phase, phase_of)
+                        META_NAME, META_SRC, META_STAGE, Phase, phase_of)
 from ..errors import InternalError, PartitionError
-from .records import ALL_REDUCE, GRAD_NORM, CollectiveRecord
+from .records import ALL_REDUCE, GRAD_NORM, TIED as TIED_WHY, CollectiveRecord
 
 PIPELINE_AXIS = "partir_pipeline_axis"     # gm.meta key: the pipeline axis of a pipelined program
-SYNC = (None, "R", 0)      # the action every rank of the axis runs together: the all_reduces on the pipeline axis
+# Actions every rank of the axis runs together (nodes with META_STAGE None), after the last backward: TIED, the
+# all_reduce of tied weights' gradients; NORM, clip_grad_norm's all_reduce of the ranks' sums of squares (after each
+# stage's "N" action, its squares); END, after the updates: each rank's own copy of a tied weight as the output.
+TIED, NORM, END = (None, "T", 0), (None, "R", 0), (None, "E", 0)
 _c10d = torch.ops._c10d_functional
-_LINEAR = (_c10d.all_reduce.default, _c10d.wait_tensor.default)
+_aten = torch.ops.aten
+# ops lowering adds that are linear in their operand (f(a + b) = f(a) + f(b)): a sum split by stage passes them
+_LINEAR = (_c10d.all_reduce.default, _c10d.reduce_scatter_tensor.default, _c10d.all_gather_into_tensor.default,
+           _c10d.wait_tensor.default)
 
 
 def pp_transfer(x: torch.Tensor, src: int, dst: int, group: str) -> torch.Tensor:
@@ -47,8 +53,9 @@ def pp_transfer(x: torch.Tensor, src: int, dst: int, group: str) -> torch.Tensor
 def pp_select(*parts):
     """The operand of an all_reduce on the pipeline axis: parts[c] is computed by the ranks at coordinate c, and every
     rank contributes its own. The emulator runs it on every rank with the other coordinates' parts absent (None);
-    real ranks (runtime/p2p.py) read their own; on one device (fake propagation) it is the first."""
-    return next(x for x in parts if x is not None)
+    real ranks (runtime/p2p.py) read their own; on one device (fake propagation) it is the first. As an output of
+    the step (a tied weight), each holder's own copy, None on the ranks that do not hold it."""
+    return next((x for x in parts if x is not None), None)
 
 
 @dataclass(frozen=True)
@@ -64,10 +71,10 @@ class Pipelined:
         return self.spec.axis
 
 
-def rank_orders(spec, sync: bool = False) -> list:
-    """Per rank of the pipeline axis, its actions in the order the schedule runs them (then the optimizer update
-    of each of its stages; sync: first each stage's "N" action, the squared gradients it contributes to the norm,
-    and SYNC, the all_reduces on the pipeline axis that every rank runs together). GPipe: every forward, then every backward. 1F1B (PipeDream-flush, Narayanan et al.
+def rank_orders(spec, tokens=()) -> list:
+    """Per rank of the pipeline axis, its actions in the order the schedule runs them, then the optimizer update
+    of each of its stages; `tokens` (of TIED, NORM, END): TIED after the backwards, each stage's "N" action (the
+    squared gradients it contributes to the norm) and NORM before the updates, END after them. GPipe: every forward, then every backward. 1F1B (PipeDream-flush, Narayanan et al.
     2021): p - 1 - r forwards to warm up, then one forward and one backward in turn, then the remaining backwards.
     Interleaved1F1B (Megatron-LM's virtual stages, rank r holding stages r, r + p, ...): the same with the
     micro-batches in groups of p, each group through every chunk in turn, warm-up (p - r - 1) * 2 + (v - 1) * p."""
@@ -100,9 +107,13 @@ def rank_orders(spec, sync: bool = False) -> list:
             for i in range(n - warm):
                 acts += [fwd(warm + i), bwd(i)]
             acts += [bwd(k) for k in range(n - warm, n)]
-        if sync:
-            acts += [(s, "N", 0) for s in range(r, spec.n_stages, p)] + [SYNC]
+        if TIED in tokens:
+            acts.append(TIED)
+        if NORM in tokens:
+            acts += [(s, "N", 0) for s in range(r, spec.n_stages, p)] + [NORM]
         acts += [(s, "U", 0) for s in range(r, spec.n_stages, p)]
+        if END in tokens:
+            acts.append(END)
         out.append(acts)
     return out
 
@@ -116,13 +127,16 @@ def pipeline_program(low, spec, captured):
     g = low.gm.graph
     cap_nodes = {n.name: n for n in captured.gm.graph.nodes}
     stage = _stages(g, spec)
-    _copy_free(g, stage, spec)
-    everywhere, parts = _clip_norm(g, stage, spec, cap_nodes, low)
-    orders = rank_orders(spec, sync=bool(everywhere))
+    every = _tied_weights(g, stage, spec, cap_nodes, low, captured)      # token -> nodes every rank runs
+    _copy_free(g, stage, spec, set().union(*every.values()))
+    every[NORM], parts = _clip_norm(g, stage, spec, cap_nodes, low)
+    every = {t: ns for t, ns in every.items() if ns}
+    orders = rank_orders(spec, tuple(every))
     pos = {a: i for acts in orders for i, a in enumerate(acts)}
     act = _actions(g, stage, cap_nodes, pos)
     _norm_actions(act, parts)
-    act.update((n, SYNC) for n in everywhere)
+    for t, ns in every.items():
+        act.update((n, t) for n in ns)
     transfers = _transfers(g, stage, act, spec)
     order = _merge(g, act, orders, pos, spec)
     prev = next(n for n in reversed(list(g.nodes)) if n.op == "placeholder")
@@ -147,6 +161,8 @@ def _stages(g, spec) -> dict:
         if n.op == "output":
             continue
         s = spec.stage_of.get(n.name) if n.op == "placeholder" else spec.stage_of.get(n.meta.get(META_SRC))
+        if n.meta.get(META_SRC) in spec.views:
+            continue             # a view of a tied weight: made on each stage that reads it (_copy_free)
         if s is None and n.op != "placeholder":
             ins = [stage[a] for a in n.all_input_nodes if a in stage]
             s = max(ins) if ins else None
@@ -155,11 +171,12 @@ def _stages(g, spec) -> dict:
     return stage
 
 
-def _copy_free(g, stage, spec) -> None:
-    """A free op (it reads only the batch, hyperparameters, coordinates or other free ops) runs on the stage that
-    reads it, copied once per further stage that does (the micro-batch slices of the targets: on the last stage)."""
+def _copy_free(g, stage, spec, every=frozenset()) -> None:
+    """A free op (it reads only the batch, hyperparameters, coordinates, a tied weight through views or other free
+    ops) runs on the stage that reads it, copied once per further stage that does (the micro-batch slices of the
+    targets: on the last stage). `every`: the nodes every rank runs (not free: they have no stage)."""
     for n in reversed(list(g.nodes)):
-        if n.op in ("placeholder", "output") or n in stage:
+        if n.op in ("placeholder", "output") or n in stage or n in every:
             continue
         readers = sorted({stage[u] for u in n.users if u in stage})
         if not readers:                      # read by the step's output only
@@ -181,27 +198,45 @@ def _clip_tag(node):
 
 def _clip_norm(g, stage, spec, cap_nodes, low) -> tuple:
     """clip_grad_norm across stages. The captured total is one running sum of every gradient's squares (with the
-    collectives lowering put on it for the other axes: adds and all_reduces, all linear); here each rank of the
-    pipeline axis sums its own stages' squares (a copy of that running sum in which the other ranks' squares are
-    left out), the ranks' partial totals are all-reduced on the pipeline axis, and the norm and the clipping factor
-    are computed on every rank, so each stage scales its gradients by the same factor. Returns (the nodes every rank
-    runs, the ranks' partial totals); ((), ()) when the step does not clip."""
+    collectives lowering put on it for the other axes, all linear); each rank of the pipeline axis sums its own
+    stages' squares, the ranks' partial totals are all-reduced on the pipeline axis, and the norm and the clipping
+    factor are computed on every rank, so each stage scales its gradients by the same factor. Returns (the nodes
+    every rank runs, the ranks' partial totals); (set(), []) when the step does not clip."""
     tag = lambda n: _clip_tag(cap_nodes.get(n.meta.get(META_SRC)))     # noqa: E731
     sqrt = next((n for n in g.nodes if n.op == "call_function" and tag(n) == "coef"), None)
     if sqrt is None:
         return set(), []
-    root = sqrt.args[0]
+    within = lambda x: tag(x) == "sum" or x.target in _LINEAR and META_SRC not in x.meta     # noqa: E731
+    every, parts = _sum_over_axis(g, stage, spec, low, sqrt.args[0], within, sqrt,
+                                  dict(value="grad_norm", why=GRAD_NORM, phase="optimizer", op=str(sqrt.target),
+                                       shape=(), dtype=torch.float32))
+    for n in g.nodes:      # the norm and the clipping factor: every rank computes them from the total
+        ins = n.all_input_nodes
+        if n.op == "call_function" and tag(n) in ("coef", "scale") and any(a in every for a in ins) \
+                and all(a in every or a not in stage for a in ins):
+            every.add(n)
+            stage.pop(n, None)
+    return every, parts
+
+
+def _sum_over_axis(g, stage, spec, low, root, within, before, record: dict) -> tuple:
+    """`root`, a sum (adds and the linear collectives lowering put on it: the nodes `within` says) of values computed
+    on several stages, as an all_reduce on the pipeline axis of each rank's part: a copy of the sum in which the
+    other ranks' terms are left out (a rank with none adds zeros of record's local shape and dtype). Every reader
+    of root reads the all_reduce's result instead, which every rank holds (record: what its CollectiveRecord
+    says). Returns ({pp_select, all_reduce, wait}, the
+    ranks' parts)."""
     region, todo = set(), [root]
     while todo:
         x = todo.pop()
-        if x not in region and (tag(x) == "sum" or x.target in _LINEAR and META_SRC not in x.meta):
+        if x not in region and within(x):
             region.add(x)
             todo.extend(x.all_input_nodes)
     inside = [n for n in g.nodes if n in region]
     leaves = {a for n in inside for a in n.all_input_nodes if a not in region} | ({root} - region)
     if any(x not in stage for x in leaves):
-        raise InternalError(f"pipeline: clip_grad_norm's squared gradients {sorted(x.name for x in leaves)} are not "
-                            f"all on a stage.")
+        raise InternalError(f"pipeline: the terms {sorted(x.name for x in leaves if x not in stage)} of "
+                            f"{record['value']}'s sum over the stages are on no stage.")
     parts = []
     for c in range(spec.ranks):
         env: dict = {}
@@ -212,7 +247,7 @@ def _clip_norm(g, stage, spec, cap_nodes, low) -> tuple:
             xs = [mine(a) for a in n.all_input_nodes]
             if all(x is None for x in xs):
                 env[n] = None
-            elif n.target is torch.ops.aten.add.Tensor and None in xs:     # x + (another rank's squares) -> x
+            elif n.target is _aten.add.Tensor and None in xs:     # x + (another rank's terms) -> x
                 env[n] = next(x for x in xs if x is not None)
             else:
                 with g.inserting_before(n):
@@ -222,40 +257,130 @@ def _clip_norm(g, stage, spec, cap_nodes, low) -> tuple:
                     cp.meta[META_COLLECTIVE] = replace(n.meta[META_COLLECTIVE], node=cp.name)
                     low.records.append(cp.meta[META_COLLECTIVE])
         part = mine(root)
-        if part is None:            # a rank whose stages have no gradient: it adds zero
-            with g.inserting_before(sqrt):
-                part = g.call_function(torch.ops.aten.zeros_like.default, (_scalar_input(g, stage),),
-                                       {"dtype": root.meta["val"].dtype})
-            part.meta.update({k: v for k, v in root.meta.items() if k in ("val", META_LOCAL_SHAPE)})
+        if part is None:            # a rank with no term: it adds zeros
+            with g.inserting_before(before):
+                part = g.call_function(_aten.new_zeros.default, (_scalar_input(g, stage), list(record["shape"])),
+                                       {"dtype": record["dtype"]})
+            part.meta[META_LOCAL_SHAPE] = tuple(record["shape"])
             stage[part] = c
         parts.append(part)
-    with g.inserting_before(sqrt):
+    with g.inserting_before(before):
         sel = g.call_function(pp_select, tuple(parts))
         ar = g.call_function(_c10d.all_reduce.default, (sel, "sum", f"partir_{spec.axis}"))
         total = g.call_function(_c10d.wait_tensor.default, (ar,))
-    v = root.meta.get("val")
+    shape, dtype = tuple(record["shape"]), record["dtype"]
     for x in (sel, ar, total):
-        x.meta.update({k: v for k, v in root.meta.items() if k in ("val", META_LOCAL_SHAPE)})
-    ar.meta[META_IN_SHAPE] = tuple(v.shape) if v is not None else ()
-    nbytes = v.numel() * v.element_size() if v is not None else 4
+        x.meta[META_LOCAL_SHAPE] = shape
+    ar.meta[META_IN_SHAPE] = shape
+    nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
     ar.meta[META_COLLECTIVE] = rec = CollectiveRecord(
-        ALL_REDUCE, spec.axis, spec.ranks, nbytes, str(v.dtype if v is not None else "float32").replace("torch.", ""),
-        spec.name, "grad_norm", ar.name, reduce_op="sum", phase="optimizer", family="pipeline", why=GRAD_NORM,
-        op=str(sqrt.target))
+        ALL_REDUCE, spec.axis, spec.ranks, nbytes, str(dtype).replace("torch.", ""), spec.name, record["value"],
+        ar.name, reduce_op="sum", phase=record["phase"], family="pipeline", why=record["why"], op=record["op"])
     low.records.append(rec)
-    sqrt.replace_input_with(root, total)
+    for u in list(root.users):
+        if u not in (sel, ar, total) and u not in region:
+            u.replace_input_with(root, total)
     for n in reversed(inside):
         if not n.users:
             g.erase_node(n)
             stage.pop(n, None)
-    every = {sel, ar, total}
-    for n in g.nodes:      # the norm and the clipping factor: every rank computes them from the total
-        ins = n.all_input_nodes
-        if n.op == "call_function" and tag(n) in ("coef", "scale") and any(a in every for a in ins) \
-                and all(a in every or a not in stage for a in ins):
-            every.add(n)
-            stage.pop(n, None)
-    return every, parts
+    return {sel, ar, total}, parts
+
+
+def _numel(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def _tied_weights(g, stage, spec, cap_nodes, low, captured) -> dict:
+    """Tied weights held on several ranks of the axis (Megatron's shared embedding): each holder rank sums its own
+    stages' terms of the weight's gradient (over the micro-batches), the parts are all-reduced on the pipeline axis
+    (TIED), and every holder runs the same update (the owner's ops, copied onto one stage of each other holder rank)
+    on its own copy of the weight and its optimizer state, which stay identical; the step's output of each is, on
+    each rank, its own copy (END). Returns {TIED: nodes, END: nodes} (empty sets when nothing is tied)."""
+    out_node = next(n for n in reversed(g.nodes) if n.op == "output")
+    outs = dict(zip(captured.output_names, out_node.args[0]))
+    phs = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    shapes = {n.meta.get(META_NAME): s for n, s in zip(phs, low.local_shapes)}      # local: the other axes' layout
+    dtypes = {n.meta.get(META_NAME): n.meta["val"].dtype for n in phs}
+    every = {TIED: set(), END: set()}
+    fqns = {}
+    for name, st in spec.tied.items():
+        if name in outs and len(spec.holders(name)) > 1:
+            fqns.setdefault(name.split(".", 2)[2] if name.startswith("opt.") else name[len("params."):], []) \
+                .append(name)
+    for fqn, names in fqns.items():
+        owner = spec.tied[f"params.{fqn}"][0]
+        update, root = _update_of(g, [outs[n] for n in names], stage, cap_nodes)
+        for n in update:
+            stage[n] = owner
+        copies = {spec.rank_of(owner): {}}
+        for h in spec.tied[f"params.{fqn}"]:
+            c = spec.rank_of(h)
+            if c in copies:
+                continue
+            env = copies[c] = {}
+            for n in update:
+                with g.inserting_after(n):
+                    env[n] = g.node_copy(n, lambda a, env=env: env.get(a, a))
+                stage[env[n]] = h
+        nodes, _ = _sum_over_axis(g, stage, spec, low, root, lambda x: _linear_term(x, cap_nodes),
+                                  min(update, key=_order(g)),
+                                  dict(value=f"params.{fqn}", why=TIED_WHY, phase="backward", op="tied weight",
+                                       shape=shapes[f"params.{fqn}"], dtype=dtypes[f"params.{fqn}"]))
+        every[TIED] |= nodes
+        args = list(out_node.args[0])
+        for name in names:
+            o = outs[name]
+            with g.inserting_before(out_node):
+                own = g.call_function(pp_select, tuple(copies[c].get(o, o) if c in copies else None
+                                                       for c in range(spec.ranks)))
+            own.meta.update({k: v for k, v in o.meta.items() if k in ("val", META_LOCAL_SHAPE)})
+            args[captured.output_names.index(name)] = own
+            every[END].add(own)
+        out_node.args = (tuple(args),) + tuple(out_node.args[1:])
+    return every
+
+
+def _order(g):
+    at = {n: i for i, n in enumerate(g.nodes)}
+    return at.__getitem__
+
+
+def _linear_term(x, cap_nodes) -> bool:
+    """A node of a gradient's sum: an add of the backward (micro-batch accumulation, autograd's accumulation of a
+    weight used twice) or a linear collective lowering put on it."""
+    if x.op != "call_function":
+        return False
+    if META_SRC not in x.meta:
+        return x.target in _LINEAR
+    src = cap_nodes.get(x.meta[META_SRC])
+    return x.target is _aten.add.Tensor and not x.kwargs and src is not None and phase_of(src) == Phase.BACKWARD
+
+
+def _update_of(g, outputs, stage, cap_nodes) -> tuple:
+    """(the update's nodes, in program order; the gradient they read): the optimizer-phase ops whose results reach
+    `outputs` (a parameter's and its optimizer state's new values), clip_grad_norm's shared norm excluded."""
+    seen, todo, grads = set(), list(outputs), set()
+    while todo:
+        x = todo.pop()
+        if x in seen or x.op != "call_function":
+            continue
+        src = cap_nodes.get(x.meta.get(META_SRC))
+        if x not in stage:       # free (the step size from the hyperparameters): made where it is read
+            continue
+        if src is None or phase_of(src) != Phase.OPTIMIZER or _clip_tag(src) in ("coef", "sum", "square"):
+            if x in stage and _clip_tag(src) not in ("coef", "sum", "square"):
+                grads.add(x)
+            continue
+        seen.add(x)
+        todo.extend(x.all_input_nodes)
+    if len(grads) != 1:
+        raise InternalError(f"pipeline: a tied weight's update reads {sorted(n.name for n in grads)}, not one "
+                            f"gradient.")
+    return [n for n in g.nodes if n in seen], grads.pop()
 
 
 def _scalar_input(g, stage):
@@ -335,8 +460,8 @@ def _transfers(g, stage, act, spec) -> list:
 
 def _merge(g, act, orders, pos, spec) -> list:
     """The nodes in one program order: each rank's actions in its schedule's order, merged so that an action comes
-    after every action it reads from (round by round; SYNC once every rank has reached it); within an action, the
-    lowered order."""
+    after every action it reads from (round by round; TIED, NORM and END once every rank has reached them); within
+    an action, the lowered order."""
     deps: dict = {a: set() for acts in orders for a in acts}
     members: dict = {a: [] for a in deps}
     for n in g.nodes:
@@ -348,7 +473,7 @@ def _merge(g, act, orders, pos, spec) -> list:
             b = act.get(x)
             if b is None or b == a:
                 continue
-            if SYNC not in (a, b) and spec.rank_of(b[0]) == spec.rank_of(a[0]):
+            if a[0] is not None and b[0] is not None and spec.rank_of(b[0]) == spec.rank_of(a[0]):
                 if pos[b] > pos[a]:
                     raise InternalError(f"pipeline: {n.name} in action {a} reads {x.name} of the later action {b} "
                                         f"on the same rank ({spec.schedule}).")
@@ -357,12 +482,13 @@ def _merge(g, act, orders, pos, spec) -> list:
     done, ptr, out = set(), [0] * len(orders), []
     while any(ptr[r] < len(orders[r]) for r in range(len(orders))):
         heads = {r: orders[r][ptr[r]] for r in range(len(orders)) if ptr[r] < len(orders[r])}
-        ready = [a for a in heads.values() if a != SYNC and deps[a] <= done]
-        if not ready and len(heads) == len(orders) and all(a == SYNC for a in heads.values()) \
-                and deps[SYNC] <= done:
-            out.extend(members[SYNC])
+        ready = [a for a in heads.values() if a[0] is not None and deps[a] <= done]
+        token = heads.get(0)
+        if not ready and token is not None and token[0] is None and len(heads) == len(orders) \
+                and all(a == token for a in heads.values()) and deps[token] <= done:
+            out.extend(members[token])         # every rank has reached it
             ptr = [p + 1 for p in ptr]
-            done.add(SYNC)
+            done.add(token)
             continue
         if not ready:
             raise InternalError(f"pipeline: the {spec.schedule} schedule deadlocks at {heads}.")

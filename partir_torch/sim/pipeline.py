@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..contract import META_ACTION, META_STAGE
-from ..lower.pipeline import SYNC, pp_transfer
+from ..lower.pipeline import pp_transfer
 from .comm import check_mesh, gpu_group
 from .confidence import closest_family, strategy_of
 from .hardware import Hardware
@@ -103,13 +103,13 @@ def simulate_pipeline(gm, mesh, hw: Hardware, pipelined, axis_map=None, stage_na
             continue
         r, a = n.meta[META_STAGE], n.meta[META_ACTION]
         if r is None:        # every rank runs it (an all_reduce on the axis): they meet there, then each steps it
-            if cur[0] != SYNC:
+            if cur[0] != a:
                 t = max(line.t_c for line in lines)
                 for q, line in enumerate(lines):
                     if cur[q] is not None:
                         spans[cur[q]] = (q, spans[cur[q]][1], line.t_c)
-                    line.t_c, cur[q] = t, SYNC
-                spans[SYNC] = (None, t, t)
+                    line.t_c, cur[q] = t, a
+                spans[a] = (None, t, t)
             for line in lines:
                 for x in n.all_input_nodes:
                     line.done.setdefault(x, line.t_c)      # another rank's part of the all_reduce

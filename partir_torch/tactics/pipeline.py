@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
@@ -52,6 +52,16 @@ class PipelineSpec:
     modules: tuple                # per stage: the module FQN globs (as given, or as the balanced cut chose)
     params: tuple                 # per stage: the parameter FQNs it owns
     name: str = "PP"              # the tactic's name (the pipeline axis's collectives record it)
+    # tied weights: a parameter read by several stages (and its optimizer state) -> the stages that hold it, the
+    # first its owner (stage_of); views of it that read nothing else (views), made on each stage that reads them
+    tied: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    views: frozenset = frozenset()
+
+    def holders(self, name: str) -> tuple:
+        """The coordinates on the axis that hold state value `name` (tied weights: several)."""
+        if name in self.tied:
+            return tuple(sorted({self.rank_of(s) for s in self.tied[name]}))
+        return ()
 
     def rank_of(self, stage: int) -> int:
         """The coordinate on the axis that runs `stage`: stage s on rank s % ranks (interleaved: rank r runs
@@ -141,6 +151,12 @@ class Pipeline:
             warn(f"{self.name}: the step draws random numbers ({', '.join(drawn[:3])}); the pipeline runs the "
                  f"micro-batches' forwards in the {self.schedule} order, so the draws (dropout masks) differ from one "
                  f"device's (same distribution, another order). Train with dropout 0 to compare with one device.")
+        for name, st in spec.tied.items():
+            ranks_ = spec.holders(name)
+            how = (f"its gradient is summed over them (all_reduce on '{self.axis}', why 'tied weight') and each "
+                   f"applies the same update" if len(ranks_) > 1 else f"all on rank {ranks_[0]}: no exchange")
+            ctx.note(name, f"{self.name}: tied weight, read by stages {', '.join(map(str, st))}: held by each of "
+                           f"them (ranks {', '.join(map(str, ranks_))} of '{self.axis}'); {how}.")
         sizes = ", ".join(f"{len(p)}" for p in spec.params)
         ctx.remark(self.name, f"{n} stages on axis '{self.axis}' ({self.schedule}, {spec.microbatches} micro-batches); "
                               f"parameters per stage: {sizes}")
@@ -182,10 +198,11 @@ def _state_fqn(name: str) -> str | None:
 
 def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
     """Every op of the captured step -> its stage (see the module docstring); refuses what a pipeline cannot run:
-    a parameter no stage holds, a parameter read by two stages (tied weights), a forward op reading a later
-    stage's value."""
+    a parameter no stage holds, a buffer or optimizer state read by two stages, a forward op reading a later stage's
+    value. A parameter read by several stages (tied weights) is held by each of them (PipelineSpec.tied)."""
     stage_of_module = _matcher(globs)
     updated = {ph for ph, _ in cap.ties}
+    readers: dict = {}          # tied parameter placeholder -> the stages that read it
     stage: dict = {}
     by_param: dict = {}
     params = [[] for _ in globs]
@@ -229,18 +246,46 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
             stage[n] = s
         for a in n.all_input_nodes:
             src = a if a.op == "placeholder" else (param_source(a) or (None,))[0]
-            if src is not None and stage.get(src) is not None and s is not None and stage.get(a) != s:
-                raise PartitionError(f"{tactic.name}: {src.meta.get(META_NAME)} (stage {stage[src]}) is read by "
-                                     f"{n.format_node()} on stage {s}; a value of the step's state must live on one "
-                                     f"stage (tied weights across stages are not supported yet). Put both uses in "
-                                     f"one stage, or untie the weights.")
+            if src is None or stage.get(src) is None or s is None or stage.get(a) == s:
+                continue
+            if src.meta.get(META_ROLE) == Role.PARAM and phase_of(n) != Phase.OPTIMIZER:
+                readers.setdefault(src, {stage[src]}).add(s)       # a tied weight: held by every stage reading it
+                continue
+            if phase_of(n) == Phase.OPTIMIZER and _param_fqn(src) in {_param_fqn(r) for r in readers}:
+                continue         # a tied weight's update: lowering runs it on every stage that holds the weight
+            raise PartitionError(f"{tactic.name}: {src.meta.get(META_NAME)} (stage {stage[src]}) is read by "
+                                 f"{n.format_node()} on stage {s}; a value of the step's state other than a "
+                                 f"parameter must live on one stage. Put both uses in one stage.")
     for i, p in enumerate(params):
         if not p and not any(s == i for s in stage.values()):
             raise PartitionError(f"{tactic.name}: stage {i} ({list(globs[i])}) holds no op of the step; every stage "
                                  f"needs some of the model.")
+    tied, views = _tied(cap, readers, stage)
     return PipelineSpec(tactic.axis, tactic.schedule, len(globs), ranks, tactic.n_microbatches,
-                        MappingProxyType({n.name: s for n, s in stage.items()}), tuple(tuple(g) for g in globs),
-                        tuple(tuple(p) for p in params), tactic.name)
+                        MappingProxyType({n.name: s for n, s in stage.items() if n.name not in views}),
+                        tuple(tuple(g) for g in globs), tuple(tuple(p) for p in params), tactic.name,
+                        MappingProxyType(tied), frozenset(views))
+
+
+def _param_fqn(node) -> str | None:
+    """The parameter FQN of a params.<fqn> or opt.<state>.<fqn> placeholder."""
+    name = node.meta.get(META_NAME, "")
+    return name[len("params."):] if name.startswith("params.") else name.split(".", 2)[2] \
+        if name.startswith("opt.") else None
+
+
+def _tied(cap, readers: dict, stage: dict) -> tuple:
+    """Tied weights ({state value name: holder stages, the owner first}, the names of the ops that only view a tied
+    parameter: casts and transposes, made on each stage that reads them). A parameter's optimizer state is held
+    with it."""
+    if not readers:
+        return {}, set()
+    by_fqn = {_param_fqn(ph): (stage[ph],) + tuple(sorted(st - {stage[ph]})) for ph, st in readers.items()}
+    tied = {n.meta[META_NAME]: by_fqn[_param_fqn(n)] for n in cap.gm.graph.nodes
+            if n.op == "placeholder" and _param_fqn(n) in by_fqn}
+    views = {n.name for n in cap.gm.graph.nodes if n.op == "call_function"
+             and (param_source(n) or (None,))[0] in readers}
+    return tied, views
 
 
 def _first_reader(node, stage_of_module, last: int) -> int:
