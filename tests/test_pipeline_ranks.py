@@ -12,8 +12,9 @@ its stage's dp sub-mesh) is saved with torch.distributed.checkpoint; a second st
 model loads the checkpoint into its own state_dict() and runs the second step again: the same loss and parameters,
 bitwise.
 
-Phase "clip": 1F1B on {pp: 2, dp: 2} with clip_grad_norm below the gradient norm: losses, norms and parameters
-equal one device's clip_grad_norm_ (the stages' partial sums of squares all-reduced on pp)."""
+Phase "tied": phase "dcp" for GPT, whose LM head reads the embedding's weight (tied across the stages), with
+clip_grad_norm below the gradient norm (the stages' sums of squares all-reduced on pp): losses, norms and
+parameters equal one device's, and the checkpoint resumes bitwise."""
 from __future__ import annotations
 
 import os
@@ -32,10 +33,10 @@ pytestmark = pytest.mark.xdist_group("real_ranks")     # under pytest-xdist, the
 
 WORLD, STEPS, LR = 4, 2, 1e-3
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "1F1B-pp4")     # the last: {pp: 4}, one stage per rank
-SPAWN_TIMEOUT_S, GLOO_TIMEOUT_S = 240, 60
+SPAWN_TIMEOUT_S, GLOO_TIMEOUT_S = 360, 60
 
 
-def _phase_dcp(pt, spec, batch, ckpt):
+def _phase_dcp(pt, spec, batch, ckpt, clip=None):
     import torch.distributed.checkpoint as dcp
 
     def make():
@@ -43,22 +44,27 @@ def _phase_dcp(pt, spec, batch, ckpt):
         return pt.partition(model, pt.Mesh({"pp": 2, "dp": 2}),
                             [pt.tactics.pipeline("pp", 2, "1F1B", 4), pt.tactics.data_parallel("dp")],
                             example_inputs=batch, loss_fn=spec.loss_fn,
-                            optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=LR), clip_grad_norm=clip)
     prog = make()
-    prog.train_step(*batch)
+    first = prog.train_step(*batch).item()
+    norms = [prog.last_grad_norm.item()] if clip else []
     sd = prog.state_dict()
     keys = sorted(sd["model"])
     dcp.save(sd, checkpoint_id=ckpt)
     want = prog.train_step(*batch).item()
+    norms += [prog.last_grad_norm.item()] if clip else []
     want_params = prog.gather_parameters()
+    held = prog._executor.held().state
     again = make()
     sd2 = again.state_dict()
     dcp.load(sd2, checkpoint_id=ckpt)
     again.load_state_dict(sd2)
     got = again.train_step(*batch).item()
     got_params = again.gather_parameters()
-    return {"keys": keys, "want": want, "got": got,
-            "params_equal": all(torch.equal(got_params[k], v) for k, v in want_params.items())}
+    return {"keys": keys, "want": want, "got": got, "losses": [first, want], "norms": norms,
+            "params_equal": all(torch.equal(got_params[k], v) for k, v in want_params.items()),
+            "params": {k: v.tolist() for k, v in want_params.items()},
+            "held": sorted(k[len("params."):] for k, v in held.items() if k.startswith("params.") and v.numel())}
 
 
 def _max_norm(spec, batch) -> float:
@@ -66,22 +72,6 @@ def _max_norm(spec, batch) -> float:
     probe = spec.build()
     spec.loss_fn(probe, *batch).backward()
     return 0.25 * torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf")).item()
-
-
-def _phase_clip(pt, spec, batch):
-    """1F1B on {pp: 2, dp: 2} with clip_grad_norm: each rank's stage sums its squared gradients, the partial sums
-    are all-reduced on pp, every stage scales by the same factor."""
-    model = spec.build()
-    prog = pt.partition(model, pt.Mesh({"pp": 2, "dp": 2}),
-                        [pt.tactics.pipeline("pp", 2, "1F1B", 4), pt.tactics.data_parallel("dp")],
-                        example_inputs=batch, loss_fn=spec.loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR), clip_grad_norm=_max_norm(spec, batch))
-    losses, norms = [], []
-    for _ in range(STEPS):
-        losses.append(prog.train_step(*batch).item())
-        norms.append(prog.last_grad_norm.item())
-    return {"losses": losses, "norms": norms,
-            "params": {k: v.tolist() for k, v in prog.gather_parameters().items()}}
 
 
 def _worker(rank, port, ckpt, queue):
@@ -117,7 +107,8 @@ def _worker(rank, port, ckpt, queue):
             dist.barrier()
         out["dcp"] = _phase_dcp(pt, spec, batch, ckpt)
         dist.barrier()
-        out["clip"] = _phase_clip(pt, spec, batch)
+        gpt = get("gpt")                 # its LM head reads the embedding's weight: tied across the two stages
+        out["tied"] = _phase_dcp(pt, gpt, gpt.batch(8), os.path.join(ckpt, "gpt"), _max_norm(gpt, gpt.batch(8)))
     except Exception:  # noqa: BLE001 - reported to the parent
         out["fatal"] = traceback.format_exc()
     queue.put(out)
@@ -134,11 +125,11 @@ def ranks():
     return spawn_ranks(_worker, WORLD, SPAWN_TIMEOUT_S, prefix="partir_pp_dcp_")
 
 
-def _reference(clip: bool = False):
+def _reference(clip: bool = False, model: str = "llama"):
     """One device's losses and parameters after STEPS AdamW steps (clip: with clip_grad_norm_, and its norms)."""
     from examples.models import get
 
-    spec = get("llama", layers=4)
+    spec = get("llama", layers=4) if model == "llama" else get(model)
     batch = spec.batch(8)
     max_norm = _max_norm(spec, batch) if clip else None
     ref = spec.build()
@@ -187,14 +178,24 @@ def test_dcp_saves_each_stage_from_its_ranks_and_resumes(ranks):
     assert len(by_stage) == 2 and set().union(*by_stage) >= names and not set.intersection(*map(set, by_stage))
 
 
-def test_clip_grad_norm_on_gloo_ranks_equals_one_device(ranks):
-    want_losses, want_params, want_norms = _reference(clip=True)
+def test_tied_weights_and_clipping_on_gloo_ranks_train_like_one_device_and_resume(ranks):
+    """GPT's tied embedding / LM head on {pp: 2, dp: 2} with clip_grad_norm below the gradient norm: both stages
+    hold wte.weight, its gradient is summed over them and both apply the same update; the stages' sums of squares
+    are all-reduced on pp for the norm: losses, norms and parameters equal one device's; state_dict() has the one
+    wte.weight on each holder (DCP writes it once) and a resumed program runs the next step bitwise alike."""
+    want_losses, want_params, want_norms = _reference(clip=True, model="gpt")
+    assert STEPS == 2
     for rank, r in sorted(ranks.items()):
-        got = r["clip"]
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses), rtol=LOSS_RTOL, atol=0,
-                                   msg=lambda m: f"rank {rank} clip losses: {m}")
-        torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(want_norms), rtol=LOSS_RTOL, atol=0,
+        d = r["tied"]
+        torch.testing.assert_close(torch.tensor(d["losses"]), torch.tensor(want_losses), rtol=LOSS_RTOL, atol=0,
+                                   msg=lambda m: f"rank {rank} tied losses: {m}")
+        torch.testing.assert_close(torch.tensor(d["norms"]), torch.tensor(want_norms), rtol=LOSS_RTOL, atol=0,
                                    msg=lambda m: f"rank {rank} clip norms: {m}")
+        assert set(d["params"]) == set(want_params)
         for k, w in want_params.items():
-            torch.testing.assert_close(torch.tensor(got["params"][k]), w, rtol=PARAM_RTOL, atol=PARAM_ATOL,
-                                       msg=lambda m: f"rank {rank} clip {k}: {m}")
+            torch.testing.assert_close(torch.tensor(d["params"][k]), w, rtol=PARAM_RTOL, atol=PARAM_ATOL,
+                                       msg=lambda m: f"rank {rank} tied {k}: {m}")
+        assert d["got"] == d["want"] and d["params_equal"], (rank, d["got"], d["want"])
+        assert "wte.weight" in d["held"] and "wte.weight" in d["keys"] and d["keys"].count("wte.weight") == 1
+    by_stage = [set(r["tied"]["keys"]) for r in ranks.values()]
+    assert set.intersection(*by_stage) == {"wte.weight"} and set().union(*by_stage) >= set(want_params)

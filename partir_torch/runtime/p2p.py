@@ -74,8 +74,9 @@ def rank_program(low, plan, rt):
             elif dst == me:
                 v = n.meta["val"]
                 env[n] = g.call_function(pp_recv, (list(v.shape), v.dtype, peer(src), group, dev))
-        elif n.target is pp_select:           # an all_reduce on the axis: this rank contributes its own part
-            env[n] = env[n.args[me]]
+        elif n.target is pp_select:           # this rank's own part (of an all_reduce, of a tied weight's copies)
+            if n.args[me] is not None:
+                env[n] = env[n.args[me]]
         elif n.meta.get(META_STAGE) in (me, None):      # None: every rank runs it (the all_reduces on the axis)
             env[n] = g.node_copy(n, lambda a: env[a])
     g.call_function(pp_flush, ())
