@@ -447,11 +447,8 @@ class _Step:
             state, fargs = opt.transform_step(state, fargs)
         state = {**state, **kept}
         if lay.mode == EVAL:
-            with torch.no_grad(), _reparametrize_module(self.model, state, tie_weights=True):
-                loss = self.loss_fn(self.model, *fargs)
-                _check_loss(loss, self.model)
             self.out_names[:] = ["loss"]
-            return [_loss_dtype(loss)]
+            return [self._eval_loss(state, fargs)]
         loss, grads, unused = self._loss_and_grads(p, state, fargs)
         if lay.mode == LOSS_AND_GRADS:
             self.out_names[:] = ["loss"] + [f"grads.{k}" for k in lay.trainable]
@@ -459,6 +456,22 @@ class _Step:
         # parameters the loss does not reach have no gradient: torch.optim skips them (no weight decay, no state)
         grads = {k: g for k, g in grads.items() if k not in unused}
         return self._update(p, grads, loss, args[nt + nf + nb:lay.n_state])
+
+    def _eval_loss(self, state, fargs):
+        """The loss without gradients; with accumulate=k (a pipeline's eval step on real ranks: evaluate.py) the
+        mean of its k micro-batches' losses, each op marked with its micro-batch as the training step's are."""
+        k, loss = self.accumulate, None
+        for j, micro in enumerate(_micro_batches(fargs, k, self.accumulate_dims)):
+            if self.module_recorder is not None:
+                self.module_recorder.micro = j
+            with torch.no_grad(), _reparametrize_module(self.model, state, tie_weights=True):
+                part = self.loss_fn(self.model, *micro)
+                _check_loss(part, self.model)
+                part = _loss_dtype(part) if k == 1 else _loss_dtype(part) / k
+            loss = part if loss is None else loss + part
+        if self.module_recorder is not None:
+            self.module_recorder.micro = None
+        return loss
 
     def _forward(self, p, b, batch):
         kwargs = forward_kwargs(self.model, tuple(batch))     # a dict batch: model(**batch)

@@ -86,6 +86,8 @@ class Pipeline:
     schedule: str = "1F1B"
     microbatches: int | None = None
     name: str = "PP"
+    placed: tuple = ()           # ((state value name, stage), ...): where a training plan put its state (the eval
+    #                              step of a pipelined program, runtime/evaluate.py, runs on the training stages)
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -134,7 +136,7 @@ class Pipeline:
                                  f"'{self.axis}' of size {ranks}. Use stages={ranks}, or Interleaved1F1B for "
                                  f"several stages per rank.")
         s = cap.settings
-        if cap.mode != "train" and cap.mode != "loss_and_grads":
+        if cap.mode not in ("train", "loss_and_grads", "eval"):      # eval: a pipelined eval_step (evaluate.py)
             raise PartitionError(f"{self.name}: a pipeline runs a training step; pass loss_fn= (and optimizer=).")
         if not s.get("record_modules"):
             raise PartitionError(f"{self.name}: the step was captured without the module of each op; capture it for "
@@ -203,6 +205,7 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
     stage_of_module = _matcher(globs)
     updated = {ph for ph, _ in cap.ties}
     readers: dict = {}          # tied parameter placeholder -> the stages that read it
+    placed = dict(tactic.placed)
     stage: dict = {}
     by_param: dict = {}
     params = [[] for _ in globs]
@@ -212,7 +215,9 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
             fqn = _state_fqn(name)
             if n.meta.get(META_ROLE) == Role.BUFFER and n not in updated:
                 fqn = None      # a constant buffer (rope tables): every stage reads its own copy, as the batch
-            if name.startswith("opt.") and name.split(".", 2)[2] in by_param:
+            if name in placed:
+                s = placed[name]
+            elif name.startswith("opt.") and name.split(".", 2)[2] in by_param:
                 s = by_param[name.split(".", 2)[2]]        # a parameter's optimizer state lives with it
             elif fqn is not None:
                 s = stage_of_module(fqn) if fqn else None
