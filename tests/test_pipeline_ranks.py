@@ -10,7 +10,8 @@ isend/recv on the pp axis (runtime/p2p.py).
 Phase "dcp": 1F1B on {pp: 2, dp: 2}; after one step prog.state_dict() (each rank: its stage's values, DTensors on
 its stage's dp sub-mesh) is saved with torch.distributed.checkpoint; a second step runs; a new program of a fresh
 model loads the checkpoint into its own state_dict() and runs the second step again: the same loss and parameters,
-bitwise.
+bitwise; eval_step after the two steps (the forwards through the stages, the loss broadcast on pp) equals one
+device's eval loss (Interleaved1F1B's too).
 
 Phase "tied": phase "dcp" for GPT, whose LM head reads the embedding's weight (tied across the stages), with
 clip_grad_norm below the gradient norm (the stages' sums of squares all-reduced on pp): losses, norms and
@@ -21,6 +22,7 @@ import os
 import time
 import traceback
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -54,6 +56,7 @@ def _phase_dcp(pt, spec, batch, ckpt, clip=None):
     want = prog.train_step(*batch).item()
     norms += [prog.last_grad_norm.item()] if clip else []
     want_params = prog.gather_parameters()
+    evals = [prog.eval_step(*batch).item()]          # forwards through the stages, the loss on every rank
     held = prog._executor.held().state
     again = make()
     sd2 = again.state_dict()
@@ -61,7 +64,7 @@ def _phase_dcp(pt, spec, batch, ckpt, clip=None):
     again.load_state_dict(sd2)
     got = again.train_step(*batch).item()
     got_params = again.gather_parameters()
-    return {"keys": keys, "want": want, "got": got, "losses": [first, want], "norms": norms,
+    return {"keys": keys, "want": want, "got": got, "losses": [first, want], "norms": norms, "evals": evals,
             "params_equal": all(torch.equal(got_params[k], v) for k, v in want_params.items()),
             "params": {k: v.tolist() for k, v in want_params.items()},
             "held": sorted(k[len("params."):] for k, v in held.items() if k.startswith("params.") and v.numel())}
@@ -97,6 +100,8 @@ def _worker(rank, port, ckpt, queue):
                                 example_inputs=batch, loss_fn=spec.loss_fn,
                                 optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
             losses = [prog.train_step(*batch).item() for _ in range(STEPS)]
+            if name == "Interleaved1F1B":      # eval_step through two stages per rank
+                out["eval_interleaved"] = prog.eval_step(*batch).item()
             held = prog._executor.held().state
             out[name] = {"losses": losses, "params": {k: v.tolist() for k, v in prog.gather_parameters().items()},
                          # what this rank holds: its stage's parameters only (another stage's: an empty tensor)
@@ -126,7 +131,7 @@ def ranks():
 
 
 def _reference(clip: bool = False, model: str = "llama"):
-    """One device's losses and parameters after STEPS AdamW steps (clip: with clip_grad_norm_, and its norms)."""
+    """One device after STEPS AdamW steps: losses, parameters, norms (clip: with clip_grad_norm_), eval loss."""
     from examples.models import get
 
     spec = get("llama", layers=4) if model == "llama" else get(model)
@@ -145,12 +150,19 @@ def _reference(clip: bool = False, model: str = "llama"):
         opt.step()
         losses.append(loss.item())
     params = {k: p.detach() for k, p in ref.named_parameters()}
-    return (losses, params, norms) if clip else (losses, params)
+    with torch.no_grad():
+        eval_loss = spec.loss_fn(ref.eval(), *batch).item()     # one device's eval loss after the steps
+    return SimpleNamespace(losses=losses, params=params, norms=norms, eval_loss=eval_loss)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_pipeline_on_gloo_ranks_trains_like_one_device(ranks, schedule):
-    want_losses, want_params = _reference()
+    ref = _reference()
+    want_losses, want_params = ref.losses, ref.params
+    if schedule == "Interleaved1F1B":
+        for rank, r in sorted(ranks.items()):
+            torch.testing.assert_close(torch.tensor(r["eval_interleaved"]), torch.tensor(ref.eval_loss),
+                                       rtol=LOSS_RTOL, atol=0, msg=lambda m: f"rank {rank} eval_step: {m}")
     for rank, r in sorted(ranks.items()):
         got = r[schedule]
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want_losses), rtol=LOSS_RTOL, atol=0,
@@ -168,6 +180,11 @@ def test_pipeline_on_gloo_ranks_trains_like_one_device(ranks, schedule):
 def test_dcp_saves_each_stage_from_its_ranks_and_resumes(ranks):
     from examples.models import get
 
+    ref = _reference()
+    for rank, r in sorted(ranks.items()):      # eval_step after the two steps: forwards through the stages
+        torch.testing.assert_close(torch.tensor(r["dcp"]["evals"]), torch.tensor([ref.eval_loss]),
+                                   rtol=LOSS_RTOL, atol=0, msg=lambda m: f"rank {rank} eval_step: {m}")
+
     names = {k for k, _ in get("llama", layers=4).build().named_parameters()}
     for rank, r in sorted(ranks.items()):
         d = r["dcp"]
@@ -183,7 +200,8 @@ def test_tied_weights_and_clipping_on_gloo_ranks_train_like_one_device_and_resum
     hold wte.weight, its gradient is summed over them and both apply the same update; the stages' sums of squares
     are all-reduced on pp for the norm: losses, norms and parameters equal one device's; state_dict() has the one
     wte.weight on each holder (DCP writes it once) and a resumed program runs the next step bitwise alike."""
-    want_losses, want_params, want_norms = _reference(clip=True, model="gpt")
+    ref = _reference(clip=True, model="gpt")
+    want_losses, want_params, want_norms = ref.losses, ref.params, ref.norms
     assert STEPS == 2
     for rank, r in sorted(ranks.items()):
         d = r["tied"]
@@ -196,6 +214,8 @@ def test_tied_weights_and_clipping_on_gloo_ranks_train_like_one_device_and_resum
             torch.testing.assert_close(torch.tensor(d["params"][k]), w, rtol=PARAM_RTOL, atol=PARAM_ATOL,
                                        msg=lambda m: f"rank {rank} tied {k}: {m}")
         assert d["got"] == d["want"] and d["params_equal"], (rank, d["got"], d["want"])
+        torch.testing.assert_close(torch.tensor(d["evals"]), torch.tensor([ref.eval_loss]), rtol=LOSS_RTOL,
+                                   atol=0, msg=lambda m: f"rank {rank} eval_step: {m}")
         assert "wte.weight" in d["held"] and "wte.weight" in d["keys"] and d["keys"].count("wte.weight") == 1
     by_stage = [set(r["tied"]["keys"]) for r in ranks.values()]
     assert set.intersection(*by_stage) == {"wte.weight"} and set().union(*by_stage) >= set(want_params)

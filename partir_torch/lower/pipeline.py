@@ -312,8 +312,10 @@ def _tied_weights(g, stage, spec, cap_nodes, low, captured) -> dict:
             fqns.setdefault(name.split(".", 2)[2] if name.startswith("opt.") else name[len("params."):], []) \
                 .append(name)
     for fqn, names in fqns.items():
+        _refuse_sharded_tied(g, f"params.{fqn}", spec)
         owner = spec.tied[f"params.{fqn}"][0]
         update, root = _update_of(g, [outs[n] for n in names], stage, cap_nodes)
+        like = max(names, key=lambda n: n.startswith("opt."))     # the gradient's layout: the update's (ZeRO-1/2)
         for n in update:
             stage[n] = owner
         copies = {spec.rank_of(owner): {}}
@@ -324,12 +326,15 @@ def _tied_weights(g, stage, spec, cap_nodes, low, captured) -> dict:
             env = copies[c] = {}
             for n in update:
                 with g.inserting_after(n):
-                    env[n] = g.node_copy(n, lambda a, env=env: env.get(a, a))
-                stage[env[n]] = h
+                    env[n] = cp = g.node_copy(n, lambda a, env=env: env.get(a, a))
+                stage[cp] = h
+                if META_COLLECTIVE in n.meta:         # a gather of the updated shards (ZeRO-1/2) on the holder too
+                    cp.meta[META_COLLECTIVE] = replace(n.meta[META_COLLECTIVE], node=cp.name)
+                    low.records.append(cp.meta[META_COLLECTIVE])
         nodes, _ = _sum_over_axis(g, stage, spec, low, root, lambda x: _linear_term(x, cap_nodes),
                                   min(update, key=_order(g)),
                                   dict(value=f"params.{fqn}", why=TIED_WHY, phase="backward", op="tied weight",
-                                       shape=shapes[f"params.{fqn}"], dtype=dtypes[f"params.{fqn}"]))
+                                       shape=shapes[like], dtype=dtypes[f"params.{fqn}"]))
         every[TIED] |= nodes
         args = list(out_node.args[0])
         for name in names:
@@ -342,6 +347,20 @@ def _tied_weights(g, stage, spec, cap_nodes, low, captured) -> dict:
             every[END].add(own)
         out_node.args = (tuple(args),) + tuple(out_node.args[1:])
     return every
+
+
+def _refuse_sharded_tied(g, name, spec) -> None:
+    """A tied weight across ranks whose layout on another axis needs a collective before its use (ZeRO's gather):
+    not supported yet (the gathered copy would be one stage's)."""
+    ph = next(n for n in g.nodes if n.op == "placeholder" and n.name in spec.stage_of and n.meta.get(META_NAME) == name)
+    rec = next((u.meta[META_COLLECTIVE] for u in ph.users if META_COLLECTIVE in u.meta), None)
+    if rec is not None:
+        raise PartitionError(f"pipeline: {name} is a tied weight, read by stages {', '.join(map(str, spec.tied[name]))} "
+                             f"on ranks {', '.join(map(str, spec.holders(name)))} of axis '{spec.axis}' (size "
+                             f"{spec.ranks}), and tactic {rec.tactic} shards it on axis '{rec.axis}' (size "
+                             f"{rec.group_size}), so it is gathered ({rec.kind}) before its use; a weight tied across "
+                             f"pipeline ranks must be whole on the other axes for now. Leave it replicated there "
+                             f"(zero(1) or zero(2) instead of zero(3)), or put its readers on one rank.")
 
 
 def _order(g):
@@ -362,21 +381,21 @@ def _linear_term(x, cap_nodes) -> bool:
 
 def _update_of(g, outputs, stage, cap_nodes) -> tuple:
     """(the update's nodes, in program order; the gradient they read): the optimizer-phase ops whose results reach
-    `outputs` (a parameter's and its optimizer state's new values), clip_grad_norm's shared norm excluded."""
-    seen, todo, grads = set(), list(outputs), set()
+    `outputs` (a parameter's and its optimizer state's new values), with the collectives lowering put after them
+    (ZeRO-1/2's gather of the updated shards), clip_grad_norm's shared norm excluded."""
+    seen, todo, grads = set(), [(o, True) for o in outputs], set()
     while todo:
-        x = todo.pop()
-        if x in seen or x.op != "call_function":
+        x, after = todo.pop()        # after: reached from the outputs through lowering's nodes only
+        if x in seen or x.op != "call_function" or x not in stage:    # not staged: free (the step size)
             continue
         src = cap_nodes.get(x.meta.get(META_SRC))
-        if x not in stage:       # free (the step size from the hyperparameters): made where it is read
-            continue
-        if src is None or phase_of(src) != Phase.OPTIMIZER or _clip_tag(src) in ("coef", "sum", "square"):
-            if x in stage and _clip_tag(src) not in ("coef", "sum", "square"):
-                grads.add(x)
-            continue
-        seen.add(x)
-        todo.extend(x.all_input_nodes)
+        of_state = src is None and all(a.op == "placeholder" or a not in stage for a in x.all_input_nodes)
+        if src is None and (after or of_state) or src is not None and phase_of(src) == Phase.OPTIMIZER \
+                and _clip_tag(src) not in ("coef", "sum", "square"):     # of_state: ZeRO's slice of the weight
+            seen.add(x)
+            todo.extend((a, after and src is None) for a in x.all_input_nodes)
+        elif _clip_tag(src) not in ("coef", "sum", "square"):
+            grads.add(x)
     if len(grads) != 1:
         raise InternalError(f"pipeline: a tied weight's update reads {sorted(n.name for n in grads)}, not one "
                             f"gradient.")
