@@ -75,8 +75,8 @@ def rank_program(low, plan, rt):
                 v = n.meta["val"]
                 env[n] = g.call_function(pp_recv, (list(v.shape), v.dtype, peer(src), group, dev))
         elif n.target is pp_select:           # this rank's own part (of an all_reduce, of a tied weight's copies)
-            if n.args[me] is not None:
-                env[n] = env[n.args[me]]
+            if n.args[1 + me] is not None:
+                env[n] = env[n.args[1 + me]]
         elif n.meta.get(META_STAGE) in (me, None):      # None: every rank runs it (the all_reduces on the axis)
             env[n] = g.node_copy(n, lambda a: env[a])
     g.call_function(pp_flush, ())
