@@ -2,8 +2,10 @@
 (runtime/interpret.py), sim/pipeline.py.
 
 Parity: every schedule trains like one device with the same global batch (tests/harness.py tolerances) on emulated
-{pp: 2}, {pp: 2, dp: 2}, {pp: 2, dp: 2, tp: 2} (megatron on tp), {pp: 4}; the simulated bubble of uniform stages is
-within 5% of the textbook (p - 1) / (v m + p - 1)."""
+{pp: 2}, {pp: 2, dp: 2}, {pp: 2, dp: 2, tp: 2} (megatron on tp), {pp: 4}; so do clip_grad_norm (the stages' sums of
+squares all-reduced on pp) and tied weights across stages (held by each stage reading them, their gradient
+all-reduced on pp; lower/ppaxis.py); the simulated bubble of uniform stages is within 5% of the textbook
+(p - 1) / (v m + p - 1)."""
 from __future__ import annotations
 
 import copy
