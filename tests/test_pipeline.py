@@ -256,6 +256,24 @@ def test_tied_weight_on_one_rank_needs_no_exchange_and_clipping_interleaved():
     assert [r.why for r in prog.collectives() if r.axis == "pp"] == ["grad norm"]
 
 
+def test_tied_weight_on_first_and_last_of_four_ranks():
+    """Stages 0 and 3 of {pp: 4} hold the tied weight; ranks 1 and 2, holding none of it, add zeros to its
+    all_reduce on pp (and their squares to the norm's)."""
+    model = _TiedOnOneRank()
+    model.blocks = nn.Sequential(model.blocks[0], model.blocks[1], nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+                                 _Reuse(model.blocks[0][0]))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)      # noqa: E731
+    max_norm = _max_norm(model, (x, y), loss_fn)
+    prog = pt.partition(model, pt.Mesh({"pp": 4}), [T.pipeline("pp", [[f"blocks.{i}"] for i in range(4)], "1F1B", 4)],
+                        example_inputs=(x, y), loss_fn=loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), clip_grad_norm=max_norm)
+    _train_clipped(prog, ref, (x, y), loss_fn, max_norm)
+    assert prog.plan.pipeline.holders("params.blocks.0.0.weight") == (0, 3)
+    assert [r.why for r in prog.collectives() if r.axis == "pp"] == ["tied weight", "grad norm"]
+
+
 # -- the cut -------------------------------------------------------------------------------------------------------
 def test_backward_ops_follow_their_forward_module():
     prog, _, _ = _partition({"pp": 2}, [T.pipeline("pp", 2, "GPipe", 2)])

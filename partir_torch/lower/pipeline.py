@@ -124,6 +124,10 @@ def pipeline_program(low, spec, captured):
     norm_actions(act, parts)
     for t, ns in every.items():
         act.update((n, t) for n in ns)
+        for a in {a for n in ns for a in n.all_input_nodes if a in stage}:
+            acts = orders[spec.rank_of(stage[a])]        # a rank's part (its zeros): before the rank reaches t
+            if pos[act[a]] > acts.index(t):
+                act[a] = acts[acts.index(t) - 1]
     transfers = _transfers(g, stage, act, spec)
     order = _merge(g, act, orders, pos, spec)
     prev = next(n for n in reversed(list(g.nodes)) if n.op == "placeholder")

@@ -112,8 +112,8 @@ def _sum_over_axis(g, stage, spec, low, root, within, before, record: dict) -> t
         part = mine(root)
         if part is None:            # a rank with no term: it adds zeros
             with g.inserting_before(before):
-                part = g.call_function(_aten.new_zeros.default, (_scalar_input(g, stage), list(record["shape"])),
-                                       {"dtype": record["dtype"]})
+                part = g.call_function(_aten.new_zeros.default, (_coord(g, spec), list(record["shape"])),
+                                       {"dtype": record["dtype"]})      # on the rank's device
             part.meta[META_LOCAL_SHAPE] = tuple(record["shape"])
             stage[part] = c
         parts.append(part)
@@ -258,15 +258,6 @@ def _update_of(g, outputs, stage, cap_nodes) -> tuple:
 def _coord(g, spec):
     """The rank's coordinate on the pipeline axis (the lowered program's coordinate input)."""
     return next(n for n in g.nodes if n.op == "placeholder" and n.meta.get(META_NAME) == f"coord.{spec.axis}")
-
-
-def _scalar_input(g, stage):
-    """An input every rank holds, of shape () (a hyperparameter or the step count)."""
-    for n in g.nodes:
-        v = n.meta.get("val")
-        if n.op == "placeholder" and n not in stage and isinstance(v, torch.Tensor) and v.dim() == 0:
-            return n
-    raise InternalError("pipeline: clip_grad_norm found no scalar input for a rank that holds no gradient.")
 
 
 def norm_actions(act, parts) -> None:
