@@ -65,6 +65,8 @@ META_NO_PARTIAL_PASS = "partir_no_partial_pass"   # mixed precision: a partial v
 META_ACCUMULATE = "partir_accumulate"      # fx custom meta: the node belongs to one micro-batch (accumulate=k)
 META_MODULE = "partir_module"              # pipeline capture: FQN of the module whose forward (or backward) made it
 META_MICRO = "partir_micro"                # pipeline capture: index of the micro-batch the node computes for
+META_CLIP = "partir_clip"                  # fx custom meta of clip_grad_norm's ops: "square" (one gradient's sum of
+#                                            squares), "sum" (the running total), "coef" (sqrt .. the scale), "scale"
 # per-device (lowered) graph
 META_SRC = "partir_src"                    # the captured node a lowered op computes
 META_COLLECTIVE = "partir_collective"      # a CollectiveRecord, on the collective node

@@ -245,11 +245,13 @@ class Reports:
                                   [n for n in cap.gm.graph.nodes if n.op == "placeholder"]):
             if role in (Role.PARAM, Role.OPT_STATE) and shape is not None:
                 b = math.prod(shape) * n.meta["val"].element_size()
-                r = spec.rank_of(spec.stage_of.get(n.name, 0)) if spec is not None else 0
-                if role == Role.PARAM:
-                    param[r] += b
-                else:
-                    opt[r] += b
+                held = () if spec is None else spec.holders(n.meta.get(META_NAME)) or \
+                    (spec.rank_of(spec.stage_of.get(n.name, 0)),)     # a tied weight: on each rank holding it
+                for r in held or (0,):
+                    if role == Role.PARAM:
+                        param[r] += b
+                    else:
+                        opt[r] += b
         return {"by": by, "bytes": sent, "param": max(param), "opt": max(opt)}
 
     def pipeline_table(self) -> str:
@@ -273,8 +275,10 @@ class Reports:
                          _fmt_bytes(nbytes), _fmt_bytes(sent[s] / spec.microbatches)])
         head = (f"pipeline on axis '{spec.axis}': {spec.n_stages} stages, {spec.schedule}, {spec.microbatches} "
                 f"micro-batches")
-        return head + "\n" + tabulate(rows, headers=["stage", "rank", "modules", "params", "param bytes",
-                                                     "sent/micro-batch"], tablefmt="simple")
+        tied = [f"tied weight {n[len('params.'):]}: held by stages {', '.join(map(str, st))}, its gradient summed "
+                f"over them (all_reduce on '{spec.axis}')" for n, st in spec.tied.items() if n.startswith("params.")]
+        return "\n".join([head, tabulate(rows, headers=["stage", "rank", "modules", "params", "param bytes",
+                                                        "sent/micro-batch"], tablefmt="simple")] + tied)
 
 
 def why_line(records) -> str:
@@ -288,7 +292,7 @@ def why_line(records) -> str:
                 count[m.why] += 1
                 size[m.why] += m.nbytes
     return "collectives by why: " + ", ".join(f"{w} {count[w]}" + (f" ({_fmt_bytes(size[w])})" if count[w] else "")
-                                              for w in WHYS)
+                                              for w in WHYS if w in WHYS[:4] or count[w])
 
 
 def reshard_groups(records) -> list:

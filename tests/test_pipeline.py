@@ -2,8 +2,10 @@
 (runtime/interpret.py), sim/pipeline.py.
 
 Parity: every schedule trains like one device with the same global batch (tests/harness.py tolerances) on emulated
-{pp: 2}, {pp: 2, dp: 2}, {pp: 2, dp: 2, tp: 2} (megatron on tp), {pp: 4}; the simulated bubble of uniform stages is
-within 5% of the textbook (p - 1) / (v m + p - 1)."""
+{pp: 2}, {pp: 2, dp: 2}, {pp: 2, dp: 2, tp: 2} (megatron on tp), {pp: 4}; so do clip_grad_norm (the stages' sums of
+squares all-reduced on pp) and tied weights across stages (held by each stage reading them, their gradient
+all-reduced on pp; lower/ppaxis.py); the simulated bubble of uniform stages is within 5% of the textbook
+(p - 1) / (v m + p - 1)."""
 from __future__ import annotations
 
 import copy
@@ -18,7 +20,7 @@ from partir_torch.contract import META_ACTION, META_MODULE, META_STAGE, Phase, p
 from partir_torch.errors import PartitionError
 from partir_torch.lower.pipeline import pp_transfer, rank_orders
 from examples.models import get
-from tests.harness import adamw, train_next_to_eager
+from tests.harness import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL, adamw, assert_parameters_equal, train_next_to_eager
 
 T = pt.tactics
 LLAMA = get("llama", layers=4)
@@ -108,6 +110,170 @@ def test_new_batch_shape_and_eval_step():
     torch.testing.assert_close(prog.eval_step(*batch), want, rtol=1e-5, atol=0)
 
 
+# -- clip_grad_norm -------------------------------------------------------------------------------------------------
+def _max_norm(model, batch, loss_fn) -> float:
+    """A clip threshold at 1/4 of the first step's global gradient norm: clipping acts."""
+    probe = copy.deepcopy(model)
+    loss_fn(probe, *batch).backward()
+    return 0.25 * torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf")).item()
+
+
+def _train_clipped(prog, ref, batch, loss_fn, max_norm, steps=2, what=""):
+    """`steps` AdamW steps next to one device's clip_grad_norm_: the losses, the norm before clipping (above
+    max_norm: clipping acts) and the parameters agree."""
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(steps):
+        got = prog.train_step(*batch)
+        opt.zero_grad()
+        want = loss_fn(ref, *batch)
+        want.backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        opt.step()
+        assert norm > max_norm
+        torch.testing.assert_close(got, want.detach(), rtol=LOSS_RTOL, atol=0, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(prog.last_grad_norm, norm, rtol=LOSS_RTOL, atol=0)
+    assert_parameters_equal(prog, ref, what=what)
+
+
+def _clip_parity(mesh, schedule, steps=2):
+    model = LLAMA.build()
+    ref = copy.deepcopy(model)
+    batch = LLAMA.batch(8)
+    max_norm = _max_norm(model, batch, LLAMA.loss_fn)
+    prog = pt.partition(model, pt.Mesh(mesh), schedule, example_inputs=batch, loss_fn=LLAMA.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), clip_grad_norm=max_norm)
+    _train_clipped(prog, ref, batch, LLAMA.loss_fn, max_norm, steps, str(mesh))
+    return prog
+
+
+def test_clip_grad_norm_sums_every_stage():
+    """The norm of one device's clip_grad_norm_: each rank's stages' squares, all-reduced on pp (ZeRO-3's shards:
+    first reduced on dp)."""
+    prog = _clip_parity({"pp": 2, "dp": 2}, [T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("dp"), T.zero(3, "dp")])
+    pp = [r for r in prog.collectives() if r.axis == "pp"]
+    assert [(r.kind, r.why, r.value, r.nbytes) for r in pp] == [("all_reduce", "grad norm", "grad_norm", 4)]
+    assert "grad norm 1 (4 B)" in prog.summary()
+    sim = prog.simulate(pt.sim.hardware("h100", gpus_per_node=prog.plan.mesh.size), stages=False)
+    assert any(c.axis == "pp" and c.kind == "all_reduce" and c.time_s > 0 for c in sim.collectives)
+
+
+def test_clip_grad_norm_with_megatron():
+    with pytest.warns(UserWarning, match="output.weight"):
+        _clip_parity({"pp": 2, "dp": 2, "tp": 2}, [T.pipeline("pp", 2, "GPipe", 4), T.data_parallel("dp"),
+                                                   T.megatron("tp")], steps=1)
+
+
+# -- tied weights -------------------------------------------------------------------------------------------------
+def test_tied_weights_held_by_every_stage_that_reads_them():
+    """GPT's LM head reads the embedding's weight: stage 0 and stage 1 each hold wte.weight and its Adam moments
+    (ZeRO-2: sharded on dp), sum their own gradient terms over the micro-batches, all-reduce them on pp ("tied
+    weight") and apply the same update; no transfer carries the weight or its gradient. Clipping counts the weight
+    once."""
+    gpt = get("gpt")
+    model = gpt.build()
+    ref = copy.deepcopy(model)
+    batch = gpt.batch(8)
+    max_norm = _max_norm(model, batch, gpt.loss_fn)
+    prog = pt.partition(model, pt.Mesh({"pp": 2, "dp": 2}), [T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("dp"),
+                                                             T.zero(2, "dp")],
+                        example_inputs=batch, loss_fn=gpt.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), clip_grad_norm=max_norm)
+    _train_clipped(prog, ref, batch, gpt.loss_fn, max_norm)
+    spec = prog.plan.pipeline
+    assert spec.tied["params.wte.weight"] == (0, 1) and spec.holders("opt.exp_avg.wte.weight") == (0, 1)
+    pp = [r for r in prog.collectives() if r.axis == "pp"]
+    wte = ref.wte.weight
+    assert [(r.kind, r.why, r.value, r.nbytes) for r in pp] == [
+        ("all_reduce", "tied weight", "params.wte.weight", wte.numel() * 4 // 2),     # its dp shard (ZeRO-2)
+        ("all_reduce", "grad norm", "grad_norm", 4)]
+    assert len(prog.plan.lowered().pipeline.transfers) == 8        # activations and their gradients only
+    held = prog._executor.held().state        # each holder's own copy: ranks 0, 1 on stage 0 and 2, 3 on stage 1
+    for k in ("params.wte.weight", "opt.exp_avg.wte.weight", "opt.exp_avg_sq.wte.weight"):
+        ts = held[k].ts
+        assert ts[2] is not ts[0] and torch.equal(ts[2], ts[0]) and torch.equal(ts[3], ts[1]), k
+    assert "tied weight wte.weight: held by stages 0, 1" in prog.summary()
+    assert "tied weight 1 (4.00 KiB)" in prog.summary()
+    assert "tied weight, read by stages 0, 1: held by each of them" in prog.explain("params.wte.weight")
+    sd = prog.state_dict()
+    assert set(sd["model"]) == set(ref.state_dict()) and "wte.weight" in sd["optimizer"]["state"]
+    fresh = gpt.build()
+    prog.export_to(fresh, torch.optim.AdamW(fresh.parameters()))
+    torch.testing.assert_close(fresh.wte.weight, wte, rtol=PARAM_RTOL, atol=PARAM_ATOL)
+    rep = prog.simulate(pt.sim.hardware("h100", gpus_per_node=4), stages=False)
+    costed = [(c.kind, c.nbytes) for c in rep.collectives if c.axis == "pp" and c.time_s > 0]
+    assert costed.count(("all_reduce", wte.numel() * 2)) == 2 and costed.count(("all_reduce", 4)) == 2   # 2 ranks
+
+
+def test_tied_weight_sharded_by_zero3_refused():
+    gpt = get("gpt")
+    prog, _, _ = _partition({"pp": 2, "dp": 2}, [T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("dp"),
+                                                  T.zero(3, "dp")], spec=gpt)
+    with pytest.raises(PartitionError, match=r"params.wte.weight is a tied weight, read by stages 0, 1 .* tactic Z3 "
+                                             r"shards it on axis 'dp' \(size 2\).*zero\(1\) or zero\(2\)"):
+        prog.plan.lowered()
+
+
+class _Reuse(nn.Module):
+    """A linear with a weight of its own bias and another linear's weight (tied)."""
+
+    def __init__(self, other: nn.Linear):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(other.out_features))
+        self.other = [other]             # not a submodule: the weight stays the other module's
+
+    def forward(self, x):
+        return torch.tanh(F.linear(x, self.other[0].weight, self.bias))
+
+
+class _TiedOnOneRank(nn.Module):
+    """Four stages on two ranks (interleaved): stage 2 reads stage 0's weight, both on rank 0."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        first = nn.Linear(d, d)
+        self.blocks = nn.Sequential(nn.Sequential(first, nn.Tanh()), nn.Sequential(nn.Linear(d, d), nn.Tanh()),
+                                    _Reuse(first), nn.Linear(d, d))
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def test_tied_weight_on_one_rank_needs_no_exchange_and_clipping_interleaved():
+    """Interleaved: stages 0 and 2 on rank 0 read one weight (no exchange: the rank holds it once); clipping sums
+    each rank's two stages' squares before the all_reduce on pp."""
+    model = _TiedOnOneRank()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)      # noqa: E731
+    max_norm = _max_norm(model, (x, y), loss_fn)
+    prog = pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", [[f"blocks.{i}"] for i in range(4)],
+                                                              "Interleaved1F1B", 2)],
+                        example_inputs=(x, y), loss_fn=loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), clip_grad_norm=max_norm)
+    _train_clipped(prog, ref, (x, y), loss_fn, max_norm)
+    assert prog.plan.pipeline.tied["params.blocks.0.0.weight"] == (0, 2)
+    assert prog.plan.pipeline.holders("params.blocks.0.0.weight") == (0,)
+    assert [r.why for r in prog.collectives() if r.axis == "pp"] == ["grad norm"]
+
+
+def test_tied_weight_on_first_and_last_of_four_ranks():
+    """Stages 0 and 3 of {pp: 4} hold the tied weight; ranks 1 and 2, holding none of it, add zeros to its
+    all_reduce on pp (and their squares to the norm's)."""
+    model = _TiedOnOneRank()
+    model.blocks = nn.Sequential(model.blocks[0], model.blocks[1], nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+                                 _Reuse(model.blocks[0][0]))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)      # noqa: E731
+    max_norm = _max_norm(model, (x, y), loss_fn)
+    prog = pt.partition(model, pt.Mesh({"pp": 4}), [T.pipeline("pp", [[f"blocks.{i}"] for i in range(4)], "1F1B", 4)],
+                        example_inputs=(x, y), loss_fn=loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), clip_grad_norm=max_norm)
+    _train_clipped(prog, ref, (x, y), loss_fn, max_norm)
+    assert prog.plan.pipeline.holders("params.blocks.0.0.weight") == (0, 3)
+    assert [r.why for r in prog.collectives() if r.axis == "pp"] == ["tied weight", "grad norm"]
+
+
 # -- the cut -------------------------------------------------------------------------------------------------------
 def test_backward_ops_follow_their_forward_module():
     prog, _, _ = _partition({"pp": 2}, [T.pipeline("pp", 2, "GPipe", 2)])
@@ -160,12 +326,6 @@ def test_schedule_orders():
 def test_refused_with_the_cause(schedule, kw, match):
     with pytest.raises(PartitionError, match=match):
         _partition({"pp": 2}, schedule, **kw)
-
-
-def test_tied_weights_across_stages_refused():
-    gpt = get("gpt")
-    with pytest.raises(PartitionError, match="tied weights"):
-        _partition({"pp": 2}, [T.pipeline("pp", 2, "1F1B", 4)], spec=gpt)
 
 
 def test_random_draws_warn_that_masks_differ_from_one_device():

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_mutation, sync_functional_tensor, to_fun
 
-from ..contract import (META_ACCUMULATE, META_MICRO, META_NAME, META_OUTPUT, META_PHASE, META_RECOMPUTE,
+from ..contract import (META_ACCUMULATE, META_CLIP, META_MICRO, META_NAME, META_OUTPUT, META_PHASE, META_RECOMPUTE,
                         META_REMAT, META_ROLE, forward_nodes, stamp_phases)
 from ..errors import PartitionError, TraceError, user_stacklevel, warn
 from .branches import Recorder, add_checks, lift_draws, python_draws
@@ -333,14 +333,26 @@ def _clip_by_global_norm(grads: dict, max_norm: float, like: dict) -> tuple:
     the sum is partial and is reduced on the axes it is tiled on, a replicated one is counted once. Each square
     is taken as addcmul(zeros_like(s), g, g) (exactly g * g) with s the parameter's optimizer state (else the
     parameter): the zeros carry the state's layout and sit in the optimizer region, so a gradient is squared in
-    the layout the update reads it in (a ZeRO shard after its reduce_scatter), not gathered whole for the norm."""
+    the layout the update reads it in (a ZeRO shard after its reduce_scatter), not gathered whole for the norm.
+    The ops are tagged (META_CLIP, fx custom meta) for a pipeline's lowering, which sums each stage's squares on
+    its own ranks and all-reduces the partial totals on the pipeline axis (lower/pipeline.py)."""
     total = None
     for k, g in grads.items():
-        sq = torch.addcmul(torch.zeros_like(like[k], dtype=torch.float32), g.float(), g.float()).sum()
-        total = sq if total is None else total + sq
-    norm = total.sqrt()
-    coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
-    return {k: g * coef.to(g.dtype) for k, g in grads.items()}, norm
+        with _clip_tag("square"):
+            sq = torch.addcmul(torch.zeros_like(like[k], dtype=torch.float32), g.float(), g.float()).sum()
+        with _clip_tag("sum"):
+            total = sq if total is None else total + sq
+    with _clip_tag("coef"):
+        norm = total.sqrt()
+        coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+    with _clip_tag("scale"):
+        return {k: g * coef.to(g.dtype) for k, g in grads.items()}, norm
+
+
+@contextlib.contextmanager
+def _clip_tag(what: str):
+    with fx_traceback.preserve_node_meta(), fx_traceback.annotate({META_CLIP: what}):
+        yield
 
 
 @dataclass
@@ -436,11 +448,8 @@ class _Step:
             state, fargs = opt.transform_step(state, fargs)
         state = {**state, **kept}
         if lay.mode == EVAL:
-            with torch.no_grad(), _reparametrize_module(self.model, state, tie_weights=True):
-                loss = self.loss_fn(self.model, *fargs)
-                _check_loss(loss, self.model)
             self.out_names[:] = ["loss"]
-            return [_loss_dtype(loss)]
+            return [self._eval_loss(state, fargs)]
         loss, grads, unused = self._loss_and_grads(p, state, fargs)
         if lay.mode == LOSS_AND_GRADS:
             self.out_names[:] = ["loss"] + [f"grads.{k}" for k in lay.trainable]
@@ -448,6 +457,22 @@ class _Step:
         # parameters the loss does not reach have no gradient: torch.optim skips them (no weight decay, no state)
         grads = {k: g for k, g in grads.items() if k not in unused}
         return self._update(p, grads, loss, args[nt + nf + nb:lay.n_state])
+
+    def _eval_loss(self, state, fargs):
+        """The loss without gradients; with accumulate=k (a pipeline's eval step on real ranks: evaluate.py) the
+        mean of its k micro-batches' losses, each op marked with its micro-batch as the training step's are."""
+        k, loss = self.accumulate, None
+        for j, micro in enumerate(_micro_batches(fargs, k, self.accumulate_dims)):
+            if self.module_recorder is not None:
+                self.module_recorder.micro = j
+            with torch.no_grad(), _reparametrize_module(self.model, state, tie_weights=True):
+                part = self.loss_fn(self.model, *micro)
+                _check_loss(part, self.model)
+                part = _loss_dtype(part) if k == 1 else _loss_dtype(part) / k
+            loss = part if loss is None else loss + part
+        if self.module_recorder is not None:
+            self.module_recorder.micro = None
+        return loss
 
     def _forward(self, p, b, batch):
         kwargs = forward_kwargs(self.model, tuple(batch))     # a dict batch: model(**batch)
@@ -673,7 +698,7 @@ def _annotate(gm, mode, names, roles, out_names, out_spec, fopt, param_fqns, tra
     stamp_phases(gm, forward_only=mode in (FORWARD, EVAL))     # the rewrites below stamp the nodes they add
     if mode != FORWARD:
         _split_param_views(gm)
-    share_views(gm, same=(META_PHASE, META_MICRO, META_REMAT, META_RECOMPUTE, "custom"))
+    share_views(gm, same=(META_PHASE, META_MICRO, META_REMAT, META_RECOMPUTE, META_CLIP, "custom"))
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outs = list(out_node.args[0])
     for node in outs:

@@ -16,6 +16,11 @@ collectives in every stage's ops). Then:
    1F1B, Interleaved1F1B), merged into one order in which every action comes after the actions it receives from
    (the schedule is run round by round: each round, every rank whose next action has all its inputs runs it).
 
+Between 1 and 2, the sums that span stages become all_reduces on the pipeline axis that every rank runs (nodes with
+META_STAGE None, in the actions TIED, NORM, END that every rank reaches together; lower/ppaxis.py): a tied weight's
+gradient (each holder rank's own terms; its update copied onto every holder) and clip_grad_norm's sum of squares
+(each rank's stages'; the norm and the clipping factor then on every rank).
+
 Each node carries META_STAGE (the coordinate on the pipeline axis that runs it) and META_ACTION. The emulator
 (runtime/interpret.py) runs each node on the ranks of its coordinate only and a transfer as a hand-off; the
 simulator (sim/pipeline.py) times each rank's actions and the transfers between them.
@@ -28,6 +33,7 @@ import torch
 
 from ..contract import META_ACTION, META_MICRO, META_SRC, META_STAGE, Phase, phase_of
 from ..errors import InternalError, PartitionError
+from .ppaxis import END, NORM, TIED, clip_norm, norm_actions, pp_select, tied_weights  # noqa: F401 (pp_select: API)
 
 PIPELINE_AXIS = "partir_pipeline_axis"     # gm.meta key: the pipeline axis of a pipelined program
 
@@ -52,9 +58,10 @@ class Pipelined:
         return self.spec.axis
 
 
-def rank_orders(spec) -> list:
-    """Per rank of the pipeline axis, its actions in the order the schedule runs them (then the optimizer update
-    of each of its stages). GPipe: every forward, then every backward. 1F1B (PipeDream-flush, Narayanan et al.
+def rank_orders(spec, tokens=()) -> list:
+    """Per rank of the pipeline axis, its actions in the order the schedule runs them, then the optimizer update
+    of each of its stages; `tokens` (of TIED, NORM, END): TIED after the backwards, each stage's "N" action (the
+    squared gradients it contributes to the norm) and NORM before the updates, END after them. GPipe: every forward, then every backward. 1F1B (PipeDream-flush, Narayanan et al.
     2021): p - 1 - r forwards to warm up, then one forward and one backward in turn, then the remaining backwards.
     Interleaved1F1B (Megatron-LM's virtual stages, rank r holding stages r, r + p, ...): the same with the
     micro-batches in groups of p, each group through every chunk in turn, warm-up (p - r - 1) * 2 + (v - 1) * p."""
@@ -87,7 +94,13 @@ def rank_orders(spec) -> list:
             for i in range(n - warm):
                 acts += [fwd(warm + i), bwd(i)]
             acts += [bwd(k) for k in range(n - warm, n)]
+        if TIED in tokens:
+            acts.append(TIED)
+        if NORM in tokens:
+            acts += [(s, "N", 0) for s in range(r, spec.n_stages, p)] + [NORM]
         acts += [(s, "U", 0) for s in range(r, spec.n_stages, p)]
+        if END in tokens:
+            acts.append(END)
         out.append(acts)
     return out
 
@@ -101,17 +114,27 @@ def pipeline_program(low, spec, captured):
     g = low.gm.graph
     cap_nodes = {n.name: n for n in captured.gm.graph.nodes}
     stage = _stages(g, spec)
-    _copy_free(g, stage, spec)
-    orders = rank_orders(spec)
+    every = tied_weights(g, stage, spec, cap_nodes, low, captured)      # token -> nodes every rank runs
+    _copy_free(g, stage, spec, set().union(*every.values()))
+    every[NORM], parts = clip_norm(g, stage, spec, cap_nodes, low)
+    every = {t: ns for t, ns in every.items() if ns}
+    orders = rank_orders(spec, tuple(every))
     pos = {a: i for acts in orders for i, a in enumerate(acts)}
     act = _actions(g, stage, cap_nodes, pos)
+    norm_actions(act, parts)
+    for t, ns in every.items():
+        act.update((n, t) for n in ns)
+        for a in {a for n in ns for a in n.all_input_nodes if a in stage}:
+            acts = orders[spec.rank_of(stage[a])]        # a rank's part (its zeros): before the rank reaches t
+            if pos[act[a]] > acts.index(t):
+                act[a] = acts[acts.index(t) - 1]
     transfers = _transfers(g, stage, act, spec)
     order = _merge(g, act, orders, pos, spec)
     prev = next(n for n in reversed(list(g.nodes)) if n.op == "placeholder")
     for n in order:
         prev.append(n)
         prev = n
-        n.meta[META_STAGE] = spec.rank_of(stage[n])
+        n.meta[META_STAGE] = spec.rank_of(stage[n]) if n in stage else None     # None: every rank of the axis
         n.meta[META_ACTION] = act[n]
     g.lint()
     low.gm.recompile()
@@ -129,6 +152,8 @@ def _stages(g, spec) -> dict:
         if n.op == "output":
             continue
         s = spec.stage_of.get(n.name) if n.op == "placeholder" else spec.stage_of.get(n.meta.get(META_SRC))
+        if n.meta.get(META_SRC) in spec.views:
+            continue             # a view of a tied weight: made on each stage that reads it (_copy_free)
         if s is None and n.op != "placeholder":
             ins = [stage[a] for a in n.all_input_nodes if a in stage]
             s = max(ins) if ins else None
@@ -137,11 +162,12 @@ def _stages(g, spec) -> dict:
     return stage
 
 
-def _copy_free(g, stage, spec) -> None:
-    """A free op (it reads only the batch, hyperparameters, coordinates or other free ops) runs on the stage that
-    reads it, copied once per further stage that does (the micro-batch slices of the targets: on the last stage)."""
+def _copy_free(g, stage, spec, every=frozenset()) -> None:
+    """A free op (it reads only the batch, hyperparameters, coordinates, a tied weight through views or other free
+    ops) runs on the stage that reads it, copied once per further stage that does (the micro-batch slices of the
+    targets: on the last stage). `every`: the nodes every rank runs (not free: they have no stage)."""
     for n in reversed(list(g.nodes)):
-        if n.op in ("placeholder", "output") or n in stage:
+        if n.op in ("placeholder", "output") or n in stage or n in every:
             continue
         readers = sorted({stage[u] for u in n.users if u in stage})
         if not readers:                      # read by the step's output only
@@ -213,7 +239,8 @@ def _transfers(g, stage, act, spec) -> list:
 
 def _merge(g, act, orders, pos, spec) -> list:
     """The nodes in one program order: each rank's actions in its schedule's order, merged so that an action comes
-    after every action it reads from (round by round); within an action, the lowered order."""
+    after every action it reads from (round by round; TIED, NORM and END once every rank has reached them); within
+    an action, the lowered order."""
     deps: dict = {a: set() for acts in orders for a in acts}
     members: dict = {a: [] for a in deps}
     for n in g.nodes:
@@ -225,7 +252,7 @@ def _merge(g, act, orders, pos, spec) -> list:
             b = act.get(x)
             if b is None or b == a:
                 continue
-            if spec.rank_of(b[0]) == spec.rank_of(a[0]):
+            if a[0] is not None and b[0] is not None and spec.rank_of(b[0]) == spec.rank_of(a[0]):
                 if pos[b] > pos[a]:
                     raise InternalError(f"pipeline: {n.name} in action {a} reads {x.name} of the later action {b} "
                                         f"on the same rank ({spec.schedule}).")
@@ -233,11 +260,17 @@ def _merge(g, act, orders, pos, spec) -> list:
             deps[a].add(b)
     done, ptr, out = set(), [0] * len(orders), []
     while any(ptr[r] < len(orders[r]) for r in range(len(orders))):
-        ready = [orders[r][ptr[r]] for r in range(len(orders))
-                 if ptr[r] < len(orders[r]) and deps[orders[r][ptr[r]]] <= done]
+        heads = {r: orders[r][ptr[r]] for r in range(len(orders)) if ptr[r] < len(orders[r])}
+        ready = [a for a in heads.values() if a[0] is not None and deps[a] <= done]
+        token = heads.get(0)
+        if not ready and token is not None and token[0] is None and len(heads) == len(orders) \
+                and all(a == token for a in heads.values()) and deps[token] <= done:
+            out.extend(members[token])         # every rank has reached it
+            ptr = [p + 1 for p in ptr]
+            done.add(token)
+            continue
         if not ready:
-            stuck = {r: orders[r][ptr[r]] for r in range(len(orders)) if ptr[r] < len(orders[r])}
-            raise InternalError(f"pipeline: the {spec.schedule} schedule deadlocks at {stuck}.")
+            raise InternalError(f"pipeline: the {spec.schedule} schedule deadlocks at {heads}.")
         for a in ready:
             out.extend(members[a])
             ptr[spec.rank_of(a[0])] += 1

@@ -32,8 +32,14 @@ KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
 #
 # A bucket of several collectives takes the first of reshard, tactic, gradient, state that one of its members has;
 # its `members` keep each one's why, bytes and source.
+#
+# A pipelined program (lower/pipeline.py) adds two on its pipeline axis, listed only where present:
+#
+#   "grad norm"    clip_grad_norm's all_reduce of each rank's partial sum of squared gradients (its stages').
+#   "tied weight"  the all_reduce of a parameter's gradient over the stages that hold it (tied weights).
 GRADIENT, STATE, TACTIC, RESHARD = "gradient", "state", "tactic", "reshard"
-WHYS = (GRADIENT, STATE, TACTIC, RESHARD)
+GRAD_NORM, TIED = "grad norm", "tied weight"
+WHYS = (GRADIENT, STATE, TACTIC, RESHARD, GRAD_NORM, TIED)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ class DistributedRuntime:
         self.measure_memory = False      # the Executor sets it from Options.measure_memory
         self.last_peak = None            # {this rank: bytes} of the last measured step (runtime/memtrack.py)
         self.state_owner = None          # pipelined programs: (axis, {state name: coordinate that holds it})
+        self.state_held = {}             # ... and the tied weights: {state name: every coordinate that holds it}
 
     def _group_options(self, dev: str):
         from torch._C._distributed_c10d import Backend as C10dBackend
@@ -201,11 +202,12 @@ class DistributedRuntime:
     def value_owned(self, t, sh: Sharding, shape, name: str):
         """A state value of a pipelined program as the ranks of its stage hold it: a DTensor over their sub-mesh
         (the other axes; a plain tensor when there are none), None on the other ranks. torch.distributed.checkpoint
-        saves each stage's values from its ranks: one FQN space over the stages."""
+        saves each stage's values from its ranks: one FQN space over the stages (a tied weight is held, saved and
+        loaded by each stage reading it, as a replicated value: DCP writes it once)."""
         from torch.distributed.tensor import DTensor
 
         axis, coords = self.state_owner
-        if coords.get(name, self.coord[axis]) != self.coord[axis]:
+        if not self.holds(name):
             return None
         rest = tuple(a for a in self.mesh.axes if a != axis)
         if not rest:
@@ -213,6 +215,13 @@ class DistributedRuntime:
         placements = [p for a, p in zip(self.mesh.axes, sh.placements(self.mesh)) if a != axis]
         return DTensor.from_local(t, self.device_mesh[rest], placements, shape=torch.Size(shape),
                                   stride=torch.empty(shape, device="meta").stride(), run_check=False)
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank holds state value `name` of the pipelined program (its stage's; a tied weight: every
+        stage reading it)."""
+        axis, coords = self.state_owner
+        me = self.coord[axis]
+        return coords.get(name, me) == me or me in self.state_held.get(name, ())
 
     def program(self, plan):
         """The plan's per-device program (lowered once per plan) bound to this runtime's process groups."""
@@ -225,6 +234,7 @@ class DistributedRuntime:
                 raise PartitionError("partition: a pipeline on real ranks runs eager and unmeasured for now; leave "
                                      "compile and measure_memory off.")
             self.state_owner = (plan.pipeline.axis, state_coords(plan))
+            self.state_held = {n: plan.pipeline.holders(n) for n in plan.pipeline.tied}
             return rank_program(bind(plan.annotated_lowered(), self.groups), plan, self)
         return bind(plan.lowered(), self.groups)
 

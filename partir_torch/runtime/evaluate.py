@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from ..capture.inputs import conform
-from ..contract import Role
+from ..contract import META_NAME, Role
 from ..errors import PartitionError, user_stacklevel, warn
 from ..lower.lower import bind
 from .layout import same_layout
@@ -102,10 +102,12 @@ class Evaluator:
         from ..plan import capture_for, plan
 
         train = self.ex.plan
-        if train.pipeline is not None and self.ex.rt.kind == "distributed":
-            raise PartitionError(f"{'eval_step' if kind == 'loss' else 'forward'} of a pipelined program on real "
-                                 f"ranks is not supported yet (each rank holds its stage's state only); run it with "
-                                 f"ranks emulated, or gather the parameters (prog.gather_parameters()).")
+        piped = train.pipeline is not None and self.ex.rt.kind == "distributed"
+        if piped and kind != "loss":
+            raise PartitionError("forward of a pipelined program on real ranks is not supported yet (each rank holds "
+                                 "its stages' state only; eval_step runs through the stages); run it with ranks "
+                                 "emulated, or gather the parameters (prog.gather_parameters()).")
+        pipe = _eval_pipeline(train, batch) if piped else None
         model = self.ex.model
         was = model.training
         model.eval()
@@ -114,14 +116,22 @@ class Evaluator:
             # the loss runs in the training step's compute dtype (mixed_precision's casts); remat has no backward here
             tactics = [t for t in train.tactics if t not in train.capture_rewrites]
             rewrites = [t for t in train.capture_rewrites if t.in_eval] if kind == "loss" else []
+            more = {} if pipe is None else dict(accumulate=pipe.n_microbatches, record_modules=True,
+                                                 accumulate_dims=train.captured.settings.get("accumulate_dims"))
             cap = capture_for(model, rewrites + tactics, batch, self.ex.loss_fn if kind == "loss" else None,
-                              eval_loss=kind == "loss", values=real)
+                              eval_loss=kind == "loss", values=real, **more)
         finally:
             model.train(was)
         t1 = time.perf_counter()
-        p = plan(cap, train.mesh, rewrites + [LiveLayout(train)], train.options, train.registry)
+        p = plan(cap, train.mesh, rewrites + ([pipe] if pipe else []) + [LiveLayout(train)], train.options,
+                 train.registry)
         t2 = time.perf_counter()
-        low = bind(p.lowered(), self.ex.rt.groups)
+        if pipe is not None:      # each rank runs its stages' forwards (runtime/p2p.py), the loss broadcast on pp
+            from .p2p import rank_program
+
+            low = rank_program(bind(p.annotated_lowered(), self.ex.rt.groups), p, self.ex.rt)
+        else:
+            low = bind(p.lowered(), self.ex.rt.groups)
         held = self.ex.held()
         moved = [n for n, sh in zip(cap.input_names, low.input_layouts)
                  if n in held.state and not same_layout(sh, held.layouts[n])]
@@ -136,6 +146,29 @@ class Evaluator:
         return [ShapeInfo(kinds[e.signature[0]], e.signature[2], e.capture_s, e.plan_s, e.lower_s, e.calls,
                           paths.describe(e.plan.captured.guards, e.path) if e.path else "")
                 for e in self.cache.entries.values()]
+
+
+def _eval_pipeline(train, batch):
+    """The pipeline of a pipelined program's eval step on real ranks: the training stages (their module globs), the
+    forwards only, over the most micro-batches up to training's that divide the batch (GPipe order; interleaved:
+    a multiple of the axis size)."""
+    from ..tactics.pipeline import Pipeline
+
+    spec = train.pipeline
+    dims = train.captured.settings.get("accumulate_dims")
+    flat, _ = tree_flatten(tuple(batch))
+    sizes = [x.shape[(dims or {}).get(i, 0)] for i, x in enumerate(flat)
+             if isinstance(x, torch.Tensor) and (dims or {}).get(i, 0) is not None and x.dim() > 0]
+    step = spec.ranks if spec.schedule == "Interleaved1F1B" else 1
+    m = next((k for k in range(spec.microbatches, 0, -1) if k % step == 0 and all(b % k == 0 for b in sizes)), None)
+    if m is None:
+        raise PartitionError(f"eval_step: the pipeline on axis '{spec.axis}' (size {spec.ranks}) runs "
+                             f"{spec.schedule} in groups of {step} micro-batches, and no such count divides the "
+                             f"batch sizes {sorted(set(sizes))}. Use an eval batch size divisible by {step}.")
+    placed = tuple((n.meta[META_NAME], spec.stage_of[n.name]) for n in train.captured.gm.graph.nodes
+                   if n.op == "placeholder" and n.name in spec.stage_of)
+    return Pipeline(spec.axis, [list(g) for g in spec.modules],
+                    "Interleaved1F1B" if spec.schedule == "Interleaved1F1B" else "GPipe", m, spec.name, placed)
 
 
 def _refuse_non_tensors(what, batch) -> None:

@@ -3,7 +3,9 @@
 `rank_program` cuts the rank's program out of the pipelined per-device program (bound to the runtime's groups):
 its nodes (META_STAGE = its coordinate on the pipeline axis), in the program's order, with every pp_transfer it
 sends as an isend to its peer (the rank at the destination coordinate with its coordinates on the other axes) and
-every one it receives as a blocking recv from its peer. The order is the schedule's merged order, in which every
+every one it receives as a blocking recv from its peer; the nodes every rank runs (META_STAGE None: the
+all_reduces on the pipeline axis, clip_grad_norm's and tied weights') are in every rank's program, each rank
+contributing its own part (pp_select). The order is the schedule's merged order, in which every
 transfer is sent before anything waits on a transfer listed after it, so the blocking receives cannot deadlock; the
 sends are waited for at the end of the step. The step's non-state outputs (the loss) are broadcast on the pipeline
 axis from the stage that computed them; a state value another stage owns comes back as an empty tensor (the rank
@@ -18,7 +20,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ..contract import META_NAME, META_STAGE, STATE_PREFIXES
-from ..lower.pipeline import pp_transfer
+from ..lower.pipeline import pp_select, pp_transfer
 
 _PENDING: list = []          # (work, tensor) of the isends of the step running in this process
 
@@ -72,7 +74,10 @@ def rank_program(low, plan, rt):
             elif dst == me:
                 v = n.meta["val"]
                 env[n] = g.call_function(pp_recv, (list(v.shape), v.dtype, peer(src), group, dev))
-        elif n.meta.get(META_STAGE) == me:
+        elif n.target is pp_select:           # this rank's own part (of an all_reduce, of a tied weight's copies)
+            if n.args[1 + me] is not None:
+                env[n] = env[n.args[1 + me]]
+        elif n.meta.get(META_STAGE) in (me, None):      # None: every rank runs it (the all_reduces on the axis)
             env[n] = g.node_copy(n, lambda a: env[a])
     g.call_function(pp_flush, ())
     outs = []
@@ -84,6 +89,8 @@ def rank_program(low, plan, rt):
         if name.startswith(STATE_PREFIXES):
             outs.append(env[o] if o in env else g.call_function(torch.empty, ((0,),), {"dtype": v.dtype,
                                                                                        "device": dev}))
+        elif o.meta.get(META_STAGE) is None:     # computed by every rank (the gradient norm)
+            outs.append(env[o])
         else:      # the loss: every rank returns it
             outs.append(g.call_function(pp_broadcast, (env.get(o), list(v.shape), v.dtype,
                                                        peer(o.meta[META_STAGE]), group, dev)))

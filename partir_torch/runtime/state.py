@@ -112,10 +112,8 @@ class HeldState:
             full, self.steps = self._full_from(self.model, self.optimizer)
         self.state = {}
         # real ranks of a pipelined program (p2p.py): a rank holds only its stages' state (others' as empty tensors)
-        own = getattr(self.rt, "state_owner", None)
         for name, role in zip(cap.input_names, cap.input_roles):
-            if role in STATE_ROLES and own is not None and own[1].get(name, self.rt.coord[own[0]]) \
-                    != self.rt.coord[own[0]]:
+            if role in STATE_ROLES and not self._held_here(name):
                 self.state[name] = torch.empty(0, dtype=full[name].dtype, device=self.rt.device)
             elif role in STATE_ROLES:
                 try:
@@ -185,9 +183,9 @@ class HeldState:
         return self.rt.value(self.state[n], self._layout(n), self._shape(n))
 
     def _held_here(self, n) -> bool:
-        """Whether this rank holds state value n (all do, but on real ranks of a pipelined program)."""
-        own = getattr(self.rt, "state_owner", None)
-        return own is None or own[1].get(n, self.rt.coord[own[0]]) == self.rt.coord[own[0]]
+        """Whether this rank holds state value n (all do, but on real ranks of a pipelined program: the ranks of its
+        stage, of each stage reading a tied weight)."""
+        return getattr(self.rt, "state_owner", None) is None or self.rt.holds(n)
 
     def state_dict(self) -> dict:
         """{"model": ..., "optimizer": ...} in get_state_dict's layout (see state.py)."""

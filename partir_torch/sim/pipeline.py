@@ -9,7 +9,9 @@ node, the NIC across nodes, ICI / DCN on TPUs). Then:
 - the bubble: 1 - sum over ranks of their forward/backward busy time / (ranks x the span of the forward/backward
   part); with equal stages and free transfers this is (p - 1) / (m + p - 1) for GPipe and 1F1B and
   (p - 1) / (v m + p - 1) for Interleaved1F1B (Narayanan et al. 2021, section 2.2);
-- the slowest stage (the most busy time), each rank's peak memory (the liveness of its own nodes), the transfers.
+- the slowest stage (the most busy time), each rank's peak memory (the liveness of its own nodes), the transfers;
+- the nodes every rank runs (META_STAGE None: the all_reduces on the pipeline axis of clip_grad_norm and tied
+  weights) start when the last rank reaches them, then each rank costs them as the SPMD timeline costs a collective.
 """
 from __future__ import annotations
 
@@ -100,6 +102,19 @@ def simulate_pipeline(gm, mesh, hw: Hardware, pipelined, axis_map=None, stage_na
         if n.op == "output":
             continue
         r, a = n.meta[META_STAGE], n.meta[META_ACTION]
+        if r is None:        # every rank runs it (an all_reduce on the axis): they meet there, then each steps it
+            if cur[0] != a:
+                t = max(line.t_c for line in lines)
+                for q, line in enumerate(lines):
+                    if cur[q] is not None:
+                        spans[cur[q]] = (q, spans[cur[q]][1], line.t_c)
+                    line.t_c, cur[q] = t, a
+                spans[a] = (None, t, t)
+            for line in lines:
+                for x in n.all_input_nodes:
+                    line.done.setdefault(x, line.t_c)      # another rank's part of the all_reduce
+                line.step(n)
+            continue
         line = lines[r]
         if cur[r] != a:
             if cur[r] is not None:
@@ -165,7 +180,7 @@ def _report(lines, spans, spec, nodes, facts, hw, sent: int, n_sent: int, stage_
 def _rank_peak(nodes, r: int, facts) -> int:
     """Peak live bytes of rank r's own program: its nodes, the transfers it receives and the inputs it reads."""
     mine = [n for n in nodes if n.op == "call_function" and (n.args[2] == r if n.target is pp_transfer
-                                                           else n.meta.get(META_STAGE) == r)]
+                                                           else n.meta.get(META_STAGE) in (r, None))]
     used = {x for n in mine for x in n.all_input_nodes if x.op == "placeholder"}
     order = [n for n in nodes if n in used] + mine
     keep = set(order)

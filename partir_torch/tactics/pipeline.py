@@ -14,7 +14,9 @@ captured step to a stage, and the pipeline axis stays whole (no value is tiled o
 - an op outside every stage's modules (the loss, the gradient sums, the optimizer update of a parameter) to the
   latest stage among its operands; an op of none (slicing the batch into micro-batches) to every stage that
   reads it (lowering copies it);
-- parameters, buffers and optimizer state to the stage of their module.
+- parameters, buffers and optimizer state to the stage of their module;
+- with clip_grad_norm, a gradient's scaling to the gradient's stage (lowering computes the norm on every rank from
+  the stages' partial sums of squares, all-reduced on the axis).
 
 Lowering (lower/pipeline.py) then runs each stage's ops on the ranks of its coordinate on the axis, in the
 schedule's order per micro-batch, and turns every value crossing a stage boundary into a point-to-point transfer
@@ -24,12 +26,12 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
 
-from ..contract import META_MICRO, META_MODULE, META_NAME, META_ROLE, RANDOM_OPS, Phase, Role, phase_of
+from ..contract import META_CLIP, META_MICRO, META_MODULE, META_NAME, META_ROLE, RANDOM_OPS, Phase, Role, phase_of
 from ..errors import PartitionError, warn
 from .base import declare
 from .structure import param_source
@@ -49,6 +51,17 @@ class PipelineSpec:
     stage_of: MappingProxyType    # captured node name -> stage (absent: the node belongs to no stage)
     modules: tuple                # per stage: the module FQN globs (as given, or as the balanced cut chose)
     params: tuple                 # per stage: the parameter FQNs it owns
+    name: str = "PP"              # the tactic's name (the pipeline axis's collectives record it)
+    # tied weights: a parameter read by several stages (and its optimizer state) -> the stages that hold it, the
+    # first its owner (stage_of); views of it that read nothing else (views), made on each stage that reads them
+    tied: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    views: frozenset = frozenset()
+
+    def holders(self, name: str) -> tuple:
+        """The coordinates on the axis that hold state value `name` (tied weights: several)."""
+        if name in self.tied:
+            return tuple(sorted({self.rank_of(s) for s in self.tied[name]}))
+        return ()
 
     def rank_of(self, stage: int) -> int:
         """The coordinate on the axis that runs `stage`: stage s on rank s % ranks (interleaved: rank r runs
@@ -73,6 +86,8 @@ class Pipeline:
     schedule: str = "1F1B"
     microbatches: int | None = None
     name: str = "PP"
+    placed: tuple = ()           # ((state value name, stage), ...): where a training plan put its state (the eval
+    #                              step of a pipelined program, runtime/evaluate.py, runs on the training stages)
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -121,7 +136,7 @@ class Pipeline:
                                  f"'{self.axis}' of size {ranks}. Use stages={ranks}, or Interleaved1F1B for "
                                  f"several stages per rank.")
         s = cap.settings
-        if cap.mode != "train" and cap.mode != "loss_and_grads":
+        if cap.mode not in ("train", "loss_and_grads", "eval"):      # eval: a pipelined eval_step (evaluate.py)
             raise PartitionError(f"{self.name}: a pipeline runs a training step; pass loss_fn= (and optimizer=).")
         if not s.get("record_modules"):
             raise PartitionError(f"{self.name}: the step was captured without the module of each op; capture it for "
@@ -130,9 +145,6 @@ class Pipeline:
             raise PartitionError(f"{self.name}: the step was captured with {s.get('accumulate', 1)} micro-batches and "
                                  f"the pipeline runs {self.n_microbatches}; pt.partition(..., accumulate=) must be "
                                  f"{self.n_microbatches} or left at 1 (the pipeline sets it).")
-        if s.get("clip_grad_norm") is not None:
-            raise PartitionError(f"{self.name}: clip_grad_norm with a pipeline is not supported yet (the global norm "
-                                 f"sums every stage's gradients); leave clip_grad_norm=None.")
         globs = self.stages if not isinstance(self.stages, int) else balanced_cut(cap, self.stages)
         spec = assign_stages(cap, globs, self, ranks)
         ctx.planning.pipeline = spec
@@ -141,6 +153,12 @@ class Pipeline:
             warn(f"{self.name}: the step draws random numbers ({', '.join(drawn[:3])}); the pipeline runs the "
                  f"micro-batches' forwards in the {self.schedule} order, so the draws (dropout masks) differ from one "
                  f"device's (same distribution, another order). Train with dropout 0 to compare with one device.")
+        for name, st in spec.tied.items():
+            ranks_ = spec.holders(name)
+            how = (f"its gradient is summed over them (all_reduce on '{self.axis}', why 'tied weight') and each "
+                   f"applies the same update" if len(ranks_) > 1 else f"all on rank {ranks_[0]}: no exchange")
+            ctx.note(name, f"{self.name}: tied weight, read by stages {', '.join(map(str, st))}: held by each of "
+                           f"them (ranks {', '.join(map(str, ranks_))} of '{self.axis}'); {how}.")
         sizes = ", ".join(f"{len(p)}" for p in spec.params)
         ctx.remark(self.name, f"{n} stages on axis '{self.axis}' ({self.schedule}, {spec.microbatches} micro-batches); "
                               f"parameters per stage: {sizes}")
@@ -182,10 +200,12 @@ def _state_fqn(name: str) -> str | None:
 
 def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
     """Every op of the captured step -> its stage (see the module docstring); refuses what a pipeline cannot run:
-    a parameter no stage holds, a parameter read by two stages (tied weights), a forward op reading a later
-    stage's value."""
+    a parameter no stage holds, a buffer or optimizer state read by two stages, a forward op reading a later stage's
+    value. A parameter read by several stages (tied weights) is held by each of them (PipelineSpec.tied)."""
     stage_of_module = _matcher(globs)
     updated = {ph for ph, _ in cap.ties}
+    readers: dict = {}          # tied parameter placeholder -> the stages that read it
+    placed = dict(tactic.placed)
     stage: dict = {}
     by_param: dict = {}
     params = [[] for _ in globs]
@@ -195,7 +215,9 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
             fqn = _state_fqn(name)
             if n.meta.get(META_ROLE) == Role.BUFFER and n not in updated:
                 fqn = None      # a constant buffer (rope tables): every stage reads its own copy, as the batch
-            if name.startswith("opt.") and name.split(".", 2)[2] in by_param:
+            if name in placed:
+                s = placed[name]
+            elif name.startswith("opt.") and name.split(".", 2)[2] in by_param:
                 s = by_param[name.split(".", 2)[2]]        # a parameter's optimizer state lives with it
             elif fqn is not None:
                 s = stage_of_module(fqn) if fqn else None
@@ -216,7 +238,9 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
             continue
         ins = [stage[a] for a in n.all_input_nodes if stage.get(a) is not None]
         s = stage_of_module(n.meta.get(META_MODULE))
-        if s is None:
+        if (n.meta.get("custom") or {}).get(META_CLIP) == "scale" and stage.get(n.args[0]) is not None:
+            s = stage[n.args[0]]      # clip_grad_norm scales a gradient on its own stage (by the factor every rank has)
+        elif s is None:
             s = max(ins) if ins else None
         elif phase_of(n) == Phase.FORWARD and ins and max(ins) > s:
             late = next(a for a in n.all_input_nodes if stage.get(a) == max(ins))
@@ -227,18 +251,46 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
             stage[n] = s
         for a in n.all_input_nodes:
             src = a if a.op == "placeholder" else (param_source(a) or (None,))[0]
-            if src is not None and stage.get(src) is not None and s is not None and stage.get(a) != s:
-                raise PartitionError(f"{tactic.name}: {src.meta.get(META_NAME)} (stage {stage[src]}) is read by "
-                                     f"{n.format_node()} on stage {s}; a value of the step's state must live on one "
-                                     f"stage (tied weights across stages are not supported yet). Put both uses in "
-                                     f"one stage, or untie the weights.")
+            if src is None or stage.get(src) is None or s is None or stage.get(a) == s:
+                continue
+            if src.meta.get(META_ROLE) == Role.PARAM and phase_of(n) != Phase.OPTIMIZER:
+                readers.setdefault(src, {stage[src]}).add(s)       # a tied weight: held by every stage reading it
+                continue
+            if phase_of(n) == Phase.OPTIMIZER and _param_fqn(src) in {_param_fqn(r) for r in readers}:
+                continue         # a tied weight's update: lowering runs it on every stage that holds the weight
+            raise PartitionError(f"{tactic.name}: {src.meta.get(META_NAME)} (stage {stage[src]}) is read by "
+                                 f"{n.format_node()} on stage {s}; a value of the step's state other than a "
+                                 f"parameter must live on one stage. Put both uses in one stage.")
     for i, p in enumerate(params):
         if not p and not any(s == i for s in stage.values()):
             raise PartitionError(f"{tactic.name}: stage {i} ({list(globs[i])}) holds no op of the step; every stage "
                                  f"needs some of the model.")
+    tied, views = _tied(cap, readers, stage)
     return PipelineSpec(tactic.axis, tactic.schedule, len(globs), ranks, tactic.n_microbatches,
-                        MappingProxyType({n.name: s for n, s in stage.items()}), tuple(tuple(g) for g in globs),
-                        tuple(tuple(p) for p in params))
+                        MappingProxyType({n.name: s for n, s in stage.items() if n.name not in views}),
+                        tuple(tuple(g) for g in globs), tuple(tuple(p) for p in params), tactic.name,
+                        MappingProxyType(tied), frozenset(views))
+
+
+def _param_fqn(node) -> str | None:
+    """The parameter FQN of a params.<fqn> or opt.<state>.<fqn> placeholder."""
+    name = node.meta.get(META_NAME, "")
+    return name[len("params."):] if name.startswith("params.") else name.split(".", 2)[2] \
+        if name.startswith("opt.") else None
+
+
+def _tied(cap, readers: dict, stage: dict) -> tuple:
+    """Tied weights ({state value name: holder stages, the owner first}, the names of the ops that only view a tied
+    parameter: casts and transposes, made on each stage that reads them). A parameter's optimizer state is held
+    with it."""
+    if not readers:
+        return {}, set()
+    by_fqn = {_param_fqn(ph): (stage[ph],) + tuple(sorted(st - {stage[ph]})) for ph, st in readers.items()}
+    tied = {n.meta[META_NAME]: by_fqn[_param_fqn(n)] for n in cap.gm.graph.nodes
+            if n.op == "placeholder" and _param_fqn(n) in by_fqn}
+    views = {n.name for n in cap.gm.graph.nodes if n.op == "call_function"
+             and (param_source(n) or (None,))[0] in readers}
+    return tied, views
 
 
 def _first_reader(node, stage_of_module, last: int) -> int:
