@@ -9,7 +9,9 @@
 | tiled(d1) -> tiled(d2)    | all_to_all                                |
 
 Order: un-tile (innermost axis of a dim first), then reduce pending partials (reduce_scatters into the target
-tiling first, all_reduces on the smaller shard after), then tile (outermost first).
+tiling first, all_reduces on the smaller shard after, the latest tactic's axis first: a gradient that sequence
+parallelism also left partial on the tensor-parallel axis is reduced there first, so its data-parallel all_reduce
+ends the chain and joins its neighbours' bucket, lower/bucket.py), then tile (outermost first).
 
 An axis that does not divide its dim (uneven, torch.chunk sizes) runs the same collectives on padded chunks:
 the gather keeps the first positions, the reduce_scatter and the slice pad the whole dim first (lower/uneven.py).
@@ -274,9 +276,7 @@ def reshard(em, x, shape, dtype, src: Sharding, dst: Sharding, value: str, tacti
                 cur_dims[d].append(axis)
                 del pending[axis]
                 progress = True
-    # the latest tactic's axis first, the first tactic's (data parallelism's, for a gradient) last: a gradient that
-    # sequence parallelism also left partial on the tensor-parallel axis is reduced there first, so its
-    # data-parallel all_reduce is the last of its chain and joins its neighbours' bucket (lower/bucket.py)
+    # latest tactic's axis first, data parallelism's last: its all_reduce ends the chain and can join a bucket
     for axis, op in reversed(list(pending.items())):
         if dst.partial_op(axis) == op:
             continue
