@@ -83,3 +83,50 @@ class PythonLayerdrop(nn.Module):
         if self.training and random.uniform(0, 1) < 0.5:
             return self.a(x).sum() * 2
         return self.a(x).sum()
+
+
+class MaskedMean(nn.Module):
+    """`x[mask].mean()` and `.sum()` of a selection (issue 26 item 2: the count sizes the selection only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+
+    def forward(self, x, labels, mask):
+        h = torch.tanh(self.a(x))                       # (B, T, 6)
+        sel = h[mask != 0]                              # (n, 6)
+        return sel.pow(2).mean() + 0.1 * sel.sum(-1).sum() / 7
+
+
+class MoELoop(nn.Module):
+    """Hugging Face's eager MoE loop (Mixtral, Qwen2-MoE, DBRX): per expert, `torch.where` over its slice of the
+    one-hot mask gives the (top-k slot, token) pairs routed to it; the expert's output, scaled by the routing
+    weight, is added back with index_add_. hit=True loops only over the experts hit (`expert_hit`, a nonzero)."""
+
+    def __init__(self, d=8, experts=4, top_k=2, hit=False):
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d))
+                                     for _ in range(experts))
+        self.inp, self.head = nn.Linear(4, d), nn.Linear(d, 1)
+        self.top_k, self.hit, self.n = top_k, hit, experts
+
+    def forward(self, x, labels, mask):
+        B, T, _ = x.shape
+        h = self.inp(x).reshape(B * T, -1)                                  # (tokens, d)
+        probs = self.router(h).softmax(-1)
+        routing_weights, selected = torch.topk(probs, self.top_k, dim=-1)   # (tokens, k)
+        routing_weights = routing_weights / routing_weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(h)
+        expert_mask = nn.functional.one_hot(selected, num_classes=self.n).permute(2, 1, 0)   # (E, k, tokens)
+        if self.hit:
+            hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+            loop = [e[0] for e in hit]
+        else:
+            loop = range(self.n)
+        for e in loop:
+            idx, top_x = torch.where(expert_mask[e])
+            cur = self.experts[e](h[top_x]) * routing_weights[top_x, idx, None]
+            out.index_add_(0, top_x, cur.to(h.dtype))
+        y = self.head(out + h).reshape(B, T)
+        return (y.pow(2) * mask).mean()
