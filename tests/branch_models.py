@@ -85,17 +85,27 @@ class PythonLayerdrop(nn.Module):
         return self.a(x).sum()
 
 
-class MaskedMean(nn.Module):
-    """`x[mask].mean()` and `.sum()` of a selection (issue 26 item 2: the count sizes the selection only)."""
+class SelectedLoss(nn.Module):
+    """A loss over the selected positions only (issue 26 item 2: the count sizes the selection, nothing else):
+    Qwen2-Audio's `cross_entropy(logits[mask != 0].view(-1, V), labels[mask != 0].view(-1))`, plus `x[mask].mean()`
+    and a sum. `count_as_int`: the count also scales the loss as a Python int (`sel.shape[0]`), which no static
+    size can answer: that selection stays a count guard."""
 
-    def __init__(self):
+    def __init__(self, count_as_int=False):
         super().__init__()
-        self.a = nn.Linear(4, 6)
+        self.up, self.down = nn.Linear(4, 16), nn.Linear(16, 6)
+        self.count_as_int = count_as_int
 
     def forward(self, x, labels, mask):
-        h = torch.tanh(self.a(x))                       # (B, T, 6)
-        sel = h[mask != 0]                              # (n, 6)
-        return sel.pow(2).mean() + 0.1 * sel.sum(-1).sum() / 7
+        logits = self.down(nn.functional.gelu(self.up(x)))                  # (B, T, V)
+        shift_logits = logits[..., :-1, :][mask[..., 1:] != 0].contiguous()  # (n, V)
+        shift_labels = labels[..., 1:][mask[..., 1:] != 0].contiguous()     # (n,)
+        loss = nn.functional.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
+        sel = torch.tanh(logits)[mask != 0]                                  # (m, V)
+        loss = loss + sel.pow(2).mean() + 0.01 * sel.sum(-1).sum()
+        if self.count_as_int:
+            loss = loss * (1 + 1 / sel.shape[0])
+        return loss
 
 
 class MoELoop(nn.Module):

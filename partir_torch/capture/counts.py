@@ -306,9 +306,10 @@ class Padding(TorchFunctionMode):
                     fail("broadcasts it with a tensor along its rows")
         if out.shape[e] != group.n:
             fail("changes its rows")
-        if any(out is e2[0] and not e2[4] for e2 in tracked):
+        if name.endswith("_") and any(out is e2[0] and not e2[4] for e2 in tracked):
             fail("writes in place into a view of the selected tensor")
-        return self._track(out, "rows", group, e)
+        fresh = all(e2[4] for e2 in tracked if out is e2[0])       # contiguous(), to(): maybe the operand itself
+        return self._track(out, "rows", group, e, fresh=fresh)
 
     def _dropout(self, func, name, args, kwargs, tracked, group, fail):
         b = inspect.signature(F.dropout).bind(*args, **kwargs)
@@ -496,6 +497,13 @@ class Padding(TorchFunctionMode):
         z = z.sum(others) if others else z
         return x.add_(z) if inplace else x + z
 
+    def _split(self, func, name, args, kwargs, tracked, group, fail):
+        (t, kind, _, d, fresh), = tracked
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+        if kind != "rows" or args[0] is not t or dim % t.dim() == d:
+            fail("splits its rows")
+        return tuple(self._track(o, "rows", group, d, fresh=fresh) for o in func(*args, **kwargs))
+
     def _unbind(self, func, name, args, kwargs, tracked, group, fail):
         (t, kind, _, _, _), = tracked
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
@@ -511,6 +519,6 @@ _HANDLERS = {
     "cross_entropy": Padding._loss, "nll_loss": Padding._loss,
     "linear": Padding._linear, "matmul": Padding._linear, "mm": Padding._linear,
     "layer_norm": Padding._norm, "rms_norm": Padding._norm, "softmax": Padding._norm, "log_softmax": Padding._norm,
-    "dropout": Padding._dropout, "unbind": Padding._unbind,
+    "dropout": Padding._dropout, "unbind": Padding._unbind, "chunk": Padding._split, "split": Padding._split,
     **{n: Padding._view for n in VIEWS},
 }
