@@ -71,6 +71,9 @@ def test_a_selection_feeding_the_loss_is_one_program_under_data_parallel():
     assert [n for _, n in cap.padded] == [20, 24], cap.padded          # (4, 5) shifted positions, (4, 6) positions
     assert len(prog.shapes()) == 1 and prog.shapes()[0].calls == 5
     _no_activation_reshards(prog)
+    said = "2 data-dependent selection(s) traced at a static size: padded to all their candidate rows"
+    assert said in prog.summary()
+    assert any(said in n for n in prog.simulate(pt.sim.hardware("h100", gpus_per_node=2), stages=False).notes)
 
 
 def test_a_selection_feeding_the_loss_under_megatron_and_zero3():
@@ -98,6 +101,7 @@ def test_a_count_read_as_an_int_stays_a_guard():
     assert "reads its size (the count) as a Python int" in cap.unpadded[0][1]
     assert [n for _, n in cap.padded] == [20]
     assert [g.count for g in cap.guards] == [True] and len(prog.shapes()) == 3
+    assert "selection kept as a count guard (one path per count): branch_models.py:" in prog.summary()
 
 
 def test_moe_routing_loop_keeps_tokens_on_their_rank():

@@ -522,3 +522,21 @@ _HANDLERS = {
     "dropout": Padding._dropout, "unbind": Padding._unbind, "chunk": Padding._split, "split": Padding._split,
     **{n: Padding._view for n in VIEWS},
 }
+
+
+def describe(cap) -> list:
+    """Lines for summary() and the simulator's notes: the selections padded (their cost is the N rows'), and
+    those kept as count guards with why."""
+    lines = []
+    if cap.padded:
+        sites: dict = {}
+        for where, n in cap.padded:
+            sites.setdefault(where, []).append(n)
+        text = "; ".join(f"{w} ({len(ns)}x, {'/'.join(map(str, sorted(set(ns))))} rows)" for w, ns in
+                         list(sites.items())[:4])
+        lines.append(f"{len(cap.padded)} data-dependent selection(s) traced at a static size: padded to all their "
+                     f"candidate rows, so one program serves every count, and each costs (here and in the simulator) "
+                     f"what its N rows cost, not the selected rows': {text}{' ...' if len(sites) > 4 else ''}")
+    for where, why in cap.unpadded:
+        lines.append(f"selection kept as a count guard (one path per count): {where}: it {why}")
+    return lines
