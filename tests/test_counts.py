@@ -8,6 +8,7 @@ import copy
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 import partir_torch as pt
 from partir_torch.capture import counts
@@ -140,3 +141,68 @@ def test_moe_loop_over_the_experts_hit():
     cap = prog.captured
     assert len(cap.unpadded) == 1 and "hit = torch.greater" in cap.unpadded[0][0], cap.unpadded
     assert len(cap.padded) == 4 and cap.guards and len(prog.shapes()) == 1
+
+
+_PADDED = {     # run padded: equal to eager, value and gradient
+    "sum": lambda x, y, m: x[m].sum(),
+    "mean": lambda x, y, m: x[m].mean(),
+    "mean over rows": lambda x, y, m: (x[m].mean(0) * torch.arange(5.0)).sum(),
+    "row-wise then sum": lambda x, y, m: torch.tanh(x[m] * 2 + 1).pow(2).sum(-1, keepdim=True).mean(),
+    "softmax rows": lambda x, y, m: x[m].softmax(-1)[:, 1:3].mean(),
+    "cross_entropy": lambda x, y, m: F.cross_entropy(x[m], y[m]),
+    "cross_entropy none": lambda x, y, m: F.cross_entropy(x[m], y[m], reduction="none", label_smoothing=0.1).mean(),
+    "masked_select": lambda x, y, m: torch.masked_select(x, m[..., None]).pow(2).mean(),
+    "where + index_add": lambda x, y, m: _where_add(x, m).pow(2).sum(),
+    "setitem": lambda x, y, m: _set(x, m).pow(2).sum(),
+}
+_KEPT = {       # not padding-safe: Unpadded (capture then keeps the count as a guard)
+    "cumsum": lambda x, y, m: x[m].cumsum(0).sum(),
+    "cat": lambda x, y, m: torch.cat([x[m], x[m]]).sum(),
+    "shape[0]": lambda x, y, m: x[m].sum() / x[m].shape[0],
+    "size(0)": lambda x, y, m: x[m].sum() / x[m].size(0),
+    "len": lambda x, y, m: x[m].sum() / len(x[m]),
+    "max": lambda x, y, m: x[m].max(),
+    "softmax over rows": lambda x, y, m: x[m].softmax(0).sum(),
+    "first row": lambda x, y, m: x[m][0].sum(),
+    "flatten": lambda x, y, m: x[m].flatten()[:3].sum(),
+    "iterate": lambda x, y, m: sum(r.sum() for r in x[m]),
+    "matmul over rows": lambda x, y, m: (x[m].T @ x[m]).sum(),
+    "dropout": lambda x, y, m: F.dropout(x[m], 0.5).sum(),
+    "coordinates.tolist": lambda x, y, m: x.sum() * len(torch.where(m)[1].tolist()),
+}
+
+
+def _where_add(x, m):
+    out = torch.zeros(x.shape[1], 5)
+    idx, top_x = torch.where(m.T)                   # (T, B) mask: coordinates (t, b)
+    out.index_add_(0, idx, x[top_x, idx] * 2)
+    return out
+
+
+def _set(x, m):
+    x = x.clone()
+    x[m] = torch.sigmoid(x[m])
+    return x
+
+
+def test_padding_rules_equal_eager_or_refuse():
+    """Every consumer counts.py has a rule for gives eager's value and gradient on the padded rows; every other
+    one raises Unpadded (never a wrong value). Eager, outside any trace: the rewrite itself."""
+    g = torch.Generator().manual_seed(0)
+    x0, y = torch.randn(3, 4, 5, generator=g), torch.randint(0, 5, (3, 4), generator=g)
+    m = torch.rand(3, 4, generator=g) < 0.6
+    for name, f in {**_PADDED, **_KEPT}.items():
+        want_x, got_x = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+        want = f(want_x, y, m)
+        want.backward()
+        pad = counts.Padding()
+        try:
+            with pad:
+                got = f(got_x, y, m)
+        except counts.Unpadded as u:
+            assert name in _KEPT, f"{name}: {u}"
+            continue
+        assert name in _PADDED and pad.selections, name
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda s: f"{name}: {s}")
+        torch.testing.assert_close(got_x.grad, want_x.grad, rtol=1e-6, atol=1e-6, msg=lambda s: f"{name}: {s}")

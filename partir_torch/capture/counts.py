@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import os
 import sys
 
 import torch
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from ..contract import draws_random
 from .branches import _OURS, _TORCH, _frames
 
 ENABLED = True            # tests switch it off to see the count guards come back
@@ -130,10 +132,11 @@ SAFE_ATTRS = frozenset("dim ndim dtype device is_floating_point requires_grad is
 
 
 def _same_node(a, b, depth: int) -> bool:
+    """The same value: one node, or the same deterministic op on the same arguments (two draws never are)."""
     if a is b:
         return True
     if depth == 0 or a.op != "call_function" or b.op != "call_function" or a.target != b.target \
-            or len(a.args) != len(b.args) or a.kwargs != b.kwargs:
+            or len(a.args) != len(b.args) or a.kwargs != b.kwargs or draws_random(a):
         return False
     for x, y in zip(a.args, b.args):
         if hasattr(x, "op") and hasattr(y, "op"):
@@ -155,8 +158,16 @@ def _name(func) -> str:
     return n
 
 
+_WRAPPERS = (os.path.join("torch", "_tensor.py"), os.path.join("torch", "overrides.py"))
+
+
 def _user(frame) -> bool:
-    """Whether the code reading a padded value's metadata is the user's (not torch's, not ours)."""
+    """Whether the code reading a padded value's metadata is the user's (not torch's, not ours); torch's Python
+    wrappers that only forward the call (Tensor.__len__) are skipped."""
+    while frame is not None and frame.f_code.co_filename.endswith(_WRAPPERS):
+        frame = frame.f_back
+    if frame is None:
+        return False
     fn = frame.f_code.co_filename
     return not (fn.startswith(_TORCH) or fn.startswith(_OURS))
 
@@ -241,6 +252,8 @@ class Padding(TorchFunctionMode):
             handler = Padding._pointwise
         if handler is None:
             fail("an op without a padding rule reads it")
+        if handler not in _SEVERAL and len(tracked) != 1:
+            fail("reads it in more than one operand")
         return handler(self, func, name, args, kwargs, tracked, group, fail)
 
     def _create(self, func, name, args, kwargs):
@@ -331,8 +344,10 @@ class Padding(TorchFunctionMode):
 
     def _linear(self, func, name, args, kwargs, tracked, group, fail):
         (t, kind, _, d, _), = tracked
-        if kind != "rows" or args[0] is not t or d >= t.dim() - 1:
-            fail("contracts over its rows")
+        other = args[1] if len(args) > 1 else kwargs.get("weight", kwargs.get("other"))
+        if kind != "rows" or args[0] is not t or d >= t.dim() - 1 or not isinstance(other, torch.Tensor) \
+                or other.dim() > 2:
+            fail("contracts over its rows (or broadcasts them with a batched operand)")
         return self._track(func(*args, **kwargs), "rows", group, d)
 
     def _norm(self, func, name, args, kwargs, tracked, group, fail):
@@ -512,6 +527,8 @@ class Padding(TorchFunctionMode):
         return tuple(self._track(group.coordinate(j), "index", group, j) for j in range(t.shape[1]))
 
 
+# handlers that take several padded operands (of one selection) and check them
+_SEVERAL = {Padding._pointwise, Padding._index, Padding._setitem, Padding._index_add, Padding._loss}
 _HANDLERS = {
     "getitem": Padding._index, "setitem": Padding._setitem,
     "index_add": Padding._index_add, "index_add_": Padding._index_add,
