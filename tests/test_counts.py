@@ -154,6 +154,8 @@ _PADDED = {     # run padded: equal to eager, value and gradient
     "masked_select": lambda x, y, m: torch.masked_select(x, m[..., None]).pow(2).mean(),
     "where + index_add": lambda x, y, m: _where_add(x, m).pow(2).sum(),
     "setitem": lambda x, y, m: _set(x, m).pow(2).sum(),
+    "where rows mean": lambda x, y, m: x[torch.where(m.T)[1]].mean(),
+    "moe loop": lambda x, y, m: _moe(x).pow(2).sum(),
 }
 _KEPT = {       # not padding-safe: Unpadded (capture then keeps the count as a guard)
     "cumsum": lambda x, y, m: x[m].cumsum(0).sum(),
@@ -176,6 +178,18 @@ def _where_add(x, m):
     out = torch.zeros(x.shape[1], 5)
     idx, top_x = torch.where(m.T)                   # (T, B) mask: coordinates (t, b)
     out.index_add_(0, idx, x[top_x, idx] * 2)
+    return out
+
+
+def _moe(x):
+    """HF's eager experts loop on 12 tokens, 5 experts, top-2 (expert e: a fixed matrix, tanh)."""
+    h = x.reshape(12, 5)
+    w, selected = torch.topk(h.softmax(-1), 2, dim=-1)
+    expert_mask = F.one_hot(selected, 5).permute(2, 1, 0)                 # (E, k, tokens)
+    out = torch.zeros_like(h)
+    for e in range(5):
+        idx, top_x = torch.where(expert_mask[e])
+        out.index_add_(0, top_x, torch.tanh(h[top_x] @ torch.eye(5).roll(e, 0)) * w[top_x, idx, None])
     return out
 
 

@@ -42,7 +42,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..contract import draws_random
 from .branches import _OURS, _TORCH, _frames
@@ -91,6 +91,21 @@ class Group:
         view = [1] * len(perm)
         view[self.order.index(j)] = self.shape[j]
         return torch.arange(self.shape[j], device=self.mask.device).reshape(view).expand(perm).reshape(self.n)
+
+    def rows(self, kept) -> int:
+        """Rows of a value over the candidates' coordinates `kept` (the others broadcast)."""
+        return math.prod(self.shape[o] for o in kept)
+
+    def expand(self, t, d: int, kept, to=None):
+        """t (its dim d: rows over `kept`) with dim d over the coordinates `to` (default: all), the missing ones
+        broadcast: the same value at every candidate that differs only in them."""
+        to = self.order if to is None else tuple(to)
+        if tuple(kept) == to:
+            return t
+        per = [self.shape[o] if o in kept else 1 for o in to]
+        full = [self.shape[o] for o in to]
+        t = t.reshape(*t.shape[:d], *per, *t.shape[d + 1:]).expand(*t.shape[:d], *full, *t.shape[d + 1:])
+        return t.reshape(*t.shape[:d], self.rows(to), *t.shape[d + len(to):])
 
     def valid_at(self, d: int, ndim: int):
         return self.valid.reshape([1] * d + [self.n] + [1] * (ndim - d - 1))
@@ -180,7 +195,10 @@ class Padding(TorchFunctionMode):
         self.refused = set(refused)
         self.node_of = node_of      # tensor -> its traced fx node (the Recorder's), to find equal masks
         self.groups: list = []
-        self.info: dict = {}        # id(tensor) -> (tensor, kind "rows" | "index" | "coords", Group, dim | coord, fresh)
+        # id(tensor) -> (tensor, kind "rows" | "index" | "coords", Group, dim | coord, fresh, kept): rows over the
+        # candidates' coordinates `kept` (h[top_x] of a (top_k, tokens) mask: the tokens only, the same row for
+        # every top-k slot; broadcast to all candidates where a value or a reduction needs them)
+        self.info: dict = {}
         self.selections: list = []  # (where, N)
 
     # -- bookkeeping --------------------------------------------------------------------------------------------
@@ -188,9 +206,14 @@ class Padding(TorchFunctionMode):
         e = self.info.get(id(t)) if isinstance(t, torch.Tensor) else None
         return e if e is not None and e[0] is t else None
 
-    def _track(self, t, kind, group, at, fresh=True):
-        self.info[id(t)] = (t, kind, group, at, fresh)
+    def _track(self, t, kind, group, at, fresh=True, kept=None):
+        self.info[id(t)] = (t, kind, group, at, fresh, group.order if kept is None else tuple(kept))
         return t
+
+    def _full(self, t):
+        """A padded value over all candidates (the coordinates it broadcast over made explicit)."""
+        e = self._get(t)
+        return e[2].expand(t, e[3], e[5])
 
     def _new_group(self, mask, order):
         _, where = _frames()
@@ -303,7 +326,16 @@ class Padding(TorchFunctionMode):
 
     # -- consumers ----------------------------------------------------------------------------------------------
     def _pointwise(self, func, name, args, kwargs, tracked, group, fail):
+        kept = tuple(o for o in group.order if any(o in e[5] for e in tracked))
+        if any(e[5] != kept for e in tracked):     # broadcast each to the coordinates of all
+            if name.endswith("_"):
+                fail("writes in place over fewer candidate coordinates")
+            swap = {id(e[0]): group.expand(e[0], e[3], e[5], kept) for e in tracked}
+            args, kwargs = tree_map(lambda a: swap.get(id(a), a) if isinstance(a, torch.Tensor) else a,
+                                    (args, kwargs))
+            tracked = [(swap[id(e[0])],) + e[1:5] + (kept,) for e in tracked]
         out = func(*args, **kwargs)
+        mine = {id(e2[0]) for e2 in tracked}
         if not isinstance(out, torch.Tensor):
             fail("gives a non-tensor")
         R = out.dim()
@@ -313,16 +345,16 @@ class Padding(TorchFunctionMode):
         e = pos.pop()
         flat, _ = tree_flatten((args, kwargs))
         for t in flat:
-            if isinstance(t, torch.Tensor) and self._get(t) is None and name not in ("to", "type_as"):
+            if isinstance(t, torch.Tensor) and id(t) not in mine and name not in ("to", "type_as"):
                 at = e - (R - t.dim())
                 if 0 <= at < t.dim() and t.shape[at] != 1:
                     fail("broadcasts it with a tensor along its rows")
-        if out.shape[e] != group.n:
+        if out.shape[e] != group.rows(kept):
             fail("changes its rows")
         if name.endswith("_") and any(out is e2[0] and not e2[4] for e2 in tracked):
             fail("writes in place into a view of the selected tensor")
         fresh = all(e2[4] for e2 in tracked if out is e2[0])       # contiguous(), to(): maybe the operand itself
-        return self._track(out, "rows", group, e, fresh=fresh)
+        return self._track(out, "rows", group, e, fresh=fresh, kept=kept)
 
     def _dropout(self, func, name, args, kwargs, tracked, group, fail):
         b = inspect.signature(F.dropout).bind(*args, **kwargs)
@@ -332,26 +364,27 @@ class Padding(TorchFunctionMode):
         return self._pointwise(func, name, args, kwargs, tracked, group, fail)
 
     def _view(self, func, name, args, kwargs, tracked, group, fail):
-        (t, _, _, d, fresh), = tracked
+        (t, _, _, d, fresh, kept), = tracked
         if args[0] is not t:
             fail("reads it")
         out = func(*args, **kwargs)
         pre, post = math.prod(t.shape[:d]), math.prod(t.shape[d + 1:])
+        rows = group.rows(kept)
         for e in range(out.dim()):
-            if math.prod(out.shape[:e]) == pre and out.shape[e] == group.n and math.prod(out.shape[e + 1:]) == post:
-                return self._track(out, "rows", group, e, fresh=fresh)
+            if math.prod(out.shape[:e]) == pre and out.shape[e] == rows and math.prod(out.shape[e + 1:]) == post:
+                return self._track(out, "rows", group, e, fresh=fresh, kept=kept)
         fail("merges its rows with another dim")
 
     def _linear(self, func, name, args, kwargs, tracked, group, fail):
-        (t, kind, _, d, _), = tracked
+        (t, kind, _, d, _, kept), = tracked
         other = args[1] if len(args) > 1 else kwargs.get("weight", kwargs.get("other"))
         if kind != "rows" or args[0] is not t or d >= t.dim() - 1 or not isinstance(other, torch.Tensor) \
                 or other.dim() > 2:
             fail("contracts over its rows (or broadcasts them with a batched operand)")
-        return self._track(func(*args, **kwargs), "rows", group, d)
+        return self._track(func(*args, **kwargs), "rows", group, d, kept=kept)
 
     def _norm(self, func, name, args, kwargs, tracked, group, fail):
-        (t, kind, _, d, _), = tracked
+        (t, kind, _, d, _, kept), = tracked
         if kind != "rows" or args[0] is not t:
             fail("normalises with it")
         if name in ("layer_norm", "rms_norm", "group_norm"):
@@ -362,10 +395,10 @@ class Padding(TorchFunctionMode):
             ok = dim is not None and dim % t.dim() != d
         if not ok:
             fail("normalises over its rows")
-        return self._track(func(*args, **kwargs), "rows", group, d)
+        return self._track(func(*args, **kwargs), "rows", group, d, kept=kept)
 
     def _reduce(self, func, name, args, kwargs, tracked, group, fail):
-        (t, kind, _, d, _), = tracked
+        (t, kind, _, d, _, kept), = tracked
         if kind != "rows" or args[0] is not t:
             fail("reduces with it")
         rest = list(args[1:])
@@ -378,9 +411,10 @@ class Padding(TorchFunctionMode):
             [x % t.dim() for x in ((dim,) if isinstance(dim, int) else dim)]
         if d not in dims:
             out = func(*args, **kwargs)
-            return self._track(out, "rows", group, d if keepdim else d - sum(x < d for x in dims))
+            return self._track(out, "rows", group, d if keepdim else d - sum(x < d for x in dims), kept=kept)
         if name not in ("sum", "mean"):
             fail(f"{name} over its rows has no padding rule")
+        t = group.expand(t, d, kept)
         z = t.masked_fill(~group.valid_at(d, t.dim()), 0)
         out = z.sum(dims, keepdim=keepdim, dtype=dtype)
         if name == "mean":
@@ -398,7 +432,8 @@ class Padding(TorchFunctionMode):
                 or y.is_floating_point() or any(self._get(v) is not None for k, v in b.arguments.items()
                                                 if k not in ("input", "target")):
             fail("is a loss whose input and target are not rows of the same selection")
-        b.arguments["target"] = torch.where(group.valid, y, b.arguments["ignore_index"])
+        b.arguments["input"] = group.expand(x, 0, ex[5])
+        b.arguments["target"] = torch.where(group.valid, group.expand(y, 0, ey[5]), b.arguments["ignore_index"])
         out = func(*b.args, **b.kwargs)
         if b.arguments["reduction"] == "none":
             return self._track(out, "rows", group, 0)
@@ -446,15 +481,13 @@ class Padding(TorchFunctionMode):
                 y = y.narrow(p, 0, group.shape[j])
         present = sorted(adv, key=lambda pj: group.order.index(pj[1]))
         y = y.permute(list(range(p0)) + [p for p, _ in present] + list(range(p0 + a, y.dim())))
-        have = {j for _, j in adv}
-        block = [group.shape[o] if o in have else 1 for o in group.order]
+        kept = tuple(j for _, j in present)        # the other coordinates broadcast: not materialised here
         pre, post = list(y.shape[:p0]), list(y.shape[p0 + a:])
-        y = y.reshape(pre + block + post).expand(pre + [group.shape[o] for o in group.order] + post)
-        z = y.reshape(pre + [group.n] + post)
-        shape = [1 if o == "1" else group.n if o == "N" else z.shape[o[1] if o[1] < p0 else o[1] - a + 1]
+        z = y.reshape(pre + [group.rows(kept)] + post)
+        shape = [1 if o == "1" else group.rows(kept) if o == "N" else z.shape[o[1] if o[1] < p0 else o[1] - a + 1]
                  for o in out_dims]
         out = z.reshape(shape)
-        return self._track(out, "rows", group, out_dims.index("N"), fresh=False)
+        return self._track(out, "rows", group, out_dims.index("N"), fresh=False, kept=kept)
 
     def _row_slice(self, t, key, entry, group, fail, func):
         d = entry[3]
@@ -478,7 +511,7 @@ class Padding(TorchFunctionMode):
             yi, oi = yi + 1, oi + 1
         if e is None:
             e = oi + (d - yi)
-        return self._track(func(t, key), "rows", group, e, fresh=False)
+        return self._track(func(t, key), "rows", group, e, fresh=False, kept=entry[5])
 
     def _setitem(self, func, name, args, kwargs, tracked, group, fail):
         y, key, v = args
@@ -486,7 +519,7 @@ class Padding(TorchFunctionMode):
         if self._get(y) is not None or not isinstance(key, torch.Tensor) or key is not group.mask \
                 or ev is None or ev[3] != 0 or group.order != tuple(range(key.dim())):
             fail("writes it into a tensor other than by its own mask")
-        full = v.reshape(*group.shape, *v.shape[1:])
+        full = group.expand(v, 0, ev[5]).reshape(*group.shape, *v.shape[1:])
         m = group.mask.reshape(*group.shape, *[1] * (v.dim() - 1))
         y.copy_(torch.where(m, full.to(y.dtype), y))
         return None
@@ -504,6 +537,7 @@ class Padding(TorchFunctionMode):
         d, j = es[3], ei[3]
         if x.shape[d] != group.shape[j]:
             fail("adds it into a dim whose size is not the mask's")
+        src = group.expand(src, d, es[5])
         z = src.masked_fill(~group.valid_at(d, src.dim()), 0)
         if b.get("alpha", 1) != 1:
             z = z * b["alpha"]
@@ -513,14 +547,14 @@ class Padding(TorchFunctionMode):
         return x.add_(z) if inplace else x + z
 
     def _split(self, func, name, args, kwargs, tracked, group, fail):
-        (t, kind, _, d, fresh), = tracked
+        (t, kind, _, d, fresh, kept), = tracked
         dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
         if kind != "rows" or args[0] is not t or dim % t.dim() == d:
             fail("splits its rows")
-        return tuple(self._track(o, "rows", group, d, fresh=fresh) for o in func(*args, **kwargs))
+        return tuple(self._track(o, "rows", group, d, fresh=fresh, kept=kept) for o in func(*args, **kwargs))
 
     def _unbind(self, func, name, args, kwargs, tracked, group, fail):
-        (t, kind, _, _, _), = tracked
+        (t, kind, _, _, _, _), = tracked
         dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         if kind != "coords" or dim % 2 != 1:
             fail("unbinds it")
