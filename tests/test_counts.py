@@ -170,6 +170,7 @@ _KEPT = {       # not padding-safe: Unpadded (capture then keeps the count as a 
     "iterate": lambda x, y, m: sum(r.sum() for r in x[m]),
     "matmul over rows": lambda x, y, m: (x[m].T @ x[m]).sum(),
     "dropout": lambda x, y, m: F.dropout(x[m], 0.5).sum(),
+    "coordinates shape[0]": lambda x, y, m: x.sum() * torch.where(m)[1].shape[0],
     "coordinates.tolist": lambda x, y, m: x.sum() * len(torch.where(m)[1].tolist()),
 }
 

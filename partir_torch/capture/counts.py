@@ -253,20 +253,21 @@ class Padding(TorchFunctionMode):
         def fail(why):
             raise Unpadded(group.where, f"{why} ({name})")
         user = _user(sys._getframe(1))
+        row_dim = tracked[0][3] if tracked[0][1] == "rows" else 0      # coordinates: one per candidate
         if name.startswith("get:"):
             attr = name[4:]
-            if attr == "shape" and tracked[0][1] == "rows" and user:
-                return _Size(func(*args, **kwargs), tracked[0][3], fail)
+            if attr == "shape" and user:
+                return _Size(func(*args, **kwargs), row_dim, fail)
             if attr in SAFE_ATTRS or attr == "shape" or not user:
                 return func(*args, **kwargs)
             fail(f"reads .{attr}")
         if name in SAFE_ATTRS or (name in METADATA and not user):
             return func(*args, **kwargs)
-        if name == "size" and tracked[0][1] == "rows":
+        if name == "size":
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             if dim is None:
-                return _Size(func(*args, **kwargs), tracked[0][3], fail)
-            if dim % args[0].dim() != tracked[0][3]:
+                return _Size(func(*args, **kwargs), row_dim, fail)
+            if dim % args[0].dim() != row_dim:
                 return func(*args, **kwargs)
             fail("reads its size (the count) as a Python int")
         handler = _HANDLERS.get(name)
