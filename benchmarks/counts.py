@@ -109,13 +109,14 @@ def main():
     ap.add_argument("--experts", type=int, default=4)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--before", type=int, default=3, help="steps of the selection step as a count guard (0: skip)")
+    ap.add_argument("--only", choices=("loss", "moe"), default=None)
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     batches = _batches(args, args.steps + 2)
     print(f"d={args.d} vocab={args.vocab} batch={args.batch}x{args.seq}, experts={args.experts} top-{args.top_k}, "
           f"data_parallel on 2 emulated ranks, {args.steps} timed steps each (interleaved, after 2 warm-up steps, "
           f"a new count every step); median per step; load average before: {os.getloadavg()[0]:.1f}")
-    for kind in ("loss", "moe"):
+    for kind in (args.only,) if args.only else ("loss", "moe"):
         progs = {"selection": _prog(_build(kind, args, True), batches[0]),
                  "without": _prog(_build(kind, args, False), batches[0])}
         times = {k: [] for k in progs}
