@@ -2,6 +2,7 @@
 (reporting.py: what it prints) and an Executor (runtime/: the backend that runs it and the state it holds)."""
 from __future__ import annotations
 
+from .capture.counts import describe as describe_counts
 from .errors import PartitionError
 from .propagate.decisions import Decisions
 from .reporting import Reports
@@ -85,9 +86,9 @@ class Program:
         path's program)."""
         text = self.reports.summary()
         cap = self.plan.captured
+        lines = describe_counts(cap)
         if not cap.guards and not cap.checks:
-            return text
-        lines = []
+            return "\n".join([text] + lines)
         if cap.guards:
             seen = list(dict.fromkeys(g.where or g.node for g in cap.guards))
             lines.append(f"The step branches on tensor values ({len(cap.guards)} read(s) on this path, at "

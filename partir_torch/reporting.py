@@ -8,6 +8,7 @@ import math
 import torch
 from tabulate import tabulate
 
+from .capture.counts import describe as describe_counts
 from .contract import META_ACTION, META_COLLECTIVE, META_NAME, META_RECOMPUTE, META_SRC, META_TAG, Role
 from .errors import PartitionError, closest
 from .lower.pipeline import pp_transfer
@@ -196,6 +197,7 @@ class Reports:
             reports.append(simulate_graph(low.gm, self.mesh, hw, axis_map=axis_map, stage_name=name, issue=issue,
                                           exclude_flops=recompute, model_flops=per_device))
         final = reports[-1]
+        final.notes.extend(describe_counts(self.plan.captured))     # padded selections cost their N rows
         final.stages = reports if stages else []
         return final
 

@@ -83,3 +83,60 @@ class PythonLayerdrop(nn.Module):
         if self.training and random.uniform(0, 1) < 0.5:
             return self.a(x).sum() * 2
         return self.a(x).sum()
+
+
+class SelectedLoss(nn.Module):
+    """A loss over the selected positions only (issue 26 item 2: the count sizes the selection, nothing else):
+    Qwen2-Audio's `cross_entropy(logits[mask != 0].view(-1, V), labels[mask != 0].view(-1))`, plus `x[mask].mean()`
+    and a sum. `count_as_int`: the count also scales the loss as a Python int (`sel.shape[0]`), which no static
+    size can answer: that selection stays a count guard."""
+
+    def __init__(self, count_as_int=False):
+        super().__init__()
+        self.up, self.down = nn.Linear(4, 16), nn.Linear(16, 6)
+        self.count_as_int = count_as_int
+
+    def forward(self, x, labels, mask):
+        logits = self.down(nn.functional.gelu(self.up(x)))                  # (B, T, V)
+        shift_logits = logits[..., :-1, :][mask[..., 1:] != 0].contiguous()  # (n, V)
+        shift_labels = labels[..., 1:][mask[..., 1:] != 0].contiguous()     # (n,)
+        loss = nn.functional.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
+        sel = torch.tanh(logits)[mask != 0]                                  # (m, V)
+        loss = loss + sel.pow(2).mean() + 0.01 * sel.sum(-1).sum()
+        if self.count_as_int:
+            loss = loss * (1 + 1 / sel.shape[0])
+        return loss
+
+
+class MoELoop(nn.Module):
+    """Hugging Face's eager MoE loop (Mixtral, Qwen2-MoE, DBRX): per expert, `torch.where` over its slice of the
+    one-hot mask gives the (top-k slot, token) pairs routed to it; the expert's output, scaled by the routing
+    weight, is added back with index_add_. hit=True loops only over the experts hit (`expert_hit`, a nonzero)."""
+
+    def __init__(self, d=8, experts=4, top_k=2, hit=False):
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d))
+                                     for _ in range(experts))
+        self.inp, self.head = nn.Linear(4, d), nn.Linear(d, 1)
+        self.top_k, self.hit, self.n = top_k, hit, experts
+
+    def forward(self, x, labels, mask):
+        B, T, _ = x.shape
+        h = self.inp(x).reshape(B * T, -1)                                  # (tokens, d)
+        probs = self.router(h).softmax(-1)
+        routing_weights, selected = torch.topk(probs, self.top_k, dim=-1)   # (tokens, k)
+        routing_weights = routing_weights / routing_weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(h)
+        expert_mask = nn.functional.one_hot(selected, num_classes=self.n).permute(2, 1, 0)   # (E, k, tokens)
+        if self.hit:
+            hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+            loop = [e[0] for e in hit]
+        else:
+            loop = range(self.n)
+        for e in loop:
+            idx, top_x = torch.where(expert_mask[e])
+            cur = self.experts[e](h[top_x]) * routing_weights[top_x, idx, None]
+            out.index_add_(0, top_x, cur.to(h.dtype))
+        y = self.head(out + h).reshape(B, T)
+        return (y.pow(2) * mask).mean()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import partir_torch as pt
+from partir_torch.capture import counts
 from partir_torch.errors import PartitionError, TraceError
 from tests.branch_models import Asserting, Branchy, MaskedLoss, ParamBranch, PythonLayerdrop
 from tests.harness import adamw, train_next_to_eager
@@ -202,8 +203,9 @@ def test_summary_lists_the_paths():
 
 
 def test_boolean_mask_indexing_is_a_guard_on_its_size():
-    """`logits[mask != 0]`: the number of selected rows is a guard (issue 26 item 2, the specialising option):
-    each count a batch brings is one path, and every step equals eager."""
+    """`logits[mask != 0]` with the static-size selections switched off (capture/counts.py; tests/test_counts.py
+    has them on): the number of selected rows is a guard, each count a batch brings is one path, and every step
+    equals eager."""
     torch.manual_seed(0)
     model = MaskedLoss()
     ref = copy.deepcopy(model)
@@ -212,14 +214,14 @@ def test_boolean_mask_indexing_is_a_guard_on_its_size():
                 (torch.rand(4, 5, generator=g) < 0.7).long()) for _ in range(3)]
     batches.append(batches[0])
     loss = lambda m, x, y, k: m(x, y, k)   # noqa: E731
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), counts.disabled():
         warnings.simplefilter("ignore")
         prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=batches[0],
                             loss_fn=loss, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
         train_next_to_eager(prog, ref, batches, loss, adamw())
-    counts = {int((k != 0).sum()) for _, _, k in batches}
+    sizes = {int((k != 0).sum()) for _, _, k in batches}
     assert [g.count for g in prog.captured.guards] == [True, True]
-    assert {path[0] for _, path in prog.executor.shapes.entries} == counts and len(prog.shapes()) == len(counts)
+    assert {path[0] for _, path in prog.executor.shapes.entries} == sizes and len(prog.shapes()) == len(sizes)
 
 
 def test_export_gives_each_parameter_its_own_step_count():

@@ -3,6 +3,7 @@ ZeRO-3 on a 2x2x2 mesh match the single-device loss and updated parameters (issu
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import Counter
 
 import pytest
@@ -271,3 +272,32 @@ def test_mfu_is_the_models_whatever_the_schedule():
                             optimizer=torch.optim.AdamW(model.parameters()))
         work += [r.mfu * r.step_time_s for r in prog.simulate(hw).stages]
     assert max(work) == pytest.approx(min(work), rel=1e-3)
+
+
+def test_mixtral_eager_experts_loop_is_one_capture_for_every_routing():
+    """Issue 26 item 2: HF's eager experts loop (`for expert_idx in expert_hit: top_k_pos, token_idx =
+    torch.where(expert_mask[expert_idx])`, `index_add_`): each expert's selection is traced at a static size
+    (capture/counts.py), so batches routing different token counts to each expert run one program, equal to one
+    device, tokens kept on their rank. `expert_hit` (which experts got tokens) stays a guard: its rows are iterated
+    in Python; every expert is hit by these batches, so that is one path."""
+    from transformers import MixtralForCausalLM
+
+    cfg = mixtral().config
+    cfg.num_hidden_layers, cfg._experts_implementation = 1, "eager"
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(cfg)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 64, (4, 8), generator=g),) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=batches[0],
+                            loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5))
+        train_next_to_eager(prog, ref, batches, loss_fn, make_opt=adamw(eps=1e-5))
+    cap = prog.captured
+    assert len(cap.padded) == 4 and all("torch.where(expert_mask[expert_idx])" in w for w, _ in cap.padded)
+    assert [w.split(": ", 1)[1] for w, _ in cap.unpadded] == [
+        "expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()"]
+    assert not any(g.count for g in cap.guards if "torch.where" in g.where)
+    assert len(prog.shapes()) == 1 and prog.shapes()[0].calls == 3
+    assert {(r.kind, r.why) for r in prog.collectives()} <= {("all_reduce", "tactic"), ("all_reduce", "gradient")}

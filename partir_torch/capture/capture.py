@@ -26,6 +26,7 @@ from ..contract import (META_ACCUMULATE, META_CLIP, META_MICRO, META_NAME, META_
                         META_REMAT, META_ROLE, forward_nodes, stamp_phases)
 from ..errors import PartitionError, TraceError, user_stacklevel, warn
 from .branches import Recorder, add_checks, lift_draws, python_draws
+from .counts import Padding, Unpadded
 from .decompositions import capture_decompositions
 from .framestack import call_in_fresh_chunk
 from .inputs import as_batch, check_leaves, forward_kwargs
@@ -75,6 +76,9 @@ class Captured:
     guards: tuple = ()
     checks: tuple = ()
     updated: tuple = ()                          # TRAIN with guards: the parameters this path updates
+    # selections traced at a static size (counts.py): (line, N) each; and (line, why) of those kept as count guards
+    padded: tuple = ()
+    unpadded: tuple = ()
 
 
 def _trace_device(model, inputs) -> torch.device:
@@ -110,16 +114,21 @@ def _user_frame(exc: BaseException) -> str:
     return found
 
 
-def _functional(step, recorder=None):
+def _functional(step, recorder=None, padding=None):
     """`step` traced under functionalization (AOTAutograd's FunctionalTensorMode, which, unlike
     torch.func.functionalize, lets autograd run above it): in-place ops become out-of-place ones, and a state
     input the step writes into (a batch norm's running statistics) ends as one `copy_` into its placeholder,
     which _state_mutations turns into a state output. recorder: a branches.Recorder answering the step's scalar
-    reads, above the functional mode."""
+    reads, above the functional mode; padding: a counts.Padding tracing selections at a static size, above
+    autograd."""
     def body(*args):
         with FunctionalTensorMode(), (recorder if recorder is not None else contextlib.nullcontext()):
             fargs = [to_fun(a) for a in args]
-            outs = [from_fun(o) for o in step(*fargs)]
+            with padding if padding is not None else contextlib.nullcontext():
+                outs = step(*fargs)
+                if padding is not None:
+                    padding.check_outputs(outs)
+            outs = [from_fun(o) for o in outs]
             for a, fa in zip(args, fargs):
                 sync_functional_tensor(fa)
                 if has_data_mutation(fa):
@@ -565,14 +574,14 @@ def _real_values(model, example_inputs):
     return real
 
 
-def _trace(step, lay, table, recorder):
+def _trace(step, lay, table, recorder, padding=None):
     drawn: list = []
     with _tracing_session(), _use_lazy_graph_module(True), no_gc(), recording_sources(), hf_experts(), \
             python_draws(drawn), \
             (recording_modules(step.model) if step.record_modules else contextlib.nullcontext()) as modules:
         # lazy: code generated on first use (below); sources: the user's line of each forward op (sources.py)
         step.module_recorder = modules
-        gm = make_fx(_functional(step, recorder), tracing_mode="fake", decomposition_table=table)(*lay.flat)
+        gm = make_fx(_functional(step, recorder, padding), tracing_mode="fake", decomposition_table=table)(*lay.flat)
         if recorder is not None:       # the guards' programs, from the graph as traced
             recorder.build()
         if step.updated is not None:
@@ -584,13 +593,37 @@ def _trace(step, lay, table, recorder):
     return gm
 
 
-def _traced_with_branches(model, example_inputs, step, table, device, values):
+def _traced_with_branches(model, example_inputs, make_step, table, device, values):
     """The step traced with a Recorder (branches.py): specialised to the path its real values take, the
-    generator left as it was (the guards' draws are the step's own)."""
-    recorder = Recorder(step.lay.names, values or _real_values(model, example_inputs))
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), recorder.counting_nonzero():
-        gm = _trace(step, step.lay, table, recorder)
-    return gm, recorder
+    generator left as it was (the guards' draws are the step's own). Selections are traced at a static size
+    (counts.py); one whose padding reaches a consumer without a padding rule makes the step traced again with that
+    selection's count a guard. Returns (gm, step, recorder, padding, [Unpadded])."""
+    refused: list = []
+    while True:
+        step = make_step()
+        recorder = Recorder(step.lay.names, values or _real_values(model, example_inputs))
+        padding = Padding({u.where for u in refused}, recorder._node)
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                    recorder.counting_nonzero():
+                gm = _trace(step, step.lay, table, recorder, padding)
+            return gm, step, recorder, padding, refused
+        except Exception as e:  # noqa: BLE001 - a padded selection met a consumer without a padding rule
+            u = _unpadded(e)
+            if u is None or u.where in {r.where for r in refused}:
+                raise
+            refused.append(u)
+
+
+def _unpadded(e: BaseException):
+    """The Unpadded that caused e (make_fx may wrap it), or None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, Unpadded):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None, options=(),
@@ -625,10 +658,14 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
                 raise
             gm = None
         if gm is None:
-            lay = _layout(model, example_inputs, optimizer, mode, fake_mode, device, param_steps=True)
-            step = _Step(model, lay, loss_fn, options, clip_grad_norm, accumulate, accumulate_dims)
-            step.record_modules = record_modules
-            gm, recorder = _traced_with_branches(model, example_inputs, step, table, device, values)
+            def make_step():
+                lay = _layout(model, example_inputs, optimizer, mode, fake_mode, device, param_steps=True)
+                step = _Step(model, lay, loss_fn, options, clip_grad_norm, accumulate, accumulate_dims)
+                step.record_modules = record_modules
+                return step
+            gm, step, recorder, padding, unpadded = _traced_with_branches(model, example_inputs, make_step, table,
+                                                                           device, values)
+            lay = step.lay
     except PartitionError:
         raise
     except Exception as e:  # noqa: BLE001 - every trace failure becomes one clear error
@@ -658,6 +695,8 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     if recorder is not None:
         cap.guards, cap.checks = tuple(recorder.guards), tuple(checks)
         cap.updated = tuple(step.updated or ())
+        cap.padded = tuple(padding.selections)
+        cap.unpadded = tuple((u.where, u.why) for u in unpadded)
     cap.rewrites = tuple(opt.name for opt in options)
     cap.decompositions = frozenset((decompositions or {}).keys())
     # the passes above edit gm.graph only; gm is a lazy GraphModule: its code is generated when first called or
