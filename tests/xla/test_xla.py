@@ -166,14 +166,13 @@ def test_a_mesh_of_another_size_than_the_devices_is_refused_by_name():
         prog.to_xla()
 
 
-def _uneven_run(spec, mesh, schedule, batch_size):
-    """3 AdamW steps of an unevenly tiled plan on XLA next to one device; returns (XlaProgram, to_xla warnings)."""
-    model = spec.build()
+def _train_on_xla(model, mesh, schedule, batch, loss_fn):
+    """3 AdamW steps of `model` on XLA next to one device (losses and parameters compared); returns (XlaProgram,
+    the to_xla warnings the steps gave)."""
     ref = copy.deepcopy(model)
-    batch = spec.batch(batch_size)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():   # partir's note on the linears Megatron leaves replicated (the head)
         warnings.filterwarnings("ignore", message=r"partir_torch: MP left .* replicated")
-        prog = pt.partition(model, pt.Mesh(mesh), schedule, example_inputs=batch, loss_fn=spec.loss_fn,
+        prog = pt.partition(model, pt.Mesh(mesh), schedule, example_inputs=batch, loss_fn=loss_fn,
                             optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
     xprog = prog.to_xla()
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
@@ -182,7 +181,7 @@ def _uneven_run(spec, mesh, schedule, batch_size):
         for step in range(STEPS):
             got = xprog.train_step(*batch)
             opt.zero_grad()
-            loss = spec.loss_fn(ref, *batch)
+            loss = loss_fn(ref, *batch)
             loss.backward()
             opt.step()
             torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=0, msg=lambda m: f"step {step}: {m}")
@@ -190,6 +189,10 @@ def _uneven_run(spec, mesh, schedule, batch_size):
     for k, p in ref.named_parameters():
         torch.testing.assert_close(got[k], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
     return xprog, [str(w.message) for w in caught if "to_xla" in str(w.message)]
+
+
+def _uneven_run(spec, mesh, schedule, batch_size):
+    return _train_on_xla(spec.build(), mesh, schedule, spec.batch(batch_size), spec.loss_fn)
 
 
 def test_an_uneven_batch_runs_on_xla_as_partir_plans_it():
@@ -222,30 +225,12 @@ def test_stock_hf_llama_under_bp_mp_equals_one_device_and_xla_carries_out_the_pl
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=0)
     cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg)
-    ref = copy.deepcopy(model)
-    tokens = torch.randint(0, 64, (8, 16))
 
     def loss_fn(m, x):
         return m(input_ids=x, labels=x).loss
 
-    with warnings.catch_warnings():   # partir's note on the linear Megatron leaves replicated (the head)
-        warnings.filterwarnings("ignore", message=r"partir_torch: MP left .* replicated")
-        prog = pt.partition(model, pt.Mesh({"batch": 4, "model": 2}), [T.data_parallel("batch"), T.megatron("model")],
-                            example_inputs=(tokens,), loss_fn=loss_fn,
-                            optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
-    xprog = prog.to_xla()
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-    for step in range(STEPS):
-        got = xprog.train_step(tokens)
-        opt.zero_grad()
-        loss = loss_fn(ref, tokens)
-        loss.backward()
-        opt.step()
-        torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=0, msg=lambda m: f"step {step}: {m}")
-    got = xprog.gather_parameters()
-    for k, p in ref.named_parameters():
-        torch.testing.assert_close(got[k], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    xprog, _ = _train_on_xla(LlamaForCausalLM(cfg), {"batch": 4, "model": 2},
+                             [T.data_parallel("batch"), T.megatron("model")], (torch.randint(0, 64, (8, 16)),), loss_fn)
     cmp = xprog.compare()
     assert cmp.ok and ("all_reduce", "model") in {(r[0], r[1]) for r in cmp.rows}, cmp
 
