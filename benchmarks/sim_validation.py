@@ -93,6 +93,8 @@ def _schedule(kind: str, remat, cfg):
          "tp": [T.data_parallel("dp"), tp, mp],
          "tp+zero1-overlap": [T.data_parallel("dp"), tp, mp, T.zero(3, "dp", reshard_after_forward=False)],
          "fsdp+tp": [T.data_parallel("dp"), tp, mp, T.zero(3, "dp")],
+         # what Megatron ran with --tp-comm-overlap (sequence parallelism); a what-if for --breakdown
+         "tp+sp": [T.data_parallel("dp"), tp, T.sequence_parallel("tp"), mp],
          # torchtitan's tensor parallelism: sequence parallel norms by default (enable_sequence_parallel=True)
          "fsdp+tp+sp": [T.data_parallel("dp"), tp, T.sequence_parallel("tp"), mp, T.zero(3, "dp")]}[kind]
     # remat: False, True (full) or "selective" (torchtitan's per-op policy)
@@ -278,8 +280,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="collectives and kernels only")
     ap.add_argument("--write-confidence", action="store_true")
+    ap.add_argument("--breakdown", metavar="ROW", help="where one training row's time goes (a row name substring), "
+                    "at the two shallow depths the row is extrapolated from, knobs fitted on the calibration half")
+    ap.add_argument("--schedule", help="with --breakdown: the row run with another schedule of _schedule")
     args = ap.parse_args(argv)
     check()
+    if args.breakdown:
+        breakdown(args.breakdown, args.schedule)
+        return
     t0 = time.process_time()
     rows = [r for r in ROWS if not (args.quick and r.kind == "training")]
     cal = [r for r in rows if SPLIT[r.family] == "cal"]
@@ -331,6 +339,32 @@ def main(argv=None):
     if args.write_confidence and not args.quick:
         _write_confidence(conf)
     print(f"\n{time.process_time() - t0:.0f} s CPU")
+
+
+def breakdown(name: str, schedule: str | None = None) -> None:
+    """Print, at each shallow depth of a training row, the simulated step, compute and exposed communication, and
+    per collective kind and axis its count, bytes, time and exposed time (knobs fitted on the calibration half)."""
+    from partir_torch.sim import simulate_graph
+    from partir_torch.sim.pipeline import simulate_pipeline
+
+    ref = next(r for r in ROWS if r.kind == "training" and name in r.name)
+    setup = {**ref.setup, **({"schedule": schedule} if schedule else {})}
+    hw = _hw(setup, fit([r for r in ROWS if SPLIT[r.family] == "cal"], {}, passes=1))   # the table's fit
+    print(f"{ref.name}, schedule {setup['schedule']}, {setup.get('options', {})}")
+    for L in _depths(setup):
+        gm, mesh, recompute, pipelined = program(setup, L)
+        rep = (simulate_pipeline(gm, mesh, hw, pipelined, exclude_flops=recompute) if pipelined is not None
+               else simulate_graph(gm, mesh, hw, exclude_flops=recompute, issue=ISSUE))
+        print(f"  {L} blocks: step {1e3 * rep.step_time_s:.1f} ms, compute {1e3 * rep.compute_s:.1f} ms, exposed "
+              f"communication {1e3 * rep.exposed_comm_s:.1f} ms")
+        rows: dict = {}
+        for c in rep.collectives:
+            n, b, t, e = rows.get((c.kind, c.axis), (0, 0, 0.0, 0.0))
+            rows[(c.kind, c.axis)] = (n + 1, b + c.nbytes, t + c.time_s, e + c.exposed_s)
+        for (kind, axis), (n, b, t, e) in sorted(rows.items(), key=lambda kv: -kv[1][2]):
+            print(f"    {kind}[{axis}] x{n}: {b / 2**20:.0f} MiB, {1e3 * t:.1f} ms, exposed {1e3 * e:.1f} ms")
+        if pipelined is not None:
+            print("    " + "\n    ".join(rep.pipeline.lines()))
 
 
 def _write_confidence(conf: dict) -> None:
