@@ -178,8 +178,7 @@ class XlaBackend:
             return
         from .compare import compare
 
-        with open(os.path.join(xdev.dump_dir(), self.modules[mode])) as f:
-            cmp = compare(self.plan, parse_collectives(f.read(), self.plan.mesh), host_ops=self.host_ops)
+        cmp = compare(self.plan, parse_collectives(self.hlo_text(mode), self.plan.mesh), host_ops=self.host_ops)
         if not cmp.ok:
             warn(f"to_xla: XLA pads the uneven tiles of this plan ({shown}) its own way, and its {mode} program "
                  f"moves more than partir's plan: {cmp.summary_line()}. The values are the same; partir's own "
@@ -283,6 +282,11 @@ class XlaBackend:
                  f"programs and hlo()/compare() see the largest only. Give the op an XLA form in "
                  f"partir_torch/xla/kernels.py.", stacklevel=3)
 
+    def hlo_text(self, mode: str) -> str:
+        """The post-partitioning HLO XLA compiled for `mode` (a key of self.modules)."""
+        with open(os.path.join(xdev.dump_dir(), self.modules[mode])) as f:
+            return f.read()
+
     def _remember_module(self, mode: str, before: dict) -> None:
         """The largest module compiled by this step's sync is the step (small ones move data)."""
         new = {f: size for f, size in xdev.dumped_modules().items() if f not in before}
@@ -358,9 +362,7 @@ class XlaProgram:
             raise PartitionError("XlaProgram.hlo(): run a step first (train_step / forward / loss_and_grads); the "
                                  "HLO is the one XLA compiled for it.")
         modules = self.backend.modules
-        mode = self.cap.mode if self.cap.mode in modules else next(iter(modules))
-        with open(os.path.join(xdev.dump_dir(), modules[mode])) as f:
-            return f.read()
+        return self.backend.hlo_text(self.cap.mode if self.cap.mode in modules else next(iter(modules)))
 
     def collectives(self) -> list:
         """XlaCollectives of the partitioned HLO: kind, mesh axis, bytes, dtype (fields as prog.collectives())."""
