@@ -18,6 +18,7 @@ from functools import cached_property
 from types import MappingProxyType
 
 from .capture import capture
+from .capture.capture import dim_guards
 from .errors import PartitionError, user_stacklevel, warn
 from .mesh import Mesh
 from .options import Options
@@ -174,11 +175,12 @@ class Plan:
 
 def capture_for(model, schedule, example_inputs, loss_fn=None, optimizer=None, clip_grad_norm=None,
                 accumulate: int = 1, accumulate_dims=None, eval_loss: bool = False, values=None,
-                record_modules: bool = False):
+                record_modules: bool = False, dynamic=()):
     """Capture `model`'s step as `schedule` needs it: its capture rewrites (mixed precision, remat) applied and the
     decompositions its tactics ask for. The result can be planned with any schedule of the same capture rewrites.
     A pipeline tactic in the schedule (training) captures its micro-batches unrolled (accumulate) and each op's
-    module and micro-batch (capture/stages.py)."""
+    module and micro-batch (capture/stages.py). dynamic: (input index, dim) pairs of one size traced as one symbol;
+    then the guards on it (capture/dims.py DimGuards) instead of a Captured."""
     from .tactics.pipeline import Pipeline
 
     entries = flatten_schedule(schedule)
@@ -191,6 +193,10 @@ def capture_for(model, schedule, example_inputs, loss_fn=None, optimizer=None, c
                                  f"{pipe.n_microbatches} disagree; the pipeline runs its micro-batches as the "
                                  f"accumulation. Leave accumulate at 1.")
         accumulate = pipe.n_microbatches
+    if dynamic:
+        return dim_guards(model, example_inputs, loss_fn, optimizer, rewrites, _decompositions(entries),
+                          clip_grad_norm=clip_grad_norm, accumulate=accumulate, accumulate_dims=accumulate_dims,
+                          eval_loss=eval_loss, record_modules=record_modules, positions=dynamic)
     return capture(model, example_inputs, loss_fn, optimizer, rewrites, _decompositions(entries),
                    clip_grad_norm=clip_grad_norm,
                    accumulate=accumulate, accumulate_dims=accumulate_dims, eval_loss=eval_loss, values=values,

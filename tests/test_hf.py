@@ -301,3 +301,24 @@ def test_mixtral_eager_experts_loop_is_one_capture_for_every_routing():
     assert not any(g.count for g in cap.guards if "torch.where" in g.where)
     assert len(prog.shapes()) == 1 and prog.shapes()[0].calls == 3
     assert {(r.kind, r.why) for r in prog.collectives()} <= {("all_reduce", "tactic"), ("all_reduce", "gradient")}
+
+
+def test_dynamic_padding_makes_the_sequence_length_one_symbol():
+    """Stock HF Llama under data parallel + Megatron + sequence parallelism, each batch of its own length as a
+    padding collator gives them: after three lengths the program is one program in the length s (runtime/dims.py),
+    so 14 and 6 are instantiated without capture; 3 leaves a sequence-parallel shard of 3/2 rows, so it is
+    partitioned in full (uneven). Every step equals one device."""
+    torch.manual_seed(0)
+    model = llama().train()
+    ref = copy.deepcopy(model)
+    schedule = [T.data_parallel("batch"), T.megatron("model"), T.sequence_parallel("model")]
+    batches = [(torch.randint(0, 64, (4, n)),) for n in (8, 12, 10, 14, 3, 6)]
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}), schedule, example_inputs=batches[0],
+                        loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        train_next_to_eager(prog, ref, batches, loss_fn, make_opt=adamw(eps=1e-5))
+    instances = sorted(r.signature[0][0][1] for r in prog.shapes() if r.instance_of is not None)
+    assert instances == [6, 14], [str(r) for r in prog.shapes()]
+    full = [str(w.message) for w in record if "length 3 is partitioned in full" in str(w.message)]
+    assert len(full) == 1 and "3/2 at s = 3" in full[0], full

@@ -155,6 +155,74 @@ def test_a_shape_whose_program_keeps_the_state_in_another_layout_reshards_it_exa
     torch.testing.assert_close(fwd(x), fwd.model(x).detach(), rtol=1e-5, atol=1e-6)
 
 
+def _said(record, text) -> list:
+    return [str(w.message) for w in record if text in str(w.message)]
+
+
+def test_a_sequence_length_becomes_one_symbol_after_three_lengths():
+    """Dynamic padding (runtime/dims.py): the first three lengths are partitioned in full; their programs are one
+    program in the length s (lower/template.py), so every further length is instantiated from it without capture,
+    plan or lowering, and trains equal to eager. The position table (64 rows, sliced to wpe[:T]) makes the symbolic
+    trace guard s <= 64: a longer batch is not instantiated but captured, and fails there as eager fails."""
+    spec = get("gpt")
+    model = spec.build(seq=64)
+    ref = Eager(model, spec.loss_fn)
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}),
+                        [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")],
+                        example_inputs=spec.batch(8, seq=32), loss_fn=spec.loss_fn, optimizer=_sgd(model))
+    lengths = [32, 48, 40, 56, 24, 33, 64, 48]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for i, n in enumerate(lengths):
+            _both(prog, ref, spec.batch(8, seq=n, seed=i), f"step {i} (8 x {n})")
+    on = _said(record, "one symbol s from now on")
+    assert len(on) == 1 and "lengths 32, 40, 48" in on[0] and "s <= 64" in on[0], on
+    assert len(_new_shape_warnings(record)) == 2                 # 48 and 40; the instances are listed, not said
+    rows = {r.signature[0][0][1]: r for r in prog.shapes()}
+    assert sorted(n for n, r in rows.items() if r.instance_of is not None) == [24, 33, 56, 64]
+    assert all(rows[n].capture_s is None and rows[n].plan_s is None for n in (24, 33, 56, 64))
+    assert rows[40].symbolic_s > 0 and "made the dim symbolic" in str(rows[40])
+    assert_parameters_equal(prog, ref.m, what="after 8 steps, 4 of them instances")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with pytest.raises(pt.PartitionError, match="could not be traced.*broadcast"):
+            prog.train_step(*spec.batch(8, seq=72))
+    assert len(_said(record, "length 72 is partitioned in full")) == 1
+    with pytest.raises(RuntimeError, match="broadcast|size of tensor"):
+        ref.step(spec.batch(8, seq=72))
+
+
+class _Pairwise(torch.nn.Module):
+    """A view to (B, T*T): a size that is not affine in the length."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        a = h @ h.transpose(1, 2)
+        return (a.reshape(a.shape[0], -1).tanh() ** 2).mean()
+
+
+def test_a_size_not_affine_in_the_length_keeps_a_program_per_shape():
+    """T*T fits no line through three lengths: the family keeps a program per shape (said once, naming the op),
+    and every step equals eager."""
+    torch.manual_seed(0)
+    model = _Pairwise()
+    ref = Eager(model, lambda m, x: m(x))
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")],
+                        example_inputs=(torch.randn(4, 4, 8),), loss_fn=lambda m, x: m(x), optimizer=_sgd(model))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for i, n in enumerate([4, 6, 8, 5, 7, 9]):
+            _both(prog, ref, (torch.randn(4, n, 8, generator=torch.Generator().manual_seed(i)),), f"T = {n}")
+    fail = _said(record, "stay a program per shape")
+    assert len(fail) == 1 and "not affine in s" in fail[0] and "reshape" in fail[0], fail
+    assert all(r.instance_of is None for r in prog.shapes())
+    assert_parameters_equal(prog, ref.m, what="after 6 lengths")
+
+
 # -- 2. one owner of the weights -------------------------------------------------------------------------------------
 def _mlp_prog(model, spec):
     return pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],

@@ -28,6 +28,7 @@ from ..errors import PartitionError, TraceError, user_stacklevel, warn
 from .branches import Recorder, add_checks, lift_draws, python_draws
 from .counts import Padding, Unpadded
 from .decompositions import capture_decompositions
+from .dims import DimGuards, fake_mode_for, symbolic_decompositions, symbolic_input
 from .framestack import call_in_fresh_chunk
 from .inputs import as_batch, check_leaves, forward_kwargs
 from .sources import recording_sources
@@ -386,7 +387,8 @@ class _Layout:
         self.names.append(name), self.roles.append(role), self.flat.append(value)
 
 
-def _layout(model, example_inputs, optimizer, mode, fake_mode, device, param_steps=False) -> _Layout:
+def _layout(model, example_inputs, optimizer, mode, fake_mode, device, param_steps=False,
+            dynamic=None) -> _Layout:
     """Fake placeholders for the module's state, the optimizer's state and hyperparameters, and the inputs.
     param_steps: TRAIN also has one step count per trainable parameter, `step.<fqn>` (a step that branches: a
     parameter the path leaves without a gradient keeps its count, as torch.optim keeps it)."""
@@ -422,7 +424,8 @@ def _layout(model, example_inputs, optimizer, mode, fake_mode, device, param_ste
     lay.n_state = len(lay.flat)
     _, lay.in_spec = tree_flatten(example_inputs)
     for i, x in enumerate(check_leaves(example_inputs)):
-        lay.add(f"inputs.{i}", "input", fake(x))
+        dims = {d for j, d in dynamic or () if j == i}
+        lay.add(f"inputs.{i}", "input", symbolic_input(fake_mode, x, dims) if dims else fake(x))
     return lay
 
 
@@ -638,41 +641,10 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     and micro-batch (stages.py; what a pipeline tactic cuts the step by)."""
     example_inputs = as_batch(example_inputs)
     mode = FORWARD if loss_fn is None else EVAL if eval_loss else (LOSS_AND_GRADS if optimizer is None else TRAIN)
-    if loss_fn is not None:
-        _check_signature(loss_fn, model, example_inputs)
+    gm, step, lay, recorder, padding, unpadded = _trace_step(
+        model, example_inputs, loss_fn, optimizer, options, decompositions, mode, clip_grad_norm, accumulate,
+        accumulate_dims, values, record_modules, fake_mode_for(None))
     device = _trace_device(model, example_inputs)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)   # tensors the model or loss_fn close over: constants
-    lay = _layout(model, example_inputs, optimizer, mode, fake_mode, device)
-    step = _Step(model, lay, loss_fn, options, clip_grad_norm, accumulate, accumulate_dims)
-    step.record_modules = record_modules
-    handles = install_hooks(model)
-    for opt in options:
-        handles += opt.install(model)
-    recorder = None
-    try:
-        table = {**capture_decompositions(), **(decompositions or {})}
-        try:
-            gm = _trace(step, lay, table, None)
-        except Exception as e:  # noqa: BLE001 - a branch on a tensor value: traced again, specialised to its path
-            if not _data_dependent(e):
-                raise
-            gm = None
-        if gm is None:
-            def make_step():
-                lay = _layout(model, example_inputs, optimizer, mode, fake_mode, device, param_steps=True)
-                step = _Step(model, lay, loss_fn, options, clip_grad_norm, accumulate, accumulate_dims)
-                step.record_modules = record_modules
-                return step
-            gm, step, recorder, padding, unpadded = _traced_with_branches(model, example_inputs, make_step, table,
-                                                                           device, values)
-            lay = step.lay
-    except PartitionError:
-        raise
-    except Exception as e:  # noqa: BLE001 - every trace failure becomes one clear error
-        raise _trace_error(e, mode, model, example_inputs) from e
-    finally:
-        for h in handles:
-            h.remove()
     names, roles, out_names = lay.names, lay.roles, step.out_names
     checks = add_checks(gm, recorder.checks, out_names) if recorder is not None else []
     if recorder is not None:
@@ -706,6 +678,63 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         opt.rewrite(cap)
     return cap
 
+
+
+def _trace_step(model, example_inputs, loss_fn, optimizer, options, decompositions, mode, clip_grad_norm, accumulate,
+                accumulate_dims, values, record_modules, fake_mode, dynamic=None):
+    """The step traced on fake tensors of `fake_mode` (inputs' dims in `dynamic` symbolic: dims.py): (gm, step,
+    layout, recorder, padding, unpadded), the last three None / () for a step without branches."""
+    if loss_fn is not None:
+        _check_signature(loss_fn, model, example_inputs)
+    device = _trace_device(model, example_inputs)
+    lay = _layout(model, example_inputs, optimizer, mode, fake_mode, device, dynamic=dynamic)
+    step = _Step(model, lay, loss_fn, options, clip_grad_norm, accumulate, accumulate_dims)
+    step.record_modules = record_modules
+    handles = install_hooks(model)
+    for opt in options:
+        handles += opt.install(model)
+    recorder, padding, unpadded = None, None, ()
+    try:
+        table = {**capture_decompositions(), **(decompositions or {}),
+                 **(symbolic_decompositions() if dynamic else {})}
+        try:
+            gm = _trace(step, lay, table, None)
+        except Exception as e:  # noqa: BLE001 - a branch on a tensor value: traced again, specialised to its path
+            if not _data_dependent(e) or dynamic:
+                raise
+            gm = None
+        if gm is None:
+            def make_step():
+                lay = _layout(model, example_inputs, optimizer, mode, fake_mode, device, param_steps=True)
+                step = _Step(model, lay, loss_fn, options, clip_grad_norm, accumulate, accumulate_dims)
+                step.record_modules = record_modules
+                return step
+            gm, step, recorder, padding, unpadded = _traced_with_branches(model, example_inputs, make_step, table,
+                                                                           device, values)
+            lay = step.lay
+    except PartitionError:
+        raise
+    except Exception as e:  # noqa: BLE001 - every trace failure becomes one clear error
+        raise _trace_error(e, mode, model, example_inputs) from e
+    finally:
+        for h in handles:
+            h.remove()
+    return gm, step, lay, recorder, padding, unpadded
+
+
+def dim_guards(model, example_inputs, loss_fn=None, optimizer=None, options=(), decompositions=None,
+               clip_grad_norm=None, accumulate=1, accumulate_dims=None, eval_loss=False, record_modules=False,
+               positions=()) -> DimGuards:
+    """The step traced as capture() traces it, with the input sizes at `positions` ((input index, dim) pairs,
+    all of one size) one symbol: the guards on it (dims.py). Raises what the trace raises."""
+    example_inputs = as_batch(example_inputs)
+    mode = FORWARD if loss_fn is None else EVAL if eval_loss else (LOSS_AND_GRADS if optimizer is None else TRAIN)
+    fake_mode = fake_mode_for(positions)
+    _, _, lay, _, _, _ = _trace_step(model, example_inputs, loss_fn, optimizer, options, decompositions, mode,
+                                     clip_grad_norm, accumulate, accumulate_dims, None, record_modules, fake_mode,
+                                     dynamic=frozenset(positions))
+    flat = {int(n.split(".")[1]): x for n, x in zip(lay.names, lay.flat) if n.startswith("inputs.")}
+    return DimGuards.collect(fake_mode, {(i, d): flat[i].shape[d] for i, d in positions})
 
 _VIEWS = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.permute.default,
           torch.ops.aten.transpose.int, torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default,

@@ -12,13 +12,14 @@ from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
 from ..capture.inputs import conform
 from ..contract import EXC_NODE, META_SRC, STATE_ROLES, Role
 from ..errors import PartitionError, internal_error, user_stacklevel, warn
+from ..lower.lower import bind
 from . import faults
 from .backend import backend_for
 from .interpret import InterpretedRuntime
-from .layout import same_layout
 from . import paths
+from .dims import SymbolicDims
 from .shapes import (ShapeCache, ShapeProgram, build, check_divisible, global_signature, plan_signature, say_new,
-                     show, signature)
+                     show, signature, trace_guards)
 from .state import HeldState
 
 _KIND = {TRAIN: "train_step", LOSS_AND_GRADS: "loss_and_grads", FORWARD: "prog(...)"}
@@ -49,6 +50,7 @@ class Executor:
         first = ShapeProgram(plan_signature(plan), plan, *costs)
         self.paths, self._last = paths.StepPaths(first, self._held.param_steps), None   # branches; last program run
         self._first = self.shapes.add(first, pinned=True)
+        self.dims = SymbolicDims(first, self.shapes.what)    # sizes that become one symbol (dims.py)
 
     @property
     def steps(self) -> int:
@@ -94,25 +96,16 @@ class Executor:
         if entry.rt is rt:
             return
         t0 = time.perf_counter()
-        entry.lowered = rt.program(entry.plan)
+        # an instance of a symbolic dim (dims.py) has its own program; the others are their plan's
+        entry.lowered = rt.program(entry.plan) if entry.canonical is None else bind(entry.canonical, rt.groups)
         if rt.kind == "distributed":
-            text = self._plan_text(entry.plan.lowered())
+            text = _plan_text(entry.canonical or entry.plan.lowered())
             rt.check_plan(text)
             if entry is self._first:
                 self._digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         if entry.lower_s is None:
             entry.lower_s = time.perf_counter() - t0
         entry.rt = rt
-
-    def _plan_text(self, canonical) -> str:
-        """What every rank must agree on: the program's code on canonical group names (each rank numbers its own
-        process groups) and, when the step draws random numbers, the generator state."""
-        code = canonical.gm.code
-        if any(str(n.target).startswith(("aten.bernoulli", "aten.rand", "aten.native_dropout"))
-               for n in canonical.gm.graph.nodes):
-            # random draws must agree on every rank (hashlib: Python's hash() of bytes is salted per process)
-            code += f"\n# rng {hashlib.sha256(bytes(torch.get_rng_state().numpy())).hexdigest()}"
-        return code
 
     # -- running ---------------------------------------------------------------------------------------------------
     def program_for(self, batch, local: bool, what: str):
@@ -138,27 +131,35 @@ class Executor:
                                      f"give. Call train_step with the global batch.")
             values, key = self.paths.select(sig, real, cap.device)
         entry = self.shapes.get(key) if key is not None else None
+        symbolic = not self.paths and self.plan.pipeline is None     # a size may become a symbol (dims.py)
+        if entry is None and symbolic:
+            entry = self.dims.instance(sig, _instance)
+            if entry is not None:
+                self.shapes.add(entry)
         if entry is None:
             _refuse_new(what, local, self.rt.kind, self._first, cap, names, flat, sig)
             check_divisible(self.plan, sig, what)
-            self.paths.before_capture(values, cap.device)
-            # a step that branches reads its values from this call's batch and the state held (not the module's)
-            entry = build(self.plan, self.model, self.optimizer, self.loss_fn, tuple(batch), sig, values=real)
-            self.paths.captured(sig, entry, values, real)
-            self._bind(entry, self.rt)
-            moved = [n for n, sh in entry.layouts.items() if not same_layout(sh, self._first.layouts[n])]
-            if moved:
-                warn(f"{what}: the program for inputs [{show(sig)}] keeps {len(moved)} state value(s) in another "
-                     f"layout than the first program ({', '.join(moved[:3])}); they are resharded whenever the "
-                     f"program switches between the two shapes.", stacklevel=user_stacklevel())
-            self.shapes.add(entry)
-            if entry.path and sig == self._first.signature:
-                paths.say_new(what, entry, len(self.shapes.entries), self.shapes.limit)
-            else:
-                say_new(what, entry, self._first, len(self.shapes.entries), self.shapes.limit)
+            entry = self._build(batch, sig, values, real, symbolic, what)
         self._bind(entry, self.rt)
         entry.calls += 1
         return entry, flat
+
+    def _build(self, batch, sig, values, real, symbolic: bool, what: str):
+        """The program of a new signature, partitioned in full (shapes.build), bound, cached and said."""
+        self.paths.before_capture(values, self.plan.captured.device)
+        # a step that branches reads its values from this call's batch and the state held (not the module's)
+        entry = build(self.plan, self.model, self.optimizer, self.loss_fn, tuple(batch), sig, values=real, what=what)
+        self.paths.captured(sig, entry, values, real)
+        self._bind(entry, self.rt)
+        if symbolic:
+            self.dims.built(entry, lambda where: trace_guards(self.plan, self.model, self.optimizer, self.loss_fn,
+                                                              tuple(batch), where))
+        self.shapes.add(entry)
+        if entry.path and sig == self._first.signature:
+            paths.say_new(what, entry, len(self.shapes.entries), self.shapes.limit)
+        else:
+            say_new(what, entry, self._first, len(self.shapes.entries), self.shapes.limit)
+        return entry
 
     def _args(self, entry, flat, local: bool, what: str):
         cap, low = entry.plan.captured, entry.lowered
@@ -249,7 +250,7 @@ class Executor:
                                               faults.collective_of(faults.node_at(gm, e)), e, self.rt.timeout_s,
                                               missing=missing)
                 else:
-                    err = e if isinstance(e, PartitionError) else internal_error(self._failing_node(gm, e, plan),
+                    err = e if isinstance(e, PartitionError) else internal_error(_failing_node(gm, e, plan),
                                                                                  "running", e)
                 self.failure = err
                 if err is e:
@@ -257,17 +258,7 @@ class Executor:
                 raise err from e
             if isinstance(e, PartitionError):
                 raise
-            raise internal_error(self._failing_node(gm, e, plan), "running", e) from e
-
-    def _failing_node(self, gm, exc, plan):
-        """The captured node whose per-device op raised `exc` (from the generated code's line), else None."""
-        name = getattr(exc, EXC_NODE, None)   # emulated: the interpreter names the node of its segment
-        node = next((n for n in gm.graph.nodes if n.name == name), None) if name is not None else \
-            faults.node_at(gm, exc)
-        if node is None:
-            return None
-        src = node.meta.get(META_SRC)
-        return next((n for n in plan.captured.gm.graph.nodes if n.name == src), None) or node
+            raise internal_error(_failing_node(gm, e, plan), "running", e) from e
 
     def peak_memory(self) -> dict:
         """{rank: peak live tensor bytes} of the last program run (runtime/memtrack.py says what counts)."""
@@ -324,6 +315,33 @@ class Executor:
         self._keep_state(outs)
         n = cap.out_spec.num_leaves
         return cap.out_spec.unflatten([self.rt.rank0(t) for t in outs[:n]])
+
+
+def _plan_text(canonical) -> str:
+    """What every rank must agree on: the program's code on canonical group names (each rank numbers its own
+    process groups) and, when the step draws random numbers, the generator state."""
+    code = canonical.gm.code
+    if any(str(n.target).startswith(("aten.bernoulli", "aten.rand", "aten.native_dropout"))
+           for n in canonical.gm.graph.nodes):
+        # random draws must agree on every rank (hashlib: Python's hash() of bytes is salted per process)
+        code += f"\n# rng {hashlib.sha256(bytes(torch.get_rng_state().numpy())).hexdigest()}"
+    return code
+
+
+def _failing_node(gm, exc, plan):
+    """The captured node whose per-device op raised `exc` (from the generated code's line), else None."""
+    name = getattr(exc, EXC_NODE, None)   # emulated: the interpreter names the node of its segment
+    node = next((n for n in gm.graph.nodes if n.name == name), None) if name is not None else \
+        faults.node_at(gm, exc)
+    if node is None:
+        return None
+    src = node.meta.get(META_SRC)
+    return next((n for n in plan.captured.gm.graph.nodes if n.name == src), None) or node
+
+
+def _instance(sig, plan, canonical, seconds: float, s: int) -> ShapeProgram:
+    """A program instantiated from a symbolic dim (dims.py): the fitted programs' plan, its own lowering."""
+    return ShapeProgram(sig, plan, None, None, seconds, canonical=canonical, dim=s)
 
 
 def _refuse_new(what, local, kind, first, cap, names, flat, sig) -> None:

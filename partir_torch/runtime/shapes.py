@@ -19,12 +19,14 @@ batch is refused with the fix (drop_last=True), since shards are even.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..contract import STATE_ROLES, Role
 from ..errors import PartitionError, user_stacklevel, warn
+from .layout import same_layout
 from .paths import describe
 
 
@@ -59,6 +61,9 @@ class ShapeProgram:
     lowered: object = None
     rt: object = None
     path: tuple = ()               # a step that branches on tensor values: the guard values of this program's path
+    canonical: object = None       # an instance of a symbolic dim (dims.py): its Lowered on canonical groups
+    dim: int | None = None         # ... and its s
+    symbolic_s: float | None = None   # the program that made a dim symbolic: the fit and the symbolic trace
 
     @property
     def key(self) -> tuple:
@@ -73,14 +78,18 @@ class ShapeProgram:
 
     def info(self, kind: str) -> "ShapeInfo":
         return ShapeInfo(kind, self.signature, self.capture_s, self.plan_s, self.lower_s, self.calls,
-                         describe(self.plan.captured.guards, self.path) if self.path else "")
+                         describe(self.plan.captured.guards, self.path) if self.path else "", self.dim,
+                         self.symbolic_s)
 
 
 @dataclass(frozen=True)
 class ShapeInfo:
     """A row of prog.shapes(): the kind of program ("train", "loss_and_grads", "forward" for the partitioned step;
     "eval", "eval forward" for eval_step / forward), its input signature, its capture, plan and lowering times in
-    seconds (None where not measured: lowering before the first call), and how many calls ran it."""
+    seconds (None where not measured: lowering before the first call), and how many calls ran it. instance_of: the
+    s of a program instantiated from a symbolic dim (runtime/dims.py; lower_s is then the instantiation, and
+    capture_s and plan_s are None: there were none); symbolic_s: the fit and symbolic trace that made the dim
+    symbolic, on the program partitioned when it happened."""
 
     kind: str
     signature: tuple
@@ -89,17 +98,21 @@ class ShapeInfo:
     lower_s: float | None
     calls: int
     path: str = ""
+    instance_of: int | None = None
+    symbolic_s: float | None = None
 
     @property
     def seconds(self) -> float:
-        """capture + plan + lowering (the parts measured)."""
-        return sum(t for t in (self.capture_s, self.plan_s, self.lower_s) if t is not None)
+        """capture + plan + lowering (+ the symbolic dim's fit and trace), the parts measured."""
+        return sum(t for t in (self.capture_s, self.plan_s, self.lower_s, self.symbolic_s) if t is not None)
 
     def __str__(self):
         part = lambda k, t: f"{k} {t:.2f} s" if t is not None else f"{k} -"   # noqa: E731
         return (f"{self.kind} [{show(self.signature)}]: {part('capture', self.capture_s)}, "
                 f"{part('plan', self.plan_s)}, {part('lower', self.lower_s)}; {self.calls} call(s)"
-                + (f"; path: {self.path}" if self.path else ""))
+                + (f"; path: {self.path}" if self.path else "")
+                + (f"; instance of the symbolic dim at s = {self.instance_of}" if self.instance_of is not None else "")
+                + (f"; made the dim symbolic in {self.symbolic_s:.2f} s" if self.symbolic_s is not None else ""))
 
 
 class ShapeCache:
@@ -138,23 +151,14 @@ class ShapeCache:
         return entry
 
 
-def build(train, model, optimizer, loss_fn, batch, sig, values=None) -> ShapeProgram:
+def build(train, model, optimizer, loss_fn, batch, sig, values=None, what="train_step") -> ShapeProgram:
     """The step captured and planned again for `batch` (signature `sig`) as `train` (a Plan) was. values: a step
     that branches on tensor values (capture/branches.py): name -> the full real value of each placeholder."""
     from ..plan import capture_for, plan
 
-    cap = train.captured
     t0 = time.perf_counter()
-    modules = list(model.modules())
-    was = [m.training for m in modules]
-    try:
-        if len(cap.modes) == len(modules):
-            for m, mode in zip(modules, cap.modes):
-                m.training = mode
-        new = capture_for(model, train.tactics, batch, loss_fn, optimizer, values=values, **cap.settings)
-    finally:
-        for m, mode in zip(modules, was):
-            m.training = mode
+    with _modes_of(model, train.captured):
+        new = capture_for(model, train.tactics, batch, loss_fn, optimizer, values=values, **train.captured.settings)
     t1 = time.perf_counter()
     try:
         p = plan(new, train.mesh, train.tactics, train.options, train.registry)
@@ -164,7 +168,36 @@ def build(train, model, optimizer, loss_fn, batch, sig, values=None) -> ShapePro
         p = _plan_like(train, new, e)
     entry = ShapeProgram(sig, p, t1 - t0, time.perf_counter() - t1)
     _check_same_state(train, p, sig)
+    first = {n: train.sharding(train.graph.vid[train.captured.names[n]]) for n in entry.layouts}
+    moved = [n for n, sh in entry.layouts.items() if not same_layout(sh, first[n])]
+    if moved:
+        warn(f"{what}: the program for inputs [{show(sig)}] keeps {len(moved)} state value(s) in another "
+             f"layout than the first program ({', '.join(moved[:3])}); they are resharded whenever the program "
+             f"switches between the two shapes.", stacklevel=user_stacklevel())
     return entry
+
+
+def trace_guards(train, model, optimizer, loss_fn, batch, where):
+    """The step traced as `train` was, with the input sizes at `where` one symbol: its guards (capture/dims.py)."""
+    from ..plan import capture_for
+
+    with _modes_of(model, train.captured):
+        return capture_for(model, train.tactics, batch, loss_fn, optimizer, dynamic=where, **train.captured.settings)
+
+
+@contextlib.contextmanager
+def _modes_of(model, cap):
+    """Each module's training flag as at the first capture (restored after)."""
+    modules = list(model.modules())
+    was = [m.training for m in modules]
+    try:
+        if len(cap.modes) == len(modules):
+            for m, mode in zip(modules, cap.modes):
+                m.training = mode
+        yield
+    finally:
+        for m, mode in zip(modules, was):
+            m.training = mode
 
 
 def _plan_like(train, new, refused):
@@ -244,7 +277,7 @@ def global_signature(train, local_sig) -> tuple:
 
 def say_new(what: str, entry: ShapeProgram, first: ShapeProgram, count: int, limit: int) -> None:
     """The one line a new shape costs."""
-    t = entry.info("").seconds
+    t = entry.info("").seconds - (entry.symbolic_s or 0)     # the symbolic dim's fit and trace: said apart
     was = first.info("").seconds if first.capture_s is not None else None
     rel = f" ({t / was:.0%} of the first partition's {was:.2f} s)" if was else ""
     warn(f"{what}: new input shape [{show(entry.signature)}] (partitioned for [{show(first.signature)}]): captured, "

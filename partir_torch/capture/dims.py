@@ -1,0 +1,81 @@
+"""What the step's Python decides from one input dim: the guards of a symbolic trace (issue 22).
+
+A program fitted as a function of the sequence length (lower/template.py) reads only the integers of the per-device
+programs it was fitted on. The model's Python may also decide from the length: a position table sliced to
+`wpe[:T]` holds only up to its size (T <= 64), a special case for T == 1, a mask built differently past a window.
+Those decisions are not integers in the program; a trace in which the dim is a symbol records each of them as a
+guard on that symbol (torch's ShapeEnv: `s0 <= 64`, `Ne(s0, 4)`). `capture(..., dynamic=positions)` traces the
+step once so, with the positions' sizes one shared symbol s and every other size static, and keeps the guards as
+`DimGuards`; `check(s)` says which guard a new length breaks (then that length is partitioned as any new shape
+is). The graph of that trace is not used.
+
+Sizes 0 and 1 are special to a symbolic trace (they are never symbols), so s >= 2 is a guard too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+
+def fake_mode_for(dynamic) -> "torch._subclasses.fake_tensor.FakeTensorMode":
+    """The capture's FakeTensorMode: static sizes everywhere, with a ShapeEnv when some input dims are symbolic."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not dynamic:
+        return FakeTensorMode(allow_non_fake_inputs=True)
+    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
+
+
+def symbolic_input(mode, x: torch.Tensor, dims) -> torch.Tensor:
+    """x faked with `dims` (its dims that are the symbol) symbolic, the others static."""
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC
+                                                  for d in range(x.dim())])
+    return mode.from_tensor(x, static_shapes=False, symbolic_context=ctx)
+
+
+def symbolic_decompositions() -> dict:
+    """Decompositions a symbolic trace needs beyond the capture's: constant_pad_nd's C++ kernel reads concrete
+    sizes (Hugging Face's causal-LM loss pads its labels), so the length would be specialised there."""
+    from torch._decomp import decomposition_table
+
+    aten = torch.ops.aten
+    return {aten.constant_pad_nd.default: decomposition_table[aten.constant_pad_nd.default]}
+
+
+@dataclass(frozen=True)
+class DimGuards:
+    """The conditions on the symbol s under which the trace holds, as sympy expressions in `s`."""
+
+    exprs: tuple
+    traced_at: int
+
+    @staticmethod
+    def collect(mode, inputs: dict) -> "DimGuards":
+        """inputs: {(input index, dim): the faked input's size there (a SymInt)}, after the trace."""
+        env: ShapeEnv = mode.shape_env
+        s = sympy.Symbol("s", integer=True, positive=True)
+        # every symbol of this ShapeEnv is one of the positions' (the rest is static): all stand for s
+        ours = {sym: s for sym in getattr(env, "backed_var_to_val", None) or env.var_to_val}
+        exprs = [sympy.Ge(s, 2)]
+        for g in env.guards:
+            exprs.append(g.expr.xreplace(ours))
+        for sym, val in env.replacements.items():     # a symbol specialised to a value, or unified with another
+            if sym in ours:
+                exprs.append(sympy.Eq(s, val.xreplace(ours)))
+        hint = next(iter(inputs.values())).node.hint
+        return DimGuards(tuple(e for e in exprs if e is not sympy.true), int(hint))
+
+    def check(self, value: int) -> str | None:
+        """None where every guard holds at s = value, else the first that does not (as the trace wrote it)."""
+        s = sympy.Symbol("s", integer=True, positive=True)
+        for e in self.exprs:
+            got = e.xreplace({s: value})
+            if got is not sympy.true and got != True:  # noqa: E712 - sympy booleans
+                return str(e)
+        return None
+
+    def __str__(self):
+        return ", ".join(map(str, self.exprs))
