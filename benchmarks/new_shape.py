@@ -1,6 +1,9 @@
 """What a new input shape costs (issue 22): train_step at a new sequence length captures, plans and lowers the step
-again (runtime/shapes.py). Prints, from prog.shapes(), each program's capture / plan / lowering seconds and its
-total relative to the first partition's (the example inputs' program), measured in one run.
+again (runtime/shapes.py) until three lengths have programs; then the length is one symbol (runtime/dims.py: the
+programs fitted as one, plus one symbolic trace for the guards) and every later length is an instance of it.
+Prints, from prog.shapes(), each program's capture / plan / lowering (instances: instantiation) seconds, the
+symbolic dim's one-off cost, and each total relative to the first partition's and to the first capture's (the
+example inputs' program), measured in one run.
 
     OMP_NUM_THREADS=1 python benchmarks/new_shape.py [--layers 2] [--d 32]
 """
@@ -30,15 +33,19 @@ def main():
                         [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")],
                         example_inputs=spec.batch(8, seq=32, layers=args.layers, d=args.d), loss_fn=spec.loss_fn,
                         optimizer=opt)
-    for n in (32, 48, 40, 64):
+    for n in (32, 48, 40, 64, 56, 24, 36, 60):
         prog.train_step(*spec.batch(8, seq=n, layers=args.layers, d=args.d))
     rows = {r.signature[0][0]: r for r in prog.shapes()}
-    first = rows[(8, 32)].seconds
+    first, cap = rows[(8, 32)].seconds, rows[(8, 32)].capture_s
     print(f"gpt layers={args.layers} d={args.d}, BP+MP+Z3 on 2x2 (emulated), nodes in the step: "
           f"{len(prog.captured.gm.graph.nodes)}")
+    t = lambda x: "-" if x is None else f"{x:.2f} s"   # noqa: E731
     for shape, r in rows.items():
-        print(f"  {shape}: capture {r.capture_s:.2f} s, plan {r.plan_s:.2f} s, lower {r.lower_s:.2f} s = "
-              f"{r.seconds:.2f} s ({r.seconds / first:.0%} of the first)")
+        kind = "instance" if r.instance_of is not None else "partitioned"
+        extra = f" + symbolic dim {r.symbolic_s:.2f} s" if r.symbolic_s else ""
+        own = r.seconds - (r.symbolic_s or 0)
+        print(f"  {shape} {kind}: capture {t(r.capture_s)}, plan {t(r.plan_s)}, lower {t(r.lower_s)} = {own:.3f} s "
+              f"({own / first:.1%} of the first partition, {own / cap:.1%} of its capture){extra}")
 
 
 if __name__ == "__main__":

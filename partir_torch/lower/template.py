@@ -31,6 +31,7 @@ from fractions import Fraction
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from ..capture.graphutil import no_gc
 from ..contract import META_COLLECTIVE, META_IN_SHAPE, META_LOCAL_SHAPE
 from .lower import Lowered
 
@@ -132,6 +133,10 @@ class DimTemplate:
     def instantiate(self, s: int) -> "Lowered | str":
         """The program at s (canonical groups, as plan.lowered()), or why not: a size that is not a whole
         non-negative number at s."""
+        with no_gc():     # a bulk copy of the graph (capture/graphutil.py)
+            return self._instantiate(s)
+
+    def _instantiate(self, s: int) -> "Lowered | str":
         vals = {}
         for key, f in list(self.args.items()) + list(self.shapes.items()) + list(self.records.items()):
             v = f.at(s)
