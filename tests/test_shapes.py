@@ -183,6 +183,12 @@ def test_a_sequence_length_becomes_one_symbol_after_three_lengths():
     assert all(rows[n].capture_s is None and rows[n].plan_s is None for n in (24, 33, 56, 64))
     assert rows[40].symbolic_s > 0 and "made the dim symbolic" in str(rows[40])
     assert_parameters_equal(prog, ref.m, what="after 8 steps, 4 of them instances")
+    ref.m.eval()           # eval_step's programs are a family of their own, with the same rule
+    for n in (32, 48, 40, 56):
+        with torch.no_grad():
+            want = spec.loss_fn(ref.m, *spec.batch(8, seq=n, seed=n))
+        torch.testing.assert_close(prog.eval_step(*spec.batch(8, seq=n, seed=n)), want, rtol=LOSS_RTOL, atol=0)
+    assert [r.instance_of for r in prog.shapes() if r.kind == "eval"] == [None, None, None, 56]
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         with pytest.raises(pt.PartitionError, match="could not be traced.*broadcast"):

@@ -17,8 +17,8 @@ about what partition() cost). This module makes such a size a symbol after three
 - A family whose programs are not one graph in s (the plan changed with the length: an uneven split, an automatic
   tactic that decided otherwise) or whose symbolic trace fails keeps a program per shape; said once, with where.
 
-Not covered: steps that branch on tensor values (one program per path: paths.py), pipelined programs, eval_step and
-forward (each shape is partitioned, as before).
+The Executor's train program and the Evaluator's eval_step and forward programs (each kind its own families) use it.
+Not covered: steps that branch on tensor values (one program per path: paths.py) and pipelined programs.
 """
 from __future__ import annotations
 
@@ -66,18 +66,18 @@ class Family:
 class SymbolicDims:
     """The families of an Executor's train program (see the module docstring)."""
 
-    def __init__(self, first, what: str):
-        self.first, self.what = first, what
+    def __init__(self, first, what: str, sig_of=lambda entry: entry.signature):
+        self.first, self.what, self.sig_of = first, what, sig_of     # sig_of: a ShapeProgram's input signature
         self.families: dict = {}
 
     def _family(self, sig):
-        got = positions(self.first.signature, sig)
+        got = positions(self.sig_of(self.first), sig)
         if got is None:
             return None, None
         where, s = got
         fam = self.families.get(where)
         if fam is None:
-            fam = self.families[where] = Family(where, [(s_of(self.first.signature, where), self.first)])
+            fam = self.families[where] = Family(where, [(s_of(self.sig_of(self.first), where), self.first)])
         return fam, s
 
     def instance(self, sig, make_entry):
@@ -100,7 +100,7 @@ class SymbolicDims:
     def built(self, entry, trace_guards) -> None:
         """entry: a program just partitioned in full. When its family now has three lengths, fit the template and
         trace the guards (trace_guards(where) -> DimGuards; its cost is added to entry.symbolic_s)."""
-        fam, s = self._family(entry.signature)
+        fam, s = self._family(self.sig_of(entry))
         if fam is None or fam.template is not None or fam.failed:
             return
         fam.points.append((s, entry))

@@ -21,6 +21,7 @@ from ..lower.lower import bind
 from .layout import same_layout
 from . import paths
 from .live import LiveLayout
+from .dims import SymbolicDims
 from .shapes import ShapeCache, ShapeInfo, ShapeProgram, signature
 
 class Evaluator:
@@ -28,8 +29,9 @@ class Evaluator:
         self.ex = executor
         # (kind, structure, signature, backend) -> ShapeProgram (plan, lowering bound to the backend), at most
         # Options.max_shapes of them, least recently used first out (shapes.py)
-        self.cache = ShapeCache(executor.plan.options.max_shapes, "eval_step / forward")
+        self.cache = ShapeCache(executor.plan.options.max_shapes, "eval_step / forward", lambda key: key[0][2])
         self.paths: dict = {}          # key -> PathTrie, for a step that branches on tensor values (paths.py)
+        self.dims: dict = {}           # (kind, structure, backend) -> SymbolicDims (dims.py)
 
     def eval_step(self, batch):
         if self.ex.loss_fn is None:
@@ -62,12 +64,21 @@ class Evaluator:
         if key in self.paths:
             values, ckey, draws = paths.guard_values(self.paths[key], real)
         entry = self.cache.get(ckey) if ckey is not None else None
+        family = (kind, str(spec), id(ex.rt))        # the programs whose sizes may become a symbol (dims.py)
+        symbolic = key not in self.paths and ex.plan.pipeline is None
+        if entry is None and symbolic and family in self.dims:
+            entry = self.dims[family].instance(key[2], lambda sig, plan, low, t, s: ShapeProgram(
+                key, plan, None, None, t, lowered=bind(low, ex.rt.groups), rt=ex.rt, canonical=low, dim=s))
+            if entry is not None:
+                self.cache.add(entry)
         if entry is None:
             paths.rewind(rng, ex.plan.captured.device)
             entry = self._build(kind, tuple(batch), key, real)
             paths.join(self.paths, key, entry, values)
             if entry.path:      # capture left the generator where it found it
                 values, ckey, draws = paths.guard_values(self.paths[key], real)
+            elif symbolic:
+                self._built(family, kind, entry, tuple(batch), what)
             self.cache.add(entry)
         entry.calls += 1
         plan, low = entry.plan, entry.lowered
@@ -87,6 +98,32 @@ class Evaluator:
         if cap.checks:
             paths.verify(cap.checks, cap.output_names, outs, ex.rt.rank0, what)
         return [ex.rt.rank0(t) for t, n in zip(outs, cap.output_names) if not n.startswith("buffers.")], cap, low
+
+    def _built(self, family, kind, entry, batch, what) -> None:
+        """A program partitioned in full: the first of its family, or a point of it (dims.py)."""
+        if family not in self.dims:
+            self.dims[family] = SymbolicDims(entry, what, sig_of=lambda e: e.signature[2])
+            return
+
+        def trace(where):
+            from ..plan import capture_for
+
+            model, was = self.ex.model, self.ex.model.training
+            model.eval()
+            try:
+                rewrites, tactics = self._schedule(kind)
+                return capture_for(model, rewrites + tactics, batch, self.ex.loss_fn if kind == "loss" else None,
+                                   eval_loss=kind == "loss", dynamic=where)
+            finally:
+                model.train(was)
+        self.dims[family].built(entry, trace)
+
+    def _schedule(self, kind):
+        """(capture rewrites, tactics) an eval program is captured with: the loss runs in the training step's
+        compute dtype (mixed_precision's casts); remat has no backward here."""
+        train = self.ex.plan
+        tactics = [t for t in train.tactics if t not in train.capture_rewrites]
+        return ([t for t in train.capture_rewrites if t.in_eval] if kind == "loss" else []), tactics
 
     def _live(self, name, sh):
         """The training program's local shard of a state value, in the eval program's layout `sh`."""
@@ -113,9 +150,7 @@ class Evaluator:
         model.eval()
         t0 = time.perf_counter()
         try:
-            # the loss runs in the training step's compute dtype (mixed_precision's casts); remat has no backward here
-            tactics = [t for t in train.tactics if t not in train.capture_rewrites]
-            rewrites = [t for t in train.capture_rewrites if t.in_eval] if kind == "loss" else []
+            rewrites, tactics = self._schedule(kind)
             more = {} if pipe is None else dict(accumulate=pipe.n_microbatches, record_modules=True,
                                                  accumulate_dims=train.captured.settings.get("accumulate_dims"))
             cap = capture_for(model, rewrites + tactics, batch, self.ex.loss_fn if kind == "loss" else None,
@@ -144,7 +179,7 @@ class Evaluator:
         """ShapeInfo rows of the eval and forward programs kept."""
         kinds = {"loss": "eval", "forward": "eval forward"}
         return [ShapeInfo(kinds[e.signature[0]], e.signature[2], e.capture_s, e.plan_s, e.lower_s, e.calls,
-                          paths.describe(e.plan.captured.guards, e.path) if e.path else "")
+                          paths.describe(e.plan.captured.guards, e.path) if e.path else "", e.dim, e.symbolic_s)
                 for e in self.cache.entries.values()]
 
 

@@ -119,8 +119,8 @@ class ShapeCache:
     """ShapePrograms by key (signature, path), least recently used first out beyond `limit`; `pinned` (the
     example inputs' program) is never dropped."""
 
-    def __init__(self, limit: int, what: str):
-        self.limit, self.what = limit, what
+    def __init__(self, limit: int, what: str, signature_of=lambda key: key[0]):
+        self.limit, self.what, self.signature_of = limit, what, signature_of    # signature_of: an entry key's
         self.entries: OrderedDict = OrderedDict()
         self.pinned = None
         self._said_evict = False
@@ -140,14 +140,15 @@ class ShapeCache:
             self.pinned = entry.key
         while len(self.entries) > self.limit:
             old_key = next(s for s in self.entries if s != self.pinned and s != entry.key)
-            old = old_key[0]
+            old = self.signature_of(old_key)
             del self.entries[old_key]
             if not self._said_evict:
                 self._said_evict = True
                 warn(f"{self.what}: more than {self.limit} input shapes: the program for [{show(old)}], the least "
-                     f"recently used, is dropped and partitioned again if that shape comes back (said once). Pad "
-                     f"batches to a few lengths (pad_to_multiple_of=... in Hugging Face's data collators), or keep "
-                     f"more programs: partition(..., max_shapes=...).", stacklevel=user_stacklevel())
+                     f"recently used, is dropped and built again if that shape comes back (an instance of a symbolic "
+                     f"dim in milliseconds, any other shape partitioned in full; said once). Pad batches to a few "
+                     f"lengths (pad_to_multiple_of=... in Hugging Face's data collators), or keep more programs: "
+                     f"partition(..., max_shapes=...).", stacklevel=user_stacklevel())
         return entry
 
 
