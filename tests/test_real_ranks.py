@@ -430,11 +430,13 @@ def _phase_clip_accumulate_eval() -> dict:
                         example_inputs=batch, loss_fn=spec.loss_fn,
                         optimizer=torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS), clip_grad_norm=0.5, accumulate=2)
     out = {"losses": [], "norms": []}
-    for b in (batch, batch, spec.batch(8, seed=4, seq=12)):   # the last: a new sequence length (issue 22), its
-        want, want_norm = _eager_step(ref, ref_opt, spec, b, 2, 0.5)   # program partitioned on every rank
+    # new sequence lengths (issue 22): 12 and 14 partitioned on every rank, then one symbol s (runtime/dims.py), so
+    # 10 is an instance of it on every rank, agreed like any program
+    for b in (batch, batch, *(spec.batch(8, seed=4 + n, seq=n) for n in (12, 14, 10))):
+        want, want_norm = _eager_step(ref, ref_opt, spec, b, 2, 0.5)
         out["losses"].append((prog.train_step(*b).item(), want.item()))
         out["norms"].append((prog.last_grad_norm.item(), want_norm.item()))
-    out["shapes"] = [r.signature[0][0] for r in prog.shapes()]
+    out["shapes"] = [(r.signature[0][0], r.instance_of) for r in prog.shapes()]
     got = prog.gather_parameters()
     out["param_err"] = max(((got[k] - p.detach()).abs() - PARAM_RTOL * p.detach().abs() - PARAM_ATOL).max().item()
                            for k, p in ref.named_parameters())
@@ -583,7 +585,8 @@ def test_real_ranks_clipping_accumulation_and_eval_equal_one_device(ranks):
         for got, want in r["losses"] + r["norms"] + [r["eval"]]:
             assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r}"
         assert r["param_err"] <= 0, f"rank {rank}: parameters outside rtol/atol by {r['param_err']}"
-        assert r["shapes"] == [(8, 16), (8, 12)], f"rank {rank}: {r['shapes']}"
+        assert r["shapes"] == [((8, 16), None), ((8, 12), None), ((8, 14), None), ((8, 10), 10)], \
+            f"rank {rank}: {r['shapes']}"
 
 
 def test_real_ranks_branches_take_one_devices_path(ranks):

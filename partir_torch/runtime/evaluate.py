@@ -65,7 +65,7 @@ class Evaluator:
             values, ckey, draws = paths.guard_values(self.paths[key], real)
         entry = self.cache.get(ckey) if ckey is not None else None
         family = (kind, str(spec), id(ex.rt))        # the programs whose sizes may become a symbol (dims.py)
-        symbolic = key not in self.paths and ex.plan.pipeline is None
+        symbolic = key not in self.paths and ex.plan.pipeline is None and ex.rt.kind != "xla"
         if entry is None and symbolic and family in self.dims:
             entry = self.dims[family].instance(key[2], lambda sig, plan, low, t, s: ShapeProgram(
                 key, plan, None, None, t, lowered=bind(low, ex.rt.groups), rt=ex.rt, canonical=low, dim=s))
