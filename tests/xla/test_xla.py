@@ -267,6 +267,20 @@ def test_stock_hf_gpt2_with_packed_qkv_under_bp_mp_equals_one_device_and_names_t
     assert not cmp.missing and cmp.extra_bytes > 0, cmp
 
 
+def test_unstrided_drops_a_strided_axis_and_the_axes_within_it_only():
+    """The layout XLA holds a strided value in: the strided axis and the axes after it on that dim leave it, axes
+    before it and on other dims stay (GPT-2's (B*H) fold keeps 'batch'; a packed weight with 'fsdp' inside 'model's
+    strided pieces is whole on both)."""
+    from partir_torch.xla.device import strided_axes, unstrided
+
+    fold = pt.Sharding(dims=(("batch", "model"), (), ()), strides=(("model", 8),))
+    assert str(unstrided(fold)) == "[{batch}, {}, {}]" and strided_axes(fold) == {0: ("model",)}
+    packed = pt.Sharding(dims=(("batch",), ("model", "fsdp")), strides=(("model", 3),))
+    assert str(unstrided(packed)) == "[{batch}, {}]" and strided_axes(packed) == {1: ("model", "fsdp")}
+    plain = pt.Sharding(dims=(("batch",), ("model",)))
+    assert unstrided(plain) is plain and strided_axes(plain) == {}
+
+
 def test_forward_program_equals_the_model():
     """A program captured without loss_fn runs the forward on XLA: Llama logits under BP on 8 devices."""
     spec = get("llama")
