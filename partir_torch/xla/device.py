@@ -70,10 +70,35 @@ def xs_mesh(mesh: Mesh):
 
 def partition_spec(sh: Sharding) -> tuple | None:
     """The xs partition spec of a partir Sharding (per dim: None, an axis, or a tuple of axes major to minor), or
-    None where XLA's tile assignments cannot say it: partial values (pending reductions) and strided tilings."""
+    None where XLA's tile assignments cannot say it: partial values (pending reductions) and strided tilings
+    (`unstrided` gives the layout XLA holds those in)."""
     if sh.partial or sh.strides:
         return None
     return tuple(None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in sh.dims)
+
+
+def unstrided(sh: Sharding) -> Sharding:
+    """`sh` with each strided dim whole on its strided axis and the axes after it on that dim (they tile within
+    its strided pieces): a layout an XLA tile assignment can express. Other dims and axes are kept.
+
+    >>> str(unstrided(Sharding(dims=(("batch",), ("model",)), strides=(("model", 3),))))
+    '[{batch}, {}]'
+    """
+    if not sh.strides:
+        return sh
+    strided = dict(sh.strides)
+    dims = []
+    for axes in sh.dims:
+        first = next((i for i, a in enumerate(axes) if a in strided), len(axes))
+        dims.append(axes[:first])
+    kept = {a for axes in dims for a in axes}
+    return Sharding.interned(dims, sh.partial, sh.replicated, (), tuple(b for b in sh.blocks if b[0] in kept))
+
+
+def strided_axes(sh: Sharding) -> dict:
+    """dim -> the axes `unstrided` drops from it (a strided axis and those after it on its dim)."""
+    kept = unstrided(sh).dims
+    return {d: axes[len(kept[d]):] for d, axes in enumerate(sh.dims) if len(kept[d]) < len(axes)}
 
 
 def dumped_modules() -> dict:

@@ -11,7 +11,9 @@ The captured *global* step graph runs op by op on XLA tensors (lazily traced, co
 - CPU-only kernels of the capture run as XLA ops (kernels.py), so the step stays one XLA program.
 
 GSPMD is then left to choose little more than how to reduce partial values (pending reductions have no HLO
-sharding; neither have strided tilings). State stays on the devices between steps.
+sharding). A strided tiling has no tile assignment either: its dim is held and constrained whole on the strided axis
+(device.unstrided), and one warning per mode names such values and what XLA's program moves beyond the plan.
+State stays on the devices between steps.
 
     xprog = prog.to_xla()                 # PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 for 8 virtual devices
     loss = xprog.train_step(tokens, targets)
@@ -122,6 +124,14 @@ def _constrained(t, mesh, spec):
     return x
 
 
+_UNEVEN_FIX = (" For an XLA program that matches it, use sizes the mesh axes divide (pt.partition(..., strict=True) "
+               "refuses the others).")
+
+
+def _shown(values: list) -> str:
+    return "; ".join(values[:3]) + (f"; and {len(values) - 3} more" if len(values) > 3 else "")
+
+
 class XlaBackend:
     """The torch-xla SPMD backend (runtime/backend.py's protocol): the captured *global* step runs on XLA tensors,
     state and inputs placed from their partir Sharding, and constraints where partir decided a layout (_Run), so
@@ -142,8 +152,9 @@ class XlaBackend:
         self.layouts = {}        # placeholder name -> Sharding
         for node, name in zip(self._placeholders(), self.cap.input_names):
             self.layouts[name] = plan.sharding(g.vid[node])
-        self.uneven = self._uneven()
-        self.uneven_checked: set = set()
+        self.returned = set(next(n for n in reversed(self.cap.gm.graph.nodes) if n.op == "output").all_input_nodes)
+        self.uneven, (self.strided, self.strided_free) = self._uneven(), self._strided()
+        self.checked: set = set()     # modes whose program was compared with the plan (_check_layouts)
         self.constraints = self._constraints()
         self.op_specs = self._op_specs()
         self._regather = param_derived(self.cap.gm) if self.cap.mode != FORWARD else frozenset()
@@ -156,43 +167,80 @@ class XlaBackend:
     def _uneven(self) -> list:
         """The values tiled unevenly ("name dim d (size n) over 'axis' (size k)"). XLA's partitioner pads such
         tiles itself, so the step computes the same values; what it moves to do so is checked against partir's plan
-        after the first compile of each mode (_check_uneven)."""
+        after the first compile of each mode (_check_layouts)."""
         g, out = self.plan.graph, []
         for v in range(len(g.values)):
             for d, (size, axis, _) in self.plan.sharding(v).uneven_dims(g.shapes[v], self.mesh).items():
                 out.append(f"{g.name(v)} dim {d} (size {size}) over '{axis}' (size {self.mesh.shape[axis]})")
         return out
 
-    def _check_uneven(self, mode: str) -> None:
-        """Once per mode, on a plan with uneven tiles: XLA pads them its own way, and where a padded dim meets a
-        reshape it may exchange halos or gather (collective_permute, all_gather) where partir's plan moves nothing.
-        Say so once, with the bytes, when its program does not carry out partir's plan (compare())."""
-        if not self.uneven or mode in self.uneven_checked:
-            return
-        self.uneven_checked.add(mode)
-        shown = "; ".join(self.uneven[:3]) + (f"; and {len(self.uneven) - 3} more" if len(self.uneven) > 3 else "")
-        if mode not in self.modules:
-            warn(f"to_xla: XLA pads the uneven tiles of this plan ({shown}) its own way; XLA was started without "
-                 f"HLO dumps, so whether its program moves more than partir's plan cannot be checked (import "
-                 f"partir_torch.xla before the first XLA tensor is created).", stacklevel=4)
-            return
-        from .compare import compare
+    def _strided(self) -> tuple:
+        """The values with a strided tiling ("name dim d over 'axis' in s strided blocks"): those XLA holds with that
+        dim whole on those axes (states first; _strided_layout), and those left to GSPMD."""
+        g, state, whole, free = self.plan.graph, [], [], []
+        for v in range(len(g.values)):
+            sh, node = self.plan.sharding(v), g.values[v]
+            for d, axes in xdev.strided_axes(sh).items():
+                blocks = " x ".join(str(sh.stride(a)) for a in axes if sh.stride(a) > 1)
+                where = f"{g.name(v)} dim {d} over {', '.join(repr(a) for a in axes)} in {blocks} strided blocks"
+                (state if node.op == "placeholder" else whole if self._strided_layout(node, sh) else free).append(where)
+        return state + whole, free
 
-        cmp = compare(self.plan, parse_collectives(self.hlo_text(mode), self.plan.mesh), host_ops=self.host_ops)
-        if not cmp.ok:
-            warn(f"to_xla: XLA pads the uneven tiles of this plan ({shown}) its own way, and its {mode} program "
-                 f"moves more than partir's plan: {cmp.summary_line()}. The values are the same; partir's own "
-                 f"runtime runs the plan as printed. For an XLA program that matches it, use sizes the mesh axes "
-                 f"divide (pt.partition(..., strict=True) refuses the others).", stacklevel=4)
+    def _strided_layout(self, node, sh):
+        """The layout a computed strided value is constrained to: device.unstrided where that keeps another axis's
+        tiling (eager attention's (B*H) folds stay on 'batch') or where the step returns the value (a new parameter
+        or optimizer state, laid out as its state is held); None where it would be replicated or is partial: left to
+        GSPMD, which may keep it split its own way (a MoE's (experts, capacity) gradients)."""
+        kept = xdev.unstrided(sh)
+        return kept if not sh.partial and (kept.tiled_axes() or node in self.returned) else None
+
+    def _check_layouts(self, mode: str) -> None:
+        """Once per mode, where XLA runs a layout otherwise than partir's plan: uneven tiles (XLA pads them its own
+        way, and where a padded dim meets a reshape it may exchange halos or gather where partir's plan moves
+        nothing) and strided tilings (held whole on their axis). Say so once, with the bytes XLA's program moves
+        beyond the plan (compare()); uneven tiles only when it does not carry out the plan."""
+        if mode in self.checked or not (self.uneven or self.strided or self.strided_free):
+            return
+        self.checked.add(mode)
+        cmp = None
+        if mode in self.modules:
+            from .compare import compare
+
+            cmp = compare(self.plan, parse_collectives(self.hlo_text(mode), self.plan.mesh), host_ops=self.host_ops)
+        notes = []
+        if self.uneven and not (cmp is not None and cmp.ok):
+            notes.append((f"pads the uneven tiles of this plan ({_shown(self.uneven)}) its own way", _UNEVEN_FIX))
+        free = f"lays out {_shown(self.strided_free)} as GSPMD chooses" if self.strided_free else ""
+        if self.strided:
+            notes.append((f"holds the strided tilings of this plan ({_shown(self.strided)}) whole on those axes (a "
+                          f"tile assignment cannot split a dim in strided blocks){' and ' + free if free else ''}",
+                          ""))
+        elif free and not (cmp is not None and cmp.ok):
+            notes.append((f"{free} (a tile assignment cannot split a dim in strided blocks)", ""))
+        for what, fix in notes:
+            if cmp is None:
+                warn(f"to_xla: XLA {what}; XLA was started without HLO dumps, so whether its program moves more than "
+                     f"partir's plan cannot be checked (import partir_torch.xla before the first XLA tensor is "
+                     f"created).", stacklevel=4)
+            elif cmp.ok:
+                warn(f"to_xla: XLA {what}; its {mode} program still carries out partir's plan.", stacklevel=4)
+            else:
+                warn(f"to_xla: XLA {what}, and its {mode} program moves more than partir's plan: "
+                     f"{cmp.summary_line()}. The values are the same; partir's own runtime runs the plan as "
+                     f"printed.{fix}", stacklevel=4)
 
     def _constraints(self) -> dict:
         """FX node name -> partition spec, for every value whose layout XLA can be told: each value's final
-        partir sharding (axes no tactic decided are replicated, as in partir's lowering)."""
+        partir sharding (axes no tactic decided are replicated, as in partir's lowering); a strided value's layout
+        as _strided_layout says, if any."""
         g, out = self.plan.graph, {}
         for node in self.cap.gm.graph.nodes:
             if node.op != "call_function" or node not in g.vid:
                 continue
-            spec = xdev.partition_spec(self.plan.sharding(g.vid[node]))
+            sh = self.plan.sharding(g.vid[node])
+            if sh.strides:
+                sh = self._strided_layout(node, sh) or sh      # else partition_spec is None: left to GSPMD
+            spec = xdev.partition_spec(sh)
             if spec is not None:
                 out[node.name] = spec
         return out
@@ -234,11 +282,11 @@ class XlaBackend:
     def shard(self, full: torch.Tensor, sh) -> torch.Tensor:
         """`full` on the XLA devices, laid out as `sh`."""
         x = full.detach().to(self.device)
-        spec = xdev.partition_spec(sh)
+        spec = xdev.partition_spec(xdev.unstrided(sh))
         if spec is None:
-            raise PartitionError(f"to_xla: a value is laid out {sh} (a strided tiling), which an XLA tile "
-                                 f"assignment cannot express. Tile the dim whole (e.g. without vocab=True / "
-                                 f"packed projections) for the XLA backend.")
+            raise PartitionError(f"to_xla: a held value is laid out {sh}, a pending reduction, which an XLA tile "
+                                 f"assignment cannot express. Reduce it in the step (a partial state value has no "
+                                 f"XLA form).")
         if any(spec):
             _mark(x, self.xmesh, spec)
         return x
@@ -260,7 +308,7 @@ class XlaBackend:
         if before is not None:
             self._remember_module(mode, before)
         self._check_host_ops(host_before)
-        self._check_uneven(mode)
+        self._check_layouts(mode)
         return list(outs)
 
     def full(self, t, sh, shape) -> torch.Tensor:

@@ -235,6 +235,52 @@ def test_stock_hf_llama_under_bp_mp_equals_one_device_and_xla_carries_out_the_pl
     assert cmp.ok and ("all_reduce", "model") in {(r[0], r[1]) for r in cmp.rows}, cmp
 
 
+def test_stock_hf_gpt2_with_packed_qkv_under_bp_mp_equals_one_device_and_names_the_strided_values():
+    """Issue 20: a stock HF GPT2LMHeadModel (tiny config, its own `labels=` loss, eager attention) with data_parallel
+    + megatron on 8 XLA devices trains like one device. Megatron tiles its packed c_attn (a Conv1D, weight (d, 3d),
+    columns q|k|v) in 3 strided blocks on 'model', which a tile assignment cannot say: XLA holds that dim whole on
+    'model', and one warning (three steps) names c_attn and the collectives XLA's program adds to partir's plan."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg._attn_implementation = "eager"
+
+    def loss_fn(m, x):
+        return m(input_ids=x, labels=x).loss
+
+    xprog, said = _train_on_xla(GPT2LMHeadModel(cfg), {"batch": 4, "model": 2},
+                                [T.data_parallel("batch"), T.megatron("model")], (torch.randint(0, 64, (8, 16)),),
+                                loss_fn)
+    import torch_xla
+
+    name = "params.transformer.h.0.attn.c_attn.weight"
+    assert xprog.plan.sharding(xprog.plan.graph.name_to_vid[name]).strides == (("model", 3),)
+    held = torch_xla._XLAC._get_xla_sharding_spec(xprog.state[name])
+    print(f"\n{said}\n{xprog.compare()}")
+    assert held == "{replicated}", held       # dim 1 whole on 'model'; no other axis tiles c_attn's weight
+    assert len(said) == 1, said
+    assert re.search(re.escape(name) + r" dim 1 over 'model' in 3 strided blocks.*whole on those axes.*moves more than "
+                     r"partir's plan:.*extra all_gather\[model\] x\d+ [\d,]+ B", said[0]), said[0]
+    cmp = xprog.compare()
+    assert not cmp.missing and cmp.extra_bytes > 0, cmp
+
+
+def test_unstrided_drops_a_strided_axis_and_the_axes_within_it_only():
+    """The layout XLA holds a strided value in: the strided axis and the axes after it on that dim leave it, axes
+    before it and on other dims stay (GPT-2's (B*H) fold keeps 'batch'; a packed weight with 'fsdp' inside 'model's
+    strided pieces is whole on both)."""
+    from partir_torch.xla.device import strided_axes, unstrided
+
+    fold = pt.Sharding(dims=(("batch", "model"), (), ()), strides=(("model", 8),))
+    assert str(unstrided(fold)) == "[{batch}, {}, {}]" and strided_axes(fold) == {0: ("model",)}
+    packed = pt.Sharding(dims=(("batch",), ("model", "fsdp")), strides=(("model", 3),))
+    assert str(unstrided(packed)) == "[{batch}, {}]" and strided_axes(packed) == {1: ("model", "fsdp")}
+    plain = pt.Sharding(dims=(("batch",), ("model",)))
+    assert unstrided(plain) is plain and strided_axes(plain) == {}
+
+
 def test_forward_program_equals_the_model():
     """A program captured without loss_fn runs the forward on XLA: Llama logits under BP on 8 devices."""
     spec = get("llama")
