@@ -13,8 +13,9 @@ otherwise for this shape), the held value is resharded when the program switches
     prog.shapes()                                  # [ShapeInfo(train (8, 32) ...), ShapeInfo(train (8, 48) ...)]
 
 Programs are kept by signature, at most Options.max_shapes (default 8; partition(max_shapes=...)); beyond it the
-least recently used one is dropped (the example inputs' program stays) and partitioned again if its shape comes
-back (said once). A dim that the program tiles over mesh axes must stay divisible by their size: a ragged last
+least recently used one is dropped (the example inputs' program stays) and built again if its shape comes back
+(said once). After three lengths of one dim, a new length is not partitioned but instantiated from the programs
+fitted as one program in that dim (dims.py). A dim that the program tiles over mesh axes must stay divisible by their size: a ragged last
 batch is refused with the fix (drop_last=True), since shards are even.
 """
 from __future__ import annotations
