@@ -15,8 +15,8 @@ otherwise for this shape), the held value is resharded when the program switches
 Programs are kept by signature, at most Options.max_shapes (default 8; partition(max_shapes=...)); beyond it the
 least recently used one is dropped (the example inputs' program stays) and built again if its shape comes back
 (said once). After three lengths of one dim, a new length is not partitioned but instantiated from the programs
-fitted as one program in that dim (dims.py). A dim that the program tiles over mesh axes must stay divisible by their size: a ragged last
-batch is refused with the fix (drop_last=True), since shards are even.
+fitted as one program in that dim (dims.py). A dim the mesh axes that tile it do not divide (a ragged last batch) is
+tiled unevenly, as torch.chunk splits it; under Options.strict it is refused with the fix (drop_last=True).
 """
 from __future__ import annotations
 
