@@ -35,6 +35,8 @@ class Ref:
     source: str
     setup: dict = field(default_factory=dict, hash=False)
     mem_gib: float | None = None      # peak memory per device the source reports (training rows)
+    mem_kind: str = "allocated"       # what mem_gib measures: "allocated" (max_memory_allocated: live tensors) or
+    #                                   "reserved" (max_memory_reserved: the caching allocator's segments)
 
     @property
     def family(self) -> str:
@@ -224,7 +226,7 @@ TRAINING = [
           dict(model=dict(vocab=128256, seq=8192, d=4096, heads=32, kv_heads=8, layers=32, hidden=14336,
                           gated=True, tied=False),
                preset="h100", hw={**_TITAN_H100, **_GPU_NODES(n)}, mesh={"dp": n}, batch=2,
-               schedule="fsdp", remat="selective"), mem_gib=mem)
+               schedule="fsdp", remat="selective"), mem_gib=mem, mem_kind="reserved")
       for n, tps, mem in [(8, 5762, 82.4), (128, 5605, 67.0)]],
     # --- MaxText on TPU: FSDP over the slice (ICI), data parallel over slices (DCN); bf16 compute, fp32 weights;
     #     global_parameter_scale s: emb 2048*, heads 16*, mlp 7168*, layers 16* (get_individual_scales), head_dim

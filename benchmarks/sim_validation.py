@@ -218,9 +218,27 @@ def predict(ref: Ref, knobs: dict | None = None) -> float:
     return tokens * flops_per_token(s["model"], s["flops"]) / step / 1e12
 
 
-def predict_memory(ref: Ref) -> float:
-    """Peak memory per device in GiB (no knob changes memory)."""
-    return _extrapolate(ref.setup, _hw(ref.setup, {}), lambda r: r.peak_memory_bytes) / 2 ** 30
+def predict_memory(ref: Ref, kind: str | None = None) -> float:
+    """Peak memory per device in GiB (no knob changes memory), of the kind the row publishes (ref.mem_kind):
+    "allocated" (live tensor bytes, sim/memory.py) or "reserved" (the CUDA caching allocator's segments,
+    sim/allocator.py)."""
+    if (kind or ref.mem_kind) != "reserved":
+        return _extrapolate(ref.setup, _hw(ref.setup, {}), lambda r: r.peak_memory_bytes) / 2 ** 30
+    # the allocator's segments are not linear in the depth (a block freed by one layer is reused by the next):
+    # the program at the run's own depth
+    from partir_torch.sim import simulate_graph
+
+    gm, mesh, recompute, _ = program(ref.setup, ref.setup["model"]["layers"])
+    rep = simulate_graph(gm, mesh, _hw(ref.setup, {}), exclude_flops=recompute, issue=ISSUE)
+    return rep.reserved_memory_bytes / 2 ** 30
+
+
+def memory_table(mem: list) -> None:
+    print("\nPeak memory per device (GiB): reference vs simulator, of the kind the source publishes "
+          "(allocated: live tensors; reserved: the CUDA caching allocator's segments, sim/allocator.py)")
+    mrows = [(r.name, r.mem_kind, r.mem_gib, predict_memory(r, "allocated"), predict_memory(r)) for r in mem]
+    print(tabulate([(n, k, f"{m:g}", f"{a:.1f}", f"{p:.1f}", f"{100 * err(p, m):+.1f}%") for n, k, m, a, p in mrows],
+                   headers=["row", "published", "ref", "sim allocated", "sim of that kind", "err"]))
 
 
 def err(pred: float, ref: float) -> float:
@@ -283,10 +301,14 @@ def main(argv=None):
     ap.add_argument("--breakdown", metavar="ROW", help="where one training row's time goes (a row name substring), "
                     "at the two shallow depths the row is extrapolated from, knobs fitted on the calibration half")
     ap.add_argument("--schedule", help="with --breakdown: the row run with another schedule of _schedule")
+    ap.add_argument("--memory", action="store_true", help="only the rows that publish peak memory")
     args = ap.parse_args(argv)
     check()
     if args.breakdown:
         breakdown(args.breakdown, args.schedule)
+        return
+    if args.memory:
+        memory_table([r for r in ROWS if r.mem_gib])
         return
     t0 = time.process_time()
     rows = [r for r in ROWS if not (args.quick and r.kind == "training")]
@@ -329,10 +351,7 @@ def main(argv=None):
 
     mem = [r for r in rows if r.mem_gib]
     if mem:
-        print("\nPeak memory per device (GiB): reference vs simulator")
-        mrows = [(r.name, r.mem_gib, predict_memory(r)) for r in mem]
-        print(tabulate([(n, f"{m:g}", f"{p:.1f}", f"{100 * err(p, m):+.1f}%") for n, m, p in mrows],
-                       headers=["row", "ref", "sim", "err"]))
+        memory_table(mem)
 
     conf = {f: statistics.median(abs(x) for x in (lofo[f] if SPLIT[f] == "cal" else
                                                   [e[r.name] for r in val if r.family == f])) for f in fams}

@@ -72,3 +72,52 @@ def test_breakdown_finds_activations_gradients_and_updated_params():
     assert cat["w1_1"] == "parameters" and cat["lr_1"] == "inputs"
     assert mem.breakdown["parameters"] >= 2 * (128 * 256 * 4)
     assert sum(mem.breakdown.values()) == mem.peak_bytes
+
+
+# -- what a GPU reserves: PyTorch's CUDA caching allocator replayed (sim/allocator.py) ---------------------------------
+MiB = 1 << 20
+
+
+def test_caching_allocator_pools_segments_best_fit_split_and_merge():
+    from partir_torch.sim.allocator import CachingAllocator
+
+    a = CachingAllocator()
+    x = a.malloc(100)                     # rounded to 512 B, carved from a 2 MiB small-pool segment
+    assert a.reserved == 2 * MiB
+    y = a.malloc(3 * MiB)                 # under 10 MiB: a 20 MiB large-pool segment, the rest kept free
+    assert a.reserved == 22 * MiB
+    z = a.malloc(17 * MiB + 1)            # more than the 17 MiB left there: a segment of its own, rounded to 2 MiB
+    assert a.reserved == 22 * MiB + 18 * MiB
+    w = a.malloc(16 * MiB)                # best fit: the 17 MiB left of the 20 MiB segment, no new segment
+    assert a.reserved == 40 * MiB
+    for b in (x, y, z, w):
+        a.release(b)
+    assert sorted(a.free[False]) == [(18 * MiB, z), (20 * MiB, y)]      # y merged with its neighbours again
+    assert a.malloc(19 * MiB) == y and a.reserved == 40 * MiB           # reused, not reserved again
+
+
+def test_a_hole_too_small_for_the_next_tensor_is_fragmentation():
+    """Two 8 MiB tensors share a 20 MiB segment; freeing one leaves an 8 MiB hole, and a 9 MiB tensor (under
+    10 MiB, so it wants a 20 MiB segment) fits neither the hole nor the 4 MiB tail: a second segment is reserved
+    while 17 MiB are live."""
+    from partir_torch.sim.allocator import reserved_bytes
+
+    sizes, born, last = [8 * MiB, 8 * MiB, 9 * MiB], [0, 0, 2], [1, 3, 3]
+    assert reserved_bytes(sizes, born, last, end=4, steps=1) == 40 * MiB
+    assert reserved_bytes(sizes, born, last, end=4, steps=3) == 40 * MiB     # the steady state: reused
+
+
+def test_report_reserved_is_at_least_the_live_peak_on_gpus_and_absent_on_tpus():
+    import partir_torch as pt
+    from examples.models import get
+
+    spec = get("gpt")
+    m = spec.build()
+    prog = pt.partition(m, pt.Mesh({"batch": 2}), [pt.tactics.data_parallel("batch"), pt.tactics.zero(3, "batch")],
+                        example_inputs=spec.batch(8), loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(m.parameters()))
+    gpu = prog.simulate(pt.sim.hardware("h100", gpus_per_node=2))
+    assert gpu.reserved_memory_bytes >= gpu.peak_memory_bytes > 0
+    assert gpu.reserved_memory_bytes % (2 * MiB) == 0                       # whole segments
+    assert "reserved by PyTorch's CUDA caching allocator" in gpu.table()
+    tpu = prog.simulate(pt.sim.hardware("tpu-v5e", topology=(2, 1)))
+    assert tpu.reserved_memory_bytes is None and "caching allocator" not in tpu.table()

@@ -9,8 +9,10 @@ it creates and frees before it returns) count at that node only: partir's fused 
 holds its square-root denominators and, with maximize or L2 weight decay, the modified gradients (`_transient`).
 
 This is the figure the runtime measures (partition(..., measure_memory=True), prog.peak_memory(); what is counted:
-runtime/memtrack.py): live tensor bytes, each storage once. It does not depend on the chip; what a GPU adds
-(allocator rounding and caching, library workspaces) is not in it.
+runtime/memtrack.py): live tensor bytes, each storage once, torch.cuda.max_memory_allocated's figure. It does not
+depend on the chip. What PyTorch's caching allocator reserves on a GPU for the same storages (rounding, segments,
+fragmentation: max_memory_reserved's figure) is `MemoryResult.reserved_bytes()`, replayed in sim/allocator.py;
+library workspaces and the CUDA context are in neither.
 
 Breakdown at the peak:
 - parameters / optimizer_state / buffers / inputs: placeholders by ``partir_role`` (and the updated values the
@@ -44,6 +46,18 @@ class MemoryResult:
     breakdown: dict                     # category -> bytes live at the peak
     categories: dict = field(default_factory=dict, repr=False)   # producing node name -> category
     curve: list = field(default_factory=list, repr=False)   # live bytes at each node, program order
+    events: tuple = field(default=(), repr=False)    # reserved_bytes' arguments: the storages' liveness
+    _reserved: int | None = field(default=None, repr=False)
+
+    def reserved_bytes(self) -> int:
+        """What PyTorch's CUDA caching allocator reserves for these storages in the steady state (two steps;
+        sim/allocator.py): the figure torch.cuda.max_memory_reserved reports, where peak_bytes is
+        max_memory_allocated's. Computed on first use."""
+        if self._reserved is None:
+            from .allocator import reserved_bytes
+
+            self._reserved = reserved_bytes(*self.events) if self.events else self.peak_bytes
+        return self._reserved
 
 
 _WRITES: dict = {}
@@ -73,6 +87,7 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
         classes = {n: op_class(n.target) for n in nodes if n.op == "call_function"}
     sid_of: dict = {}
     donated: dict = {}                  # in-place kernel node -> per result list, the storages it writes
+    first: dict = {}                    # a placeholder's storage -> the first node that reads it
     size, born, last, owner = [], [], [], []
 
     def new(node, nbytes, i):
@@ -100,6 +115,8 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
         for a in inputs[node]:
             for s in sid_of[a]:
                 last[s] = i
+                if a.op == "placeholder":
+                    first.setdefault(s, i)
         if cls == WAIT and node.args and isinstance(node.args[0], torch.fx.Node):
             for a in inputs[node.args[0]]:                 # collective inputs live until the wait
                 for s in sid_of.get(a, ()):
@@ -118,7 +135,15 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
         if born[s] <= at <= last[s]:
             breakdown[category[s]] += size[s]
     names = {owner[s].name: category[s] for s in range(len(size))}
-    return MemoryResult(peak, nodes[at].name if nodes else "", breakdown, names, curve)
+    for i, node in enumerate(nodes):            # a node's own temporaries: allocated and freed at it
+        t = _transient(node, elems) if node.op == "call_function" else 0
+        if t:
+            new(node, t, i)
+    persistent = [s for s, node in enumerate(owner) if node.op == "placeholder"]
+    # eager torch.optim creates its state in the first step's update, among the activations' freed blocks
+    lazy = {s: first[s] for s in persistent if s in first and owner[s].meta.get(META_ROLE) == Role.OPT_STATE}
+    return MemoryResult(peak, nodes[at].name if nodes else "", breakdown, names, curve,
+                        (size, born, last, end, persistent, lazy))
 
 
 def _storages(node, cls, info, sid_of, donated, elems, new) -> list:

@@ -66,6 +66,15 @@ class SimReport:
     confidence: float | None = None
     confidence_family: str = ""
     pipeline: object = None              # sim/pipeline.PipelineSim of a pipelined program (bubble, stages, transfers)
+    allocator: object = field(default=None, repr=False)   # GPU: the program's sim/memory.MemoryResult (reserved_memory_bytes)
+
+    @property
+    def reserved_memory_bytes(self) -> int | None:
+        """On a GPU, what PyTorch's CUDA caching allocator reserves for this program in the steady state
+        (sim/allocator.py): the figure torch.cuda.max_memory_reserved reports, where peak_memory_bytes is
+        max_memory_allocated's (live tensor bytes). None on a TPU (XLA plans its buffers ahead) or for a report
+        without the program's liveness (a pipelined program's stages)."""
+        return self.allocator.reserved_bytes() if self.allocator is not None else None
 
     def collectives_by_kind(self) -> dict:
         """kind -> (count, bytes, seconds)."""
@@ -110,6 +119,10 @@ class SimReport:
         mem = ", ".join(f"{k} {_bytes(v)}" for k, v in last.memory_breakdown.items() if v)
         if mem:
             text += f"\npeak memory ({last.stage_name or 'program'}): {mem}"
+        if last.allocator is not None:
+            text += (f"\nreserved by PyTorch's CUDA caching allocator ({last.stage_name or 'program'}, estimated): "
+                     f"{_bytes(last.reserved_memory_bytes)} (max_memory_reserved; the peak above is "
+                     f"max_memory_allocated)")
         oom = [s.stage_name or "program" for s in (self.stages or [self]) if s.out_of_memory and s is not last]
         if oom:
             text += f"\nnote: out of memory (peak above the chip's HBM) after: {', '.join(oom)}"

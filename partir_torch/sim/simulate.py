@@ -100,7 +100,7 @@ def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue, prefetch, mode
         mfu=model_flops / (step * peak) if step > 0 else 0.0, hardware_flops=executed,
         hfu=executed / (step * peak) if step > 0 else 0.0, hbm_bytes=hw.hbm_bytes, collectives=line.timings, notes=notes,
         stage_name=stage_name, hardware=hw.describe(), peak_flops=peak, trace=line.trace, confidence=conf,
-        confidence_family=family)
+        confidence_family=family, allocator=mem if hw.kind == "gpu" else None)
 
 
 def step_flops(gm, hw: Hardware, exclude=()) -> float:
