@@ -190,6 +190,36 @@ def _phase_branches(mesh) -> dict:
             "param_errs": {k: _max_err(gathered[k], p.detach()) for k, p in ref.named_parameters()}}
 
 
+def _phase_counts(mesh) -> dict:
+    """(issue 26) Hugging Face's eager MoE loop (`torch.where` over each expert's slice of the routing mask) under
+    BP + MP + Z3: batches route different numbers of tokens to each expert, the selections are traced at a static
+    size (capture/counts.py), so every batch runs the one program on every rank, equal to one device."""
+    import partir_torch as pt
+    from tests.branch_models import MoELoop
+    from tests.test_counts import _batches
+
+    T = pt.tactics
+    torch.manual_seed(0)
+    model = MoELoop()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    batches = _batches(3)
+    prog = pt.partition(model, mesh, [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")],
+                        example_inputs=batches[0], loss_fn=lambda m, x, y, k: m(x, y, k),
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    losses = []
+    for b in batches:
+        got = prog.train_step(*b).item()
+        opt.zero_grad()
+        want = ref(*b)
+        want.backward()
+        opt.step()
+        losses.append((got, want.item()))
+    gathered = prog.gather_parameters()
+    return {"losses": losses, "programs": len(prog.shapes()), "padded": len(prog.captured.padded),
+            "param_errs": {k: _max_err(gathered[k], p.detach()) for k, p in ref.named_parameters()}}
+
+
 def _phase_memory(spec, batch, rank) -> dict:
     import partir_torch as pt
 
@@ -473,6 +503,7 @@ def _worker(rank, port, ckpt, queue):
                          ("uneven", lambda: _phase_uneven(ckpt)),
                          ("clip_acc_eval", _phase_clip_accumulate_eval),
                          ("branches", lambda: _phase_branches(mesh)),
+                         ("counts", lambda: _phase_counts(mesh)),
                          ("memory", lambda: _phase_memory(spec, batch, rank)),
                          ("mismatch", lambda: _phase_mismatch(spec, mesh, rank)),
                          ("diverge", lambda: _phase_diverge(spec, batch, plans, rank)),
@@ -587,6 +618,15 @@ def test_real_ranks_clipping_accumulation_and_eval_equal_one_device(ranks):
         assert r["param_err"] <= 0, f"rank {rank}: parameters outside rtol/atol by {r['param_err']}"
         assert r["shapes"] == [((8, 16), None), ((8, 12), None), ((8, 14), None), ((8, 10), 10)], \
             f"rank {rank}: {r['shapes']}"
+
+
+def test_real_ranks_moe_loop_selections_run_one_program_equal_to_one_device(ranks):
+    for rank, r in _phase(ranks, "counts").items():
+        for got, want in r["losses"]:
+            assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r['losses']}"
+        assert r["programs"] == 1 and r["padded"] > 0, f"rank {rank}: {r}"
+        bad = {k: e for k, e in r["param_errs"].items() if e > 0}
+        assert not bad, f"rank {rank}: parameters outside rtol/atol: {bad}"
 
 
 def test_real_ranks_branches_take_one_devices_path(ranks):
