@@ -229,6 +229,34 @@ def test_a_size_not_affine_in_the_length_keeps_a_program_per_shape():
     assert_parameters_equal(prog, ref.m, what="after 6 lengths")
 
 
+class _ScaledByLength(torch.nn.Module):
+    """Creates a tensor from the length inside the step: a constant of each capture that differs between lengths."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return (self.fc(x).sum(1) * torch.tensor(1.0 / x.shape[1])).pow(2).mean()
+
+
+def test_a_constant_made_from_the_length_keeps_a_program_per_shape():
+    """torch.tensor(1 / T) is a constant of each capture, fed to the program at every call: the programs are not
+    one program in T (an instance would feed the first length's 1 / T), so every length is partitioned."""
+    torch.manual_seed(0)
+    model = _ScaledByLength()
+    ref = Eager(model, lambda m, x: m(x))
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")],
+                        example_inputs=(torch.randn(4, 4, 8),), loss_fn=lambda m, x: m(x), optimizer=_sgd(model))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for i, n in enumerate([4, 6, 8, 5, 7, 9]):
+            _both(prog, ref, (torch.randn(4, n, 8, generator=torch.Generator().manual_seed(i)),), f"T = {n}")
+    fail = _said(record, "stay a program per shape")
+    assert len(fail) == 1 and "the constant" in fail[0], fail
+    assert all(r.instance_of is None for r in prog.shapes())
+
+
 # -- 2. one owner of the weights -------------------------------------------------------------------------------------
 def _mlp_prog(model, spec):
     return pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],

@@ -25,6 +25,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from ..errors import user_stacklevel, warn
 from ..lower.template import DimTemplate
 
@@ -107,7 +109,9 @@ class SymbolicDims:
         if len({p for p, _ in fam.points}) < 3:
             return
         t0 = time.perf_counter()
-        fitted = DimTemplate.fit([(p, e.plan.lowered()) for p, e in fam.points[-3:]])
+        last = fam.points[-3:]
+        fitted = _differing_constant([e.plan.captured.consts for _, e in last]) or \
+            DimTemplate.fit([(p, e.plan.lowered()) for p, e in last])
         if isinstance(fitted, str):
             fam.tries += 1
             if fam.tries >= _MAX_TRIES:
@@ -140,6 +144,17 @@ class SymbolicDims:
         if key not in fam.said:
             fam.said.add(key)
             warn(text, stacklevel=user_stacklevel())
+
+
+def _differing_constant(consts: list) -> str:
+    """Why the programs are not one program in s when a tensor the step creates (a constant of the capture, fed to
+    every call: `torch.tensor(1 / T)`) differs between them, else ""."""
+    for name, v in consts[0].items():
+        for c in consts[1:]:
+            w = c.get(name)
+            if w is None or w.shape != v.shape or w.dtype != v.dtype or not torch.equal(w, v):
+                return f"the constant {name}, which the step creates, differs between the lengths"
+    return ""
 
 
 def s_of(sig: tuple, where: tuple) -> int:
