@@ -69,7 +69,8 @@ OVERRIDES: dict = {
     "efficientnet": {"hidden_dim": 2560},                    # the head width is round_filters(1280) at width 2.0
     "bit": {"num_groups": 4},                                # group norm over 8-channel stages
     "mobilevitv2": {"image_size": 64},                       # 32 x 32 pools down to nothing
-    "dory": {"n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},   # must sum to the layers
+    "dory": {"n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1, "num_hidden_layers": 3,
+             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},   # must sum to the layers
     "xmod": {"default_language": "en_XX"},                   # the stock config names no default adapter
     # hybrids whose first two layers would all be recurrent (no attention layer: the default cache then fails)
     "bamba": {"attn_layer_indices": [1]},

@@ -13,6 +13,7 @@ from benchmarks import hf_coverage as H
 # (mapping, model type): architectures the sweep lists as passing, a few of each mapping, chosen fast
 HF_SAMPLE = [
     ("causal", "gpt2"), ("causal", "llama"), ("causal", "apertus"), ("causal", "arcee"),
+    ("causal", "codegen"),    # q|v|k fused per group: Megatron keeps whole groups, no reshard at the view
     ("masked", "bert"), ("masked", "distilbert"), ("masked", "camembert"),
     ("seq2seq", "t5"), ("seq2seq", "blenderbot-small"),
     ("image", "vit"), ("image", "deit"), ("image", "convnext"),
@@ -32,6 +33,18 @@ def test_hf_stock_call_matches_single_device(mapping, arch):
     check(row)
     if mapping != "image":      # every text sample has linear pairs: Megatron applied, no fallback
         assert row["sched"] == "BP+MP+Z3", row
+    if mapping == "causal":     # issue 20: no layout change that no tactic asked for
+        assert row["reshard_bytes"] == 0, row
+
+
+def test_a_looped_model_whose_sections_sum_to_its_layers_matches_single_device():
+    """Dory: input, recurrent (run twice) and output sections; the tiny config's sections must sum to its layers
+    (OVERRIDES), else a layer runs in two sections and its cache doubles the keys (a trace error, while eager
+    ran with no mask)."""
+    pytest.importorskip("transformers")
+    cfg = H.tiny_config("dory", H.model_class("causal", "dory")[1], "causal")
+    assert cfg.n_input_layers + cfg.n_recurrent_layers + cfg.n_output_layers == cfg.num_hidden_layers
+    check(H.run_hf("causal", "dory"))      # no linear pair Megatron recognises here: BP+Z3
 
 
 @pytest.mark.parametrize("family", TIMM_SAMPLE)
