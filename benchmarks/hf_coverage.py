@@ -26,6 +26,7 @@ and records a timeout. Rows are appended to a JSON-lines file as they finish (a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import inspect
 import json
@@ -624,11 +625,33 @@ F64_TOL = 1e-9
 
 def _float64_verdict(model, batch, loss_fn, row: dict) -> dict:
     try:
-        return _float64_check(model, batch, loss_fn, row)
+        with _grouped_mm_fallback_in_float64():
+            return _float64_check(model, batch, loss_fn, row)
     except Alarm:
         raise
     except Exception as e:       # the model does not run in float64 (a kernel without a double version): fp32 only
         return {"fp64": f"not run: {first_line(e)[:120]}"}
+
+
+@contextlib.contextmanager
+def _grouped_mm_fallback_in_float64():
+    """torch's grouped matmul has no float64 kernel ("Expected mat_a to be Float32, BFloat16 or Float16"), and
+    transformers' grouped-mm experts call it whatever the dtype: in float64 they take transformers' own fallback
+    (`transformers::grouped_mm_fallback`, one matmul per expert), on one device and in the partitioned program
+    alike (partir_torch's experts op runs transformers' function). fp32 rows are untouched."""
+    import torch
+
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        yield
+        return
+    usable = moe._can_use_grouped_mm
+    moe._can_use_grouped_mm = lambda input, weight, offs: weight.dtype != torch.float64 and usable(input, weight, offs)
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = usable
 
 
 def _float64_check(model, batch, loss_fn, row: dict) -> dict:

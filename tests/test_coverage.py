@@ -47,6 +47,26 @@ def test_a_looped_model_whose_sections_sum_to_its_layers_matches_single_device()
     check(H.run_hf("causal", "dory"))      # no linear pair Megatron recognises here: BP+Z3
 
 
+def test_float64_check_runs_grouped_mm_experts():
+    """torch's grouped matmul has no float64 kernel: the float64 check runs transformers' grouped-mm experts (the
+    default of Mixtral, Qwen3-MoE, ...) through transformers' own fallback, eagerly and partitioned, so a MoE row
+    that mismatches in fp32 gets a float64 verdict instead of "not run"."""
+    pytest.importorskip("transformers")
+    import torch
+
+    cls = H.model_class("causal", "mixtral")[1]
+    model = cls(H.tiny_config("mixtral", cls, "causal")).double().train()
+    batch = H.make_batch(model, model.config, "causal")
+    with pytest.raises(Exception, match="Float32"):
+        H.hf_loss(model, batch)
+    with H._grouped_mm_fallback_in_float64():
+        assert H.hf_loss(model, batch).dtype in (torch.float32, torch.float64)
+    torch.manual_seed(0)
+    model = cls(H.tiny_config("mixtral", cls, "causal")).float().train()
+    row = {"sched": "BP+MP+Z3", "first_loss_err": 0.0}
+    verdict = H._float64_verdict(model, batch, H.hf_loss, row)
+    assert "fp64" not in verdict and verdict["match"], verdict
+
 @pytest.mark.parametrize("family", TIMM_SAMPLE)
 def test_timm_family_matches_single_device(family):
     pytest.importorskip("timm")
