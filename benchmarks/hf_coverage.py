@@ -630,6 +630,11 @@ def _float64_verdict(model, batch, loss_fn, row: dict) -> dict:
     except Alarm:
         raise
     except Exception as e:       # the model does not run in float64 (a kernel without a double version): fp32 only
+        cause = e
+        while cause is not None and not isinstance(cause, Alarm):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:    # the alarm went off inside partir_torch's program, which reported it as its error
+            raise cause
         return {"fp64": f"not run: {first_line(e)[:120]}"}
 
 

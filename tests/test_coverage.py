@@ -67,6 +67,21 @@ def test_float64_check_runs_grouped_mm_experts():
     verdict = H._float64_verdict(model, batch, H.hf_loss, row)
     assert "fp64" not in verdict and verdict["match"], verdict
 
+def test_an_alarm_inside_the_float64_program_is_the_rows_timeout(monkeypatch):
+    """partir_torch reports an exception raised while its program runs as an InternalError caused by it: the
+    sweep's alarm going off in the float64 check is the row's timeout, not "float64 not run" (a mismatch)."""
+    from partir_torch.errors import InternalError
+
+    def runs_out_of_time(*args):
+        try:
+            raise H.Alarm("timeout after 240 s")
+        except H.Alarm as e:
+            raise InternalError("partir_torch: internal error while running %convolution: Alarm") from e
+
+    monkeypatch.setattr(H, "_float64_check", runs_out_of_time)
+    with pytest.raises(H.Alarm):
+        H._float64_verdict(None, {}, None, {})
+
 @pytest.mark.parametrize("family", TIMM_SAMPLE)
 def test_timm_family_matches_single_device(family):
     pytest.importorskip("timm")
