@@ -82,6 +82,14 @@ def test_an_alarm_inside_the_float64_program_is_the_rows_timeout(monkeypatch):
     with pytest.raises(H.Alarm):
         H._float64_verdict(None, {}, None, {})
 
+def test_linear_pairs_the_axis_cannot_tile_fall_back_to_bp_z3():
+    """SegFormer's tiny config has one attention head per stage: Megatron finds its pairs but tp=2 divides none
+    and says so; the row falls back to BP+Z3, as where it finds no pair, and matches one device."""
+    pytest.importorskip("transformers")
+    row = H.run_hf("image", "segformer")
+    check(row)
+    assert row["sched"] == "BP+Z3" and row["megatron"] == "no structure", row
+
 @pytest.mark.parametrize("family", TIMM_SAMPLE)
 def test_timm_family_matches_single_device(family):
     pytest.importorskip("timm")
