@@ -13,6 +13,7 @@ from benchmarks import hf_coverage as H
 # (mapping, model type): architectures the sweep lists as passing, a few of each mapping, chosen fast
 HF_SAMPLE = [
     ("causal", "gpt2"), ("causal", "llama"), ("causal", "apertus"), ("causal", "arcee"),
+    ("causal", "codegen"),    # q|v|k fused per group: Megatron keeps whole groups, no reshard at the view
     ("masked", "bert"), ("masked", "distilbert"), ("masked", "camembert"),
     ("seq2seq", "t5"), ("seq2seq", "blenderbot-small"),
     ("image", "vit"), ("image", "deit"), ("image", "convnext"),
@@ -32,7 +33,62 @@ def test_hf_stock_call_matches_single_device(mapping, arch):
     check(row)
     if mapping != "image":      # every text sample has linear pairs: Megatron applied, no fallback
         assert row["sched"] == "BP+MP+Z3", row
+    if mapping == "causal":     # issue 20: no layout change that no tactic asked for
+        assert row["reshard_bytes"] == 0, row
 
+
+def test_a_looped_model_whose_sections_sum_to_its_layers_matches_single_device():
+    """Dory: input, recurrent (run twice) and output sections; the tiny config's sections must sum to its layers
+    (OVERRIDES), else a layer runs in two sections and its cache doubles the keys (a trace error, while eager
+    ran with no mask)."""
+    pytest.importorskip("transformers")
+    cfg = H.tiny_config("dory", H.model_class("causal", "dory")[1], "causal")
+    assert cfg.n_input_layers + cfg.n_recurrent_layers + cfg.n_output_layers == cfg.num_hidden_layers
+    check(H.run_hf("causal", "dory"))      # no linear pair Megatron recognises here: BP+Z3
+
+
+def test_float64_check_runs_grouped_mm_experts():
+    """torch's grouped matmul has no float64 kernel: the float64 check runs transformers' grouped-mm experts (the
+    default of Mixtral, Qwen3-MoE, ...) through transformers' own fallback, eagerly and partitioned, so a MoE row
+    that mismatches in fp32 gets a float64 verdict instead of "not run"."""
+    pytest.importorskip("transformers")
+    import torch
+
+    cls = H.model_class("causal", "mixtral")[1]
+    model = cls(H.tiny_config("mixtral", cls, "causal")).double().train()
+    batch = H.make_batch(model, model.config, "causal")
+    with pytest.raises(Exception, match="Float32"):
+        H.hf_loss(model, batch)
+    with H._grouped_mm_fallback_in_float64():
+        assert H.hf_loss(model, batch).dtype in (torch.float32, torch.float64)
+    torch.manual_seed(0)
+    model = cls(H.tiny_config("mixtral", cls, "causal")).float().train()
+    row = {"sched": "BP+MP+Z3", "first_loss_err": 0.0}
+    verdict = H._float64_verdict(model, batch, H.hf_loss, row)
+    assert "fp64" not in verdict and verdict["match"], verdict
+
+def test_an_alarm_inside_the_float64_program_is_the_rows_timeout(monkeypatch):
+    """partir_torch reports an exception raised while its program runs as an InternalError caused by it: the
+    sweep's alarm going off in the float64 check is the row's timeout, not "float64 not run" (a mismatch)."""
+    from partir_torch.errors import InternalError
+
+    def runs_out_of_time(*args):
+        try:
+            raise H.Alarm("timeout after 240 s")
+        except H.Alarm as e:
+            raise InternalError("partir_torch: internal error while running %convolution: Alarm") from e
+
+    monkeypatch.setattr(H, "_float64_check", runs_out_of_time)
+    with pytest.raises(H.Alarm):
+        H._float64_verdict(None, {}, None, {})
+
+def test_linear_pairs_the_axis_cannot_tile_fall_back_to_bp_z3():
+    """SegFormer's tiny config has one attention head per stage: Megatron finds its pairs but tp=2 divides none
+    and says so; the row falls back to BP+Z3, as where it finds no pair, and matches one device."""
+    pytest.importorskip("transformers")
+    row = H.run_hf("image", "segformer")
+    check(row)
+    assert row["sched"] == "BP+Z3" and row["megatron"] == "no structure", row
 
 @pytest.mark.parametrize("family", TIMM_SAMPLE)
 def test_timm_family_matches_single_device(family):

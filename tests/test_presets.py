@@ -280,3 +280,44 @@ def test_strategies_example_moe_ep_runs_and_matches_single_device():
     for got, want in pairs:
         assert float(got) == pytest.approx(float(want), abs=2e-6)
     assert "all_to_all[data] +8" in out
+
+
+class _GroupedQKV(torch.nn.Module):
+    """CodeGen's attention: one fused projection whose features are `groups` groups of (q | v | k), viewed as
+    (..., groups, 3 * local) and split on that minor dim; the heads of a group are that group's q, k, v."""
+
+    def __init__(self, dim=32, heads=4, groups=4, vocab=64):
+        super().__init__()
+        self.heads, self.groups = heads, groups
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.out = torch.nn.Linear(dim, dim, bias=False)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        b, s, d = x.shape
+        local = d // self.groups
+        q, v, k = self.qkv(x).view(b, s, -1, 3 * local).split(local, dim=-1)
+        q, k, v = (t.reshape(b, s, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.head(x + self.out(a.transpose(1, 2).reshape(b, s, d)))
+
+
+def _lm_loss(m, ids):
+    return torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.flatten())
+
+
+def test_megatron_tiles_a_projection_fused_by_groups_without_resharding():
+    # the split is on the minor dim of (groups, q|v|k): the tiled features are whole groups (heads), not the
+    # q / v / k chunks of the whole feature dim (that strided layout is resharded back at the view)
+    torch.manual_seed(0)
+    model = _GroupedQKV()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (4, 8))
+    prog = pt.partition(model, pt.Mesh({"model": 2}), [T.megatron("model")], example_inputs=(ids,),
+                        loss_fn=_lm_loss, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    train_next_to_eager(prog, ref, [(ids,)] * STEPS, _lm_loss, adamw(), param_atol=1e-5, what="grouped qkv")
+    assert prog.sharding("params.qkv.weight").dims[0] == ("model",)
+    assert prog.sharding("params.qkv.weight").stride("model") == 1       # contiguous: whole groups per rank
+    assert [r for r in prog.collectives() if r.why == "reshard"] == []

@@ -374,6 +374,51 @@ def test_advanced_indexing_rule():
     assert not report.wrong and not report.missing and not report.errors, str(report)
 
 
+def test_boolean_mask_put_rule_is_elementwise_and_keeps_the_batch_split():
+    """x[mask] = v with a mask over x's leading dims and one value (Gemma 3's `ids[ids == image_token_id] = 0`):
+    every dim is PASS (the verifier runs it per rank on tiles of x and mask); under data parallelism the ids stay
+    tiled on the batch (no all_gather), and training equals one device."""
+    import copy
+
+    import partir_torch as pt
+    from partir_torch import tactics as T
+    from tests.harness import adamw, train_next_to_eager
+
+    def f(a, m, n):
+        return (a.index_put((m,), torch.tensor(0.5)), a.index_put((n,), torch.ones(1)),
+                a.index_put((m,), torch.tensor(2.0), accumulate=True))
+
+    a = torch.randn(4, 6, 3)
+    gm = _trace(f, a, a > 0, a[..., 0] > 0)
+    report = verify_graph(gm)
+    assert "aten.index_put.default" in report.ops
+    assert not report.wrong and not report.missing and not report.errors, str(report)
+    puts = [n for n in gm.graph.nodes if n.target is aten.index_put.default]
+    assert default_registry().build(puts[0]) is not None and default_registry().build(puts[1]) is not None
+
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
+
+        def forward(self, ids):
+            ids = ids.clone()
+            ids[ids == 15] = 0              # a special token read as padding
+            return self.head(self.emb(ids))
+
+    def loss_fn(m, ids):
+        return torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.flatten() % 15)
+
+    torch.manual_seed(0)
+    model = Masked()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 16, (8, 5))
+    ids[0, 0] = 15
+    prog = pt.partition(model, pt.Mesh({"b": 2}), [T.data_parallel("b")], example_inputs=(ids,),
+                        loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert [r for r in prog.collectives() if r.why == "reshard"] == []
+    train_next_to_eager(prog, ref, [(ids,)] * 2, loss_fn, adamw(), what="masked put")
+
 # ---- (2) the verifier fails on wrong rules ---------------------------------------------------------------------
 def _mm_with_k_pass(ctx):
     """mm with its contracted k marked PASS (wrong: each rank holds a partial sum, not the whole result)."""

@@ -1,6 +1,8 @@
 """Indexing: the indexed dim of the source stays whole; dims of the index tensor are PASS."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .factors import ALL_OPS, NEED_REP, REDUCE, RuleBuilder
@@ -66,6 +68,21 @@ def index_tensor(ctx):
     return b.rule([xs] + ins, [out], [({0}, ALL_OPS)])
 
 
+def _masked_put(ctx):
+    """x[mask] = v (or += v) with one boolean mask over x's leading dims and one value (x.masked_fill(mask, v), as
+    `ids[ids == image_token_id] = 0` writes it): elementwise, every dim PASS, the mask's dims x's; None otherwise."""
+    indices = ctx.arg(1, "indices")
+    if len(indices) != 1 or not isinstance(indices[0], torch.fx.Node) \
+            or indices[0].meta["val"].dtype not in (torch.bool, torch.uint8):
+        return None
+    x, m, v = ctx.in_shapes[0], ctx.in_shapes[1], ctx.in_shapes[2]
+    if tuple(m) != tuple(x[:len(m)]) or math.prod(v) != 1 or tuple(ctx.out_shapes[0]) != tuple(x):
+        return None
+    b = RuleBuilder()
+    xs = b.dims(x)
+    return b.rule([xs, xs[:len(m)], [()] * len(v)], [xs])
+
+
 def index_put(ctx):
     """x[i0, i1, ...] = v (or += v with accumulate=True), shaped like x: x's indexed dims stay whole, and so do the
     positions (the indices' broadcast dims, in v too) unless they are accumulated into zeros (REDUCE); x's other
@@ -80,7 +97,9 @@ def index_put(ctx):
     acc = ctx.arg(3, "accumulate", False)
     positions = REDUCE if acc and structural_zero(ctx.arg(0, "self")) else NEED_REP
     got = _advanced(ctx, x, indices, ctx.in_shapes[1:1 + n_idx], b, positions=positions)
-    if got is None or len(v) != len(got[2]) or tuple(ctx.out_shapes[0]) != tuple(x):
+    if got is None:
+        return _masked_put(ctx)
+    if len(v) != len(got[2]) or tuple(ctx.out_shapes[0]) != tuple(x):
         return None
     xs, ins, out = got
     vs = [fs if n > 1 else () for fs, n in zip(out, v)]

@@ -89,7 +89,8 @@ _MOVES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.tran
 def _fused_chunks(node) -> int:
     """Number of equal chunks a linear's output is split into along its features (3 for a fused q/k/v), else 1:
     split into equal parts (HF GPT-2's c_attn), or reshaped to (..., c, F/c) and taken apart by select / unbind
-    on the c dim (nn.MultiheadAttention's packed in_proj)."""
+    on the c dim (nn.MultiheadAttention's packed in_proj). A split of a minor part the features were reshaped into
+    (CodeGen's (groups, q|v|k)) is not a split of the features: contiguous tiles keep whole groups."""
     x, feats = node, node.meta["val"].shape[-1]
     for _ in range(6):
         users = list(x.users)
@@ -97,6 +98,10 @@ def _fused_chunks(node) -> int:
             return 1
         u = users[0]
         if u.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            shape = x.meta["val"].shape
+            dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
+            if not len(shape) or dim % len(shape) != len(shape) - 1 or shape[-1] != feats:
+                return 1
             outs = [o for o in u.meta["val"]]
             return len(outs) if len({tuple(o.shape) for o in outs}) == 1 else 1
         if u.target in _RESHAPES:
