@@ -211,11 +211,10 @@ class _Pairwise(torch.nn.Module):
         return (a.reshape(a.shape[0], -1).tanh() ** 2).mean()
 
 
-def test_a_size_not_affine_in_the_length_keeps_a_program_per_shape():
-    """T*T fits no line through three lengths: the family keeps a program per shape (said once, naming the op),
-    and every step equals eager."""
+def _lengths_without_a_template(model) -> list:
+    """Train `model` (inputs (4, T, 8)) under data parallel at six lengths next to eager; every length must be
+    partitioned (no instance). Returns the "stay a program per shape" warnings."""
     torch.manual_seed(0)
-    model = _Pairwise()
     ref = Eager(model, lambda m, x: m(x))
     prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")],
                         example_inputs=(torch.randn(4, 4, 8),), loss_fn=lambda m, x: m(x), optimizer=_sgd(model))
@@ -223,10 +222,16 @@ def test_a_size_not_affine_in_the_length_keeps_a_program_per_shape():
         warnings.simplefilter("always")
         for i, n in enumerate([4, 6, 8, 5, 7, 9]):
             _both(prog, ref, (torch.randn(4, n, 8, generator=torch.Generator().manual_seed(i)),), f"T = {n}")
-    fail = _said(record, "stay a program per shape")
-    assert len(fail) == 1 and "not affine in s" in fail[0] and "reshape" in fail[0], fail
     assert all(r.instance_of is None for r in prog.shapes())
     assert_parameters_equal(prog, ref.m, what="after 6 lengths")
+    return _said(record, "stay a program per shape")
+
+
+def test_a_size_not_affine_in_the_length_keeps_a_program_per_shape():
+    """T*T fits no line through three lengths: the family keeps a program per shape (said once, naming the op),
+    and every step equals eager."""
+    fail = _lengths_without_a_template(_Pairwise())
+    assert len(fail) == 1 and "not affine in s" in fail[0] and "reshape" in fail[0], fail
 
 
 class _ScaledByLength(torch.nn.Module):
@@ -243,18 +248,8 @@ class _ScaledByLength(torch.nn.Module):
 def test_a_constant_made_from_the_length_keeps_a_program_per_shape():
     """torch.tensor(1 / T) is a constant of each capture, fed to the program at every call: the programs are not
     one program in T (an instance would feed the first length's 1 / T), so every length is partitioned."""
-    torch.manual_seed(0)
-    model = _ScaledByLength()
-    ref = Eager(model, lambda m, x: m(x))
-    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")],
-                        example_inputs=(torch.randn(4, 4, 8),), loss_fn=lambda m, x: m(x), optimizer=_sgd(model))
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        for i, n in enumerate([4, 6, 8, 5, 7, 9]):
-            _both(prog, ref, (torch.randn(4, n, 8, generator=torch.Generator().manual_seed(i)),), f"T = {n}")
-    fail = _said(record, "stay a program per shape")
+    fail = _lengths_without_a_template(_ScaledByLength())
     assert len(fail) == 1 and "the constant" in fail[0], fail
-    assert all(r.instance_of is None for r in prog.shapes())
 
 
 # -- 2. one owner of the weights -------------------------------------------------------------------------------------
