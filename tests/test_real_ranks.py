@@ -175,6 +175,12 @@ def _phase_branches(mesh) -> dict:
     prog = pt.partition(model, mesh, [pt.tactics.data_parallel("batch"), pt.tactics.megatron("model")],
                         example_inputs=batches[0], loss_fn=lambda m, x, k: m(x, k),
                         optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    return {**_next_to_eager(prog, ref, opt, batches), "paths": len(prog.shapes())}
+
+
+def _next_to_eager(prog, ref, opt, batches) -> dict:
+    """Train `prog` and the eager `ref` (optimizer `opt`) on `batches`, each step seeded alike on both sides:
+    {"losses": [(partitioned, eager)], "param_errs": {name: how far outside rtol/atol}}."""
     losses = []
     for i, b in enumerate(batches):
         torch.manual_seed(100 + i)
@@ -186,7 +192,7 @@ def _phase_branches(mesh) -> dict:
         opt.step()
         losses.append((got, want.item()))
     gathered = prog.gather_parameters()
-    return {"losses": losses, "paths": len(prog.shapes()),
+    return {"losses": losses,
             "param_errs": {k: _max_err(gathered[k], p.detach()) for k, p in ref.named_parameters()}}
 
 
@@ -207,17 +213,8 @@ def _phase_counts(mesh) -> dict:
     prog = pt.partition(model, mesh, [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")],
                         example_inputs=batches[0], loss_fn=lambda m, x, y, k: m(x, y, k),
                         optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
-    losses = []
-    for b in batches:
-        got = prog.train_step(*b).item()
-        opt.zero_grad()
-        want = ref(*b)
-        want.backward()
-        opt.step()
-        losses.append((got, want.item()))
-    gathered = prog.gather_parameters()
-    return {"losses": losses, "programs": len(prog.shapes()), "padded": len(prog.captured.padded),
-            "param_errs": {k: _max_err(gathered[k], p.detach()) for k, p in ref.named_parameters()}}
+    return {**_next_to_eager(prog, ref, opt, batches), "programs": len(prog.shapes()),
+            "padded": len(prog.captured.padded)}
 
 
 def _phase_memory(spec, batch, rank) -> dict:
