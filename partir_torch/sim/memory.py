@@ -126,7 +126,8 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
         if node.op == "placeholder":
             last[s] = end
 
-    curve = _sweep(nodes, elems, size, born, last)
+    temps = {i: t for i, node in enumerate(nodes) if node.op == "call_function" and (t := _transient(node, elems))}
+    curve = _sweep(nodes, temps, size, born, last)
     peak = max(curve, default=0)
     at = curve.index(peak) if curve else 0
     category = _categorize(nodes, inputs, sid_of, born, last, owner)
@@ -135,10 +136,8 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
         if born[s] <= at <= last[s]:
             breakdown[category[s]] += size[s]
     names = {owner[s].name: category[s] for s in range(len(size))}
-    for i, node in enumerate(nodes):            # a node's own temporaries: allocated and freed at it
-        t = _transient(node, elems) if node.op == "call_function" else 0
-        if t:
-            new(node, t, i)
+    for i, t in temps.items():                  # a node's own temporaries: allocated and freed at it
+        new(nodes[i], t, i)
     persistent = [s for s, node in enumerate(owner) if node.op == "placeholder"]
     # eager torch.optim creates its state in the first step's update, among the activations' freed blocks
     lazy = {s: first[s] for s in persistent if s in first and owner[s].meta.get(META_ROLE) == Role.OPT_STATE}
@@ -171,15 +170,14 @@ def _storages(node, cls, info, sid_of, donated, elems, new) -> list:
     return [new(b) for b in elems[node]]
 
 
-def _sweep(nodes, elems, size, born, last) -> list:
-    """Live bytes at each node: a sweep over allocation/free events, plus each node's own temporaries there."""
+def _sweep(nodes, temps, size, born, last) -> list:
+    """Live bytes at each node: a sweep over allocation/free events, plus each node's own temporaries there
+    (temps: node index -> bytes)."""
     end = len(nodes)
     delta = [0] * (end + 2)
-    for i, node in enumerate(nodes):
-        t = _transient(node, elems) if node.op == "call_function" else 0
-        if t:
-            delta[i] += t
-            delta[i + 1] -= t
+    for i, t in temps.items():
+        delta[i] += t
+        delta[i + 1] -= t
     for s in range(len(size)):
         delta[born[s]] += size[s]
         delta[last[s] + 1] -= size[s]
