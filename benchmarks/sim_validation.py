@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import statistics
@@ -301,11 +302,13 @@ def main(argv=None):
     ap.add_argument("--breakdown", metavar="ROW", help="where one training row's time goes (a row name substring), "
                     "at the two shallow depths the row is extrapolated from, knobs fitted on the calibration half")
     ap.add_argument("--schedule", help="with --breakdown: the row run with another schedule of _schedule")
+    ap.add_argument("--options", help="with --breakdown: partition options as JSON, added to the row's "
+                                      "(e.g. '{\"async_tp\": true}')")
     ap.add_argument("--memory", action="store_true", help="only the rows that publish peak memory")
     args = ap.parse_args(argv)
     check()
     if args.breakdown:
-        breakdown(args.breakdown, args.schedule)
+        breakdown(args.breakdown, args.schedule, json.loads(args.options) if args.options else None)
         return
     if args.memory:
         memory_table([r for r in ROWS if r.mem_gib])
@@ -360,7 +363,7 @@ def main(argv=None):
     print(f"\n{time.process_time() - t0:.0f} s CPU")
 
 
-def breakdown(name: str, schedule: str | None = None) -> None:
+def breakdown(name: str, schedule: str | None = None, options: dict | None = None) -> None:
     """Print, at each shallow depth of a training row, the simulated step, compute and exposed communication, and
     per collective kind and axis its count, bytes, time and exposed time (knobs fitted on the calibration half)."""
     from partir_torch.sim import simulate_graph
@@ -368,6 +371,7 @@ def breakdown(name: str, schedule: str | None = None) -> None:
 
     ref = next(r for r in ROWS if r.kind == "training" and name in r.name)
     setup = {**ref.setup, **({"schedule": schedule} if schedule else {})}
+    setup["options"] = {**setup.get("options", {}), **(options or {})}
     hw = _hw(setup, fit([r for r in ROWS if SPLIT[r.family] == "cal"], {}, passes=1))   # the table's fit
     print(f"{ref.name}, schedule {setup['schedule']}, {setup.get('options', {})}")
     for L in _depths(setup):

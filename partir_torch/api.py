@@ -17,7 +17,7 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
               simulate=None, timeout_s: float = Options.timeout_s, bucket_bytes: int = Options.bucket_bytes,
               clip_grad_norm=None,
               accumulate: int = 1, accumulate_dims: dict | None = None, compile: bool = False,
-              prefetch: int = 1, reduce_in_flight: int = 1, tp_chunks: int = 0,
+              prefetch: int = 1, reduce_in_flight: int = 1, tp_chunks: int = 0, async_tp: bool = False,
               measure_memory: bool = False, max_shapes: int = Options.max_shapes,
               memory_budget: float | None = None, strict: bool = False) -> Program:
     """Trace `model`'s step and partition it over `mesh` with the tactics of `schedule`, in order.
@@ -44,6 +44,9 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     input freed) before the next past the bound is issued (0: no bound). See lower/schedule.py.
     tp_chunks: Megatron's all_reduce after a row-parallel matmul split into this many row chunks, each reduced while
     the next chunk's matmul runs (0: off). See lower/overlap.py.
+    async_tp: sequence parallelism's all_gather -> matmul and matmul -> reduce_scatter decomposed into ring steps
+    (point-to-point transfers), each in flight while the matmul of the chunk at hand runs: torchtitan's async TP,
+    as functional collectives on any backend. Same bytes, same values up to the order of sums. See lower/ring.py.
     memory_budget: bytes per device the program's peak must fit: fewer prefetched gathers, then one reduction in
     flight, are tried until it does (a warning when none fits). See plan.py.
     measure_memory: every step measures each rank's peak of live tensor bytes; prog.peak_memory() returns the last
@@ -75,9 +78,9 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
                              f"{accumulate!r}.")
     if accumulate > 1 and loss_fn is None:
         raise PartitionError("partition: accumulate sums the gradients of micro-batches; pass loss_fn=.")
-    _check_pipeline(tactics, loss_fn, compile, measure_memory)
+    _check_pipeline(tactics, loss_fn, compile, measure_memory, async_tp)
     options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile, prefetch=prefetch,
-                      reduce_in_flight=reduce_in_flight, tp_chunks=tp_chunks, measure_memory=measure_memory,
+                      reduce_in_flight=reduce_in_flight, tp_chunks=tp_chunks, async_tp=async_tp, measure_memory=measure_memory,
                       max_shapes=max_shapes, memory_budget=memory_budget, strict=strict)
     check_free(model)
     t0 = time.perf_counter()
@@ -91,7 +94,7 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     return prog
 
 
-def _check_pipeline(tactics, loss_fn, compile: bool, measure_memory: bool) -> None:
+def _check_pipeline(tactics, loss_fn, compile: bool, measure_memory: bool, async_tp: bool = False) -> None:
     """What a pipeline tactic (tactics/pipeline.py) does not run with yet: each named, with the fix."""
     pipe = [t for t in tactics if getattr(t, "family", None) == "pipeline"]
     if not pipe:
@@ -103,6 +106,9 @@ def _check_pipeline(tactics, loss_fn, compile: bool, measure_memory: bool) -> No
     if compile:
         raise PartitionError(f"partition: compile=True with a pipeline tactic ({name}) is not supported yet; leave "
                              f"compile=False.")
+    if async_tp:
+        raise PartitionError(f"partition: async_tp=True with a pipeline tactic ({name}) is not supported yet (its ring "
+                             f"steps are not cut into stages); leave async_tp=False.")
     if measure_memory:
         raise PartitionError(f"partition: measure_memory=True with a pipeline tactic ({name}) is not supported yet; "
                              f"prog.simulate(hw).pipeline.peak_bytes predicts each stage's peak.")

@@ -24,7 +24,9 @@ class Options:
     this many gradient reductions per axis are in flight, each waited for before the next one past the bound is
     issued, which frees its unsharded input (0: no bound, each waited for where the update reads it); tp_chunks: a
     tensor-parallel all_reduce of a matmul's result (Megatron's row-parallel linears) is split into this many row
-    chunks, each reduced while the next chunk's matmul runs (lower/overlap.py; 0 or 1: off); memory_budget: bytes
+    chunks, each reduced while the next chunk's matmul runs (lower/overlap.py; 0 or 1: off); async_tp: sequence
+    parallelism's all_gather -> matmul and matmul -> reduce_scatter run as rings of point-to-point steps, each in
+    flight while the matmul of the chunk at hand runs (lower/ring.py); memory_budget: bytes
     per device the program's peak (its liveness, what prog.peak_memory() measures) must fit: fewer gathers in flight,
     then one reduction in flight, are tried until it does (plan.py; None: the options as given).
 
@@ -38,6 +40,7 @@ class Options:
     prefetch: int = 1
     reduce_in_flight: int = 1
     tp_chunks: int = 0
+    async_tp: bool = False
     measure_memory: bool = False
     max_shapes: int = 8
     memory_budget: float | None = None
@@ -53,6 +56,8 @@ class Options:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise PartitionError(f"partition: {name} must be an int >= 0, got {v!r}.")
+        if not isinstance(self.async_tp, bool):
+            raise PartitionError(f"partition: async_tp must be True or False, got {self.async_tp!r}.")
         if not isinstance(self.strict, bool):
             raise PartitionError(f"partition: strict must be True or False, got {self.strict!r}.")
         if not isinstance(self.measure_memory, bool):

@@ -45,6 +45,15 @@ class _MetaProp(fx.Interpreter):
         return out
 
 
+def annotate_graph(graph: fx.Graph, args: list) -> None:
+    """meta["val"] on every node of a per-device graph being built (lower/ring.py reads the shapes), from meta
+    tensors for its placeholders."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    with torch.no_grad():
+        _MetaProp(_LazyGraphModule(torch.nn.Module(), graph)).run(*args)
+
+
 def annotate_local_vals(lowered, captured) -> None:
     """Give every node of lowered.gm a meta-device tensor in meta["val"] with its local shape (no memory)."""
     gm = lowered.gm

@@ -29,6 +29,8 @@ from ..sharding import Sharding, chunk_size
 from . import indexed
 from .bucket import bucket_collectives
 from .overlap import chunk_tp
+from .fakeprop import annotate_graph
+from .ring import async_tp
 from .schedule import Scheduled, schedule
 from .fuse import fuse_optimizer
 from .reshard import Emitter, reshard
@@ -196,6 +198,9 @@ class Lowerer:
         cap = 0 if self.pipelined else self.options.bucket_bytes
         records = bucket_collectives(self.new, self.em.records, cap) if cap else self.em.records
         records = chunk_tp(self.new, records, self.options.tp_chunks)
+        if self.options.async_tp:
+            annotate_graph(self.new, self._meta_args())
+            records = async_tp(self.new, records, self.em.coords)
         scheduled = schedule(self.new, self.options.prefetch, self.options.reduce_in_flight)
         if not self.options.compile and not self.pipelined:   # eager: the optimizer update as fused kernels (Inductor fuses its own)
             fuse_optimizer(self.new, self.cap)
@@ -206,6 +211,15 @@ class Lowerer:
         in_layouts = [self.layout[self.g.vid[n]] if n in self.g.vid else None for n in self.placeholders]
         return Lowered(gm, records, in_layouts, self.out_layouts, list(self.mesh.axes),
                        [self.local_shape.get(n) for n in self.placeholders], scheduled=scheduled)
+
+    def _meta_args(self) -> list:
+        """Meta tensors with the local shapes of the program's placeholders (captured ones, then coordinates)."""
+        out = []
+        for n in self.placeholders:
+            val, shape = n.meta["val"], self.local_shape.get(n)
+            out.append(torch.empty(tuple(shape) if shape is not None else tuple(val.shape), dtype=val.dtype,
+                                   device="meta"))
+        return out + [torch.zeros((), dtype=torch.int64, device="meta") for _ in self.mesh.axes]
 
     # -- steps ---------------------------------------------------------------------------------------------------
     def _emit_placeholders(self, groups) -> dict:

@@ -8,7 +8,8 @@ ALL_REDUCE = "all_reduce"
 ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
 ALL_TO_ALL = "all_to_all"
-KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
+COLLECTIVE_PERMUTE = "collective_permute"     # one ring step of Options.async_tp (lower/ring.py): send and receive
+KINDS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, COLLECTIVE_PERMUTE)
 
 # Why a collective is in the program (CollectiveRecord.why), decided by lowering (lower/why.py) from the value it
 # moves and the op it serves, in this order:
@@ -48,7 +49,7 @@ class CollectiveRecord:
 
     nbytes is the size of the *full* (unsharded along this axis) array the collective produces or consumes, the
     nccl-tests convention: all_reduce of S bytes, all_gather whose output is S bytes, reduce_scatter whose input is
-    S bytes, all_to_all of S bytes per rank.
+    S bytes, all_to_all of S bytes per rank; a collective_permute (one ring step) sends S bytes from every rank.
     """
 
     kind: str          # one of KINDS

@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from ..contract import EXC_NODE, META_STAGE, RANDOM_OPS
 from ..lower.pipeline import PIPELINE_AXIS, pp_transfer
+from ..lower.ring import RING_SHIFT
 from ..mesh import Mesh
 from ..sharding import Sharding
 from .layout import assemble, shard_of
@@ -35,7 +36,7 @@ from .layout import assemble, shard_of
 c10d = torch.ops._c10d_functional
 WAIT = c10d.wait_tensor.default
 COLLECTIVES = {c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
-               c10d.all_to_all_single.default}
+               c10d.all_to_all_single.default, RING_SHIFT}
 
 
 class PerRank:
@@ -401,6 +402,9 @@ class InterpretedRuntime:
                 cat = torch.cat(vals, 0)
                 for r in grp:
                     out[r] = cat
+            elif t is RING_SHIFT:              # ring_shift(x, shift, group): each rank receives from `shift` before
+                for i, r in enumerate(grp):
+                    out[r] = vals[(i - node.args[1]) % len(grp)].clone()
             elif t is c10d.reduce_scatter_tensor.default:
                 parts = _reduce(vals, node.args[1]).chunk(len(grp), 0)
                 for i, r in enumerate(grp):

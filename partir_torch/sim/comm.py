@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..errors import PartitionError
-from ..lower.records import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, KINDS, REDUCE_SCATTER
+from ..lower.records import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, KINDS, REDUCE_SCATTER
 from .hardware import Hardware
 
 US = 1e-6
@@ -131,6 +131,11 @@ def _gpu_candidates(hw: Hardware, kind: str, S: float, n: int, nodes: int, per_n
     net = per_node * nic                                      # a node's NICs used by one group
     if n == 1:
         return [CommEstimate(0.0, "ring", "")]
+    if kind == COLLECTIVE_PERMUTE:
+        # One ring step: every rank sends S bytes to its neighbour (through its NIC where the ring leaves the node).
+        bw, hop = (nic, HOP_NET) if nodes > 1 else (intra, HOP_NVLINK)
+        return [CommEstimate(US * (BASE_LAT["ring"][p] + hop[p]) + S / (bw * PROTO_BW[p]), "direct", p)
+                for p in PROTOCOLS]
     if kind == ALL_TO_ALL:
         # Direct p2p: each rank sends (n-1)/n of its buffer; the off-node part goes through its own NIC.
         t_nv = (per_node - 1) / n * S / intra
@@ -257,6 +262,10 @@ def _tpu_estimate(hw: Hardware, kind: str, S: float, g: TorusGroup) -> CommEstim
         steps = 2 * (k - 1) if kind_ == ALL_REDUCE else k - 1
         return steps * hw.dcn_latency_s + _bus_factor(kind_, k) * V / (hw.dcn_bw * hw.dcn_efficiency)
 
+    if kind == COLLECTIVE_PERMUTE:   # one ring step: S bytes to the next chip, one link one way (DCN across slices)
+        t = (hw.dcn_latency_s + S / (hw.dcn_bw * hw.dcn_efficiency)) if k > 1 else \
+            hw.ici_base_latency_s + hw.ici_hop_latency_s + S / link
+        return CommEstimate(t, "torus" if k == 1 else "dcn", g.label())
     if kind == ALL_REDUCE:       # reduce-scatter on ICI, all-reduce of the shard over DCN, all-gather on ICI
         t = ici(ALL_REDUCE, S) + dcn(ALL_REDUCE, S / n)
     elif kind in (ALL_GATHER, REDUCE_SCATTER):

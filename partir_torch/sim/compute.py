@@ -84,6 +84,8 @@ def _classify(target) -> tuple:
         return FREE, None                                       # Python / SymInt arithmetic
     ns, name = target.namespace, target._schema.name
     base = name.split("::")[-1]
+    if ns == "partir" and base == "ring_shift":
+        return COLLECTIVE, "collective_permute"                # lower/ring.py: one ring step of async_tp
     if ns == "_c10d_functional":
         if base == "wait_tensor":
             return WAIT, None

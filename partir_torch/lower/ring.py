@@ -1,0 +1,291 @@
+"""Collective matmuls (Options.async_tp): sequence parallelism's all_gather -> matmul and matmul -> reduce_scatter
+decomposed into ring steps, each step's point-to-point transfer in flight while the matmul of the chunk at hand
+computes (Wang et al., ASPLOS 2023, "Overlap communication with dependent computation via decomposition";
+torchtitan's async TP, which Inductor lowers to symmetric-memory kernels on GPUs).
+
+all_gather -> matmul (a column-parallel linear's input; a row-parallel linear's output gradient): rank r of n
+
+    y = mm(all_gather(x), w)     ->   x_0 = x; for i < n: issue x_{i+1} = ring_shift(x_i)   (i < n - 1)
+                                                          y_i = mm(x_i, w)      (x_i: rank r - i's chunk)
+                                      y = the y_i at their ranks' rows; the gathered x, assembled the same way,
+                                      for the readers that are not such matmuls (the weight gradient)
+
+matmul -> reduce_scatter (a row-parallel linear's output; the sum of matmuls that is a column-parallel linear's
+input gradient):
+
+    z = reduce_scatter(mm(a, w))  ->  for i < n: q = r - 1 - i (mod n); p_i = mm(the rows of a in chunk q, w)
+                                                 acc = p_0, then wait(ring_shift(acc)) + p_i
+                                      z = acc (after n - 1 steps q = r: this rank's chunk, summed over the ring)
+
+The bytes are those of the collective ((n - 1) / n of the array per rank, in n - 1 transfers); only the first
+(all_gather) or last (reduce_scatter) chunk's matmul is not overlapped. The chunks are the collective's dim (the
+sequence), possibly strided in the matmul's rows (a (B, T) token grid with T tiled): rows are selected and placed
+with index_select at the rank's coordinate, so one program serves every rank. A sum is reassociated only across
+ranks (n = 2: the same additions), so the step computes what the collective did up to that order.
+
+`ring_shift(x, shift, group)` is the point-to-point primitive: every rank sends x to the rank `shift` further
+along the group's ring and receives from the one `shift` before; it is asynchronous like the functional
+collectives (its result is read through wait_tensor). The emulator (runtime/interpret.py) hands values over; the
+simulator (sim/comm.py) costs one link transfer per step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from ..contract import META_COLLECTIVE, META_IN_SHAPE, META_LOCAL_SHAPE
+from .order import reorder
+from .records import ALL_GATHER, COLLECTIVE_PERMUTE, REDUCE_SCATTER, TACTIC
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+WAIT = c10d.wait_tensor.default
+_MM = (aten.mm.default, aten.addmm.default)
+
+
+class _Works(torch._C._distributed_c10d.Work):
+    """The send and the receive of one ring step, waited for together by wait_tensor on the received value."""
+
+    def __init__(self, works):
+        super().__init__()
+        self.works = works
+
+    def wait(self, timeout=None):
+        for w in self.works:
+            w.wait()
+        return True
+
+
+@torch.library.custom_op("partir::ring_shift", mutates_args=())
+def ring_shift(x: torch.Tensor, shift: int, group: str) -> torch.Tensor:
+    """x sent to the rank `shift` places further along process group `group`; returns what the rank `shift` places
+    before sent. Asynchronous: read the result through wait_tensor."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    pg = _resolve_process_group(group)
+    n, me = pg.size(), pg.rank()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    ops = [dist.P2POp(dist.isend, x.contiguous(), dist.get_global_rank(pg, (me + shift) % n), pg),
+           dist.P2POp(dist.irecv, out, dist.get_global_rank(pg, (me - shift) % n), pg)]
+    torch._C._distributed_c10d._register_work(out, _Works(dist.batch_isend_irecv(ops)))
+    return out
+
+
+@ring_shift.register_fake
+def _(x, shift, group):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+RING_SHIFT = torch.ops.partir.ring_shift.default
+
+
+def async_tp(graph: fx.Graph, records: list, coords: dict) -> list:
+    """Rewrite every matching tensor-parallel all_gather / reduce_scatter in place (see the module docstring);
+    returns the records with each rewritten collective replaced by its ring steps' records."""
+    replaced: dict = {}
+    index = {n: i for i, n in enumerate(graph.nodes)}     # the readers' order (new nodes are not readers)
+    for c in [n for n in graph.nodes if n.op == "call_function" and META_COLLECTIVE in n.meta]:
+        rec = c.meta[META_COLLECTIVE]
+        if rec.why != TACTIC or rec.group_size < 2 or rec.members or c.meta.get(META_IN_SHAPE) is None:
+            continue
+        ring = _Ring(graph, c, rec, coords[rec.axis], index)
+        if rec.kind == ALL_GATHER:
+            done = ring.gather()
+        elif rec.kind == REDUCE_SCATTER and rec.reduce_op == "sum":
+            done = ring.scatter()
+        else:
+            continue
+        if done is not None:
+            replaced[rec.node] = done
+    if replaced:
+        reorder(graph)
+    return [r for rec in records for r in replaced.get(rec.node, [rec])]
+
+
+def _only_user(n):
+    users = list(n.users)
+    return users[0] if len(users) == 1 else None
+
+
+_VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+
+
+def _shape(n):
+    v = n.meta.get("val")
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _keeps_rows(n, k: int) -> bool:
+    """n moves rows only: a reshape keeping the last dim (of size k), a permute keeping it last, or a clone."""
+    if n.target in _VIEWS:
+        before = _shape(n.args[0])
+        return before is not None and before[-1] == k and list(n.args[1])[-1] == k
+    if n.target is aten.permute.default:
+        dims = list(n.args[1])
+        return dims[-1] in (-1, len(dims) - 1)
+    return n.target is aten.clone.default
+
+
+class _Ring:
+    """One collective's rewrite, in the collective's frame: it runs on dim 0 of its operand, (n * c, *rest) whole,
+    and lowering reaches the matmul's rows from there (or there from them) through a chain of reshapes, permutes
+    and clones that only moves rows (the last dim, the matmul's k or n, stays whole and last). A matmul is row-wise,
+    so it commutes with such a chain: the ring computes the chunks' matmuls in the collective's frame and replays
+    the chain on the result (on the operand, for a reduce_scatter)."""
+
+    def __init__(self, graph, c, rec, coord, index):
+        self.g, self.c, self.rec, self.coord, self.index = graph, c, rec, coord, index
+        self.n = rec.group_size
+        self.wait = next((u for u in c.users if u.target is WAIT), None)
+        self.front = list(c.meta[META_IN_SHAPE])              # the operand: (n * c, *rest) or (c, *rest)
+        self.records: list = []
+
+    def _call(self, target, *args, shape=None):
+        node = self.g.call_function(target, tuple(args))
+        node.meta[META_LOCAL_SHAPE] = tuple(shape) if shape is not None else None
+        return node
+
+    def _shift(self, x, shape) -> fx.Node:
+        """One ring step of x (every rank sends its x to the next): the wait of the received value."""
+        s = self._call(RING_SHIFT, x, 1, self.c.args[-1], shape=shape)
+        rec = dataclasses.replace(self.rec, kind=COLLECTIVE_PERMUTE, nbytes=self.rec.nbytes // self.n, node=s.name,
+                                  reduce_op="", members=())
+        s.meta[META_COLLECTIVE] = rec
+        s.meta[META_IN_SHAPE] = tuple(shape)
+        self.records.append(rec)
+        return self._call(WAIT, s, shape=shape)
+
+    def _replay(self, chain, x):
+        """The chain's ops applied to x, whose last dim may differ from the one the chain was built for."""
+        for op in chain:
+            args = list(op.args)
+            if op.target in _VIEWS:
+                args[1] = list(args[1])[:-1] + [-1]
+            x = self.g.call_function(op.target, tuple(args[:1] and [x] + args[1:]), dict(op.kwargs))
+        return x
+
+    def _in_rank_order(self, parts, last: int = -1):
+        """The chunks received at steps 0..n-1 (step i: rank r - i's), stacked in rank order on dim 0 as the
+        collective's (n * c, *rest) frame (its last dim `last`)."""
+        q = self._call(aten.arange.default, self.n, shape=(self.n,))
+        steps = self._call(aten.remainder.Scalar, self._call(aten.sub.Tensor, self.coord, q), self.n,
+                           shape=(self.n,))                               # rank q's chunk came at step r - q
+        st = self._call(aten.index_select.default, self._call(aten.stack.default, parts, 0), 0, steps)
+        return self._call(aten.reshape.default, st, [self.n * self.front[0]] + self.front[1:-1] + [last])
+
+    def _chunk_rows(self, q_plus):
+        """arange(c) + q * c with q = (coord + q_plus) mod n: the rows of chunk q in the collective's frame."""
+        c = self.front[0] // self.n
+        q = self._call(aten.remainder.Scalar, self._call(aten.add.Scalar, self.coord, q_plus), self.n, shape=())
+        off = self._call(aten.mul.Scalar, q, c, shape=())
+        return self._call(aten.add.Tensor, self._call(aten.arange.default, c, shape=(c,)), off, shape=(c,))
+
+    # -- all_gather -> matmul --------------------------------------------------------------------------------------
+    def gather(self):
+        if self.wait is None or len(self.front) < 2:
+            return None
+        k, chain, r = self.front[-1], [], self.wait
+        while (u := _only_user(r)) is not None and u.target in _VIEWS + (aten.permute.default, aten.clone.default) \
+                and _keeps_rows(u, k):
+            chain.append(u)
+            r = u
+        readers = [u for u in r.users if u.target in _MM and u.args[_lhs(u)] is r and sum(a is r for a in u.args) == 1]
+        if not readers:
+            return None
+        with self.g.inserting_before(max(readers, key=lambda u: self.index.get(u, -1))):
+            cur, chunks, outs = self.c.args[0], [], {u: [] for u in readers}
+            for i in range(self.n):
+                nxt = self._shift(cur, self.front) if i < self.n - 1 else None
+                rows = self._call(aten.reshape.default, cur, [-1, k])
+                for u in readers:
+                    args = list(u.args)
+                    args[_lhs(u)] = rows
+                    outs[u].append(self._call(u.target, *args))
+                chunks.append(cur)
+                cur = nxt
+            for u in readers:
+                u.replace_all_uses_with(self._replay(chain, self._in_rank_order(outs[u])))
+            whole = self._in_rank_order(chunks, k) if len(r.users) > len(readers) else None
+        for u in readers:                  # after the insertions: the insertion point is one of them
+            self.g.erase_node(u)
+        if whole is not None:
+            self.wait.replace_all_uses_with(whole)
+        for n in reversed(chain):
+            if not n.users:
+                self.g.erase_node(n)
+        if not self.wait.users:
+            self.g.erase_node(self.wait)
+            self.g.erase_node(self.c)
+        return self.records
+
+    # -- matmul -> reduce_scatter ----------------------------------------------------------------------------------
+    def scatter(self):
+        if self.wait is None or len(self.front) < 2:
+            return None
+        chain, x = [], self.c.args[0]
+        while x.target in _VIEWS + (aten.permute.default, aten.clone.default) and len(x.users) == 1 \
+                and _keeps_rows(x, self.front[-1]):
+            chain.insert(0, x)
+            x = x.args[0]
+        tree = _sum_of_matmuls(x, self.front[-1])
+        if tree is None:
+            return None
+        c = self.front[0] // self.n
+        with self.g.inserting_before(self.c):
+            acc = None
+            for i in range(self.n):
+                part = self._part(tree, chain, self._chunk_rows(self.n - 1 - i))   # chunk q = r - 1 - i (mod n)
+                acc = part if acc is None else self._call(aten.add.Tensor, self._shift(acc, [c] + self.front[1:]),
+                                                          part)
+        self.wait.replace_all_uses_with(acc)
+        dead = [self.wait, self.c] + list(reversed(chain)) + _tree_nodes(tree)
+        for n in dead:
+            if not n.users:
+                self.g.erase_node(n)
+        return self.records
+
+    def _part(self, tree, chain, rows):
+        """The tree's value at the collective-frame rows `rows`: each matmul on those rows of its left operand
+        (the operand put in the collective's frame by the same chain)."""
+        if tree[0] == "add":
+            return self._call(aten.add.Tensor, self._part(tree[2], chain, rows), self._part(tree[3], chain, rows))
+        _, mm, view = tree
+        a, w = mm.args
+        moved = self._replay(([view] if view is not None else []) + chain, a)
+        picked = self._call(aten.index_select.default, moved, 0, rows)
+        y = self._call(aten.mm.default, self._call(aten.reshape.default, picked, [-1, _shape(a)[-1]]), w)
+        return self._call(aten.reshape.default, y, [self.front[0] // self.n] + self.front[1:-1] + [-1])
+
+
+def _lhs(u) -> int:
+    return 1 if u.target is aten.addmm.default else 0
+
+
+def _sum_of_matmuls(x, k: int):
+    """x (last dim k) as a tree of add.Tensor over matmuls, each read only there and each mm(a, w) or a row-moving
+    view of it: ("add", node, left, right) | ("mm", mm node, view node or None)."""
+    if x.target is aten.add.Tensor and len(x.args) == 2 and not x.kwargs and len(x.users) == 1 \
+            and all(isinstance(a, fx.Node) for a in x.args) and _shape(x.args[0]) == _shape(x) \
+            and _shape(x.args[1]) == _shape(x):
+        left, right = (_sum_of_matmuls(a, k) for a in x.args)
+        return None if left is None or right is None else ("add", x, left, right)
+    view, mm = None, x
+    if x.target in _VIEWS and len(x.users) == 1:
+        if not _keeps_rows(x, k):
+            return None
+        view, mm = x, x.args[0]
+    if mm.target is not aten.mm.default or len(mm.users) != 1 or _shape(mm.args[0]) is None \
+            or (_shape(mm) or (0,))[-1] != k:
+        return None
+    return ("mm", mm, view)
+
+
+def _tree_nodes(tree) -> list:
+    """The tree's nodes, readers before what they read (the erase order)."""
+    if tree[0] == "add":
+        return [tree[1]] + _tree_nodes(tree[2]) + _tree_nodes(tree[3])
+    return [n for n in (tree[2], tree[1]) if n is not None]
