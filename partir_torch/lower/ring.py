@@ -144,8 +144,8 @@ class _Ring:
         self.front = list(c.meta[META_IN_SHAPE])              # the operand: (n * c, *rest) or (c, *rest)
         self.records: list = []
 
-    def _call(self, target, *args, shape=None):
-        node = self.g.call_function(target, tuple(args))
+    def _call(self, target, *args, shape=None, **kwargs):
+        node = self.g.call_function(target, tuple(args), kwargs)
         node.meta[META_LOCAL_SHAPE] = tuple(shape) if shape is not None else None
         return node
 
@@ -165,24 +165,31 @@ class _Ring:
             args = list(op.args)
             if op.target in _VIEWS:
                 args[1] = list(args[1])[:-1] + [-1]
-            x = self.g.call_function(op.target, tuple(args[:1] and [x] + args[1:]), dict(op.kwargs))
+            x = self.g.call_function(op.target, (x, *args[1:]), dict(op.kwargs))
         return x
 
-    def _in_rank_order(self, parts, last: int = -1):
-        """The chunks received at steps 0..n-1 (step i: rank r - i's), stacked in rank order on dim 0 as the
-        collective's (n * c, *rest) frame (its last dim `last`)."""
-        q = self._call(aten.arange.default, self.n, shape=(self.n,))
-        steps = self._call(aten.remainder.Scalar, self._call(aten.sub.Tensor, self.coord, q), self.n,
-                           shape=(self.n,))                               # rank q's chunk came at step r - q
-        st = self._call(aten.index_select.default, self._call(aten.stack.default, parts, 0), 0, steps)
-        return self._call(aten.reshape.default, st, [self.n * self.front[0]] + self.front[1:-1] + [last])
+    def _ids(self, shape, chain):
+        """Per row at the chain's end, its row in the chain's start (whose shape is `shape`): the chain replayed on
+        row numbers, flattened. A small int tensor; the data moves once, by index_select with these."""
+        rows = math.prod(shape[:-1])
+        ids = self._call(aten.reshape.default, self._call(aten.arange.default, rows), list(shape[:-1]) + [1])
+        return self._call(aten.reshape.default, self._replay(chain, ids), [-1])
 
-    def _chunk_rows(self, q_plus):
-        """arange(c) + q * c with q = (coord + q_plus) mod n: the rows of chunk q in the collective's frame."""
-        c = self.front[0] // self.n
+    def _step_of(self, ids):
+        """Collective-frame rows -> their position among the chunks concatenated in arrival order (step i holds
+        rank r - i's chunk: rank q's rows come at step (r - q) mod n)."""
+        per = math.prod(self.front[:-1])                      # rows of one rank's chunk
+        q = self._call(aten.div.Scalar_mode, ids, per, rounding_mode="floor")
+        step = self._call(aten.remainder.Scalar, self._call(aten.sub.Tensor, self.coord, q), self.n)
+        return self._call(aten.add.Tensor, self._call(aten.mul.Scalar, step, per),
+                          self._call(aten.remainder.Scalar, ids, per))
+
+    def _chunk_ids(self, ids, q_plus):
+        """The entries of `ids` (per collective-frame row) of chunk q = (coord + q_plus) mod n."""
+        c = math.prod(self.front[:-1]) // self.n
         q = self._call(aten.remainder.Scalar, self._call(aten.add.Scalar, self.coord, q_plus), self.n, shape=())
-        off = self._call(aten.mul.Scalar, q, c, shape=())
-        return self._call(aten.add.Tensor, self._call(aten.arange.default, c, shape=(c,)), off, shape=(c,))
+        at = self._call(aten.add.Tensor, self._call(aten.arange.default, c), self._call(aten.mul.Scalar, q, c))
+        return self._call(aten.index_select.default, ids, 0, at)
 
     # -- all_gather -> matmul --------------------------------------------------------------------------------------
     def gather(self):
@@ -194,8 +201,9 @@ class _Ring:
             chain.append(u)
             r = u
         readers = [u for u in r.users if u.target in _MM and u.args[_lhs(u)] is r and sum(a is r for a in u.args) == 1]
-        if not readers:
+        if not readers or len(_shape(r) or ()) != 2:
             return None
+        whole = [self.n * self.front[0]] + self.front[1:]
         with self.g.inserting_before(max(readers, key=lambda u: self.index.get(u, -1))):
             cur, chunks, outs = self.c.args[0], [], {u: [] for u in readers}
             for i in range(self.n):
@@ -205,21 +213,21 @@ class _Ring:
                     args = list(u.args)
                     args[_lhs(u)] = rows
                     outs[u].append(self._call(u.target, *args))
-                chunks.append(cur)
+                chunks.append(rows)
                 cur = nxt
+            at = self._step_of(self._ids(whole, chain))       # r's rows in the arrival order of the chunks
             for u in readers:
-                u.replace_all_uses_with(self._replay(chain, self._in_rank_order(outs[u])))
-            whole = self._in_rank_order(chunks, k) if len(r.users) > len(readers) else None
+                u.replace_all_uses_with(self._call(aten.index_select.default, self._call(aten.cat.default, outs[u]),
+                                                   0, at))
+            new_r = self._call(aten.index_select.default, self._call(aten.cat.default, chunks), 0, at) \
+                if len(r.users) > len(readers) else None
         for u in readers:                  # after the insertions: the insertion point is one of them
             self.g.erase_node(u)
-        if whole is not None:
-            self.wait.replace_all_uses_with(whole)
-        for n in reversed(chain):
+        if new_r is not None:
+            r.replace_all_uses_with(new_r)
+        for n in [r] + list(reversed(chain[:-1])) + [self.wait, self.c] if chain else [self.wait, self.c]:
             if not n.users:
                 self.g.erase_node(n)
-        if not self.wait.users:
-            self.g.erase_node(self.wait)
-            self.g.erase_node(self.c)
         return self.records
 
     # -- matmul -> reduce_scatter ----------------------------------------------------------------------------------
@@ -234,31 +242,26 @@ class _Ring:
         tree = _sum_of_matmuls(x, self.front[-1])
         if tree is None:
             return None
-        c = self.front[0] // self.n
+        chunk = [self.front[0] // self.n] + self.front[1:]
         with self.g.inserting_before(self.c):
+            ids = self._ids(_shape(x), chain)                 # collective-frame row -> the matmuls' row
             acc = None
             for i in range(self.n):
-                part = self._part(tree, chain, self._chunk_rows(self.n - 1 - i))   # chunk q = r - 1 - i (mod n)
-                acc = part if acc is None else self._call(aten.add.Tensor, self._shift(acc, [c] + self.front[1:]),
-                                                          part)
+                rows = self._chunk_ids(ids, self.n - 1 - i)   # chunk q = r - 1 - i (mod n)
+                part = self._call(aten.reshape.default, self._part(tree, rows), chunk[:-1] + [-1], shape=chunk)
+                acc = part if acc is None else self._call(aten.add.Tensor, self._shift(acc, chunk), part)
         self.wait.replace_all_uses_with(acc)
-        dead = [self.wait, self.c] + list(reversed(chain)) + _tree_nodes(tree)
-        for n in dead:
+        for n in [self.wait, self.c] + list(reversed(chain)) + _tree_nodes(tree):
             if not n.users:
                 self.g.erase_node(n)
         return self.records
 
-    def _part(self, tree, chain, rows):
-        """The tree's value at the collective-frame rows `rows`: each matmul on those rows of its left operand
-        (the operand put in the collective's frame by the same chain)."""
+    def _part(self, tree, rows):
+        """The tree's value at the matmuls' rows `rows`: each matmul on those rows of its left operand."""
         if tree[0] == "add":
-            return self._call(aten.add.Tensor, self._part(tree[2], chain, rows), self._part(tree[3], chain, rows))
-        _, mm, view = tree
-        a, w = mm.args
-        moved = self._replay(([view] if view is not None else []) + chain, a)
-        picked = self._call(aten.index_select.default, moved, 0, rows)
-        y = self._call(aten.mm.default, self._call(aten.reshape.default, picked, [-1, _shape(a)[-1]]), w)
-        return self._call(aten.reshape.default, y, [self.front[0] // self.n] + self.front[1:-1] + [-1])
+            return self._call(aten.add.Tensor, self._part(tree[2], rows), self._part(tree[3], rows))
+        a, w = tree[1].args
+        return self._call(aten.mm.default, self._call(aten.index_select.default, a, 0, rows), w)
 
 
 def _lhs(u) -> int:
