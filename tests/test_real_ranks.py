@@ -217,6 +217,27 @@ def _phase_counts(mesh) -> dict:
             "padded": len(prog.captured.padded)}
 
 
+def _phase_async_tp() -> dict:
+    """(issue 19) async_tp on real ranks: Megatron + sequence parallelism on {model: 4}, its all_gathers and
+    reduce_scatters run as rings of point-to-point steps (lower/ring.py, partir::ring_shift over gloo's isend /
+    irecv), trained next to eager on one device."""
+    import partir_torch as pt
+    from examples.models import get
+
+    T = pt.tactics
+    spec = get("llama")
+    torch.manual_seed(0)
+    model = spec.build()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    batch = spec.batch(4)
+    prog = pt.partition(model, pt.Mesh({"model": WORLD}), [T.megatron("model"), T.sequence_parallel("model")],
+                        example_inputs=batch, loss_fn=spec.loss_fn, async_tp=True,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    kinds = sorted({r.kind for r in prog.collectives() if r.why == "tactic" and r.phase != "optimizer"})
+    return {**_next_to_eager(prog, ref, opt, [batch] * 3), "kinds": kinds}
+
+
 def _phase_memory(spec, batch, rank) -> dict:
     import partir_torch as pt
 
@@ -501,6 +522,7 @@ def _worker(rank, port, ckpt, queue):
                          ("clip_acc_eval", _phase_clip_accumulate_eval),
                          ("branches", lambda: _phase_branches(mesh)),
                          ("counts", lambda: _phase_counts(mesh)),
+                         ("async_tp", _phase_async_tp),
                          ("memory", lambda: _phase_memory(spec, batch, rank)),
                          ("mismatch", lambda: _phase_mismatch(spec, mesh, rank)),
                          ("diverge", lambda: _phase_diverge(spec, batch, plans, rank)),
@@ -622,6 +644,15 @@ def test_real_ranks_moe_loop_selections_run_one_program_equal_to_one_device(rank
         for got, want in r["losses"]:
             assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r['losses']}"
         assert r["programs"] == 1 and r["padded"] > 0, f"rank {rank}: {r}"
+        bad = {k: e for k, e in r["param_errs"].items() if e > 0}
+        assert not bad, f"rank {rank}: parameters outside rtol/atol: {bad}"
+
+
+def test_real_ranks_async_tp_rings_equal_one_device(ranks):
+    for rank, r in _phase(ranks, "async_tp").items():
+        assert "collective_permute" in r["kinds"] and "all_gather" not in r["kinds"], f"rank {rank}: {r['kinds']}"
+        for got, want in r["losses"]:
+            assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r['losses']}"
         bad = {k: e for k, e in r["param_errs"].items() if e > 0}
         assert not bad, f"rank {rank}: parameters outside rtol/atol: {bad}"
 

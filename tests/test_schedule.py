@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import partir_torch as pt
 from examples.models import get
 from harness import train_next_to_eager
 from partir_torch.lower.fuse import FUSED_UPDATE
+from partir_torch.lower.ring import RING_SHIFT
 
 T = pt.tactics
 SPEC = get("llama", vocab=128, seq=16, d=32, heads=4, kv_heads=2, layers=3)
@@ -148,6 +150,58 @@ def test_tp_chunks_overlap_megatron_all_reduces_and_keep_the_numbers():
     hw = pt.sim.hardware("h100", gpus_per_node=4)
     assert chunked.simulate(hw).exposed_comm_s < plain.simulate(hw).exposed_comm_s
     train_next_to_eager(chunked, ref, [BATCH] * 2, SPEC.loss_fn, make_opt=harness.adamw(lr=1e-3))
+
+
+@pytest.mark.parametrize("name,mesh,schedule", [
+    ("llama", {"model": 4}, lambda: [T.megatron("model"), T.sequence_parallel("model")]),
+    ("gpt_sdpa", {"batch": 2, "model": 2},       # (B * T, d) rows, the sequence tiled within them (strided)
+     lambda: [T.data_parallel("batch"), T.megatron("model"), T.sequence_parallel("model")])])
+def test_async_tp_rings_sequence_parallel_collectives_and_keeps_the_numbers(name, mesh, schedule):
+    """async_tp=True (lower/ring.py): every tensor-parallel all_gather / reduce_scatter of sequence parallelism
+    becomes n - 1 ring steps (collective_permute) carrying the same bytes, each step's transfer in flight while a
+    matmul runs; less exposed communication in the simulator; the same training on emulated ranks."""
+    spec = get(name)
+    n = mesh["model"]
+
+    def make(ring):
+        torch.manual_seed(0)
+        model = spec.build()
+        ref = copy.deepcopy(model)
+        prog = pt.partition(model, pt.Mesh(mesh), schedule(), example_inputs=spec.batch(4), loss_fn=spec.loss_fn,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5), bucket_bytes=0,
+                            async_tp=ring)
+        return prog, ref
+
+    (plain, _), (ring, ref) = make(False), make(True)
+    sp = lambda p, kinds: [r for r in p.collectives() if r.axis == "model" and r.why == "tactic"  # noqa: E731
+                           and r.kind in kinds]
+    before = sp(plain, ("all_gather", "reduce_scatter"))
+    steps = sp(ring, ("collective_permute",))
+    # what stays: gathers of a matmul operand's last dim (gpt_sdpa's backward gathers each transposed activation
+    # gradient on its k for the weight gradient), which a ring over the matmul's rows does not chunk
+    left = sp(ring, ("all_gather", "reduce_scatter"))
+    assert before and all(r.kind == "all_gather" and r.op == "aten.mm.default" and r.dim == 1 for r in left)
+    assert len(left) < len(before) / 2 and len(steps) == (n - 1) * (len(before) - len(left))
+    ringed = sum((n - 1) * (r.nbytes // n) for r in before) - sum((n - 1) * (r.nbytes // n) for r in left)
+    assert sum(r.nbytes for r in steps) == ringed
+    nodes = list(ring.lowered.gm.graph.nodes)
+    at = {x: i for i, x in enumerate(nodes)}
+    for s in (x for x in nodes if x.target is RING_SHIFT):
+        w = next(u for u in s.users if u.target is WAIT)
+        assert any(x.target in MM for x in nodes[at[s]:at[w]]), f"no matmul while {s.name} is in flight"
+    hw = pt.sim.hardware("h100", gpus_per_node=math.prod(mesh.values()))
+    assert ring.simulate(hw).exposed_comm_s < plain.simulate(hw).exposed_comm_s
+    train_next_to_eager(ring, ref, [spec.batch(4)] * 3, spec.loss_fn, make_opt=harness.adamw(lr=1e-3, eps=1e-5))
+
+
+def test_async_tp_is_checked_and_refused_with_a_pipeline():
+    with pytest.raises(pt.PartitionError, match="async_tp"):
+        program(1, 1) and pt.partition(torch.nn.Linear(2, 2), pt.Mesh({"batch": 2}), [], example_inputs=(),
+                                       async_tp=1)
+    model = SPEC.build()
+    with pytest.raises(pt.PartitionError, match="async_tp=True with a pipeline"):
+        pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", 2)], example_inputs=BATCH, loss_fn=SPEC.loss_fn,
+                     optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), async_tp=True)
 
 
 def test_zero3_without_reshard_after_forward_gathers_once_per_step():

@@ -150,14 +150,15 @@ class _Ring:
         return node
 
     def _shift(self, x, shape) -> fx.Node:
-        """One ring step of x (every rank sends its x to the next): the wait of the received value."""
+        """One ring step of x (every rank sends its x to the next): the issued transfer. Its wait is emitted after
+        the step's matmuls (lower/schedule.py then keeps them between the two)."""
         s = self._call(RING_SHIFT, x, 1, self.c.args[-1], shape=shape)
         rec = dataclasses.replace(self.rec, kind=COLLECTIVE_PERMUTE, nbytes=self.rec.nbytes // self.n, node=s.name,
                                   reduce_op="", members=())
         s.meta[META_COLLECTIVE] = rec
         s.meta[META_IN_SHAPE] = tuple(shape)
         self.records.append(rec)
-        return self._call(WAIT, s, shape=shape)
+        return s
 
     def _replay(self, chain, x):
         """The chain's ops applied to x, whose last dim may differ from the one the chain was built for."""
@@ -207,14 +208,14 @@ class _Ring:
         with self.g.inserting_before(max(readers, key=lambda u: self.index.get(u, -1))):
             cur, chunks, outs = self.c.args[0], [], {u: [] for u in readers}
             for i in range(self.n):
-                nxt = self._shift(cur, self.front) if i < self.n - 1 else None
+                sent = self._shift(cur, self.front) if i < self.n - 1 else None
                 rows = self._call(aten.reshape.default, cur, [-1, k])
                 for u in readers:
                     args = list(u.args)
                     args[_lhs(u)] = rows
                     outs[u].append(self._call(u.target, *args))
                 chunks.append(rows)
-                cur = nxt
+                cur = self._call(WAIT, sent, shape=self.front) if sent is not None else None
             at = self._step_of(self._ids(whole, chain))       # r's rows in the arrival order of the chunks
             for u in readers:
                 u.replace_all_uses_with(self._call(aten.index_select.default, self._call(aten.cat.default, outs[u]),
@@ -247,9 +248,10 @@ class _Ring:
             ids = self._ids(_shape(x), chain)                 # collective-frame row -> the matmuls' row
             acc = None
             for i in range(self.n):
+                sent = self._shift(acc, chunk) if acc is not None else None     # in flight while part_i computes
                 rows = self._chunk_ids(ids, self.n - 1 - i)   # chunk q = r - 1 - i (mod n)
                 part = self._call(aten.reshape.default, self._part(tree, rows), chunk[:-1] + [-1], shape=chunk)
-                acc = part if acc is None else self._call(aten.add.Tensor, self._shift(acc, chunk), part)
+                acc = part if sent is None else self._call(aten.add.Tensor, self._call(WAIT, sent, shape=chunk), part)
         self.wait.replace_all_uses_with(acc)
         for n in [self.wait, self.c] + list(reversed(chain)) + _tree_nodes(tree):
             if not n.users:

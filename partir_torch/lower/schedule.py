@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from ..contract import META_COLLECTIVE, META_ROLE, STATE_ROLES
 from .order import reorder
-from .records import ALL_GATHER, ALL_REDUCE, GRADIENT, REDUCE_SCATTER
+from .records import ALL_GATHER, ALL_REDUCE, COLLECTIVE_PERMUTE, GRADIENT, REDUCE_SCATTER
 
 c10d = torch.ops._c10d_functional
 WAIT = c10d.wait_tensor.default
@@ -51,8 +51,8 @@ _PREPARE = _UNPACK | {aten.cat.default, aten._to_copy.default, aten.contiguous.d
 
 @dataclass
 class Scheduled:
-    """What the pass decided, for reports and tests: per collective node name, its role ("state", "gradient" or
-    "overlap") and, for state gathers, how many gathers ahead it is issued."""
+    """What the pass decided, for reports and tests: per collective node name, its role ("state", "gradient",
+    "overlap" or "ring") and, for state gathers, how many gathers ahead it is issued."""
 
     roles: dict = field(default_factory=dict)
     prefetch: int = 0
@@ -86,7 +86,9 @@ def schedule(graph: fx.Graph, prefetch: int = 1, reduce_in_flight: int = 1) -> S
             grads.setdefault(rec.axis, []).append(c)
             out.roles[c.name] = "gradient"
             continue
-        out.roles[c.name] = "overlap"
+        # a ring step (lower/ring.py) already has its chunk's matmul between its issue and its wait: moving the
+        # compute before it after it would put the previous step's matmul behind the next transfer
+        out.roles[c.name] = "ring" if rec.kind == COLLECTIVE_PERMUTE else "overlap"
     for run in state.values():
         _prefetch(run, waits, prio, prefetch)
     if reduce_in_flight:
