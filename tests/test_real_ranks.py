@@ -178,16 +178,17 @@ def _phase_branches(mesh) -> dict:
     return {**_next_to_eager(prog, ref, opt, batches), "paths": len(prog.shapes())}
 
 
-def _next_to_eager(prog, ref, opt, batches) -> dict:
-    """Train `prog` and the eager `ref` (optimizer `opt`) on `batches`, each step seeded alike on both sides:
-    {"losses": [(partitioned, eager)], "param_errs": {name: how far outside rtol/atol}}."""
+def _next_to_eager(prog, ref, opt, batches, loss_fn=None) -> dict:
+    """Train `prog` and the eager `ref` (optimizer `opt`; its loss loss_fn(ref, *batch), else ref(*batch)) on
+    `batches`, each step seeded alike on both sides: {"losses": [(partitioned, eager)], "param_errs": {name: how
+    far outside rtol/atol}}."""
     losses = []
     for i, b in enumerate(batches):
         torch.manual_seed(100 + i)
         got = prog.train_step(*b).item()
         torch.manual_seed(100 + i)
         opt.zero_grad()
-        want = ref(*b)
+        want = loss_fn(ref, *b) if loss_fn is not None else ref(*b)
         want.backward()
         opt.step()
         losses.append((got, want.item()))
@@ -235,7 +236,7 @@ def _phase_async_tp() -> dict:
                         example_inputs=batch, loss_fn=spec.loss_fn, async_tp=True,
                         optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
     kinds = sorted({r.kind for r in prog.collectives() if r.why == "tactic" and r.phase != "optimizer"})
-    return {**_next_to_eager(prog, ref, opt, [batch] * 3), "kinds": kinds}
+    return {**_next_to_eager(prog, ref, opt, [batch] * 3, spec.loss_fn), "kinds": kinds}
 
 
 def _phase_memory(spec, batch, rank) -> dict:
