@@ -305,6 +305,8 @@ def main(argv=None):
     ap.add_argument("--options", help="with --breakdown: partition options as JSON, added to the row's "
                                       "(e.g. '{\"async_tp\": true}')")
     ap.add_argument("--memory", action="store_true", help="only the rows that publish peak memory")
+    ap.add_argument("--rows", metavar="SUBSTR", help="only the rows whose name contains SUBSTR, predicted with the "
+                    "calibration half's fit (the table's); no leave-one-family-out")
     args = ap.parse_args(argv)
     check()
     if args.breakdown:
@@ -312,6 +314,13 @@ def main(argv=None):
         return
     if args.memory:
         memory_table([r for r in ROWS if r.mem_gib])
+        return
+    if args.rows:
+        knobs = fit([r for r in ROWS if SPLIT[r.family] == "cal"], {}, passes=1)
+        some = [r for r in ROWS if args.rows in r.name]
+        print(tabulate([(SPLIT[r.family], r.family, r.name, r.unit, f"{r.measured:g}", f"{p:.4g}",
+                         f"{100 * err(p, r.measured):+.1f}%") for r in some for p in [predict(r, knobs)]],
+                       headers=["half", "family", "row", "unit", "ref", "sim", "err"]))
         return
     t0 = time.process_time()
     rows = [r for r in ROWS if not (args.quick and r.kind == "training")]
