@@ -81,9 +81,8 @@ class Captured:
     # selections traced at a static size (counts.py): (line, N) each; and (line, why) of those kept as count guards
     padded: tuple = ()
     unpadded: tuple = ()
-    # a model that changed itself on its first call (settle.py): the step is the changed model's; first_call makes
-    # the random draws eager's first call made beyond it (a GraphModule without inputs; the runtime runs it once,
-    # before the first step), None when there are none
+    # a model that changed itself on its first call (settle.py): the step is the changed model's; first_call (a
+    # settle.FirstCall) makes the random draws eager's first call made beyond it, None when there are none
     first_call: object = None
 
 
@@ -654,6 +653,8 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     checks = add_checks(gm, recorder.checks, out_names) if recorder is not None else []
     if recorder is not None:
         lift_draws(gm, recorder.drawn, names, roles)
+    if first_call is not None and first_call.lifted:
+        lift_draws(gm, first_call.lifted, names, roles)
     _check_indices(gm, model)
     consts = _lift_constants(gm, names, roles)
     _refuse_state_constants(consts, model)
@@ -689,7 +690,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
 def _settled(model, trace):
     """trace() (a _trace_step) of a model that may change itself on its first call (settle.py): when the trace
     changed the module tree, the step is traced again on the changed model, the steady step eager runs from its
-    second call on. Returns (trace()'s result, the first-call prelude or None)."""
+    second call on. Returns (trace()'s result, a settle.FirstCall or None)."""
     before = settle.snapshot(model)
     got = trace()
     moved = settle.changes(before, settle.snapshot(model))
@@ -702,17 +703,18 @@ def _settled(model, trace):
         raise TraceError(f"partition: {type(model).__name__} changes its modules at every call "
                          f"({'; '.join(moved[:3])}), so no step is steady enough to capture. Build the modules "
                          f"once (in __init__, or on the first call only).")
-    prelude, exact, lines = settle.first_call_draws(got[0], steady[0])
-    drawn = "" if prelude is None else (
-        f"; the first step first makes the {len(prelude.graph.output_node().args[0])} random draw(s) that call "
-        f"made ({'; '.join(lines[:2])}{' ...' if len(lines) > 2 else ''})" + (
-            ", as eager does" if exact else
+    fc = settle.first_call_draws(got[0], steady[0], can_lift=steady[3] is None)
+    drawn = "" if fc is None else (
+        f"; the first step makes the {len(fc.extras.graph.output_node().args[0])} random draw(s) that call made "
+        f"beyond it ({'; '.join(fc.lines[:2])}{' ...' if len(fc.lines) > 2 else ''})" + (
+            ", in eager's order" + (f" ({len(fc.lifted)} dropout draw(s) eager made before them are made before "
+                                    f"each step and fed to it)" if fc.lifted else "") if fc.exact else
             ", before the step's own: eager made them after some of those, so the first step's draws differ from "
             "eager's first call (the generator ends where eager's does: every later step's draws are eager's)"))
     warn(f"partition: the first call of {type(model).__name__} changed the model ({len(moved)} module(s): "
          f"{'; '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}): the step is captured as the changed model "
          f"runs from its second call on{drawn}.", stacklevel=user_stacklevel())
-    return steady, prelude
+    return steady, fc
 
 
 def _trace_step(model, example_inputs, loss_fn, optimizer, options, decompositions, mode, clip_grad_norm, accumulate,

@@ -25,11 +25,14 @@ inside the trace, on fake tensors, so the program cannot hold them; that raises,
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.fx as fx
 
 from ..contract import draws_random
 from ..errors import PartitionError, source_line
+from .tidy import LIKE
 
 
 def snapshot(model: torch.nn.Module) -> dict:
@@ -78,42 +81,105 @@ def _draw_key(node: fx.Node) -> tuple:
     return node.target, shape
 
 
-def first_call_draws(first: fx.GraphModule, steady: fx.GraphModule):
-    """(prelude, exact, lines): the random draws of the first call's graph that the steady graph does not make
-    (matched in order, by op and shape) as a GraphModule with no inputs that makes them (None when there are
-    none); exact: they all precede the draws the two graphs share, so drawing them before the step is eager's
-    order; lines: the user's source lines of the extra draws."""
+@dataclass
+class FirstCall:
+    """The random draws of a model's first call beyond its steady step, for the runtime.
+
+    extras: a GraphModule without inputs making them, drawn once before the first step when they precede every draw
+    the steady step makes (BigBird: the switch comes first) or when that step is not the one run first (another
+    input shape). lifted: when eager drew some of the step's own draws before them (BigBirdPegasus: the embeddings'
+    dropout, then the switch), those draws are inputs of the steady step (`draws.<node>`, role "draw") that
+    `draw(first)` makes at every call, in eager's order, with the extras among them on the first call only."""
+
+    extras: fx.GraphModule
+    lines: list                     # the user's source lines of the extra draws
+    lifted: list = field(default_factory=list)     # steady-graph nodes made inputs (capture lifts them)
+    first: fx.GraphModule = None    # the first call's draws up to its last extra one, in order
+    steady: fx.GraphModule = None   # the lifted draws alone, in order
+    at: tuple = ()                  # per lifted draw, its output index in `first`
+    exact: bool = True              # the first step's draws are in eager's order
+
+    def before(self, first: bool, fed: bool) -> dict:
+        """What the runtime draws before a call (`first`: the program's first call; `fed`: the call runs the steady
+        step these draws were lifted from): the lifted draws' values (draw), else the extras on the first call."""
+        if fed and self.lifted:
+            return self.draw(first)
+        if first:
+            self.extras()
+        return {}
+
+    def draw(self, first: bool) -> dict:
+        """node name -> value of each lifted draw (the step's input "draws.<name>"), drawn now, with the extras
+        among them when `first`."""
+        if first:
+            got = self.first()
+            return {n.name: got[i] for n, i in zip(self.lifted, self.at)}
+        return {n.name: t for n, t in zip(self.lifted, self.steady())}
+
+
+def first_call_draws(first: fx.GraphModule, steady: fx.GraphModule, can_lift: bool = True):
+    """The random draws of the first call's graph that the steady graph does not make (matched in order, by op and
+    shape), as a FirstCall (None when there are none). The steady step's draws that eager made before the last
+    extra one are lifted when `can_lift` and they are drawn from templates alone (no state or input among the
+    ops they read); else they stay in the step, the extras are drawn before it, and `exact` is False."""
     first_draws = [n for n in first.graph.nodes if draws_random(n)]
-    steady_keys = [_draw_key(n) for n in steady.graph.nodes if draws_random(n)]
-    extra, shared_at, j = [], None, 0
-    for i, n in enumerate(first_draws):
-        if j < len(steady_keys) and _draw_key(n) == steady_keys[j]:
+    steady_draws = [n for n in steady.graph.nodes if draws_random(n)]
+    extra, shared, j = [], [], 0
+    for n in first_draws:
+        if j < len(steady_draws) and _draw_key(n) == _draw_key(steady_draws[j]):
+            shared.append((n, steady_draws[j]))
             j += 1
-            shared_at = i if shared_at is None else shared_at
         else:
-            extra.append((i, n))
+            extra.append(n)
     if not extra:
-        return None, True, []
-    exact = shared_at is None or all(i < shared_at for i, _ in extra)
-    lines = list(dict.fromkeys(source_line(n) or str(n.target) for _, n in extra))
-    return _prelude([n for _, n in extra]), exact, lines
+        return None
+    lines = list(dict.fromkeys(source_line(n) or str(n.target) for n in extra))
+    fc = FirstCall(_program(extra), lines)
+    last = first_draws.index(extra[-1])
+    early = [(a, b) for a, b in shared if first_draws.index(a) < last]
+    if early and can_lift and all(_from_templates(a) for a, _ in early):
+        upto = first_draws[:last + 1]
+        fc.lifted, fc.first, fc.steady = [b for _, b in early], _program(upto), _program([a for a, _ in early])
+        fc.at = tuple(upto.index(a) for a, _ in early)
+    fc.exact = not early or bool(fc.lifted)
+    return fc
 
 
-def _prelude(draws: list) -> fx.GraphModule:
-    """The draws with the ops they read (factories, detach), copied in graph order; a placeholder they read (a draw
-    shaped like the state) becomes zeros of its shape: a draw consumes the generator by its shape alone."""
+def _from_templates(node: fx.Node) -> bool:
+    """Does the draw read only factories (a dropout mask's `empty_like(x)` template: x's shape alone), no state or
+    input?"""
+    stack, seen = list(node.all_input_nodes), set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n.target in LIKE:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" or draws_random(n):
+            return False
+        stack.extend(n.all_input_nodes)
+    return True
+
+
+def _program(draws: list) -> fx.GraphModule:
+    """The draws with the ops they read (factories, detach), copied in graph order; a template `empty_like(x)`
+    becomes the factory of x's static shape, and a placeholder they read (a draw shaped like the state) zeros of its
+    shape: a draw consumes the generator by its shape alone."""
     needed, stack = set(), list(draws)
     while stack:
         n = stack.pop()
         if n not in needed:
             needed.add(n)
-            stack.extend(n.all_input_nodes)
+            stack.extend(n.all_input_nodes if n.target not in LIKE else ())
     graph, env = fx.Graph(), {}
     for n in draws[0].graph.nodes:
         if n not in needed:
             continue
-        if n.op == "placeholder":
-            val = n.meta["val"]
+        val = n.meta.get("val")
+        if n.target in LIKE:
+            target, value_at = LIKE[n.target]
+            args = (list(val.shape),) if value_at is None else (list(val.shape), n.args[value_at])
+            env[n] = graph.call_function(target, args, {"dtype": val.dtype, "device": val.device})
+        elif n.op == "placeholder":
             env[n] = graph.call_function(torch.zeros, (tuple(val.shape),), {"dtype": val.dtype})
         else:
             env[n] = graph.node_copy(n, env.__getitem__)
