@@ -126,11 +126,12 @@ SIZE = {   # field name -> tiny value (ints); matched exactly, then by the patte
     "adapter_out_dim": 32, "auxiliary_channels": 8, "bottleneck_dim": 16, "num_hashes": 2,
     "prompt_length": 4, "num_labels": 2, "type_vocab_size": 2,
     "window_size": 4,
+    "d_latents": 32, "num_latents": 16,     # Perceiver's latent array (default 256 x 1280: 271M parameters)
 }
 LAYER_FIELDS = re.compile(r"^(num_hidden_layers|n_layer|n_layers|num_layers|encoder_layers|decoder_layers|"
                           r"num_decoder_layers|num_encoder_layers|depth|num_blocks|text_layers|vision_layers|"
                           r"num_hidden_groups|layers|num_local_encoder_layers|num_local_decoder_layers|"
-                          r"num_global_layers)$")
+                          r"num_global_layers|num_self_attends_per_block)$")
 HEADS_KV = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num", "num_key_value_groups")
 TOKEN_ID = re.compile(r"(_token_id|_token_index|_id)$")
 LAYERS = 2
