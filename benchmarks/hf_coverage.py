@@ -700,7 +700,7 @@ def _float64_check(model, batch, loss_fn, row: dict, make_opt=None) -> dict:
         want = loss_fn(ref, b64)
         want.backward()
         opt.step()
-        first64 = float(want) if step == 0 else first64
+        first64 = float(want.detach()) if step == 0 else first64
         loss_err = max(loss_err, abs(got - float(want)) / max(abs(float(want)), 1e-12))
         if want.dtype != torch.float64:     # HF's loss upcasts logits to float32 whatever the model's dtype
             loss_tol = RTOL
