@@ -4,8 +4,8 @@
     PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hf_rounding.py image mobilenet_v2
     # one device in float64 against itself with every initial parameter moved by one ulp (the model's conditioning)
     PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hf_rounding.py ulp mobilenet_v2
-    # nemo_speechlm with its first 16 text layers, float64, one schedule alone: dp (data_parallel on 2 ranks) or mp
-    # (megatron on 2 ranks), against eager float64
+    # nemo_speechlm with its first 16 text layers, float64, one schedule alone: dp (data_parallel on 2 ranks), mp
+    # (megatron on 2 ranks) or bpz3 (the sweep's BP+Z3 on {dp: 2, tp: 2, zero: 2}), against eager float64
     PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hf_rounding.py nemo-schedule mp
     # eager nemo_speechlm (16 text layers) in float64 as the sweep runs it vs with its explicit float32 casts kept
     # float64: how far the model's own fp32 rounding moves the parameters
@@ -118,7 +118,9 @@ def nemo_schedule(which):
     m64, b64 = model.double(), H._double(batch)
     with H._grouped_mm_fallback_in_float64():
         e = eager(copy.deepcopy(m64), b64)
-        mesh, sched = ({"dp": 2}, [T.data_parallel("dp")]) if which == "dp" else ({"tp": 2}, [T.megatron("tp")])
+        mesh, sched = {"dp": ({"dp": 2}, [T.data_parallel("dp")]), "mp": ({"tp": 2}, [T.megatron("tp")]),
+                       "bpz3": (H.MESH, [T.data_parallel("dp"), T.data_parallel("zero", name="BP-zero"),
+                                         T.zero(3, "zero")])}[which]
         p = partir(m64, b64, mesh, sched)
     print(which, "losses partir", p[0], "eager", e[0])
     errs = sorted(((rel_err({k: p[1][k]}, {k: w}), k) for k, w in e[1].items() if w.numel()), reverse=True)
