@@ -654,7 +654,8 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     if recorder is not None:
         lift_draws(gm, recorder.drawn, names, roles)
     if first_call is not None and first_call.lifted:
-        lift_draws(gm, first_call.lifted, names, roles)
+        nodes = {n.name: n for n in gm.graph.nodes}
+        lift_draws(gm, [nodes[k] for k in first_call.lifted], names, roles)
     _check_indices(gm, model)
     consts = _lift_constants(gm, names, roles)
     _refuse_state_constants(consts, model)

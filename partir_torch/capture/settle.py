@@ -93,7 +93,7 @@ class FirstCall:
 
     extras: fx.GraphModule
     lines: list                     # the user's source lines of the extra draws
-    lifted: list = field(default_factory=list)     # steady-graph nodes made inputs (capture lifts them)
+    lifted: list = field(default_factory=list)     # names of the steady graph's draws made inputs (capture lifts)
     first: fx.GraphModule = None    # the first call's draws up to its last extra one, in order
     steady: fx.GraphModule = None   # the lifted draws alone, in order
     at: tuple = ()                  # per lifted draw, its output index in `first`
@@ -113,8 +113,8 @@ class FirstCall:
         among them when `first`."""
         if first:
             got = self.first()
-            return {n.name: got[i] for n, i in zip(self.lifted, self.at)}
-        return {n.name: t for n, t in zip(self.lifted, self.steady())}
+            return {name: got[i] for name, i in zip(self.lifted, self.at)}
+        return dict(zip(self.lifted, self.steady()))
 
 
 def first_call_draws(first: fx.GraphModule, steady: fx.GraphModule, can_lift: bool = True):
@@ -139,7 +139,7 @@ def first_call_draws(first: fx.GraphModule, steady: fx.GraphModule, can_lift: bo
     early = [(a, b) for a, b in shared if first_draws.index(a) < last]
     if early and can_lift and all(_from_templates(a) for a, _ in early):
         upto = first_draws[:last + 1]
-        fc.lifted, fc.first, fc.steady = [b for _, b in early], _program(upto), _program([a for a, _ in early])
+        fc.lifted, fc.first, fc.steady = [b.name for _, b in early], _program(upto), _program([a for a, _ in early])
         fc.at = tuple(upto.index(a) for a, _ in early)
     fc.exact = not early or bool(fc.lifted)
     return fc
