@@ -322,3 +322,27 @@ def test_dynamic_padding_makes_the_sequence_length_one_symbol():
     assert instances == [6, 14], [str(r) for r in prog.shapes()]
     full = [str(w.message) for w in record if "length 3 is partitioned in full" in str(w.message)]
     assert len(full) == 1 and "3/2 at s = 3" in full[0], full
+
+
+def test_big_bird_switching_to_full_attention_on_its_first_call_trains_like_eager():
+    """BigBird (block-sparse by default) on 16 tokens switches to full attention inside its first forward and
+    builds new attention modules whose nn.Linear inits draw from the generator (capture/settle.py): the step is the
+    switched model's, the first step makes those draws first, as eager does, and every step's dropout (on by
+    default) is eager's. Before, the captured step made the init draws at every step and diverged from step 2."""
+    from transformers import BigBirdConfig, BigBirdForCausalLM
+
+    cfg = BigBirdConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64, block_size=4, num_random_blocks=1)
+    assert cfg.attention_type == "block_sparse" and cfg.hidden_dropout_prob > 0
+    torch.manual_seed(0)
+    model = BigBirdForCausalLM(cfg).train()
+    ref = copy.deepcopy(model)
+    tokens = torch.randint(0, 64, (8, 16))
+    with pytest.warns(UserWarning, match=r"changed the model \(2 module\(s\): bert\.encoder\.layer\.0\.attention\."
+                                         r"self: BigBirdBlockSparseAttention -> BigBirdSelfAttention.*12 random"):
+        prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=(tokens,),
+                            loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5))
+    assert model.bert.attention_type == "original_full"
+    # eps 1e-5 as above: with 1e-8 the elements whose gradient is rounding noise take +-lr steps (in float64 the
+    # same three steps agree with eager to 3e-14)
+    train_next_to_eager(prog, ref, [(tokens,)] * 3, loss_fn, make_opt=adamw(eps=1e-5))

@@ -24,6 +24,8 @@ rank returns plain Python results and the tests below read them:
                   then eval_step at another batch size: losses, norms, parameters and eval loss equal one device.
   phase "branches": (issue 26) a step that branches on tensor values (tests/branch_models.py), BP + MP: every
                   rank takes one device's path each step, new paths captured on every rank.
+  phase "first_call": (issue 26) a model that rebuilds a module on its first call after a dropout (capture/settle.py),
+                  BP: every rank draws the lifted dropout and the first call's init draws as one device does.
   phase "memory": (issue 19) gpt_sdpa, BP + Z3 on {batch: 4}, measure_memory=True: each rank's measured peak
                   (prog.peak_memory(), the CPU storage tracker in each process) is within 5% of the simulator's.
                   bucket_bytes=0: gloo's worker thread may drop a collective's buffers a little after its wait
@@ -176,6 +178,31 @@ def _phase_branches(mesh) -> dict:
                         example_inputs=batches[0], loss_fn=lambda m, x, k: m(x, k),
                         optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
     return {**_next_to_eager(prog, ref, opt, batches), "paths": len(prog.shapes())}
+
+
+def _phase_first_call(mesh) -> dict:
+    """(issue 26) a model that rebuilds a module on its first call, after a dropout (capture/settle.py): every rank
+    draws the lifted dropout before each step and the rebuild's init draws after it before the first step, from
+    generators seeded alike, and equals one device step by step."""
+    import torch.nn.functional as F
+
+    import partir_torch as pt
+    from tests.test_random import RebuildsOnFirstCall
+
+    class WithLoss(RebuildsOnFirstCall):
+        def forward(self, x, y):
+            return F.cross_entropy(super().forward(x), y)
+
+    torch.manual_seed(0)
+    model = WithLoss(late=True).train()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(3)]
+    prog = pt.partition(model, mesh, [pt.tactics.data_parallel("batch")], example_inputs=batches[0],
+                        loss_fn=lambda m, x, y: m(x, y),
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    drawn = [n for n, r in zip(prog.captured.input_names, prog.captured.input_roles) if r == "draw"]
+    return {**_next_to_eager(prog, ref, opt, batches), "drawn": drawn}
 
 
 def _next_to_eager(prog, ref, opt, batches, loss_fn=None) -> dict:
@@ -524,6 +551,7 @@ def _worker(rank, port, ckpt, queue):
                          ("branches", lambda: _phase_branches(mesh)),
                          ("counts", lambda: _phase_counts(mesh)),
                          ("async_tp", _phase_async_tp),
+                         ("first_call", lambda: _phase_first_call(mesh)),
                          ("memory", lambda: _phase_memory(spec, batch, rank)),
                          ("mismatch", lambda: _phase_mismatch(spec, mesh, rank)),
                          ("diverge", lambda: _phase_diverge(spec, batch, plans, rank)),
@@ -664,6 +692,14 @@ def test_real_ranks_branches_take_one_devices_path(ranks):
             assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r['losses']}"
         assert max(r["param_errs"].values()) <= 0, f"rank {rank}: {r['param_errs']}"
         assert r["paths"] >= 2, f"rank {rank}: {r['paths']} path(s)"
+
+
+def test_real_ranks_model_rebuilt_on_its_first_call_draws_like_one_device(ranks):
+    for rank, r in _phase(ranks, "first_call").items():
+        for got, want in r["losses"]:
+            assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r['losses']}"
+        assert max(r["param_errs"].values()) <= 0, f"rank {rank}: {r['param_errs']}"
+        assert r["drawn"] == ["draws.bernoulli"], f"rank {rank}: {r['drawn']}"
 
 
 def test_real_ranks_measured_peak_memory_within_5_percent_of_simulated(ranks):

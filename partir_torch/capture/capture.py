@@ -35,6 +35,7 @@ from .sources import recording_sources
 from .stages import recording_modules
 from .graphutil import no_gc, source_line, split_for_backward
 from .optim import functional_optimizer
+from . import settle
 from .outputs import flatten_outputs
 from .replicate import splice_update
 from .tags import tracing_graph, collect_tags, install_hooks
@@ -80,6 +81,9 @@ class Captured:
     # selections traced at a static size (counts.py): (line, N) each; and (line, why) of those kept as count guards
     padded: tuple = ()
     unpadded: tuple = ()
+    # a model that changed itself on its first call (settle.py): the step is the changed model's; first_call (a
+    # settle.FirstCall) makes the random draws eager's first call made beyond it, None when there are none
+    first_call: object = None
 
 
 def _trace_device(model, inputs) -> torch.device:
@@ -641,14 +645,17 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     and micro-batch (stages.py; what a pipeline tactic cuts the step by)."""
     example_inputs = as_batch(example_inputs)
     mode = FORWARD if loss_fn is None else EVAL if eval_loss else (LOSS_AND_GRADS if optimizer is None else TRAIN)
-    gm, step, lay, recorder, padding, unpadded = _trace_step(
+    (gm, step, lay, recorder, padding, unpadded), first_call = _settled(model, lambda: _trace_step(
         model, example_inputs, loss_fn, optimizer, options, decompositions, mode, clip_grad_norm, accumulate,
-        accumulate_dims, values, record_modules, fake_mode_for(None))
+        accumulate_dims, values, record_modules, fake_mode_for(None)))
     device = _trace_device(model, example_inputs)
     names, roles, out_names = lay.names, lay.roles, step.out_names
     checks = add_checks(gm, recorder.checks, out_names) if recorder is not None else []
     if recorder is not None:
         lift_draws(gm, recorder.drawn, names, roles)
+    if first_call is not None and first_call.lifted:
+        nodes = {n.name: n for n in gm.graph.nodes}
+        lift_draws(gm, [nodes[k] for k in first_call.lifted], names, roles)
     _check_indices(gm, model)
     consts = _lift_constants(gm, names, roles)
     _refuse_state_constants(consts, model)
@@ -669,6 +676,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         cap.updated = tuple(step.updated or ())
         cap.padded = tuple(padding.selections)
         cap.unpadded = tuple((u.where, u.why) for u in unpadded)
+    cap.first_call = first_call
     cap.rewrites = tuple(opt.name for opt in options)
     cap.decompositions = frozenset((decompositions or {}).keys())
     # the passes above edit gm.graph only; gm is a lazy GraphModule: its code is generated when first called or
@@ -678,6 +686,36 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         opt.rewrite(cap)
     return cap
 
+
+
+def _settled(model, trace):
+    """trace() (a _trace_step) of a model that may change itself on its first call (settle.py): when the trace
+    changed the module tree, the step is traced again on the changed model, the steady step eager runs from its
+    second call on. Returns (trace()'s result, a settle.FirstCall or None)."""
+    before = settle.snapshot(model)
+    got = trace()
+    moved = settle.changes(before, settle.snapshot(model))
+    if not moved:
+        return got, None
+    settle.refuse_new_state(before, model, moved)
+    again = settle.snapshot(model)
+    steady = trace()
+    if settle.changes(again, settle.snapshot(model)):
+        raise TraceError(f"partition: {type(model).__name__} changes its modules at every call "
+                         f"({'; '.join(moved[:3])}), so no step is steady enough to capture. Build the modules "
+                         f"once (in __init__, or on the first call only).")
+    fc = settle.first_call_draws(got[0], steady[0], can_lift=steady[3] is None)
+    drawn = "" if fc is None else (
+        f"; the first step makes the {len(fc.extras.graph.output_node().args[0])} random draw(s) that call made "
+        f"beyond it ({'; '.join(fc.lines[:2])}{' ...' if len(fc.lines) > 2 else ''})" + (
+            ", in eager's order" + (f" ({len(fc.lifted)} dropout draw(s) eager made before them are made before "
+                                    f"each step and fed to it)" if fc.lifted else "") if fc.exact else
+            ", before the step's own: eager made them after some of those, so the first step's draws differ from "
+            "eager's first call (the generator ends where eager's does: every later step's draws are eager's)"))
+    warn(f"partition: the first call of {type(model).__name__} changed the model ({len(moved)} module(s): "
+         f"{'; '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}): the step is captured as the changed model "
+         f"runs from its second call on{drawn}.", stacklevel=user_stacklevel())
+    return steady, fc
 
 
 def _trace_step(model, example_inputs, loss_fn, optimizer, options, decompositions, mode, clip_grad_norm, accumulate,

@@ -52,6 +52,7 @@ class Evaluator:
         flat, spec = tree_flatten(batch)
         what = "eval_step" if kind == "loss" else "forward"
         ex.agree(what, flat)                          # real ranks: the same call everywhere (faults.py)
+        ex.first_call()
         _refuse_non_tensors(what, batch)
         # the structure too: a dict with its keys in another order is another program's inputs (capture flattens
         # a dict in its key order)

@@ -50,6 +50,7 @@ class Executor:
         first = ShapeProgram(plan_signature(plan), plan, *costs)
         self.paths, self._last = paths.StepPaths(first, self._held.param_steps), None   # branches; last program run
         self._first = self.shapes.add(first, pinned=True)
+        self._first_call = plan.captured.first_call is not None     # capture/settle.py: drawn before the first call
         self.dims = SymbolicDims(first, self.shapes.what)    # sizes that become one symbol (dims.py)
 
     @property
@@ -221,6 +222,7 @@ class Executor:
         # them: a new shape's capture, its plan check, the step's collectives
         self.agree(desc, tree_flatten(tuple(batch))[0])
         entry, flat = self.program_for(batch, local, what)
+        self.first_call(entry)
         self._held.relayout(entry.layouts)
         args = self._args(entry, flat, local, what)
         outs = self.execute(entry.lowered.gm, args, desc, entry.plan)
@@ -229,6 +231,12 @@ class Executor:
         if cap.checks:     # the model's asserts on tensor values (paths.py)
             paths.verify(cap.checks, cap.output_names, outs, self.rt.rank0, desc)
         return outs
+
+    def first_call(self, entry=None) -> None:
+        """The random draws a model that changed itself on its first call makes before a call (capture/settle.py)."""
+        fc, first, self._first_call = self.plan.captured.first_call, self._first_call, False
+        if fc is not None:
+            self.paths.draws.update(fc.before(first, entry is not None and entry.plan.captured.first_call is fc))
 
     def agree(self, what: str, flat) -> None:
         """Real ranks: the ranks agree on the program, the step and the inputs' shapes and dtypes before any
