@@ -168,6 +168,13 @@ class Rewriter:
             _aligned(f.shape, f.split, self.shape(a))) if isinstance(t, torch.Tensor) else t)
         return fn(*args, **kwargs)
 
+    def expand(self, n, fn, args, kwargs):
+        """expand: the operand aligned to the result's split (broadcast dims as ones), expanded to its held shape."""
+        f = self.forms.get(n.name)
+        split = f.split if f is not None else tuple((m,) for m in self.shape(n))
+        x = self.natural(n.args[0], args[0])
+        return x.reshape(_aligned(self.shape(n), split, self.shape(n.args[0]))).expand(_flat(split))
+
     def permute(self, n, fn, args, kwargs):
         """t / transpose / permute: the held dims of each natural dim move together."""
         x, a = args[0], n.args[0]
@@ -248,7 +255,7 @@ class Rewriter:
     def sum_dims(self, n, fn, args, kwargs):
         """sum over dims: over every factor of each (kept as ones, then reshaped to the result's held shape)."""
         x, a = args[0], n.args[0]
-        if not args[1]:
+        if not args[1] or "keepdim" in kwargs:
             return None
         sp = self.split(a, x)
         dims = [_start(sp, d % len(sp)) + k for d in args[1] for k in range(len(sp[d % len(sp)]))]
@@ -258,7 +265,7 @@ class Rewriter:
 REWRITES = {op: Rewriter.view for op in VIEWS}
 REWRITES.update({op: Rewriter.matmul for op in MATMUL})
 REWRITES.update({
-    operator.getitem: Rewriter.getitem,
+    operator.getitem: Rewriter.getitem, aten.expand.default: Rewriter.expand,
     aten.t.default: Rewriter.permute, aten.transpose.int: Rewriter.permute, aten.permute.default: Rewriter.permute,
     aten.split.Tensor: Rewriter.split_op, aten.split_with_sizes.default: Rewriter.split_op,
     aten.cat.default: Rewriter.cat, aten.sum.dim_IntList: Rewriter.sum_dims,

@@ -345,3 +345,58 @@ def test_loss_and_grads_equal_autograd():
     assert set(grads) == {k for k, _ in model.named_parameters()}
     for k, p in model.named_parameters():
         torch.testing.assert_close(grads[k], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad of {k}: {m}")
+
+
+def _run_on_split_views(f, inputs, split_of):
+    """f traced to aten ops (make_fx), run by the XLA backend's interpreter on CPU tensors with every value whose
+    shape split_of splits held as that split view. Returns (outputs in their own shapes, the Rewriter)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from partir_torch.xla.program import _Run
+    from partir_torch.xla.strided import Form, Rewriter
+
+    gm = make_fx(f)(*inputs)
+    forms = {}
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        split = split_of(tuple(val.shape)) if isinstance(val, torch.Tensor) else None
+        if split is not None:
+            forms[n.name] = Form(tuple(val.shape), split, None)
+    rw = Rewriter(forms)
+    held = [x.reshape(forms[n.name].held) if n.name in forms else x
+            for n, x in zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs)]
+    outs = _Run(gm, torch.device("cpu"), None, {}, rewriter=rw).run(*held)
+    ret = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    return [rw.natural(n, t) for n, t in zip(ret, outs)], rw
+
+
+def test_ops_on_split_views_compute_what_the_ops_compute():
+    """Each rewrite of strided.py against the op itself (CPU tensors): a packed (N, 3d) projection held as (N, 3, d)
+    through addmm, split, cat, broadcast pointwise, t, mm contracting the packed dim, permute, sum, and cumsum (no
+    rewrite: run on the natural shapes and named); a (B*H, T, D) fold held as (B, H, T, D) through views and bmm."""
+    g = torch.Generator().manual_seed(0)
+    N, d = 8, 32
+    x, w, b, y = (torch.randn(*s, generator=g) for s in [(N, d), (d, 3 * d), (3 * d,), (1, 3 * d)])
+
+    def packed(x, w, b, y):
+        h = torch.addmm(b, x, w)                                  # (N, 3d), q|k|v
+        q, k, v = h.split(d, 1)
+        u = torch.cat([v, k, q], 1) * y + 1.0                     # (N, 3d)
+        return q, u.sum(0), u.t() @ x, u.permute(1, 0), (u.t() @ h).sum(1, keepdim=True), u.cumsum(0)
+
+    got, rw = _run_on_split_views(packed, (x, w, b, y), lambda s: tuple((3, d) if m == 3 * d else (m,) for m in s)
+                                  if 3 * d in s else None)
+    for i, (a, want) in enumerate(zip(got, packed(x, w, b, y))):
+        torch.testing.assert_close(a, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"output {i}: {m}")
+    assert rw.fallbacks == {"aten.cumsum.default"}, rw.fallbacks
+
+    q4, k4 = torch.randn(2, 4, 3, 5, generator=g), torch.randn(2, 4, 5, 3, generator=g)
+
+    def fold(q, k):
+        s = torch.bmm(q.reshape(8, 3, 5), k.reshape(8, 5, 3))   # (B*H, T, T)
+        return ((s.softmax(-1).transpose(1, 2) @ q.reshape(8, 3, 5)).reshape(2, 4, 3, 5),)
+
+    got, rw = _run_on_split_views(fold, (q4, k4), lambda s: ((2, 4),) + tuple((m,) for m in s[1:])
+                                  if len(s) == 3 and s[0] == 8 else None)
+    torch.testing.assert_close(got[0], fold(q4, k4)[0], rtol=1e-5, atol=1e-6)
+    assert rw.fallbacks == {"aten._softmax.default"}, rw.fallbacks
