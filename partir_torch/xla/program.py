@@ -10,10 +10,13 @@ The captured *global* step graph runs op by op on XLA tensors (lazily traced, co
   instead of reusing the forward's gathered copy;
 - CPU-only kernels of the capture run as XLA ops (kernels.py), so the step stays one XLA program.
 
+- a value with a strided tiling (packed q|k|v, eager attention's (B*H) folds) is held and computed as the split
+  view XLA can tile (strided.py: [d, 3d] tiled {model:s3} as [d, 3, d] tiled on its last dim), the ops on it
+  rewritten onto the views; the few layouts no such view tiles are held whole on the strided axis (device.unstrided)
+  and one warning per mode names them and what XLA's program moves beyond the plan.
+
 GSPMD is then left to choose little more than how to reduce partial values (pending reductions have no HLO
-sharding). A strided tiling has no tile assignment either: its dim is held and constrained whole on the strided axis
-(device.unstrided), and one warning per mode names such values and what XLA's program moves beyond the plan.
-State stays on the devices between steps.
+sharding). State stays on the devices between steps.
 
     xprog = prog.to_xla()                 # PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 for 8 virtual devices
     loss = xprog.train_step(tokens, targets)
