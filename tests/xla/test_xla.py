@@ -347,6 +347,32 @@ def test_loss_and_grads_equal_autograd():
         torch.testing.assert_close(grads[k], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad of {k}: {m}")
 
 
+class _PackedCumsum(torch.nn.Module):
+    """A packed q|k|v projection whose output goes through cumsum (no rewrite onto split views) before its split."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.qkv, self.out, self.d = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d), d
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).cumsum(1).split(self.d, -1)       # (B, T, 3d) -> 3 x (B, T, d)
+        return self.out(q * k.sigmoid() + v)
+
+
+def test_an_op_on_a_split_view_without_a_rewrite_runs_on_natural_shapes_and_is_named_once():
+    """cumsum of a strided (B, T, 3d) value has no rewrite in strided.py: it runs on the natural shapes (equal to one
+    device), XLA's program then gathers more than partir's plan, and one warning (two steps) names the op."""
+    torch.manual_seed(0)
+    xprog, said = _train_on_xla(_PackedCumsum(), {"batch": 4, "model": 2},
+                                [T.data_parallel("batch"), T.megatron("model", plan={"qkv.weight": "colwise",
+                                                                                     "out.weight": "rowwise"})],
+                                (torch.randn(8, 4, 16),), lambda m, x: m(x).square().mean())
+    assert "aten.cumsum.default" in xprog.backend.rewriter.fallbacks
+    assert not xprog.compare().ok
+    assert len(said) == 1 and re.search(r"runs aten\.cumsum\.default.* on the natural shapes of values it holds as "
+                                        r"split views.*moves more than partir's plan.*xla/strided\.py", said[0]), said
+
+
 def _run_on_split_views(f, inputs, split_of):
     """f traced to aten ops (make_fx), run by the XLA backend's interpreter on CPU tensors with every value whose
     shape split_of splits held as that split view. Returns (outputs in their own shapes, the Rewriter)."""
