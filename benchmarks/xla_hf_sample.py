@@ -5,6 +5,8 @@ finds no pair) on dp 2 x tp 2 x zero 2 = 8 XLA CPU devices, 2 AdamW steps (lr 1e
 and compare() of partir's collectives with those of XLA's partitioned HLO.
 
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 OMP_NUM_THREADS=1 .venv-xla/bin/python benchmarks/xla_hf_sample.py [arch ...]
+        [--no-dropout]     every dropout probability of the tiny configs set to 0
+        [--held-whole]     strided values held whole on their axis (device.unstrided) instead of split views
 """
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ T = pt.tactics
 STEPS = 2
 
 
+DROPOUTS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
+            "dropout_rate", "dropout", "attention_dropout", "activation_dropout")
+
+
 def partition(model, batch):
     base = [T.data_parallel("dp"), T.data_parallel("zero", name="BP-zero")]
     opt = dict(example_inputs=(batch,), loss_fn=H.hf_loss)
@@ -47,6 +53,10 @@ def run(mapping: str, arch: str) -> list:
     t0 = time.perf_counter()
     _, cls = H.model_class(mapping, arch)
     cfg = H.tiny_config(arch, cls, mapping)
+    if "--no-dropout" in sys.argv:
+        for f in DROPOUTS:
+            if hasattr(cfg, f):
+                setattr(cfg, f, 0.0)
     torch.manual_seed(0)
     model = cls(cfg).float().train()
     batch = H.make_batch(model, cfg, mapping)
@@ -80,7 +90,11 @@ def run(mapping: str, arch: str) -> list:
 
 
 def main():
-    only = set(sys.argv[1:])
+    only = {a for a in sys.argv[1:] if not a.startswith("--")}
+    if "--held-whole" in sys.argv:
+        import partir_torch.xla.program as xla_program
+
+        xla_program.form_of = lambda sh, shape, mesh: None
     rows = []
     for mapping, arch in HF_SAMPLE:
         if only and arch not in only:
