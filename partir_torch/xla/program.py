@@ -8,8 +8,7 @@ The captured *global* step graph runs op by op on XLA tensors (lazily traced, co
   value keeps (lower.op_layouts), a copy constrained to the op's layout makes XLA reshard at that op, that way;
 - backward uses of parameters go through an optimization barrier, so ZeRO-3 gathers them again (as partir does)
   instead of reusing the forward's gathered copy;
-- CPU-only kernels of the capture run as XLA ops (kernels.py), so the step stays one XLA program.
-
+- CPU-only kernels of the capture run as XLA ops (kernels.py), so the step stays one XLA program;
 - a value with a strided tiling (packed q|k|v, eager attention's (B*H) folds) is held and computed as the split
   view XLA can tile (strided.py: [d, 3d] tiled {model:s3} as [d, 3, d] tiled on its last dim), the ops on it
   rewritten onto the views; the few layouts no such view tiles are held whole on the strided axis (device.unstrided)
@@ -433,8 +432,8 @@ class XlaProgram:
     def state_dict(self) -> dict:
         """Parameters, buffers and optimizer state as full CPU tensors, keyed by named value ("params.<fqn>",
         "buffers.<fqn>", "opt.<state>.<fqn>")."""
-        held = self.executor.held()
-        return {n: t.cpu().reshape(held._shape(n)) for n, t in self.state.items()}
+        g = self.plan.graph        # a value held as a split view (strided.py) back to its own shape
+        return {n: t.cpu().reshape(g.shapes[g.vid[self.cap.names[n]]]) for n, t in self.state.items()}
 
     def gather_parameters(self) -> dict:
         """Full parameter tensors on the CPU, keyed by FQN."""
