@@ -96,6 +96,12 @@ VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, ate
 POINTWISE = frozenset(pointwise_rules()) - frozenset(RANDOM)
 
 
+def _own(t):
+    """A view made here as a value of its own (as kernels.xla_target runs view ops as their `_copy` forms): torch-xla
+    regenerates a view from its base where it is used, which can drop the sharding annotation placed on it."""
+    return t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t
+
+
 def _zip_map(nodes, values, fn):
     """fn(node, value) for each FX node of an op's args and the value fetched for it; the rest as it is."""
     if isinstance(nodes, fx.Node):
@@ -138,7 +144,8 @@ class Rewriter:
         if rewrite is None and n.target in POINTWISE:
             rewrite = Rewriter.pointwise
         out = rewrite(self, n, fn, args, kwargs) if rewrite is not None else None
-        return out if out is not None else self.fallback(n, fn, args, kwargs)
+        out = out if out is not None else self.fallback(n, fn, args, kwargs)
+        return type(out)(_own(o) for o in out) if isinstance(out, (list, tuple)) else _own(out)
 
     def fallback(self, n, fn, args, kwargs):
         """The op on the natural shapes; its results reshaped to how they are held."""
