@@ -426,3 +426,34 @@ def test_ops_on_split_views_compute_what_the_ops_compute():
                                   if len(s) == 3 and s[0] == 8 else None)
     torch.testing.assert_close(got[0], fold(q4, k4)[0], rtol=1e-5, atol=1e-6)
     assert rw.fallbacks == {"aten._softmax.default"}, rw.fallbacks
+
+
+def test_dropout_draws_the_masks_one_device_draws():
+    """Random draws run on the host from torch's generator (kernels.py), so dropout under BP + MP on 8 XLA devices
+    keeps the units one device keeps: 3 AdamW steps equal one device, each seeded alike (XLA's own generator draws
+    other masks: the first loss differed by 12%)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(64, 16))
+    ref = copy.deepcopy(model)
+    x = torch.randn(16, 16)
+
+    def loss_fn(m, x):
+        return torch.nn.functional.dropout(m(x), 0.2).square().mean()
+
+    prog = pt.partition(model, pt.Mesh({"batch": 4, "model": 2}), [T.data_parallel("batch"), T.megatron("model")],
+                        example_inputs=(x,), loss_fn=loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    xprog = prog.to_xla()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    for step in range(STEPS):
+        torch.manual_seed(step)
+        got = xprog.train_step(x)
+        torch.manual_seed(step)
+        opt.zero_grad()
+        want = loss_fn(ref, x)
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=0, msg=lambda m: f"step {step}: {m}")
+    got = xprog.gather_parameters()
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(got[k], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
