@@ -174,6 +174,19 @@ class XlaBackend:
         self._regather = param_derived(self.cap.gm) if self.cap.mode != FORWARD else frozenset()
         self.modules: dict = {}       # mode -> dump file of its post-partitioning HLO
         self.host_ops: list = []      # aten ops torch-xla ran on the host (see _check_host_ops)
+        self._check_draws()
+
+    def _check_draws(self) -> None:
+        """Random draws without a host form in kernels.py (torch's generator, as one device draws) come from XLA's
+        own generator: say once which, since the step then differs from one device's."""
+        from ..contract import draws_random
+        from .kernels import OVERRIDES
+
+        ops = sorted({str(n.target) for n in self.cap.gm.graph.nodes if draws_random(n) and n.target not in OVERRIDES})
+        if ops:
+            warn(f"to_xla: {', '.join(ops)} draw from XLA's generator, not torch's: the step's random values (and so "
+                 f"its losses and updates) differ from one device's. A host form for such an op goes in "
+                 f"partir_torch/xla/kernels.py (as native_dropout's).", stacklevel=4)
 
     def _placeholders(self):
         return [n for n in self.cap.gm.graph.nodes if n.op == "placeholder"]

@@ -457,3 +457,21 @@ def test_dropout_draws_the_masks_one_device_draws():
     got = xprog.gather_parameters()
     for k, p in ref.named_parameters():
         torch.testing.assert_close(got[k], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_a_draw_without_a_host_form_is_named_when_the_program_is_built():
+    """bernoulli of a tensor of probabilities reads their values, so it has no host form: XLA's generator draws it,
+    and to_xla() says so once, naming the op (dropout's draws, which have one, are not named)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1))
+
+    def loss_fn(m, x):
+        y = m(x)
+        return (y * torch.bernoulli(torch.full_like(y, 0.5))).mean()
+
+    prog = pt.partition(model, pt.Mesh({"batch": 8}), [T.data_parallel("batch")], example_inputs=(torch.randn(8, 8),),
+                        loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prog.to_xla()
+    said = [str(w.message) for w in caught if "to_xla" in str(w.message)]
+    assert len(said) == 1 and re.match(r"to_xla: aten\.bernoulli\.default draw from XLA's generator", said[0]), said
