@@ -244,6 +244,13 @@ LINKS = {
     aten.native_group_norm_backward.default: Links(local=AS_IS, flops=NONE, xla="xla.kernels.group_norm_backward"),
     aten.upsample_nearest2d_backward.default: Links(local=AS_IS, flops=NONE,
                                                     xla="xla.kernels.upsample_nearest2d_backward"),
+    # random draws: on the host from torch's generator, as one device draws them (XLA's generator draws others)
+    aten.native_dropout.default: Links(local=AS_IS, flops=NONE, xla="xla.kernels.native_dropout"),
+    aten.rand.default: Links(local=AS_IS, flops=NONE, xla="xla.kernels.rand"),
+    aten.randn.default: Links(local=AS_IS, flops=NONE, xla="xla.kernels.randn"),
+    aten.rand_like.default: Links(local=AS_IS, flops=NONE, xla="xla.kernels.rand_like"),
+    aten.randn_like.default: Links(local=AS_IS, flops=NONE, xla="xla.kernels.randn_like"),
+    aten.bernoulli.p: Links(local=AS_IS, flops=NONE, xla="xla.kernels.bernoulli_p"),
     # torch-xla 2.9 has no kernel and no composite for glu's backward: the XLA form is missing
     aten.glu_backward.default: Links(local=AS_IS, flops=NONE),
     # nn.Unfold / nn.Fold: memory-bound rearrangements; torch-xla 2.9 has no kernel for them
@@ -268,7 +275,7 @@ LINKS.update({op: PLAIN for op in (    # the rest of nn.py: memory-bound kernels
     aten._log_softmax_backward_data.default, aten.glu.default, aten.sort.default, aten.topk.default,
     aten.native_dropout_backward.default, aten.tril.default, aten.triu.default,
     aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.scalar_tensor.default,
-    aten.rand.default, aten.randn.default, aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
+    aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
     aten.new_full.default, aten.empty_strided.default, aten.new_empty_strided.default,
     aten.upsample_nearest2d.default, aten.upsample_nearest2d.vec, aten.avg_pool2d.default,
     aten.avg_pool2d_backward.default, aten.max_pool2d_with_indices.default,

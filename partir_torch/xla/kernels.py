@@ -127,6 +127,55 @@ def upsample_nearest2d_backward(grad_output, output_size, input_size, scales_h=N
 
 
 # op -> its XLA form, for the ops whose registry row links a function here (rules/registry.py LINKS); view ops are
+def _host(t):
+    """A host tensor shaped like XLA tensor `t` (what a draw reads of it: shape and dtype)."""
+    return torch.ones(t.shape, dtype=t.dtype)
+
+
+def _on_host(kwargs) -> tuple:
+    """kwargs with the device the capture traced with (the host), and the XLA device the draw goes to."""
+    dev = kwargs.get("device")
+    if dev is None or torch.device(dev).type != "xla":
+        import torch_xla
+
+        dev = torch_xla.device()
+    return {**kwargs, "device": torch.device("cpu")}, dev
+
+
+# Random draws run on the host from torch's generator and are sent to the devices whole (every rank draws the whole
+# tensor, rules/pointwise.py): the masks one device draws. XLA's own generator would draw others.
+def native_dropout(x, p, train):
+    if train is not None and not train:
+        return aten.native_dropout.default(x, p, train)
+    _, keep = aten.native_dropout.default(_host(x), p, train)      # the host kernel's draw: eager dropout's
+    keep = keep.to(x.device)
+    return x * keep * (0.0 if p == 1 else 1.0 / (1.0 - p)), keep
+
+
+def rand(size, **kwargs):
+    kwargs, dev = _on_host(kwargs)
+    return aten.rand.default(size, **kwargs).to(dev)
+
+
+def randn(size, **kwargs):
+    kwargs, dev = _on_host(kwargs)
+    return aten.randn.default(size, **kwargs).to(dev)
+
+
+def rand_like(x, **kwargs):
+    kwargs, _ = _on_host(kwargs)
+    return aten.rand_like.default(_host(x), **kwargs).to(x.device)
+
+
+def randn_like(x, **kwargs):
+    kwargs, _ = _on_host(kwargs)
+    return aten.randn_like.default(_host(x), **kwargs).to(x.device)
+
+
+def bernoulli_p(x, p=0.5, *, generator=None):
+    return aten.bernoulli.p(_host(x), p, generator=generator).to(x.device)
+
+
 # added by xla_target as they are met
 OVERRIDES = linked("xla", "xla.kernels", globals())
 

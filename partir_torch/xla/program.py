@@ -8,12 +8,14 @@ The captured *global* step graph runs op by op on XLA tensors (lazily traced, co
   value keeps (lower.op_layouts), a copy constrained to the op's layout makes XLA reshard at that op, that way;
 - backward uses of parameters go through an optimization barrier, so ZeRO-3 gathers them again (as partir does)
   instead of reusing the forward's gathered copy;
-- CPU-only kernels of the capture run as XLA ops (kernels.py), so the step stays one XLA program.
+- CPU-only kernels of the capture run as XLA ops (kernels.py), so the step stays one XLA program;
+- a value with a strided tiling (packed q|k|v, eager attention's (B*H) folds) is held and computed as the split
+  view XLA can tile (strided.py: [d, 3d] tiled {model:s3} as [d, 3, d] tiled on its last dim), the ops on it
+  rewritten onto the views; the few layouts no such view tiles are held whole on the strided axis (device.unstrided)
+  and one warning per mode names them and what XLA's program moves beyond the plan.
 
 GSPMD is then left to choose little more than how to reduce partial values (pending reductions have no HLO
-sharding). A strided tiling has no tile assignment either: its dim is held and constrained whole on the strided axis
-(device.unstrided), and one warning per mode names such values and what XLA's program moves beyond the plan.
-State stays on the devices between steps.
+sharding). State stays on the devices between steps.
 
     xprog = prog.to_xla()                 # PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 for 8 virtual devices
     loss = xprog.train_step(tokens, targets)
@@ -33,6 +35,7 @@ from ..errors import PartitionError, warn
 from . import device as xdev
 from .hlo import parse_collectives
 from .kernels import xla_target
+from .strided import Rewriter, form_of
 
 
 
@@ -61,12 +64,13 @@ class _Run(fx.Interpreter):
     parameter-derived values read them through an optimization barrier: a separate HLO value, so XLA reshards it
     again there (as partir does) instead of reusing the forward's gathered copy."""
 
-    def __init__(self, gm, dev, mesh, constraints: dict, regather: set = frozenset(), op_specs=None):
+    def __init__(self, gm, dev, mesh, constraints: dict, regather: set = frozenset(), op_specs=None, rewriter=None):
         super().__init__(gm, garbage_collect_values=True)
         self.dev, self.mesh, self.constraints = dev, mesh, constraints
         self.operand_specs, self.result_specs = op_specs or ({}, {})
         self.regather, self.fwd = regather, forward_nodes(gm) if regather else set()
         self.copies: dict = {}
+        self.rewriter, self.node = rewriter, None     # ops on values held in a strided Form (strided.py)
 
     def _backward_copy(self, node, value):
         if node.name not in self.copies:
@@ -85,8 +89,8 @@ class _Run(fx.Interpreter):
         env = {}
         if self.regather and n.op == "call_function" and n not in self.fwd:
             env = {a: self._backward_copy(a, self.env[a]) for a in n.all_input_nodes if a in self.regather}
-        for a, spec in self.operand_specs.get(n.name, {}).items():
-            env[a] = _constrained(env.get(a, self.env[a]), self.mesh, spec)   # as this op uses it (a reshard)
+        for a, spec in self.operand_specs.get(n.name, {}).items():    # as this op uses it (a reshard)
+            env[a] = _constrained(self._natural(a, env.get(a, self.env[a])), self.mesh, spec)
         if env:
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env.get(a, self.env[a]))
         return args, kwargs
@@ -95,13 +99,21 @@ class _Run(fx.Interpreter):
         # factory ops were traced with the capture device: create on the XLA device instead
         if isinstance(kwargs.get("device"), torch.device) and kwargs["device"].type != "xla":
             kwargs = {**kwargs, "device": self.dev}
+        if self.rewriter is not None and self.rewriter.involved(self.node):
+            return self.rewriter.run(self.node, xla_target(target), args, kwargs)
         return xla_target(target)(*args, **kwargs)
 
+    def _natural(self, node, t):
+        """`t` in its node's own shape (a value held in a strided Form is a split view of it)."""
+        return self.rewriter.natural(node, t) if self.rewriter is not None else t
+
     def run_node(self, n):
+        self.node = n
         out = super().run_node(n)
         made = self.result_specs.get(n.name)
         if made is not None and isinstance(out, torch.Tensor):   # computed in one layout, kept in another:
-            out = _constrained(out, self.mesh, made)             # partir reshards the result right after the op
+            held = out.shape                                     # partir reshards the result right after the op
+            out = _constrained(self._natural(n, out), self.mesh, made).reshape(held)
         spec = self.constraints.get(n.name)
         if spec is not None and isinstance(out, torch.Tensor):
             _mark(out, self.mesh, spec)
@@ -153,6 +165,8 @@ class XlaBackend:
         for node, name in zip(self._placeholders(), self.cap.input_names):
             self.layouts[name] = plan.sharding(g.vid[node])
         self.returned = set(next(n for n in reversed(self.cap.gm.graph.nodes) if n.op == "output").all_input_nodes)
+        self.forms = self._forms()
+        self.rewriter = Rewriter(self.forms) if self.forms else None
         self.uneven, (self.strided, self.strided_free) = self._uneven(), self._strided()
         self.checked: set = set()     # modes whose program was compared with the plan (_check_layouts)
         self.constraints = self._constraints()
@@ -160,6 +174,19 @@ class XlaBackend:
         self._regather = param_derived(self.cap.gm) if self.cap.mode != FORWARD else frozenset()
         self.modules: dict = {}       # mode -> dump file of its post-partitioning HLO
         self.host_ops: list = []      # aten ops torch-xla ran on the host (see _check_host_ops)
+        self._check_draws()
+
+    def _check_draws(self) -> None:
+        """Random draws without a host form in kernels.py (torch's generator, as one device draws) come from XLA's
+        own generator: say once which, since the step then differs from one device's."""
+        from ..contract import draws_random
+        from .kernels import OVERRIDES
+
+        ops = sorted({str(n.target) for n in self.cap.gm.graph.nodes if draws_random(n) and n.target not in OVERRIDES})
+        if ops:
+            warn(f"to_xla: {', '.join(ops)} draw from XLA's generator, not torch's: the step's random values (and so "
+                 f"its losses and updates) differ from one device's. A host form for such an op goes in "
+                 f"partir_torch/xla/kernels.py (as native_dropout's).", stacklevel=4)
 
     def _placeholders(self):
         return [n for n in self.cap.gm.graph.nodes if n.op == "placeholder"]
@@ -174,12 +201,24 @@ class XlaBackend:
                 out.append(f"{g.name(v)} dim {d} (size {size}) over '{axis}' (size {self.mesh.shape[axis]})")
         return out
 
+    def _forms(self) -> dict:
+        """FX node name -> Form, for the values with a strided tiling that XLA holds as a split view (strided.py)."""
+        g, out = self.plan.graph, {}
+        for node in self.cap.gm.graph.nodes:
+            if node.op in ("placeholder", "call_function") and node in g.vid:
+                f = form_of(self.plan.sharding(g.vid[node]), g.shapes[g.vid[node]], self.mesh)
+                if f is not None:
+                    out[node.name] = f
+        return out
+
     def _strided(self) -> tuple:
-        """The values with a strided tiling ("name dim d over 'axis' in s strided blocks"): those XLA holds with that
-        dim whole on those axes (states first; _strided_layout), and those left to GSPMD."""
+        """The values with a strided tiling no split view holds ("name dim d over 'axis' in s strided blocks"): those
+        XLA holds with that dim whole on those axes (states first; _strided_layout), and those left to GSPMD."""
         g, state, whole, free = self.plan.graph, [], [], []
         for v in range(len(g.values)):
             sh, node = self.plan.sharding(v), g.values[v]
+            if node.name in self.forms:
+                continue
             for d, axes in xdev.strided_axes(sh).items():
                 blocks = " x ".join(str(sh.stride(a)) for a in axes if sh.stride(a) > 1)
                 where = f"{g.name(v)} dim {d} over {', '.join(repr(a) for a in axes)} in {blocks} strided blocks"
@@ -199,7 +238,8 @@ class XlaBackend:
         way, and where a padded dim meets a reshape it may exchange halos or gather where partir's plan moves
         nothing) and strided tilings (held whole on their axis). Say so once, with the bytes XLA's program moves
         beyond the plan (compare()); uneven tiles only when it does not carry out the plan."""
-        if mode in self.checked or not (self.uneven or self.strided or self.strided_free):
+        fell = sorted(self.rewriter.fallbacks) if self.rewriter is not None else []
+        if mode in self.checked or not (self.uneven or self.strided or self.strided_free or fell):
             return
         self.checked.add(mode)
         cmp = None
@@ -217,6 +257,9 @@ class XlaBackend:
                           ""))
         elif free and not (cmp is not None and cmp.ok):
             notes.append((f"{free} (a tile assignment cannot split a dim in strided blocks)", ""))
+        if fell and not (cmp is not None and cmp.ok):
+            notes.append((f"runs {', '.join(fell)} on the natural shapes of values it holds as split views (strided "
+                          f"tilings)", " Such an op family's rewrite onto the views goes in partir_torch/xla/strided.py."))
         for what, fix in notes:
             if cmp is None:
                 warn(f"to_xla: XLA {what}; XLA was started without HLO dumps, so whether its program moves more than "
@@ -238,9 +281,12 @@ class XlaBackend:
             if node.op != "call_function" or node not in g.vid:
                 continue
             sh = self.plan.sharding(g.vid[node])
-            if sh.strides:
-                sh = self._strided_layout(node, sh) or sh      # else partition_spec is None: left to GSPMD
-            spec = xdev.partition_spec(sh)
+            if node.name in self.forms:                        # its split view's spec (None: a pending reduction)
+                spec = self.forms[node.name].spec
+            else:
+                if sh.strides:
+                    sh = self._strided_layout(node, sh) or sh  # else partition_spec is None: left to GSPMD
+                spec = xdev.partition_spec(sh)
             if spec is not None:
                 out[node.name] = spec
         return out
@@ -282,7 +328,11 @@ class XlaBackend:
     def shard(self, full: torch.Tensor, sh) -> torch.Tensor:
         """`full` on the XLA devices, laid out as `sh`."""
         x = full.detach().to(self.device)
-        spec = xdev.partition_spec(xdev.unstrided(sh))
+        f = form_of(sh, tuple(full.shape), self.mesh)
+        if f is not None:                     # held as its split view
+            x, spec = x.reshape(f.held), f.spec
+        else:
+            spec = xdev.partition_spec(xdev.unstrided(sh))
         if spec is None:
             raise PartitionError(f"to_xla: a held value is laid out {sh}, a pending reduction, which an XLA tile "
                                  f"assignment cannot express. Reduce it in the step (a partial state value has no "
@@ -303,7 +353,9 @@ class XlaBackend:
         mode = self.cap.mode
         before = xdev.dumped_modules() if mode not in self.modules and xdev._dump_dir else None
         host_before = _host_op_counts()
-        outs = _Run(gm, self.device, self.xmesh, self.constraints, self._regather, self.op_specs).run(*args)
+        outs = _Run(gm, self.device, self.xmesh, self.constraints, self._regather, self.op_specs,
+                    self.rewriter).run(*args)
+        outs = self._held_outputs(gm, outs)
         torch_xla.sync()
         if before is not None:
             self._remember_module(mode, before)
@@ -311,11 +363,24 @@ class XlaBackend:
         self._check_layouts(mode)
         return list(outs)
 
+    def _held_outputs(self, gm, outs) -> list:
+        """The step's outputs as the state holds them (a new parameter in its split view, as shard() places it)
+        and the others (loss, gradients) in their own shapes."""
+        if self.rewriter is None:
+            return list(outs)
+        ret = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+        out = []
+        for name, node, t in zip(self.cap.output_names, ret, outs):
+            f = form_of(self.layouts[name], self.rewriter.shape(node), self.mesh) if name in self.layouts else None
+            out.append(t.reshape(f.held if f is not None else self.rewriter.shape(node))
+                       if isinstance(t, torch.Tensor) and isinstance(node, fx.Node) else t)
+        return out
+
     def full(self, t, sh, shape) -> torch.Tensor:
-        return t.cpu()
+        return t.cpu().reshape(shape)          # a split view (strided Form) back to the value's shape
 
     def value(self, t, sh, shape) -> torch.Tensor:
-        return t.cpu()
+        return t.cpu().reshape(shape)
 
     def rank0(self, t) -> torch.Tensor:
         return t.cpu()
@@ -380,7 +445,8 @@ class XlaProgram:
     def state_dict(self) -> dict:
         """Parameters, buffers and optimizer state as full CPU tensors, keyed by named value ("params.<fqn>",
         "buffers.<fqn>", "opt.<state>.<fqn>")."""
-        return {n: t.cpu() for n, t in self.state.items()}
+        g = self.plan.graph        # a value held as a split view (strided.py) back to its own shape
+        return {n: t.cpu().reshape(g.shapes[g.vid[self.cap.names[n]]]) for n, t in self.state.items()}
 
     def gather_parameters(self) -> dict:
         """Full parameter tensors on the CPU, keyed by FQN."""
