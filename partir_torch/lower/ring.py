@@ -10,6 +10,10 @@ all_gather -> matmul (a column-parallel linear's input; a row-parallel linear's 
                                       y = the y_i at their ranks' rows; the gathered x, assembled the same way,
                                       for the readers that are not such matmuls (the weight gradient)
 
+all_gather -> a matmul that sums over the gathered rows (a weight gradient, mm(t(x), b)):
+
+    g = mm(t(all_gather(x)), b)  ->   g = sum over steps of mm(t(x_i), b's rows where x_i's rows sit)
+
 matmul -> reduce_scatter (a row-parallel linear's output; the sum of matmuls that is a column-parallel linear's
 input gradient):
 
@@ -185,9 +189,8 @@ class _Ring:
         return self._call(aten.add.Tensor, self._call(aten.mul.Scalar, step, per),
                           self._call(aten.remainder.Scalar, ids, per))
 
-    def _chunk_ids(self, ids, q_plus):
-        """The entries of `ids` (per collective-frame row) of chunk q = (coord + q_plus) mod n."""
-        c = math.prod(self.front[:-1]) // self.n
+    def _chunk_ids(self, ids, q_plus, c):
+        """The entries of `ids` (per collective-frame row) of chunk q = (coord + q_plus) mod n, c rows each."""
         q = self._call(aten.remainder.Scalar, self._call(aten.add.Scalar, self.coord, q_plus), self.n, shape=())
         at = self._call(aten.add.Tensor, self._call(aten.arange.default, c), self._call(aten.mul.Scalar, q, c))
         return self._call(aten.index_select.default, ids, 0, at)
@@ -201,28 +204,44 @@ class _Ring:
                 and _keeps_rows(u, k):
             chain.append(u)
             r = u
-        readers = [u for u in r.users if u.target in _MM and u.args[_lhs(u)] is r and sum(a is r for a in u.args) == 1]
-        if not readers or len(_shape(r) or ()) != 2:
+        if len(_shape(r) or ()) != 2:
             return None
+        rows_of = [u for u in r.users if u.target in _MM and u.args[_lhs(u)] is r and sum(a is r for a in u.args) == 1]
+        summed = [x for x in map(_contracted, r.users) if x is not None]      # mm(t(r), b): r's rows are summed over
+        if not rows_of and not summed:
+            return None
+        last = max([u for u in rows_of] + [x[-1] for x in summed], key=lambda u: self.index.get(u, -1))
         whole = [self.n * self.front[0]] + self.front[1:]
-        with self.g.inserting_before(max(readers, key=lambda u: self.index.get(u, -1))):
-            cur, chunks, outs = self.c.args[0], [], {u: [] for u in readers}
+        with self.g.inserting_before(last):
+            ids = self._ids(whole, chain)                     # per row of r, its row in the collective's frame
+            inv = self._call(aten.argsort.default, ids) if summed else None     # and back
+            cur, chunks, outs = self.c.args[0], [], {u: [] for u in rows_of}
+            acc = {x[-1]: None for x in summed}
             for i in range(self.n):
                 sent = self._shift(cur, self.front) if i < self.n - 1 else None
                 rows = self._call(aten.reshape.default, cur, [-1, k])
-                for u in readers:
+                for u in rows_of:
                     args = list(u.args)
                     args[_lhs(u)] = rows
                     outs[u].append(self._call(u.target, *args))
+                if summed:                                    # rank r - i's rows of b, where r's rows of it sit
+                    mine = self._chunk_ids(inv, self.n - i, math.prod(self.front[:-1]))
+                    for *_, mm in summed:
+                        part = self._call(aten.mm.default, self._call(aten.t.default, rows),
+                                          self._call(aten.index_select.default, mm.args[1], 0, mine))
+                        acc[mm] = part if acc[mm] is None else self._call(aten.add.Tensor, acc[mm], part)
                 chunks.append(rows)
                 cur = self._call(WAIT, sent, shape=self.front) if sent is not None else None
-            at = self._step_of(self._ids(whole, chain))       # r's rows in the arrival order of the chunks
-            for u in readers:
+            at = self._step_of(ids)                           # r's rows in the arrival order of the chunks
+            for u in rows_of:
                 u.replace_all_uses_with(self._call(aten.index_select.default, self._call(aten.cat.default, outs[u]),
                                                    0, at))
+            for mm, total in acc.items():
+                mm.replace_all_uses_with(total)
+            others = len(r.users) - len(rows_of) - len(summed)
             new_r = self._call(aten.index_select.default, self._call(aten.cat.default, chunks), 0, at) \
-                if len(r.users) > len(readers) else None
-        for u in readers:                  # after the insertions: the insertion point is one of them
+                if others else None
+        for u in rows_of + [n for x in summed for n in reversed(x)]:   # after the insertions (`last` is one)
             self.g.erase_node(u)
         if new_r is not None:
             r.replace_all_uses_with(new_r)
@@ -249,7 +268,7 @@ class _Ring:
             acc = None
             for i in range(self.n):
                 sent = self._shift(acc, chunk) if acc is not None else None     # in flight while part_i computes
-                rows = self._chunk_ids(ids, self.n - 1 - i)   # chunk q = r - 1 - i (mod n)
+                rows = self._chunk_ids(ids, self.n - 1 - i, math.prod(chunk[:-1]))   # chunk q = r - 1 - i
                 part = self._call(aten.reshape.default, self._part(tree, rows), chunk[:-1] + [-1], shape=chunk)
                 acc = part if sent is None else self._call(aten.add.Tensor, self._call(WAIT, sent, shape=chunk), part)
         self.wait.replace_all_uses_with(acc)
@@ -268,6 +287,21 @@ class _Ring:
 
 def _lhs(u) -> int:
     return 1 if u.target is aten.addmm.default else 0
+
+
+def _contracted(u):
+    """(transpose, [clone,] mm) when `u` transposes a 2-D value only for one matmul to contract over its rows
+    (mm(t(r), b): a weight gradient); else None."""
+    if not (u.target is aten.t.default or (u.target is aten.permute.default and list(u.args[1]) == [1, 0])):
+        return None
+    nodes, x = [u], u
+    if (c := _only_user(x)) is not None and c.target is aten.clone.default:
+        nodes.append(c)
+        x = c
+    mm = _only_user(x)
+    if mm is None or mm.target is not aten.mm.default or mm.args[0] is not x or mm.args[1] is x:
+        return None
+    return (*nodes, mm)
 
 
 def _sum_of_matmuls(x, k: int):
