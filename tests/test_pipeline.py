@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import partir_torch as pt
-from partir_torch.contract import META_ACTION, META_MODULE, META_STAGE, Phase, phase_of
+from partir_torch.contract import META_ACTION, META_COLLECTIVE, META_MODULE, META_STAGE, Phase, phase_of
 from partir_torch.errors import PartitionError
 from partir_torch.lower.pipeline import pp_transfer, rank_orders
 from examples.models import get
@@ -86,6 +86,34 @@ def test_zero3_inside_stages_and_state_dict():
     after = prog.gather_parameters()
     for k, v in before.items():
         torch.testing.assert_close(after[k], v, rtol=0, atol=0)
+
+
+def test_dp_collectives_bucketed_per_stage_and_overlapped():
+    """A stage's gradient reduce-scatters are bucketed within the stage (lower/pipeline.bucket_parts), issued in its
+    last micro-batch's backward before that backward's compute ends, and waited for before its update; its ZeRO-3
+    gathers (kept for every micro-batch) are bucketed in its first micro-batch's forward; no bucket mixes stages
+    (each parameter reduced and gathered once, by its own stage); the step trains like one device."""
+    prog = _parity({"pp": 2, "dp": 2}, [T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("dp"),
+                                        T.zero(3, "dp", reshard_after_forward=False)], bucket_bytes=2 ** 14)
+    low, spec = prog.plan.lowered(), prog.plan.pipeline
+    nodes = list(low.gm.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    node = {n.name: n for n in nodes}
+    for s in range(2):
+        last_b, first_f = (s, "B", 3), (s, "F", 0)
+        mine = [r for r in low.records if r.axis == "dp" and node[r.node].meta[META_STAGE] == s]
+        rs, ag = ([r for r in mine if r.kind == k] for k in ("reduce_scatter", "all_gather"))
+        assert sum(len(r.parts()) for r in rs) == len(spec.params[s]) > len(rs) >= 2     # buckets, several per stage
+        assert sorted(m.value for r in ag for m in r.parts()) == sorted(f"params.{p}" for p in spec.params[s])
+        assert sum(len(r.parts()) > 1 for r in ag) >= 1 and {node[r.node].meta[META_ACTION] for r in ag} == {first_f}
+        assert {node[r.node].meta[META_ACTION] for r in rs} == {last_b}
+        compute = [n for n in nodes if n.meta.get(META_ACTION) == last_b and n.op == "call_function"
+                   and META_COLLECTIVE not in n.meta and "wait" not in n.name]
+        assert at[node[rs[0].node]] < at[compute[-1]]            # the first bucket overlaps the last backward
+        update = min(at[n] for n in nodes if n.meta.get(META_ACTION) == (s, "U", 0))
+        for r in rs:
+            wait = next(iter(node[r.node].users))
+            assert at[node[r.node]] < at[wait] < update
 
 
 def test_fqn_globs_and_automatic_after_pipeline():
