@@ -16,6 +16,8 @@ Deep models are simulated at two shallow depths and extrapolated linearly to the
 block costs the same time and memory; the embedding, head, optimizer start and first gather are the intercept).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_validation.py [--quick] [--write-confidence]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_validation.py --pipelined          # the pipelined rows only
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_validation.py --breakdown "GPT-70B"  # where one row's time goes
 """
 from __future__ import annotations
 
@@ -302,10 +304,15 @@ def main(argv=None):
                     "at the two shallow depths the row is extrapolated from, knobs fitted on the calibration half")
     ap.add_argument("--schedule", help="with --breakdown: the row run with another schedule of _schedule")
     ap.add_argument("--memory", action="store_true", help="only the rows that publish peak memory")
+    ap.add_argument("--pipelined", action="store_true", help="only the pipelined training rows (held out from every "
+                    "fit), knobs fitted on the calibration half as in the full table")
     args = ap.parse_args(argv)
     check()
     if args.breakdown:
         breakdown(args.breakdown, args.schedule)
+        return
+    if args.pipelined:
+        pipelined_rows()
         return
     if args.memory:
         memory_table([r for r in ROWS if r.mem_gib])
@@ -358,6 +365,18 @@ def main(argv=None):
     if args.write_confidence and not args.quick:
         _write_confidence(conf)
     print(f"\n{time.process_time() - t0:.0f} s CPU")
+
+
+def pipelined_rows() -> None:
+    """The pipelined rows' predictions and errors, with the knobs the full table fits on the calibration half."""
+    knobs = fit([r for r in ROWS if SPLIT[r.family] == "cal"], {}, passes=1)
+    rows = [r for r in ROWS if r.kind == "training" and r.setup.get("pipeline")]
+    table = []
+    for r in rows:
+        pred = predict(r, knobs)
+        e = err(pred, r.measured)
+        table.append((r.family, r.name, r.unit, f"{r.measured:g}", f"{pred:.4g}", f"{100 * e:+.1f}%"))
+    print(tabulate(table, headers=["family", "row", "unit", "ref", "sim", "err"]))
 
 
 def breakdown(name: str, schedule: str | None = None) -> None:

@@ -424,5 +424,10 @@ def test_simulated_bubble_matches_the_textbook(p, m, v, schedule):
     assert abs(sim.bubble / sim.formula - 1) < 0.05, (sim.bubble, sim.formula)
     assert sim.transfers == 2 * m * (p * v - 1)
     assert "bubble" in rep.table() and "slowest stage" in rep.table()
+    # each rank's step split: no collective, so nothing exposed; its compute is its forward/backward busy time and its
+    # update; the rest (the bubble) idle
+    assert sim.exposed_s == [0.0] * p and "pipeline rank 0: step" in rep.table()
+    for r in range(p):
+        assert sim.busy_s[r] <= sim.compute_s[r] * (1 + 1e-9) and sim.compute_s[r] < sim.step_s[r]
     if schedule == "1F1B":   # the first stage holds p micro-batches' activations, the last one (GPipe: m on each)
         assert sim.peak_bytes[0] > 1.5 * sim.peak_bytes[-1]
