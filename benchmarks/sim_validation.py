@@ -389,6 +389,7 @@ def breakdown(name: str, schedule: str | None = None) -> None:
     setup = {**ref.setup, **({"schedule": schedule} if schedule else {})}
     hw = _hw(setup, fit([r for r in ROWS if SPLIT[r.family] == "cal"], {}, passes=1))   # the table's fit
     print(f"{ref.name}, schedule {setup['schedule']}, {setup.get('options', {})}")
+    splits = []
     for L in _depths(setup):
         gm, mesh, recompute, pipelined = program(setup, L)
         rep = (simulate_pipeline(gm, mesh, hw, pipelined, exclude_flops=recompute) if pipelined is not None
@@ -403,6 +404,41 @@ def breakdown(name: str, schedule: str | None = None) -> None:
             print(f"    {kind}[{axis}] x{n}: {b / 2**20:.0f} MiB, {1e3 * t:.1f} ms, exposed {1e3 * e:.1f} ms")
         if pipelined is not None:
             print("    " + "\n    ".join(rep.pipeline.lines()))
+            splits.append(_rank_split(rep, gm))
+    if splits:
+        _extrapolated_split(ref, setup, splits)
+
+
+def _rank_split(rep, gm) -> list:
+    """Per rank of a pipelined row's report: its step, compute, exposed communication and idle seconds, and its
+    exposed seconds per collective kind and axis."""
+    from partir_torch.contract import META_STAGE
+
+    stage = {n.name: n.meta.get(META_STAGE) for n in gm.graph.nodes}
+    sim, out = rep.pipeline, []
+    for r in range(sim.ranks):
+        d = {"step": sim.step_s[r], "compute": sim.compute_s[r], "exposed": sim.exposed_s[r],
+             "idle": sim.step_s[r] - sim.compute_s[r] - sim.exposed_s[r]}
+        for c in rep.collectives:
+            if stage.get(c.node) == r:
+                d[f"exposed {c.kind}[{c.axis}]"] = d.get(f"exposed {c.kind}[{c.axis}]", 0.0) + c.exposed_s
+        out.append(d)
+    return out
+
+
+def _extrapolated_split(ref, setup, splits) -> None:
+    """The rank whose step is the longest, its split extrapolated to the row's depth, next to the measured step."""
+    a, b = _depths(setup)
+    L = setup["model"]["layers"]
+    r = max(range(len(splits[1])), key=lambda q: splits[1][q]["step"])
+    lo, hi = splits[0][r], splits[1][r]
+    parts = ", ".join(f"{k} {1e3 * (lo.get(k, 0.0) + (L - a) * (v - lo.get(k, 0.0)) / (b - a)):.0f} ms"
+                      for k, v in hi.items())
+    print(f"  at {L} blocks (extrapolated), rank {r}: {parts}")
+    if ref.unit.startswith("TFLOP"):
+        tokens = setup["batch"] * setup["model"]["seq"] / setup["mesh"].get("tp", 1) / setup["mesh"].get("pp", 1)
+        step = tokens * flops_per_token(setup["model"], setup["flops"]) / (ref.measured * 1e12)
+        print(f"  measured step ({ref.measured:g} {ref.unit}): {1e3 * step:.0f} ms")
 
 
 def _write_confidence(conf: dict) -> None:
