@@ -122,6 +122,30 @@ def test_dp_collectives_bucketed_per_stage_and_overlapped():
         assert mine and sum(c.exposed_s for c in mine) < sum(c.time_s for c in mine)
 
 
+def test_mixed_precision_reductions_start_inside_the_last_backward():
+    """Under mixed precision each gradient's up-cast and its micro-batch accumulation follow the gradient in the
+    unrolled step (tactics/memory.hoist_gradient_casts; autograd put every up-cast after the backward), so a stage's
+    first reduce-scatter bucket is issued before its last micro-batch's backward ends. Compute in float64 (the casts
+    are the same ops as bf16's), so the step equals one device's fp32 training within the fp32 tolerances."""
+    loss_fn = lambda m, *b: LLAMA.loss_fn(m, *b).float()      # noqa: E731 (the loss in fp32, as one device's)
+    model = LLAMA.build()
+    ref, batch = copy.deepcopy(model), LLAMA.batch(8)
+    prog = pt.partition(model, pt.Mesh({"pp": 2, "dp": 2}),
+                        [T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("dp"), T.mixed_precision(torch.float64),
+                         T.zero(3, "dp", reshard_after_forward=False)], example_inputs=batch, loss_fn=loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), bucket_bytes=2 ** 14)
+    train_next_to_eager(prog, ref, [batch] * 2, loss_fn, adamw(1e-3))
+    low = prog.plan.lowered()
+    nodes = list(low.gm.graph.nodes)
+    at = {n.name: i for i, n in enumerate(nodes)}
+    for s in range(2):
+        rs = [at[r.node] for r in low.records if r.kind == "reduce_scatter" and r.axis == "dp"
+              and nodes[at[r.node]].meta[META_STAGE] == s]
+        mms = [at[n.name] for n in nodes if n.meta.get(META_ACTION) == (s, "B", 3)
+               and n.target is torch.ops.aten.mm.default]
+        assert len(rs) >= 2 and min(rs) < max(mms), (s, rs, max(mms))
+
+
 def test_fqn_globs_and_automatic_after_pipeline():
     stages = [["tok_embeddings", "layers.[0-2]"], ["layers.3", "norm", "output"]]
     prog = _parity({"pp": 2, "dp": 2}, [T.pipeline("pp", stages, "1F1B", 4),

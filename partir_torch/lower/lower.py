@@ -199,7 +199,9 @@ class Lowerer:
         parts = bucket_parts(self.new, self.pipelined) if self.pipelined is not None and cap else None
         records = bucket_collectives(self.new, self.em.records, cap, parts) if cap else self.em.records
         records = chunk_tp(self.new, records, self.options.tp_chunks)
-        scheduled = schedule(self.new, self.options.prefetch, self.options.reduce_in_flight)
+        # a pipelined program's reductions are not bounded (Options): waited for where its update reads them
+        bound = self.options.reduce_in_flight if self.pipelined is None else 0
+        scheduled = schedule(self.new, self.options.prefetch, bound)
         if not self.options.compile and self.pipelined is None:   # eager: the optimizer update as fused kernels (Inductor fuses its own)
             fuse_optimizer(self.new, self.cap)
         at = {n.name: i for i, n in enumerate(self.new.nodes)}

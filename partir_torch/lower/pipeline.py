@@ -152,6 +152,10 @@ def bucket_parts(g, spec) -> dict:
     a stage's gradient reductions (its gradients are final in its last micro-batch's backward, so its buckets are
     issued there as they fill, as Megatron-LM's --overlap-grad-reduce does in the last backward) and its state
     gathers (in its first micro-batch's forward, one bucket ahead: lower/schedule.py). No bucket mixes two stages.
+    The reductions are not bounded in flight (lowering schedules them with reduce_in_flight 0): each is waited for
+    where the stage's update reads it, so no wait in the last backward holds back the gradient the previous stage
+    is waiting for (Megatron's buckets are waited for in finalize_model_grads, after the backward), and the
+    accumulated gradients live through the step anyway.
     Left unbucketed: a gradient whose terms are summed on several ranks of the axis, a tied weight's gathers and
     the gathers of updated state after the update (ZeRO-1/2): ppaxis.py follows a tied weight's gradient sum,
     update and gathers through their ops and collectives, which a bucket would merge with other parameters'."""
