@@ -16,6 +16,8 @@ Deep models are simulated at two shallow depths and extrapolated linearly to the
 block costs the same time and memory; the embedding, head, optimizer start and first gather are the intercept).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_validation.py [--quick] [--write-confidence]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_validation.py --pipelined          # the pipelined rows only
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_validation.py --breakdown "GPT-70B"  # where one row's time goes
 """
 from __future__ import annotations
 
@@ -307,20 +309,21 @@ def main(argv=None):
     ap.add_argument("--memory", action="store_true", help="only the rows that publish peak memory")
     ap.add_argument("--rows", metavar="SUBSTR", help="only the rows whose name contains SUBSTR, predicted with the "
                     "calibration half's fit (the table's); no leave-one-family-out")
+    ap.add_argument("--pipelined", action="store_true", help="only the pipelined training rows (held out from every "
+                    "fit), knobs fitted on the calibration half as in the full table")
     args = ap.parse_args(argv)
     check()
     if args.breakdown:
         breakdown(args.breakdown, args.schedule, json.loads(args.options) if args.options else None)
         return
+    if args.pipelined:
+        some_rows([r for r in ROWS if r.kind == "training" and r.setup.get("pipeline")])
+        return
     if args.memory:
         memory_table([r for r in ROWS if r.mem_gib])
         return
     if args.rows:
-        knobs = fit([r for r in ROWS if SPLIT[r.family] == "cal"], {}, passes=1)
-        some = [r for r in ROWS if args.rows in r.name]
-        print(tabulate([(SPLIT[r.family], r.family, r.name, r.unit, f"{r.measured:g}", f"{p:.4g}",
-                         f"{100 * err(p, r.measured):+.1f}%") for r in some for p in [predict(r, knobs)]],
-                       headers=["half", "family", "row", "unit", "ref", "sim", "err"]))
+        some_rows([r for r in ROWS if args.rows in r.name])
         return
     t0 = time.process_time()
     rows = [r for r in ROWS if not (args.quick and r.kind == "training")]
@@ -372,6 +375,14 @@ def main(argv=None):
     print(f"\n{time.process_time() - t0:.0f} s CPU")
 
 
+def some_rows(rows) -> None:
+    """Some rows' predictions and errors, with the knobs the full table fits on the calibration half."""
+    knobs = fit([r for r in ROWS if SPLIT[r.family] == "cal"], {}, passes=1)
+    print(tabulate([(SPLIT[r.family], r.family, r.name, r.unit, f"{r.measured:g}", f"{p:.4g}",
+                     f"{100 * err(p, r.measured):+.1f}%") for r in rows for p in [predict(r, knobs)]],
+                   headers=["half", "family", "row", "unit", "ref", "sim", "err"]))
+
+
 def breakdown(name: str, schedule: str | None = None, options: dict | None = None) -> None:
     """Print, at each shallow depth of a training row, the simulated step, compute and exposed communication, and
     per collective kind and axis its count, bytes, time and exposed time (knobs fitted on the calibration half)."""
@@ -383,6 +394,7 @@ def breakdown(name: str, schedule: str | None = None, options: dict | None = Non
     setup["options"] = {**setup.get("options", {}), **(options or {})}
     hw = _hw(setup, fit([r for r in ROWS if SPLIT[r.family] == "cal"], {}, passes=1))   # the table's fit
     print(f"{ref.name}, schedule {setup['schedule']}, {setup.get('options', {})}")
+    splits = []
     for L in _depths(setup):
         gm, mesh, recompute, pipelined = program(setup, L)
         rep = (simulate_pipeline(gm, mesh, hw, pipelined, exclude_flops=recompute) if pipelined is not None
@@ -397,6 +409,41 @@ def breakdown(name: str, schedule: str | None = None, options: dict | None = Non
             print(f"    {kind}[{axis}] x{n}: {b / 2**20:.0f} MiB, {1e3 * t:.1f} ms, exposed {1e3 * e:.1f} ms")
         if pipelined is not None:
             print("    " + "\n    ".join(rep.pipeline.lines()))
+            splits.append(_rank_split(rep, gm))
+    if splits:
+        _extrapolated_split(ref, setup, splits)
+
+
+def _rank_split(rep, gm) -> list:
+    """Per rank of a pipelined row's report: its step, compute, exposed communication and idle seconds, and its
+    exposed seconds per collective kind and axis."""
+    from partir_torch.contract import META_STAGE
+
+    stage = {n.name: n.meta.get(META_STAGE) for n in gm.graph.nodes}
+    sim, out = rep.pipeline, []
+    for r in range(sim.ranks):
+        d = {"step": sim.step_s[r], "compute": sim.compute_s[r], "exposed": sim.exposed_s[r],
+             "idle": sim.step_s[r] - sim.compute_s[r] - sim.exposed_s[r]}
+        for c in rep.collectives:
+            if stage.get(c.node) == r:
+                d[f"exposed {c.kind}[{c.axis}]"] = d.get(f"exposed {c.kind}[{c.axis}]", 0.0) + c.exposed_s
+        out.append(d)
+    return out
+
+
+def _extrapolated_split(ref, setup, splits) -> None:
+    """The rank whose step is the longest, its split extrapolated to the row's depth, next to the measured step."""
+    a, b = _depths(setup)
+    L = setup["model"]["layers"]
+    r = max(range(len(splits[1])), key=lambda q: splits[1][q]["step"])
+    lo, hi = splits[0][r], splits[1][r]
+    parts = ", ".join(f"{k} {1e3 * (lo.get(k, 0.0) + (L - a) * (v - lo.get(k, 0.0)) / (b - a)):.0f} ms"
+                      for k, v in hi.items())
+    print(f"  at {L} blocks (extrapolated), rank {r}: {parts}")
+    if ref.unit.startswith("TFLOP"):
+        tokens = setup["batch"] * setup["model"]["seq"] / setup["mesh"].get("tp", 1) / setup["mesh"].get("pp", 1)
+        step = tokens * flops_per_token(setup["model"], setup["flops"]) / (ref.measured * 1e12)
+        print(f"  measured step ({ref.measured:g} {ref.unit}): {1e3 * step:.0f} ms")
 
 
 def _write_confidence(conf: dict) -> None:

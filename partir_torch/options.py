@@ -22,7 +22,9 @@ class Options:
     Scheduling (lower/schedule.py): prefetch: state gathers (ZeRO-3's parameters) on one axis are issued this many
     gathers ahead of their use (FSDP2's default is 1; 0 gathers each where it is used); reduce_in_flight: at most
     this many gradient reductions per axis are in flight, each waited for before the next one past the bound is
-    issued, which frees its unsharded input (0: no bound, each waited for where the update reads it); tp_chunks: a
+    issued, which frees its unsharded input (0: no bound, each waited for where the update reads it; a pipelined
+    program has no bound: its accumulated gradients live through the step anyway, and a wait inside the last
+    backward would hold back the gradient the previous stage waits for, lower/pipeline.bucket_parts); tp_chunks: a
     tensor-parallel all_reduce of a matmul's result (Megatron's row-parallel linears) is split into this many row
     chunks, each reduced while the next chunk's matmul runs (lower/overlap.py; 0 or 1: off); async_tp: sequence
     parallelism's all_gather -> matmul and matmul -> reduce_scatter run as rings of point-to-point steps, each in

@@ -111,7 +111,8 @@ class Plan:
 
         piped = self.pipeline is not None and 0 <= self.pipeline_at <= k
         low = Lowerer(self.graph, self.stage_decisions(k), self.mesh, self.captured, canonical_groups(self.mesh),
-                      options, self.families, self.kept_gathered, pipelined=piped).run()
+                      options, self.families, self.kept_gathered,
+                      pipelined=self.pipeline if piped else None).run()
         if piped:
             from .lower.pipeline import pipeline_program
 

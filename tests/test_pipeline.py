@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import partir_torch as pt
-from partir_torch.contract import META_ACTION, META_MODULE, META_STAGE, Phase, phase_of
+from partir_torch.contract import META_ACTION, META_COLLECTIVE, META_MODULE, META_STAGE, Phase, phase_of
 from partir_torch.errors import PartitionError
 from partir_torch.lower.pipeline import pp_transfer, rank_orders
 from examples.models import get
@@ -86,6 +86,64 @@ def test_zero3_inside_stages_and_state_dict():
     after = prog.gather_parameters()
     for k, v in before.items():
         torch.testing.assert_close(after[k], v, rtol=0, atol=0)
+
+
+def test_dp_collectives_bucketed_per_stage_and_overlapped():
+    """A stage's gradient reduce-scatters are bucketed within the stage (lower/pipeline.bucket_parts), issued in its
+    last micro-batch's backward before that backward's compute ends, and waited for before its update; its ZeRO-3
+    gathers (kept for every micro-batch) are bucketed in its first micro-batch's forward; no bucket mixes stages
+    (each parameter reduced and gathered once, by its own stage); the step trains like one device."""
+    prog = _parity({"pp": 2, "dp": 2}, [T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("dp"),
+                                        T.zero(3, "dp", reshard_after_forward=False)], bucket_bytes=2 ** 14)
+    low, spec = prog.plan.lowered(), prog.plan.pipeline
+    nodes = list(low.gm.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    node = {n.name: n for n in nodes}
+    for s in range(2):
+        last_b, first_f = (s, "B", 3), (s, "F", 0)
+        mine = [r for r in low.records if r.axis == "dp" and node[r.node].meta[META_STAGE] == s]
+        rs, ag = ([r for r in mine if r.kind == k] for k in ("reduce_scatter", "all_gather"))
+        assert sum(len(r.parts()) for r in rs) == len(spec.params[s]) > len(rs) >= 2     # buckets, several per stage
+        assert sorted(m.value for r in ag for m in r.parts()) == sorted(f"params.{p}" for p in spec.params[s])
+        assert sum(len(r.parts()) > 1 for r in ag) >= 1 and {node[r.node].meta[META_ACTION] for r in ag} == {first_f}
+        assert {node[r.node].meta[META_ACTION] for r in rs} == {last_b}
+        compute = [n for n in nodes if n.meta.get(META_ACTION) == last_b and n.op == "call_function"
+                   and META_COLLECTIVE not in n.meta and "wait" not in n.name]
+        assert at[node[rs[0].node]] < at[compute[-1]]            # the first bucket overlaps the last backward
+        update = min(at[n] for n in nodes if n.meta.get(META_ACTION) == (s, "U", 0))
+        for r in rs:
+            wait = next(iter(node[r.node].users))
+            assert at[node[r.node]] < at[wait] < update
+    # the simulator replays that order: a bucket runs on the dp stream while the backward computes, so not all of
+    # the stage's reduce-scatter time is exposed
+    sim = prog.simulate(pt.sim.hardware("h100", gpus_per_node=4), stages=False)
+    for s in range(2):
+        mine = [c for c in sim.collectives if c.kind == "reduce_scatter" and node[c.node].meta[META_STAGE] == s]
+        assert mine and sum(c.exposed_s for c in mine) < sum(c.time_s for c in mine)
+
+
+def test_mixed_precision_reductions_start_inside_the_last_backward():
+    """Under mixed precision each gradient's up-cast and its micro-batch accumulation follow the gradient in the
+    unrolled step (tactics/memory.hoist_gradient_casts; autograd put every up-cast after the backward), so a stage's
+    first reduce-scatter bucket is issued before its last micro-batch's backward ends. Compute in float64 (the casts
+    are the same ops as bf16's), so the step equals one device's fp32 training within the fp32 tolerances."""
+    loss_fn = lambda m, *b: LLAMA.loss_fn(m, *b).float()      # noqa: E731 (the loss in fp32, as one device's)
+    model = LLAMA.build()
+    ref, batch = copy.deepcopy(model), LLAMA.batch(8)
+    prog = pt.partition(model, pt.Mesh({"pp": 2, "dp": 2}),
+                        [T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("dp"), T.mixed_precision(torch.float64),
+                         T.zero(3, "dp", reshard_after_forward=False)], example_inputs=batch, loss_fn=loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), bucket_bytes=2 ** 14)
+    train_next_to_eager(prog, ref, [batch] * 2, loss_fn, adamw(1e-3))
+    low = prog.plan.lowered()
+    nodes = list(low.gm.graph.nodes)
+    at = {n.name: i for i, n in enumerate(nodes)}
+    for s in range(2):
+        rs = [at[r.node] for r in low.records if r.kind == "reduce_scatter" and r.axis == "dp"
+              and nodes[at[r.node]].meta[META_STAGE] == s]
+        mms = [at[n.name] for n in nodes if n.meta.get(META_ACTION) == (s, "B", 3)
+               and n.target is torch.ops.aten.mm.default]
+        assert len(rs) >= 2 and min(rs) < max(mms), (s, rs, max(mms))
 
 
 def test_fqn_globs_and_automatic_after_pipeline():
@@ -396,5 +454,10 @@ def test_simulated_bubble_matches_the_textbook(p, m, v, schedule):
     assert abs(sim.bubble / sim.formula - 1) < 0.05, (sim.bubble, sim.formula)
     assert sim.transfers == 2 * m * (p * v - 1)
     assert "bubble" in rep.table() and "slowest stage" in rep.table()
+    # each rank's step split: no collective, so nothing exposed; its compute is its forward/backward busy time and its
+    # update; the rest (the bubble) idle
+    assert sim.exposed_s == [0.0] * p and "pipeline rank 0: step" in rep.table()
+    for r in range(p):
+        assert sim.busy_s[r] <= sim.compute_s[r] * (1 + 1e-9) and sim.compute_s[r] < sim.step_s[r]
     if schedule == "1F1B":   # the first stage holds p micro-batches' activations, the last one (GPipe: m on each)
         assert sim.peak_bytes[0] > 1.5 * sim.peak_bytes[-1]

@@ -11,6 +11,9 @@ A bucket flattens its members' shards into one buffer, runs one collective and s
 bucket holds at most `cap` bytes and at most 1/8 of what its kind moves on its axis in its phase (1 MiB at least):
 on a small model one 64 MiB bucket would be the whole model, gathered at once and its gradients all held until the
 last one is produced.
+
+A pipelined program (lower/pipeline.py) buckets only what `parts` names (collective node -> its stage): the gradient
+reductions and state gathers of one stage, keyed by the stage, so that no bucket mixes two stages.
 """
 from __future__ import annotations
 
@@ -26,8 +29,9 @@ UNITS = 8                   # a bucket holds at most this fraction (1/UNITS) of 
 MIN_BUCKET = 2 ** 20        # ... unless that is under 1 MiB
 
 
-def bucket_collectives(graph: fx.Graph, records: list, cap: int) -> list:
-    """Merge buckets in place; returns the new record list (program order)."""
+def bucket_collectives(graph: fx.Graph, records: list, cap: int, parts: dict | None = None) -> list:
+    """Merge buckets in place; returns the new record list (program order). parts: when given, only the collectives
+    it names are bucketed, and only with others of the same part (a pipelined program's stage)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     runs: dict = {}
     groups = []
@@ -36,7 +40,10 @@ def bucket_collectives(graph: fx.Graph, records: list, cap: int) -> list:
         rec = node.meta.get(META_COLLECTIVE)
         if rec is None or rec.kind not in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) or not _plain(node, rec):
             continue
-        members.append((node, rec, (rec.kind, rec.axis, rec.dtype, rec.phase, rec.reduce_op, node.args[-1])))
+        if parts is not None and node not in parts:
+            continue
+        part = () if parts is None else (parts[node],)
+        members.append((node, rec, (rec.kind, rec.axis, rec.dtype, rec.phase, rec.reduce_op, node.args[-1]) + part))
     total: dict = {}
     for _, rec, key in members:
         total[key] = total.get(key, 0) + rec.nbytes

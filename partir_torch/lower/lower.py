@@ -30,6 +30,7 @@ from . import indexed
 from .bucket import bucket_collectives
 from .overlap import chunk_tp
 from .fakeprop import annotate_graph
+from .pipeline import bucket_parts
 from .ring import async_tp
 from .schedule import Scheduled, schedule
 from .fuse import fuse_optimizer
@@ -150,10 +151,11 @@ class Lowerer:
     buckets of options.bucket_bytes (bucket.py)."""
 
     def __init__(self, graph, decisions: Decisions, mesh, captured, groups: dict, options: Options | None = None,
-                 families: dict | None = None, kept: frozenset = frozenset(), pipelined: bool = False):
+                 families: dict | None = None, kept: frozenset = frozenset(), pipelined=None):
         self.g, self.d, self.mesh, self.cap = graph, decisions, mesh, captured
-        # a pipelined program (lower/pipeline.py) is cut into stages after lowering: no bucket or fused update may
-        # mix the values of two stages, so neither is made (buckets of one stage: not yet)
+        # pipelined: the PipelineSpec of a program cut into stages after lowering (lower/pipeline.py): no bucket or
+        # fused update may mix the values of two stages, so buckets are made per stage (gradient reductions and
+        # state gathers only, pipeline.bucket_parts) and no fused update
         self.pipelined = pipelined
         self.kept = kept                 # tactics whose gathered state is shared by forward and backward
         self.options = options or Options()
@@ -195,14 +197,17 @@ class Lowerer:
             raise
         except Exception as e:  # noqa: BLE001 - a bug of ours, reported with the node that hit it
             raise internal_error(current, "lowering", e) from e
-        cap = 0 if self.pipelined else self.options.bucket_bytes
-        records = bucket_collectives(self.new, self.em.records, cap) if cap else self.em.records
+        cap = self.options.bucket_bytes
+        parts = bucket_parts(self.new, self.pipelined) if self.pipelined is not None and cap else None
+        records = bucket_collectives(self.new, self.em.records, cap, parts) if cap else self.em.records
         records = chunk_tp(self.new, records, self.options.tp_chunks)
         if self.options.async_tp:
             annotate_graph(self.new, self._meta_args())
             records = async_tp(self.new, records, self.em.coords)
-        scheduled = schedule(self.new, self.options.prefetch, self.options.reduce_in_flight)
-        if not self.options.compile and not self.pipelined:   # eager: the optimizer update as fused kernels (Inductor fuses its own)
+        # a pipelined program's reductions are not bounded (Options): waited for where its update reads them
+        bound = self.options.reduce_in_flight if self.pipelined is None else 0
+        scheduled = schedule(self.new, self.options.prefetch, bound)
+        if not self.options.compile and self.pipelined is None:   # eager: the optimizer update as fused kernels (Inductor fuses its own)
             fuse_optimizer(self.new, self.cap)
         at = {n.name: i for i, n in enumerate(self.new.nodes)}
         records = sorted(records, key=lambda r: at[r.node])   # program order, as scheduled

@@ -31,9 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..contract import META_ACTION, META_MICRO, META_SRC, META_STAGE, Phase, phase_of
+from ..contract import META_ACTION, META_COLLECTIVE, META_MICRO, META_NAME, META_SRC, META_STAGE, Phase, \
+    phase_of
 from ..errors import InternalError, PartitionError
 from .ppaxis import END, NORM, TIED, clip_norm, norm_actions, pp_select, tied_weights  # noqa: F401 (pp_select: API)
+from .records import GRADIENT, STATE
 
 PIPELINE_AXIS = "partir_pipeline_axis"     # gm.meta key: the pipeline axis of a pipelined program
 
@@ -143,6 +145,69 @@ def pipeline_program(low, spec, captured):
     low.records = sorted((r for r in low.records if r.node in at), key=lambda r: at[r.node])
     low.pipeline = Pipelined(spec, tuple(tuple(a) for a in orders), tuple(t.name for t in transfers))
     return low
+
+
+def bucket_parts(g, spec) -> dict:
+    """The collectives lowering may bucket in a pipelined program (bucket.py), each with its stage, the bucket key:
+    a stage's gradient reductions (its gradients are final in its last micro-batch's backward, so its buckets are
+    issued there as they fill, as Megatron-LM's --overlap-grad-reduce does in the last backward) and its state
+    gathers (in its first micro-batch's forward, one bucket ahead: lower/schedule.py). No bucket mixes two stages.
+    The reductions are not bounded in flight (lowering schedules them with reduce_in_flight 0): each is waited for
+    where the stage's update reads it, so no wait in the last backward holds back the gradient the previous stage
+    is waiting for (Megatron's buckets are waited for in finalize_model_grads, after the backward), and the
+    accumulated gradients live through the step anyway.
+    Left unbucketed: a gradient whose terms are summed on several ranks of the axis, a tied weight's gathers and
+    the gathers of updated state after the update (ZeRO-1/2): ppaxis.py follows a tied weight's gradient sum,
+    update and gathers through their ops and collectives, which a bucket would merge with other parameters'."""
+    stage = _stages(g, spec)
+    out = {}
+    for n in g.nodes:
+        rec = n.meta.get(META_COLLECTIVE)
+        if rec is None or rec.why not in (GRADIENT, STATE) or rec.phase == "optimizer" or n not in stage:
+            continue
+        if rec.why == GRADIENT and len(_term_ranks(n.args[0], stage, spec)) > 1 \
+                or rec.why == STATE and _reads_tied(n, spec):
+            continue
+        out[n] = stage[n]
+    return out
+
+
+def _reads_tied(n, spec) -> bool:
+    """Whether collective `n` reads a tied weight or its optimizer state (a placeholder PipelineSpec.tied names)."""
+    todo, seen = list(n.all_input_nodes), set()
+    while todo:
+        y = todo.pop()
+        if y in seen:
+            continue
+        seen.add(y)
+        if y.op == "placeholder":
+            if y.meta.get(META_NAME) in spec.tied:
+                return True
+        elif y.meta.get(META_SRC) in spec.views:
+            return True
+        elif y.op == "call_function" and META_COLLECTIVE not in y.meta:
+            todo.extend(y.all_input_nodes)
+    return False
+
+
+_SUM_OPS = (torch.ops.aten.add.Tensor, torch.ops.aten._to_copy.default, torch.ops.aten.view.default,
+            torch.ops.aten.reshape.default, torch.ops._c10d_functional.all_reduce.default,
+            torch.ops._c10d_functional.wait_tensor.default)
+
+
+def _term_ranks(x, stage, spec) -> set:
+    """The ranks of the axis whose values a gradient `x` sums (through adds, casts, views and all_reduces)."""
+    ranks, todo, seen = set(), [x], set()
+    while todo:
+        y = todo.pop()
+        if y in seen:
+            continue
+        seen.add(y)
+        if y.op == "call_function" and y.target in _SUM_OPS:
+            todo.extend(y.all_input_nodes)
+        elif y in stage:
+            ranks.add(spec.rank_of(stage[y]))
+    return ranks
 
 
 def _stages(g, spec) -> dict:

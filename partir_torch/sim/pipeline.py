@@ -44,6 +44,11 @@ class PipelineSim:
     transfer_bytes: int              # bytes sent per step, all transfers of one rank pair summed
     transfers: int                   # transfers per step
     spans: dict = field(default_factory=dict, repr=False)   # action -> (rank, start_s, end_s)
+    # per rank, where its step goes: compute (contention with collectives in flight included), of which contention,
+    # and the communication it waited for (exposed); the rest of step_s is idle (the bubble, waits for transfers)
+    compute_s: list = field(default_factory=list)
+    contention_s: list = field(default_factory=list)
+    exposed_s: list = field(default_factory=list)
     # report.trace: rank r's compute on track 2 r, its collectives and sends on track 2 r + 1
 
     @property
@@ -59,7 +64,10 @@ class PipelineSim:
                 f"pipeline busy (forward/backward) per rank: {per}",
                 f"pipeline peak memory per rank: {mem}",
                 f"pipeline transfers: {self.transfers} per step, {self.transfer_bytes / max(self.microbatches, 1) / 2**20:.3f} "
-                f"MiB per micro-batch"]
+                f"MiB per micro-batch"] + [
+                f"pipeline rank {r}: step {1e3 * t:.1f} ms = compute {1e3 * c:.1f} ms (contention {1e3 * k:.1f}) + "
+                f"exposed communication {1e3 * e:.1f} ms + idle {1e3 * (t - c - e):.1f} ms"
+                for r, (t, c, k, e) in enumerate(zip(self.step_s, self.compute_s, self.contention_s, self.exposed_s))]
 
 
 def p2p_time(hw: Hardware, mesh, axis: str, nbytes: float) -> float:
@@ -154,7 +162,8 @@ def _report(lines, spans, spec, nodes, facts, hw, sent: int, n_sent: int, stage_
     peaks = [_rank_peak(nodes, r, facts) for r in range(p)]
     ends = [max(line.t_c, max(line.t_m.values(), default=0.0)) for line in lines]
     sim = PipelineSim(spec.schedule, p, m, v, bubble, (p - 1) / (v * m + p - 1), busy, ends, peaks, sent, n_sent,
-                      spans)
+                      spans, [line.compute_s for line in lines], [line.contention_s for line in lines],
+                      [line.exposed for line in lines])
     slow = lines[max(range(p), key=ends.__getitem__)]
     step = max(ends)
     flops = sum(line.model_flops for line in lines) / p

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from ..capture.graphutil import split_for_backward
 from ..contract import (META_NO_PARTIAL_PASS, META_PHASE, META_RECOMPUTE, META_RECOMPUTE_OF, META_REMAT, META_ROLE,
-    META_TAG, META_TAGS, RANDOM_OPS, Phase, traced_forward)
+    META_TAG, META_TAGS, RANDOM_OPS, Phase, phase_of, traced_forward)
 from ..errors import PartitionError
 
 aten = torch.ops.aten
@@ -96,8 +96,14 @@ def hoist_gradient_casts(gm) -> None:
     whole backward, since the forward's cast was made first: every fp32 gradient, and so its reduction, would
     wait for the last backward matmul, and every compute-dtype gradient would live to the end of the step. Each
     such cast (a backward `_to_copy` to fp32 of one backward value) moves right after the value it casts, where
-    FSDP's and DDP's hooks make it; the graph computes the same values."""
+    FSDP's and DDP's hooks make it; the graph computes the same values. A step with its micro-batches unrolled
+    (accumulate, pipeline) traces every micro-batch's backward before the loss they sum to: those backward nodes
+    are not the forward, and the add that accumulates a cast gradient into the earlier micro-batches' sum follows
+    its cast (`_follow_sum`), so the last micro-batch's gradient is final, and its reduction can start, where its
+    backward makes it."""
     nodes, fwd = traced_forward(gm)
+    fwd = {n for n in fwd if n.meta.get(META_PHASE) != Phase.BACKWARD}
+    index = {n: float(i) for i, n in enumerate(nodes)}
     moved = False
     for n in nodes:
         if n in fwd or n.target is not aten._to_copy.default or n.kwargs.get("dtype") != torch.float32 \
@@ -108,10 +114,28 @@ def hoist_gradient_casts(gm) -> None:
             continue
         if src.next is not n:
             src.append(n)
+            index[n] = index[src] + 1e-3
             moved = True
+        moved |= _follow_sum(n, index)
     if moved:
         gm.graph.lint()
         gm.recompile()
+
+
+def _follow_sum(cast, index) -> bool:
+    """The backward add reading `cast` (its only reader: the micro-batch accumulation, gradient + earlier sum) moves
+    right after it when its other operand is already made there; returns whether it moved."""
+    users = list(cast.users)
+    if len(users) != 1:
+        return False
+    u = users[0]
+    if u.target is not aten.add.Tensor or u.kwargs or phase_of(u) != Phase.BACKWARD or cast.next is u:
+        return False
+    if any(a is not cast and index[a] > index[cast] for a in u.all_input_nodes):
+        return False
+    cast.append(u)
+    index[u] = index[cast] + 1e-4
+    return True
 
 
 _RANDOM = RANDOM_OPS
