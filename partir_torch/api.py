@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from .errors import PartitionError
+from .errors import PartitionError, warn
 from .mesh import Mesh
 from .options import Options
 from .plan import capture_for, plan
@@ -78,7 +78,7 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
                              f"{accumulate!r}.")
     if accumulate > 1 and loss_fn is None:
         raise PartitionError("partition: accumulate sums the gradients of micro-batches; pass loss_fn=.")
-    _check_pipeline(tactics, loss_fn, compile, measure_memory, async_tp)
+    _check_pipeline(tactics, loss_fn, compile, measure_memory, async_tp, reduce_in_flight)
     options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile, prefetch=prefetch,
                       reduce_in_flight=reduce_in_flight, tp_chunks=tp_chunks, async_tp=async_tp, measure_memory=measure_memory,
                       max_shapes=max_shapes, memory_budget=memory_budget, strict=strict)
@@ -94,7 +94,8 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     return prog
 
 
-def _check_pipeline(tactics, loss_fn, compile: bool, measure_memory: bool, async_tp: bool = False) -> None:
+def _check_pipeline(tactics, loss_fn, compile: bool, measure_memory: bool, async_tp: bool = False,
+                    reduce_in_flight: int = Options.reduce_in_flight) -> None:
     """What a pipeline tactic (tactics/pipeline.py) does not run with yet: each named, with the fix."""
     pipe = [t for t in tactics if getattr(t, "family", None) == "pipeline"]
     if not pipe:
@@ -106,6 +107,10 @@ def _check_pipeline(tactics, loss_fn, compile: bool, measure_memory: bool, async
     if compile:
         raise PartitionError(f"partition: compile=True with a pipeline tactic ({name}) is not supported yet; leave "
                              f"compile=False.")
+    if reduce_in_flight != Options.reduce_in_flight:
+        warn(f"partition: reduce_in_flight={reduce_in_flight} does not apply to a pipelined program ({name}): a "
+             f"stage's gradient reductions start inside its last backward and are waited for where its optimizer "
+             f"update reads them, as Megatron's finalize_model_grads does (lower/pipeline.py).", stacklevel=3)
     if async_tp:
         raise PartitionError(f"partition: async_tp=True with a pipeline tactic ({name}) is not supported yet (its ring "
                              f"steps are not cut into stages); leave async_tp=False.")

@@ -192,7 +192,7 @@ def test_async_tp_rings_sequence_parallel_collectives_and_keeps_the_numbers(name
     train_next_to_eager(ring, ref, [spec.batch(4)] * 3, spec.loss_fn, make_opt=harness.adamw(lr=1e-3, eps=1e-5))
 
 
-def test_async_tp_is_checked_and_refused_with_a_pipeline():
+def test_async_tp_is_checked_and_pipelines_refuse_it_and_say_reduce_in_flight_does_not_apply():
     with pytest.raises(pt.PartitionError, match="async_tp"):
         program(1, 1) and pt.partition(torch.nn.Linear(2, 2), pt.Mesh({"batch": 2}), [], example_inputs=(),
                                        async_tp=1)
@@ -200,6 +200,10 @@ def test_async_tp_is_checked_and_refused_with_a_pipeline():
     with pytest.raises(pt.PartitionError, match="async_tp=True with a pipeline"):
         pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", 2)], example_inputs=BATCH, loss_fn=SPEC.loss_fn,
                      optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), async_tp=True)
+    # a pipelined program waits for its reductions where its update reads them: a bound given is said not to apply
+    with pytest.warns(UserWarning, match="reduce_in_flight=2 does not apply to a pipelined program"):
+        pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", 2)], example_inputs=BATCH, loss_fn=SPEC.loss_fn,
+                     optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), reduce_in_flight=2)
 
 
 def test_zero3_without_reshard_after_forward_gathers_once_per_step():
