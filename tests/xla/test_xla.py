@@ -166,9 +166,9 @@ def test_a_mesh_of_another_size_than_the_devices_is_refused_by_name():
         prog.to_xla()
 
 
-def _train_on_xla(model, mesh, schedule, batch, loss_fn):
-    """3 AdamW steps of `model` on XLA next to one device (losses and parameters compared); returns (XlaProgram,
-    the to_xla warnings the steps gave)."""
+def _train_on_xla(model, mesh, schedule, batch, loss_fn, seeded=False):
+    """3 AdamW steps of `model` on XLA next to one device (losses and parameters compared; `seeded`: each step's
+    generator seeded alike on both sides); returns (XlaProgram, the to_xla warnings the steps gave)."""
     ref = copy.deepcopy(model)
     with warnings.catch_warnings():   # partir's note on the linears Megatron leaves replicated (the head)
         warnings.filterwarnings("ignore", message=r"partir_torch: MP left .* replicated")
@@ -179,7 +179,11 @@ def _train_on_xla(model, mesh, schedule, batch, loss_fn):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(STEPS):
+            if seeded:
+                torch.manual_seed(step)
             got = xprog.train_step(*batch)
+            if seeded:
+                torch.manual_seed(step)
             opt.zero_grad()
             loss = loss_fn(ref, *batch)
             loss.backward()
@@ -434,29 +438,13 @@ def test_dropout_draws_the_masks_one_device_draws():
     other masks: the first loss differed by 12%)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(64, 16))
-    ref = copy.deepcopy(model)
     x = torch.randn(16, 16)
 
     def loss_fn(m, x):
         return torch.nn.functional.dropout(m(x), 0.2).square().mean()
 
-    prog = pt.partition(model, pt.Mesh({"batch": 4, "model": 2}), [T.data_parallel("batch"), T.megatron("model")],
-                        example_inputs=(x,), loss_fn=loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
-    xprog = prog.to_xla()
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-    for step in range(STEPS):
-        torch.manual_seed(step)
-        got = xprog.train_step(x)
-        torch.manual_seed(step)
-        opt.zero_grad()
-        want = loss_fn(ref, x)
-        want.backward()
-        opt.step()
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=0, msg=lambda m: f"step {step}: {m}")
-    got = xprog.gather_parameters()
-    for k, p in ref.named_parameters():
-        torch.testing.assert_close(got[k], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    _train_on_xla(model, {"batch": 4, "model": 2}, [T.data_parallel("batch"), T.megatron("model")], (x,), loss_fn,
+                  seeded=True)
 
 
 def test_a_draw_without_a_host_form_is_named_when_the_program_is_built():
