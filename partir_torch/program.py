@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .capture.counts import describe as describe_counts
-from .errors import PartitionError
+from .errors import PartitionError, warn
 from .propagate.decisions import Decisions
 from .reporting import Reports
 from .sharding import Sharding
@@ -236,6 +236,12 @@ class Program:
 
         if self.model is None:
             raise PartitionError("to_xla: this program was built without a model to take the state from.")
+        opts = self.plan.options
+        moved = [f"{k}={v!r}" for k, v in (("async_tp", opts.async_tp), ("tp_chunks", opts.tp_chunks)) if v]
+        if moved:      # the per-device program's overlap passes: XLA's partitioner makes its own program
+            warn(f"to_xla: {', '.join(moved)} shape partir's per-device program (lower/ring.py, lower/overlap.py); "
+                 f"the torch-xla program is XLA's SPMD partitioner's from the same plan, so they do not apply to it "
+                 f"(XLA's own collective-matmul options do: its windowed einsum flags).", stacklevel=2)
         return XlaProgram(self.plan, self.model, self.optimizer)
 
 

@@ -463,3 +463,14 @@ def test_a_draw_without_a_host_form_is_named_when_the_program_is_built():
         prog.to_xla()
     said = [str(w.message) for w in caught if "to_xla" in str(w.message)]
     assert len(said) == 1 and re.match(r"to_xla: aten\.bernoulli\.default draw from XLA's generator", said[0]), said
+
+
+def test_overlap_options_of_the_per_device_program_are_said_not_to_apply_to_xla():
+    """async_tp / tp_chunks rewrite partir's per-device program; the torch-xla program is XLA's partitioner's from the
+    same plan: to_xla() says so once instead of ignoring them silently."""
+    spec = get("mlp")
+    model = spec.build()
+    prog = pt.partition(model, pt.Mesh({"batch": 8}), [T.data_parallel("batch")], example_inputs=spec.batch(8),
+                        loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), tp_chunks=2)
+    with pytest.warns(UserWarning, match=r"to_xla: tp_chunks=2 shape partir's per-device program"):
+        prog.to_xla()
