@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from tabulate import tabulate
 
-ABBREV = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
+ABBREV = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A",
+          "collective_permute": "CP"}    # CP: one ring step of async_tp (lower/ring.py)
 
 
 @dataclass
