@@ -207,7 +207,9 @@ class _Ring:
         if len(_shape(r) or ()) != 2:
             return None
         rows_of = [u for u in r.users if u.target in _MM and u.args[_lhs(u)] is r and sum(a is r for a in u.args) == 1]
-        summed = [x for x in map(_contracted, r.users) if x is not None]      # mm(t(r), b): r's rows are summed over
+        # mm(t(r), b): r's rows summed over (a weight gradient), when it is of the collective's phase: a forward
+        # gather's weight gradient runs in the backward, long after the ring, and reads the gathered copy instead
+        summed = [x for x in map(_contracted, r.users) if x is not None] if self.rec.phase != "forward" else []
         if not rows_of and not summed:
             return None
         last = max([u for u in rows_of] + [x[-1] for x in summed], key=lambda u: self.index.get(u, -1))
