@@ -239,7 +239,7 @@ class XlaBackend:
         nothing) and strided tilings (held whole on their axis). Say so once, with the bytes XLA's program moves
         beyond the plan (compare()); uneven tiles only when it does not carry out the plan."""
         fell = sorted(self.rewriter.fallbacks) if self.rewriter is not None else []
-        if mode in self.checked or not (self.uneven or self.strided or self.strided_free or fell):
+        if mode in self.checked:
             return
         self.checked.add(mode)
         cmp = None
@@ -260,6 +260,9 @@ class XlaBackend:
         if fell and not (cmp is not None and cmp.ok):
             notes.append((f"runs {', '.join(fell)} on the natural shapes of values it holds as split views (strided "
                           f"tilings)", " Such an op family's rewrite onto the views goes in partir_torch/xla/strided.py."))
+        if not notes and cmp is not None and not cmp.ok:     # nothing of the above: say it all the same, once
+            notes.append(("partitions this plan otherwise than partir's lowering (its SPMD partitioner chose other "
+                          "collectives)", " xprog.compare() prints both programs' collectives per axis."))
         for what, fix in notes:
             if cmp is None:
                 warn(f"to_xla: XLA {what}; XLA was started without HLO dumps, so whether its program moves more than "
