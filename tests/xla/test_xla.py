@@ -220,20 +220,23 @@ def test_uneven_tiles_xla_moves_more_for_are_named_once():
                      r"collective_permute\[\?\] x\d+ [\d,]+ B.*strict=True", said[0]), said[0]
 
 
-def test_stock_hf_llama_under_bp_mp_equals_one_device_and_xla_carries_out_the_plan():
-    """Issue 20: a stock HF LlamaForCausalLM (tiny config, its own `labels=` loss, SDPA attention) with data_parallel
-    + megatron on 8 XLA devices trains like one device, and XLA's program has partir's collectives and bytes."""
+def _tiny_hf_llama():
+    """A stock HF LlamaForCausalLM from a tiny config (SDPA attention) and its own `labels=` loss."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=0)
     cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg), lambda m, x: m(input_ids=x, labels=x).loss
 
-    def loss_fn(m, x):
-        return m(input_ids=x, labels=x).loss
 
-    xprog, _ = _train_on_xla(LlamaForCausalLM(cfg), {"batch": 4, "model": 2},
+def test_stock_hf_llama_under_bp_mp_equals_one_device_and_xla_carries_out_the_plan():
+    """Issue 20: a stock HF LlamaForCausalLM (tiny config, its own `labels=` loss, SDPA attention) with data_parallel
+    + megatron on 8 XLA devices trains like one device, and XLA's program has partir's collectives and bytes."""
+    model, loss_fn = _tiny_hf_llama()
+
+    xprog, _ = _train_on_xla(model, {"batch": 4, "model": 2},
                              [T.data_parallel("batch"), T.megatron("model")], (torch.randint(0, 64, (8, 16)),), loss_fn)
     cmp = xprog.compare()
     assert cmp.ok and ("all_reduce", "model") in {(r[0], r[1]) for r in cmp.rows}, cmp
@@ -480,17 +483,9 @@ def test_a_plan_xla_partitions_otherwise_is_said_once_without_compare():
     """Issue 20 ("nothing silent"): where XLA's SPMD partitioner runs a plan with other collectives than partir's
     lowering (here stock HF Llama under the sweep's dp x tp x zero schedule: fewer bytes on zero, permutes on groups of
     no axis), the first step says so once, with compare()'s summary, though no uneven or strided layout is involved."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    model, loss_fn = _tiny_hf_llama()
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=0)
-    cfg._attn_implementation = "sdpa"
-
-    def loss_fn(m, x):
-        return m(input_ids=x, labels=x).loss
-
-    xprog, said = _train_on_xla(LlamaForCausalLM(cfg), {"dp": 2, "tp": 2, "zero": 2},
+    xprog, said = _train_on_xla(model, {"dp": 2, "tp": 2, "zero": 2},
                                 [T.data_parallel("dp"), T.data_parallel("zero", name="BP-zero"), T.megatron("tp"),
                                  T.zero(3, "zero")],
                                 (torch.randint(0, 64, (8, 16)),), loss_fn)
