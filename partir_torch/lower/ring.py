@@ -43,6 +43,7 @@ import torch.fx as fx
 
 from ..contract import META_COLLECTIVE, META_IN_SHAPE, META_LOCAL_SHAPE
 from .order import reorder
+from .overlap import _VIEWS     # the row-moving views lowering emits (one table for both overlap passes)
 from .records import ALL_GATHER, COLLECTIVE_PERMUTE, REDUCE_SCATTER, TACTIC
 
 aten = torch.ops.aten
@@ -114,8 +115,6 @@ def _only_user(n):
     users = list(n.users)
     return users[0] if len(users) == 1 else None
 
-
-_VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 
 
 def _shape(n):
