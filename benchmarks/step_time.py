@@ -238,19 +238,59 @@ def measure(name, args) -> dict:
     for _ in range(args.steps):
         for impl, step in built.items():
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step()
+            c1 = time.process_time()
             dist.barrier()
             out[impl]["times"].append(time.perf_counter() - t0)
+            out[impl].setdefault("cpu", []).append(c1 - c0)
     for impl, step in built.items():
         counter = CountCollectives()
         with counter:
             step()
         r = out[impl]
-        r.update(secs=statistics.median(r.pop("times")), bytes=counter.total, by_kind=counter.by_kind)
+        r.update(secs=statistics.median(r.pop("times")), cpu=statistics.median(r["cpu"]), bytes=counter.total,
+                 by_kind=counter.by_kind)
         if "eager" in impl:       # Inductor allocates out of the tracker's sight: eager programs only
             r["peak"] = _peak(step, holds[impl]())
+        if args.profile and "eager" in impl:
+            r["profile"] = _profile(step)
     return out
+
+
+# op name -> category of the profile (the first pattern that the name contains)
+_CATEGORIES = (("wait", ("wait_tensor", "wait", "barrier")),
+               ("collective issue", ("c10d", "gloo", "all_reduce", "all_gather", "reduce_scatter", "allreduce",
+                                     "allgather")),
+               ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
+                           "scaled_dot_product", "flash_attention")),
+               ("optimizer", ("_foreach", "_fused_adam", "adam")),
+               ("copies", ("aten::copy_", "aten::cat", "aten::clone", "aten::contiguous", "aten::split",
+                           "aten::view", "aten::reshape", "aten::t", "aten::transpose", "aten::permute",
+                           "aten::slice", "aten::select", "aten::expand", "aten::_to_copy", "aten::to",
+                           "aten::empty", "aten::zeros", "aten::new_", "aten::as_strided", "aten::detach",
+                           "aten::unsqueeze", "aten::squeeze", "aten::_unsafe_view", "aten::alias")))
+
+
+def _profile(step) -> dict:
+    """One step under torch.profiler on this rank: self CPU seconds by category, the number of aten ops dispatched,
+    and the step's wall and CPU seconds (CPU over wall below 1: the rank waited for the others or for a core)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    cats, n_aten = {}, 0
+    for ev in prof.key_averages():
+        name = ev.key
+        if name.startswith("aten::"):
+            n_aten += ev.count
+        cat = next((c for c, pats in _CATEGORIES if any(q in name for q in pats)),
+                   "other aten" if name.startswith("aten::") else "python / other")
+        cats[cat] = cats.get(cat, 0.0) + ev.self_cpu_time_total / 1e6
+    return {"wall": wall, "cpu": cpu, "aten ops": n_aten, "categories": cats}
 
 
 def _peak(step, held) -> int:
@@ -270,7 +310,13 @@ def _worker(rank, port, args, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=args.timeout))
     results = {name: measure(name, args) for name in args.models}
+    gathered = [None] * WORLD                  # every rank's CPU seconds and profile, for the table
+    dist.all_gather_object(gathered, {name: {impl: {k: r.get(k) for k in ("cpu", "profile")}
+                                             for impl, r in res.items()} for name, res in results.items()})
     if rank == 0:
+        for name, res in results.items():
+            for impl, r in res.items():
+                r["ranks"] = [g[name][impl] for g in gathered]
         queue.put(results)
     dist.destroy_process_group()
 
@@ -337,6 +383,9 @@ def main(argv=None):
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     ap.add_argument("--timeout", type=float, default=3000)
     ap.add_argument("--verbose", action="store_true", help="print the traceback of an implementation that failed")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one step of each eager implementation on every rank (torch.profiler) and "
+                         "print where each rank's time goes")
     args = ap.parse_args(argv)
     args.models = args.models.split(",")
     from tabulate import tabulate
@@ -388,11 +437,50 @@ def main(argv=None):
                      f"{t['local sum'] * 1e3:.0f}", f"{t['emulated'] / t['local sum']:.2f}"])
     print(tabulate(rows, headers=["model", "one-process step ms", "emulated step ms", "sum of local steps ms",
                                   "emulated / local sum"], disable_numparse=True))
+    _print_cpu(results, args)
     for name in args.models:
         for impl, r in results[name].items():
             if "error" in r and args.verbose:
                 print(f"\n{name} {impl} failed:\n{r['trace']}")
     print(f"\n(ranks {t_ranks:.0f} s, total wall time {time.perf_counter() - t0:.0f} s)")
+
+
+def _print_cpu(results, args):
+    """CPU seconds per step summed over the ranks (4 ranks share 2 cores: wall >= that sum / 2), and with
+    --profile where one profiled step's self CPU time goes, per category, summed over the ranks."""
+    from tabulate import tabulate
+
+    rows = []
+    for name in args.models:
+        for impl, r in results[name].items():
+            if "secs" not in r:
+                continue
+            cpu = sum(x["cpu"] for x in r["ranks"])
+            rows.append([name, impl, f"{r['secs'] * 1e3:.0f}", f"{cpu * 1e3:.0f}",
+                         " ".join(f"{x['cpu'] * 1e3:.0f}" for x in r["ranks"]), f"{cpu / 2 / r['secs']:.2f}"])
+    print("\nCPU per step (process time of each rank, gloo's threads included; median over the timed steps)")
+    print(tabulate(rows, headers=["model", "implementation", "wall ms", "CPU ms, 4 ranks", "per rank",
+                                  "CPU / (2 cores x wall)"], disable_numparse=True))
+    if not args.profile:
+        return
+    rows, cats = [], []
+    for name in args.models:
+        for impl, r in results[name].items():
+            profs = [x["profile"] for x in r.get("ranks", []) if x.get("profile")]
+            if profs:
+                c = {}
+                for pr in profs:
+                    for k, v in pr["categories"].items():
+                        c[k] = c.get(k, 0.0) + v
+                cats = sorted(set(cats) | set(c))
+                rows.append((name, impl, sum(pr["wall"] for pr in profs) / len(profs),
+                             sum(pr["cpu"] for pr in profs), sum(pr["aten ops"] for pr in profs) // len(profs), c))
+    print("\nOne profiled step (torch.profiler; the profiler's own cost included): self CPU ms per category, summed "
+          "over the 4 ranks")
+    print(tabulate([[n, i, f"{w * 1e3:.0f}", f"{cpu * 1e3:.0f}", str(a)] + [f"{c.get(k, 0) * 1e3:.0f}" for k in cats]
+                    for n, i, w, cpu, a, c in rows],
+                   headers=["model", "implementation", "wall ms", "CPU ms", "aten ops / rank"] + list(cats),
+                   disable_numparse=True))
 
 
 if __name__ == "__main__":

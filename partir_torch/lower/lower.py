@@ -164,6 +164,8 @@ class Lowerer:
         self.local_shape: dict = {}      # captured node -> local shape under its recorded layout
         self.layout = [decisions.sharding(v) for v in range(len(graph.values))]
         self.cache: dict = {}            # (node, layout, phase) -> (lowered node, local shape): shared reshards
+        self.fwd_uses: dict = {}         # (state key, layout) -> (index of the last forward op reading it, cache key)
+        self.tail = None                 # (state key, layout) -> forward cache key, read last (_tail_of_forward)
         self.phase = "forward"
         self.produced_of: dict = {}      # multi-output node -> result layouts
         self.out_layouts: list = []
@@ -333,6 +335,10 @@ class Lowerer:
         # backward instead of being kept alive in between (ZeRO-3's memory saving), unless its tactic keeps it
         kept = self._kept(v)
         key = (_state_key(node) if kept else node, want, self.phase if node.op == "placeholder" and not kept else "")
+        self._note_forward_use(node, want, key, consumer)
+        tail = self._tail_of_forward(node, want) if key not in self.cache else None
+        if tail is not None:
+            self.cache[key] = self.cache[tail]
         if key not in self.cache:
             self.em.phase = self.phase
             src = node.args[0] if node.target in _HOISTABLE and node.args else None
@@ -352,6 +358,28 @@ class Lowerer:
 
     def _kept(self, vid) -> bool:
         return bool(self.kept) and any(self.d.tactic_of(vid, a) in self.kept for a in self.mesh.axes)
+
+    # -- the forward's last gathered parameter serves the backward (FSDP2 does not reshard its root after the
+    # forward, torchtitan not its last block): the backward reads it first, so gathering it again would only move
+    # its bytes a second time while the forward's copy could still be alive
+    def _note_forward_use(self, node, want, key, consumer) -> None:
+        """Record, in the forward, the last op reading each gathered parameter (or a cast or view of one)."""
+        if self.phase != "forward" or self.pipelined is not None or consumer is None:
+            return
+        skey = _state_key(node)
+        if isinstance(skey, tuple) and skey[0].meta.get(META_ROLE) == Role.PARAM:
+            self.fwd_uses[(skey, want)] = (self.op_index.get(consumer, -1), key)
+
+    def _tail_of_forward(self, node, want):
+        """The forward's cache key of `node` in layout `want` when, fetched in the backward, it is a parameter
+        (or a cast or view of one) that the forward's last parameter-reading op read gathered; else None."""
+        if self.phase != "backward" or not self.fwd_uses:
+            return None
+        if self.tail is None:
+            last = max(i for i, _ in self.fwd_uses.values())
+            self.tail = {sk: key for sk, (i, key) in self.fwd_uses.items() if i == last}
+        key = self.tail.get((_state_key(node), want))
+        return key if key in self.cache else None
 
     def _cause(self, value, op):
         """(kind, axis) -> (why, source, op) of a collective moving captured node `value` for op node `op`."""

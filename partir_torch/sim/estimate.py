@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..contract import META_ROLE, STATE_ROLES, Phase, phase_of
+from ..contract import META_ROLE, STATE_ROLES, Phase, Role, phase_of
 from ..propagate.arrays import partial, partial_code, replicated, replicated_code, tiled, undecided_array, whole
 from ..rules.factors import REDUCE
 from ..lower.bucket import MIN_BUCKET, UNITS
@@ -100,6 +100,7 @@ class ProgramFacts:
         self.shapes = g.shapes
         role = [g.values[v].meta.get(META_ROLE) if g.values[v].op == "placeholder" else None for v in range(nv)]
         self.is_state = np.array([r in STATE_ROLES for r in role])
+        self.is_param = np.array([r == Role.PARAM for r in role])
         self.is_placeholder = np.array([g.values[v].op == "placeholder" for v in range(nv)])
         code = {Phase.FORWARD: 0, Phase.BACKWARD: 1, Phase.OPTIMIZER: 2}
         self.op_phase = np.array([2 if captured is None else code[phase_of(op.node)] for op in g.ops],
@@ -176,6 +177,12 @@ class ProgramFacts:
         self.s_overlap = ~self.s_res & (self.is_state[self.s_val] | ((self.val_phase[self.s_val] == 1)
                                                                      & (self.s_phase == 2)))
         self.s_keyphase = np.where(self.is_placeholder[self.s_val], self.s_phase, 0)
+        # the parameter the forward reads last: its gathered copy serves the backward too (lower/lower.py,
+        # _tail_of_forward), one key for both phases
+        param = self.is_param[self.s_val] & ~self.s_res
+        fwd = np.nonzero(param & (self.s_phase == 0))[0]
+        if len(fwd):
+            self.s_keyphase[param & (self.s_val == self.s_val[fwd[np.argmax(self.s_node[fwd])]])] = 0
         # per canonical value: produced in the backward and read by the optimizer update (a gradient)
         self.grad_to_update = np.zeros(len(self.canon), dtype=bool)
         read = ~self.s_res & (self.s_phase == 2) & (self.val_phase[self.s_val] == 1)
