@@ -52,6 +52,8 @@ class Lowered:
     annotated: bool = False          # every node's meta["val"] holds its local shape as a meta tensor (fakeprop.py)
     scheduled: Scheduled | None = None   # where collectives are issued and waited for (schedule.py)
     pipeline: object = None          # pipeline.Pipelined: the stages' actions and transfers (pipelined programs)
+    # captured parameter placeholders whose forward gathered copy the backward reads (Lowerer._tail_of_forward)
+    kept_to_backward: frozenset = frozenset()
 
 
 def _local(shape, sh: Sharding, mesh):
@@ -166,6 +168,7 @@ class Lowerer:
         self.cache: dict = {}            # (node, layout, phase) -> (lowered node, local shape): shared reshards
         self.fwd_uses: dict = {}         # (state key, layout) -> (index of the last forward op reading it, cache key)
         self.tail = None                 # (state key, layout) -> forward cache key, read last (_tail_of_forward)
+        self.kept_to_backward: set = set()  # their placeholders' names, when the backward reads them
         self.phase = "forward"
         self.produced_of: dict = {}      # multi-output node -> result layouts
         self.out_layouts: list = []
@@ -217,7 +220,8 @@ class Lowerer:
         gm = _LazyGraphModule(torch.nn.Module(), self.new)
         in_layouts = [self.layout[self.g.vid[n]] if n in self.g.vid else None for n in self.placeholders]
         return Lowered(gm, records, in_layouts, self.out_layouts, list(self.mesh.axes),
-                       [self.local_shape.get(n) for n in self.placeholders], scheduled=scheduled)
+                       [self.local_shape.get(n) for n in self.placeholders], scheduled=scheduled,
+                       kept_to_backward=frozenset(self.kept_to_backward))
 
     def _meta_args(self) -> list:
         """Meta tensors with the local shapes of the program's placeholders (captured ones, then coordinates)."""
@@ -339,6 +343,7 @@ class Lowerer:
         tail = self._tail_of_forward(node, want) if key not in self.cache else None
         if tail is not None:
             self.cache[key] = self.cache[tail]
+            self.kept_to_backward.add(_state_key(node)[0].name)
         if key not in self.cache:
             self.em.phase = self.phase
             src = node.args[0] if node.target in _HOISTABLE and node.args else None

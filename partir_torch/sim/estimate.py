@@ -176,13 +176,7 @@ class ProgramFacts:
         # collective classes: state gathered ahead of use, gradients reduced while the backward runs
         self.s_overlap = ~self.s_res & (self.is_state[self.s_val] | ((self.val_phase[self.s_val] == 1)
                                                                      & (self.s_phase == 2)))
-        self.s_keyphase = np.where(self.is_placeholder[self.s_val], self.s_phase, 0)
-        # the parameter the forward reads last: its gathered copy serves the backward too (lower/lower.py,
-        # _tail_of_forward), one key for both phases
-        param = self.is_param[self.s_val] & ~self.s_res
-        fwd = np.nonzero(param & (self.s_phase == 0))[0]
-        if len(fwd):
-            self.s_keyphase[param & (self.s_val == self.s_val[fwd[np.argmax(self.s_node[fwd])]])] = 0
+        self.s_keyphase = _keyphase(self)
         # per canonical value: produced in the backward and read by the optimizer update (a gradient)
         self.grad_to_update = np.zeros(len(self.canon), dtype=bool)
         read = ~self.s_res & (self.s_phase == 2) & (self.val_phase[self.s_val] == 1)
@@ -366,6 +360,18 @@ class ProgramFacts:
             np.add.at(delta, lo, b)
             np.add.at(delta, hi + 1, -b)
         return float(np.max(np.cumsum(delta[:self.n_nodes]))) if self.n_nodes else 0.0
+
+
+def _keyphase(facts: ProgramFacts) -> np.ndarray:
+    """Per slot, the phase part of its reshard's key: a placeholder's copy is made once per phase (ZeRO-3 gathers a
+    parameter again for the backward), except the parameter the forward reads last, whose gathered copy serves the
+    backward too (lower/lower.py, _tail_of_forward); other values' once."""
+    out = np.where(facts.is_placeholder[facts.s_val], facts.s_phase, 0)
+    param = facts.is_param[facts.s_val] & ~facts.s_res
+    fwd = np.nonzero(param & (facts.s_phase == 0))[0]
+    if len(fwd):
+        out[param & (facts.s_val == facts.s_val[fwd[np.argmax(facts.s_node[fwd])]])] = 0
+    return out
 
 
 def _schedule_facts(facts: ProgramFacts, index: dict, captured) -> None:

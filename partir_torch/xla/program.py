@@ -46,17 +46,21 @@ def _host_op_counts() -> dict:
     return {k: met.counter_value(k) for k in met.counter_names() if k.startswith("aten::")}
 
 
-def param_derived(gm) -> set:
+def param_derived(gm, kept=frozenset()) -> set:
     """Parameter placeholders and the forward nodes computed from parameters alone (transposes, casts): the values
-    partir gathers again at their backward uses (ZeRO-3 does not keep a gathered copy alive from the forward)."""
+    partir gathers again at their backward uses (ZeRO-3 does not keep a gathered copy alive from the forward),
+    except those made from the parameters in `kept` alone (names: the lowered program's kept_to_backward, whose
+    forward copy serves the backward)."""
     fwd = forward_nodes(gm)
-    out = set()
+    out, roots = set(), {}
     for n in gm.graph.nodes:
         if n.op == "placeholder" and n.meta.get(META_ROLE) == Role.PARAM:
             out.add(n)
+            roots[n] = {n.name}
         elif n.op == "call_function" and n in fwd and n.all_input_nodes and all(a in out for a in n.all_input_nodes):
             out.add(n)
-    return out
+            roots[n] = set().union(*(roots[a] for a in n.all_input_nodes))
+    return {n for n in out if not roots[n] <= kept}
 
 
 class _Run(fx.Interpreter):
@@ -171,7 +175,8 @@ class XlaBackend:
         self.checked: set = set()     # modes whose program was compared with the plan (_check_layouts)
         self.constraints = self._constraints()
         self.op_specs = self._op_specs()
-        self._regather = param_derived(self.cap.gm) if self.cap.mode != FORWARD else frozenset()
+        self._regather = param_derived(self.cap.gm, plan.lowered().kept_to_backward) \
+            if self.cap.mode != FORWARD else frozenset()
         self.modules: dict = {}       # mode -> dump file of its post-partitioning HLO
         self.host_ops: list = []      # aten ops torch-xla ran on the host (see _check_host_ops)
         self._check_draws()
