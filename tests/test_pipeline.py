@@ -392,6 +392,29 @@ def test_tied_weight_on_first_and_last_of_four_ranks():
     assert [r.why for r in prog.collectives() if r.axis == "pp"] == ["tied weight", "grad norm"]
 
 
+@pytest.mark.parametrize("last, holders, pp", [(False, (0, 1), ["tied weight", "grad norm"]),
+                                               (True, (0,), ["grad norm"])])
+def test_zbv_tied_weights_and_clipping(last, holders, pp):
+    """ZBVZeroBubble with a weight tied between stage 0 and stage 2 (ranks 0 and 1 in the V: its gradient terms,
+    now in W actions, all-reduced on pp) or stage 3 (rank 0 too: no exchange), and clip_grad_norm (each rank's two
+    stages' squares): trains like one device's clip_grad_norm_."""
+    model = _TiedOnOneRank()
+    if last:
+        model.blocks = nn.Sequential(model.blocks[0], model.blocks[1], nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+                                     _Reuse(model.blocks[0][0]))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)      # noqa: E731
+    max_norm = _max_norm(model, (x, y), loss_fn)
+    prog = pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", [[f"blocks.{i}"] for i in range(4)],
+                                                              "ZBVZeroBubble", 4)],
+                        example_inputs=(x, y), loss_fn=loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), clip_grad_norm=max_norm)
+    _train_clipped(prog, ref, (x, y), loss_fn, max_norm)
+    assert prog.plan.pipeline.holders("params.blocks.0.0.weight") == holders
+    assert [r.why for r in prog.collectives() if r.axis == "pp"] == pp
+
+
 # -- the cut -------------------------------------------------------------------------------------------------------
 def test_backward_ops_follow_their_forward_module():
     prog, _, _ = _partition({"pp": 2}, [T.pipeline("pp", 2, "GPipe", 2)])
