@@ -6,7 +6,7 @@ The model: equal residual blocks x + tanh(x W) of width d (each block's input-gr
 matmul cost the same, so B = W; 4 p blocks), on the meta device, rows per micro-batch large enough that a stage's compute
 dwarfs its transfers; simulated on H100s (gpus_per_node = p, NVLink transfers).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/pipeline_bubble.py [--p 2 4] [--m 8 16]
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/pipeline_bubble.py [--p 2 4] [--m 8 16] [--actions]
 """
 from __future__ import annotations
 
@@ -58,11 +58,32 @@ def simulated(p: int, m: int, schedule: str, d: int = 4096, rows: int = 1024):
     return prog.simulate(pt.sim.hardware("h100", gpus_per_node=p)).pipeline
 
 
+def action_means(sim) -> str:
+    """Per stage, the mean simulated time of its F, B and W actions (an empty action has no span)."""
+    by: dict = {}
+    for (stage, kind, _), (_, t0, t1) in sim.spans.items():
+        if stage is not None and kind in ("F", "B", "W"):
+            by.setdefault((stage, kind), []).append(t1 - t0)
+    rows = []
+    for stage in sorted({s for s, _ in by}):
+        cells = [f"{k} {1e3 * sum(by[(stage, k)]) / len(by[(stage, k)]):.3f} ({len(by[(stage, k)])})"
+                 if (stage, k) in by else f"{k} -" for k in "FBW"]
+        rows.append(f"  stage {stage}: " + ", ".join(cells))
+    return "\n".join(rows)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--p", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--m", type=int, nargs="+", default=[8])
+    ap.add_argument("--actions", action="store_true", help="ZB-V's mean F / B / W time per stage instead")
     args = ap.parse_args()
+    if args.actions:
+        for p in args.p:
+            for m in args.m:
+                print(f"p {p}, m {m}, ZBVZeroBubble: mean ms per stage and action (n actions)")
+                print(action_means(simulated(p, m, "ZBVZeroBubble")))
+        return
     print(f"{'p':>2} {'m':>3}  {'schedule':<16} {'bubble':>7}  {'textbook':>8}  busy per rank (ms)")
     for p in args.p:
         for m in args.m:
