@@ -8,12 +8,13 @@ collectives in every stage's ops). Then:
    reshard's collective, follows the latest stage among its operands; what reads only the batch, the hyperparameters
    and the rank's coordinates is copied into every stage that reads it);
 2. every op gets its action, (stage, "F" | "B", micro-batch) or (stage, "U", 0) for the optimizer update; what
-   lowering added follows its latest operand's action in its stage (else its earliest reader's);
+   lowering added follows its latest operand's action in its stage (else its earliest reader's); under
+   ZBVZeroBubble each backward is split into "B" and "W" (split_backward);
 3. a value read on another rank of the pipeline axis becomes a `pp_transfer` node at the end of its producer's
    action: sent by the ranks at coordinate src to the ranks at dst with the same coordinates on the other axes
    (the value keeps its layout on them);
 4. the program is reordered action by action: each rank's actions in the schedule's order (`rank_orders`: GPipe,
-   1F1B, Interleaved1F1B), merged into one order in which every action comes after the actions it receives from
+   1F1B, Interleaved1F1B, ZBVZeroBubble), merged into one order in which every action comes after the actions it receives from
    (the schedule is run round by round: each round, every rank whose next action has all its inputs runs it).
 
 Between 1 and 2, the sums that span stages become all_reduces on the pipeline axis that every rank runs (nodes with
@@ -196,8 +197,8 @@ def pipeline_program(low, spec, captured):
 
 def bucket_parts(g, spec) -> dict:
     """The collectives lowering may bucket in a pipelined program (bucket.py), each with its stage, the bucket key:
-    a stage's gradient reductions (its gradients are final in its last micro-batch's backward, so its buckets are
-    issued there as they fill, as Megatron-LM's --overlap-grad-reduce does in the last backward) and its state
+    a stage's gradient reductions (its gradients are final in its last micro-batch's backward, ZB-V's: its last W
+    action, so its buckets are issued there as they fill, as Megatron-LM's --overlap-grad-reduce does in the last backward) and its state
     gathers (in its first micro-batch's forward, one bucket ahead: lower/schedule.py). No bucket mixes two stages.
     The reductions are not bounded in flight (lowering schedules them with reduce_in_flight 0): each is waited for
     where the stage's update reads it, so no wait in the last backward holds back the gradient the previous stage
