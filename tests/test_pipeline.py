@@ -135,6 +135,21 @@ def test_zbv_backward_split_into_input_and_weight_gradients():
     assert sent and all(k in "FB" for _, k, _ in sent)
 
 
+@pytest.mark.parametrize("p, m", [(4, 8), (4, 2), (2, 1)])
+def test_zbv_pp4_and_fewer_microbatches_than_the_v_fills(p, m):
+    """ZB-V on {pp: 4} (8 stages), and with fewer micro-batches than the 2 p - 1 its warm-up holds (the order laid out
+    for 2 p - 1 and cut to m): every order merges without a deadlock and trains like one device."""
+    model = _Stack(8, 4 * p)
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(3 * m, 8), torch.randn(3 * m, 8)
+    loss_fn = lambda mod, x, y: F.mse_loss(mod(x), y)      # noqa: E731
+    prog = pt.partition(model, pt.Mesh({"pp": p}), [T.pipeline("pp", 2 * p, "ZBVZeroBubble", m)],
+                        example_inputs=(x, y), loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    train_next_to_eager(prog, ref, [(x, y)] * 2, loss_fn, adamw(1e-3), what=f"zbv p={p} m={m}")
+    orders = prog.plan.lowered().pipeline.orders
+    assert [sorted({a[0] for a in o if a[0] is not None}) for o in orders] == [[r, 2 * p - 1 - r] for r in range(p)]
+
+
 def test_zero3_inside_stages_and_state_dict():
     prog = _parity({"pp": 2, "dp": 2}, [T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("dp"), T.zero(3, "dp")])
     sd = prog.state_dict()
