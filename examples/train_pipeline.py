@@ -1,7 +1,7 @@
 """Train a Llama-style decoder with pipeline parallelism composed with data parallel and Megatron.
 
     python examples/train_pipeline.py                          # {pp: 2, dp: 2, tp: 2}: 8 ranks emulated here
-    python examples/train_pipeline.py --schedule GPipe         # or 1F1B (default), Interleaved1F1B
+    python examples/train_pipeline.py --schedule GPipe         # or 1F1B (default), Interleaved1F1B, ZBVZeroBubble
     python examples/train_pipeline.py --clip 0.5               # clip_grad_norm: the norm summed over the stages
     torchrun --nproc-per-node 4 examples/train_pipeline.py     # {pp: 2, dp: 2} on 4 real gloo ranks (CPU)
 
@@ -32,7 +32,8 @@ STEPS, BATCH, LR = 6, 16, 3e-3
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--schedule", default="1F1B", choices=["GPipe", "1F1B", "Interleaved1F1B"])
+    parser.add_argument("--schedule", default="1F1B", choices=["GPipe", "1F1B", "Interleaved1F1B",
+                                                                     "ZBVZeroBubble"])
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--clip", type=float, default=None, help="clip_grad_norm (max norm)")
     args = parser.parse_args()
@@ -48,7 +49,7 @@ def main():
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
 
-    stages = 4 if args.schedule == "Interleaved1F1B" else 2        # two stages per rank when interleaved
+    stages = 4 if args.schedule in ("Interleaved1F1B", "ZBVZeroBubble") else 2     # two stages per rank (ZB-V: a V)
     if real:                                                       # 4 processes: {pp: 2, dp: 2}
         mesh = pt.Mesh({"pp": 2, "dp": 2})
         schedule = [pt.tactics.pipeline("pp", stages, args.schedule, args.microbatches),

@@ -73,7 +73,7 @@ META_COLLECTIVE = "partir_collective"      # a CollectiveRecord, on the collecti
 META_LOCAL_SHAPE = "partir_local_shape"    # shape of an emitted node's local result
 META_IN_SHAPE = "partir_in_shape"          # a collective's local input shape
 META_STAGE = "partir_stage"                # pipelined programs: the pipeline stage that runs the node
-META_ACTION = "partir_action"              # pipelined programs: the node's action ("F", j) | ("B", j) | ("U", 0)
+META_ACTION = "partir_action"              # pipelined programs: (stage, "F" | "B" | "W" (ZB-V), j) | (stage, "U", 0)
 # on an exception raised by a per-device op in emulation: the name of the lowered node that raised it
 EXC_NODE = "partir_node"
 

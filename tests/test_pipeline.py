@@ -9,6 +9,7 @@ all-reduced on pp; lower/ppaxis.py); the simulated bubble of uniform stages is w
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -73,6 +74,80 @@ def test_interleaved_two_stages_per_rank():
     low = prog.plan.lowered()
     assert {n.meta[META_ACTION][0] for n in low.gm.graph.nodes if META_ACTION in n.meta} == {0, 1, 2, 3}
     assert {n.meta[META_STAGE] for n in low.gm.graph.nodes if META_ACTION in n.meta} == {0, 1}
+
+
+def test_zbv_pp2_trains_like_one_device_in_a_v():
+    """ZBVZeroBubble: 4 stages on 2 ranks in a V (rank 0 runs stages 0 and 3, rank 1 stages 1 and 2), as summary()
+    shows; trains like one device; eval_step runs the forwards on the same placement."""
+    prog, ref, batch = _partition({"pp": 2}, [T.pipeline("pp", 4, "ZBVZeroBubble", 4)])
+    train_next_to_eager(prog, ref, [batch] * 2, LLAMA.loss_fn, adamw(1e-3), what="zbv")
+    spec, low = prog.plan.pipeline, prog.plan.lowered()
+    assert [spec.rank_of(s) for s in range(4)] == [0, 1, 1, 0] and spec.stages_on(0) == (0, 3)
+    assert {(a[0], n.meta[META_STAGE]) for n in low.gm.graph.nodes if (a := n.meta.get(META_ACTION))
+            and a[0] is not None} == {(0, 0), (1, 1), (2, 1), (3, 0)}
+    table = prog.summary().split("pipeline on axis 'pp': 4 stages, ZBVZeroBubble, 4 micro-batches")[1]
+    assert re.findall(r"^\s+(\d)\s+(\d)\s", table, re.M) == [("0", "0"), ("1", "1"), ("2", "1"), ("3", "0")]
+    # only the ranks' boundaries are transfers: stage 0 -> 1 and 2 -> 3 forward, 3 -> 2 and 1 -> 0 backward
+    assert len(low.pipeline.transfers) == 4 * 4
+    with torch.no_grad():
+        want = LLAMA.loss_fn(ref.eval(), *batch)
+    torch.testing.assert_close(prog.eval_step(*batch), want, rtol=1e-5, atol=0)
+
+
+def test_zbv_pp2_dp2_tp2_megatron_zero():
+    with pytest.warns(UserWarning, match="output.weight"):
+        prog = _parity({"pp": 2, "dp": 2, "tp": 2}, [T.pipeline("pp", 4, "ZBVZeroBubble", 4), T.data_parallel("dp"),
+                                                     T.megatron("tp"), T.zero(3, "dp")], steps=1)
+    low = prog.plan.lowered()
+    node = {n.name: n for n in low.gm.graph.nodes}
+    kinds = {(r.kind, r.axis, node[r.node].meta[META_ACTION][1]) for r in low.records}
+    # megatron's all_reduce of an input gradient is what the send needs (B); ZeRO's gradient reductions are W's
+    assert ("all_reduce", "tp", "B") in kinds and ("reduce_scatter", "dp", "W") in kinds
+    assert ("reduce_scatter", "dp", "B") not in kinds
+
+
+def test_zbv_backward_split_into_input_and_weight_gradients():
+    """Each backward of ZBVZeroBubble is two actions: B, the input-gradient matmuls the send to the previous stage
+    needs (rows x d), and W, the weight-gradient matmuls (d x d) with their accumulation; the first stage sends
+    nothing back, so its backward is all W. No transfer leaves a W action."""
+    d, rows, m = 8, 6, 4
+    model = _Stack(d, 8)
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(m * rows, d), torch.randn(m * rows, d)
+    loss_fn = lambda mod, x, y: F.mse_loss(mod(x), y)      # noqa: E731
+    stages = [[f"blocks.{2 * s}", f"blocks.{2 * s + 1}"] for s in range(4)]
+    prog = pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", stages, "ZBVZeroBubble", m)],
+                        example_inputs=(x, y), loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    train_next_to_eager(prog, ref, [(x, y)] * 2, loss_fn, adamw(1e-3), what="zbv split")
+    low = prog.plan.annotated_lowered()
+    mms: dict = {}
+    for n in low.gm.graph.nodes:
+        a = n.meta.get(META_ACTION)
+        if a is not None and a[1] in "BW" and n.target is torch.ops.aten.mm.default:
+            mms.setdefault(a, []).append(tuple(n.meta["val"].shape))
+    for s in range(4):
+        for j in range(m):
+            # the stage's two blocks' weight gradients; on the first stage, whose B is empty, the input gradients
+            # too (what the gradient of the scale in front of block 0 reads)
+            assert sorted(mms[(s, "W", j)]) == sorted([(d, d)] * 2 + ([] if s else [(rows, d)] * 2)), (s, j)
+            assert mms.get((s, "B", j), []) == ([(rows, d)] * 2 if s else []), (s, j)
+    sent = [n.meta[META_ACTION] for n in low.gm.graph.nodes if n.target is pp_transfer]
+    assert sent and all(k in "FB" for _, k, _ in sent)
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (4, 2), (2, 1)])
+def test_zbv_pp4_and_fewer_microbatches_than_the_v_fills(p, m):
+    """ZB-V on {pp: 4} (8 stages), and with fewer micro-batches than the 2 p - 1 its warm-up holds (the order laid out
+    for 2 p - 1 and cut to m): every order merges without a deadlock and trains like one device."""
+    model = _Stack(8, 4 * p)
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(3 * m, 8), torch.randn(3 * m, 8)
+    loss_fn = lambda mod, x, y: F.mse_loss(mod(x), y)      # noqa: E731
+    prog = pt.partition(model, pt.Mesh({"pp": p}), [T.pipeline("pp", 2 * p, "ZBVZeroBubble", m)],
+                        example_inputs=(x, y), loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    train_next_to_eager(prog, ref, [(x, y)] * 2, loss_fn, adamw(1e-3), what=f"zbv p={p} m={m}")
+    orders = prog.plan.lowered().pipeline.orders
+    assert [sorted({a[0] for a in o if a[0] is not None}) for o in orders] == [[r, 2 * p - 1 - r] for r in range(p)]
 
 
 def test_zero3_inside_stages_and_state_dict():
@@ -332,6 +407,29 @@ def test_tied_weight_on_first_and_last_of_four_ranks():
     assert [r.why for r in prog.collectives() if r.axis == "pp"] == ["tied weight", "grad norm"]
 
 
+@pytest.mark.parametrize("last, holders, pp", [(False, (0, 1), ["tied weight", "grad norm"]),
+                                               (True, (0,), ["grad norm"])])
+def test_zbv_tied_weights_and_clipping(last, holders, pp):
+    """ZBVZeroBubble with a weight tied between stage 0 and stage 2 (ranks 0 and 1 in the V: its gradient terms,
+    now in W actions, all-reduced on pp) or stage 3 (rank 0 too: no exchange), and clip_grad_norm (each rank's two
+    stages' squares): trains like one device's clip_grad_norm_."""
+    model = _TiedOnOneRank()
+    if last:
+        model.blocks = nn.Sequential(model.blocks[0], model.blocks[1], nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+                                     _Reuse(model.blocks[0][0]))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)      # noqa: E731
+    max_norm = _max_norm(model, (x, y), loss_fn)
+    prog = pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", [[f"blocks.{i}"] for i in range(4)],
+                                                              "ZBVZeroBubble", 4)],
+                        example_inputs=(x, y), loss_fn=loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), clip_grad_norm=max_norm)
+    _train_clipped(prog, ref, (x, y), loss_fn, max_norm)
+    assert prog.plan.pipeline.holders("params.blocks.0.0.weight") == holders
+    assert [r.why for r in prog.collectives() if r.axis == "pp"] == pp
+
+
 # -- the cut -------------------------------------------------------------------------------------------------------
 def test_backward_ops_follow_their_forward_module():
     prog, _, _ = _partition({"pp": 2}, [T.pipeline("pp", 2, "GPipe", 2)])
@@ -366,6 +464,16 @@ def test_schedule_orders():
     for r in range(2):       # every (stage, F/B, micro-batch) of the rank's two stages exactly once
         assert sorted(o[r]) == sorted([(s, k, j) for s in (r, r + 2) for k in "FB" for j in range(4)]
                                       + [(r, "U", 0), (r + 2, "U", 0)])
+    S.schedule = "ZBVZeroBubble"
+    S.rank_of = lambda self, s: s if s < 2 else 3 - s
+    o = rank_orders(S())
+    for r in range(2):       # the V: rank r runs stages r and 3 - r, each backward as B then W
+        assert sorted(o[r]) == sorted([(s, k, j) for s in (r, 3 - r) for k in "FBW" for j in range(4)]
+                                      + [(min(r, 3 - r), "U", 0), (max(r, 3 - r), "U", 0)])
+    # rank 0: three forwards of stage 0 to warm up, the last stage's F, B, W right after its forward; the cool-down
+    # ends with stage 0's backwards, its W's filling what would be the bubble
+    assert o[0][:6] == [(0, "F", 0), (0, "F", 1), (0, "F", 2), (3, "F", 0), (3, "B", 0), (3, "W", 0)]
+    assert o[0][-6:-2] == [(0, "B", 2), (0, "W", 2), (0, "B", 3), (0, "W", 3)]
 
 
 # -- refusals ------------------------------------------------------------------------------------------------------
@@ -373,6 +481,8 @@ def test_schedule_orders():
     ([T.pipeline("pp", 3, "1F1B", 4)], {}, "one stage per rank"),
     ([T.pipeline("pp", 2, "Interleaved1F1B", 4)], {}, "v >= 2 stages per rank"),
     ([T.pipeline("pp", 4, "Interleaved1F1B", 1)], {}, "groups of the axis size"),
+    ([T.pipeline("pp", 2, "ZBVZeroBubble", 4)], {}, r"exactly 2 stages per rank.*\(size 2\). Use stages=4"),
+    ([T.pipeline("pp", 6, "ZBVZeroBubble", 4)], {}, r"6 stages on axis 'pp' \(size 2\). Use stages=4"),
     ([T.pipeline("pp", [["layers.*"], ["norm", "output"]], "1F1B", 4)], {}, "tok_embeddings"),
     ([T.pipeline("pp", [["layers.[2-3]", "norm", "output"], ["tok_embeddings", "layers.[0-1]"]])], {},
      "later stage"),
@@ -396,7 +506,7 @@ def test_random_draws_warn_that_masks_differ_from_one_device():
 
 
 def test_unknown_schedule():
-    with pytest.raises(PartitionError, match="GPipe, 1F1B, Interleaved1F1B"):
+    with pytest.raises(PartitionError, match="GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble"):
         T.pipeline("pp", 2, "ZeroBubble")
 
 
@@ -461,3 +571,25 @@ def test_simulated_bubble_matches_the_textbook(p, m, v, schedule):
         assert sim.busy_s[r] <= sim.compute_s[r] * (1 + 1e-9) and sim.compute_s[r] < sim.step_s[r]
     if schedule == "1F1B":   # the first stage holds p micro-batches' activations, the last one (GPipe: m on each)
         assert sim.peak_bytes[0] > 1.5 * sim.peak_bytes[-1]
+
+
+def test_zbv_simulated_bubble_well_below_1f1b():
+    """Uniform stages (each block's input- and weight-gradient matmuls cost the same: B = W) and transfers small next
+    to their compute: ZB-V's W actions fill the bubble, so its simulated bubble at p = 2, m = 8 is under a quarter of
+    1F1B's on the same model (benchmarks/pipeline_bubble.py: 1.6% against 11.4%); each rank does the same work (its
+    W actions counted as backward)."""
+    p, m, d, rows = 2, 8, 4096, 1024
+    sims = {}
+    for schedule, stages in (("1F1B", p), ("ZBVZeroBubble", 2 * p)):
+        with torch.device("meta"):
+            model = _Stack(d, 4 * p)
+            x, y = torch.randn(m * rows, d), torch.randn(m * rows, d)
+        prog = pt.partition(model, pt.Mesh({"pp": p}), [T.pipeline("pp", stages, schedule, m)],
+                            example_inputs=(x, y), loss_fn=lambda mod, x, y: F.mse_loss(mod(x), y),
+                            optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        sims[schedule] = prog.simulate(pt.sim.hardware("h100", gpus_per_node=p)).pipeline
+    zbv, f1b = sims["ZBVZeroBubble"], sims["1F1B"]
+    assert zbv.formula == 0.0 and abs(f1b.bubble / f1b.formula - 1) < 0.05
+    assert zbv.bubble < 0.25 * f1b.bubble, (zbv.bubble, f1b.bubble)
+    assert sum(zbv.busy_s) == pytest.approx(sum(f1b.busy_s), rel=0.02)
+    assert zbv.transfers == 2 * m * (2 * p - 1 - 1)        # stages 1 -> 2 (and back) stay on rank 1

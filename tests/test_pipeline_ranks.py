@@ -1,8 +1,8 @@
 """Pipeline parallelism on real ranks (issue 24): 4 gloo processes, one spawn for every check.
 
 Each rank partitions a 4-layer Llama-style decoder with pipeline("pp", stages, schedule, 4 micro-batches) and
-data_parallel("dp") on {pp: 2, dp: 2}, for GPipe, 1F1B and Interleaved1F1B (4 stages, 2 per rank) in turn, then
-1F1B on {pp: 4}, trains 2 AdamW steps on the global batch and reports its losses and
+data_parallel("dp") on {pp: 2, dp: 2}, for GPipe, 1F1B, Interleaved1F1B (4 stages, 2 per rank) and ZBVZeroBubble
+(4 stages in a V: rank 0 holds stages 0 and 3, its backwards split into B and W) in turn, then 1F1B on {pp: 4}, trains 2 AdamW steps on the global batch and reports its losses and
 gather_parameters() (read from the stage that holds each parameter); the parent compares them with one device. The
 stage programs are MPMD: each rank runs its own stage, the activations and gradients crossing the cut go by
 isend/recv on the pp axis (runtime/p2p.py).
@@ -11,7 +11,7 @@ Phase "dcp": 1F1B on {pp: 2, dp: 2}; after one step prog.state_dict() (each rank
 its stage's dp sub-mesh) is saved with torch.distributed.checkpoint; a second step runs; a new program of a fresh
 model loads the checkpoint into its own state_dict() and runs the second step again: the same loss and parameters,
 bitwise; eval_step after the two steps (the forwards through the stages, the loss broadcast on pp) equals one
-device's eval loss (Interleaved1F1B's too).
+device's eval loss (Interleaved1F1B's and ZBVZeroBubble's too).
 
 Phase "tied": phase "dcp" for GPT, whose LM head reads the embedding's weight (tied across the stages), with
 clip_grad_norm below the gradient norm (the stages' sums of squares all-reduced on pp): losses, norms and
@@ -34,8 +34,9 @@ from tests.harness import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL
 pytestmark = pytest.mark.xdist_group("real_ranks")     # under pytest-xdist, the spawns share one worker
 
 WORLD, STEPS, LR = 4, 2, 1e-3
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "1F1B-pp4")     # the last: {pp: 4}, one stage per rank
-SPAWN_TIMEOUT_S, GLOO_TIMEOUT_S = 600, 60     # the spawn alone: about 240 s on 2 shared cores
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "1F1B-pp4")     # the last: {pp: 4}
+TWO_PER_RANK = ("Interleaved1F1B", "ZBVZeroBubble")
+SPAWN_TIMEOUT_S, GLOO_TIMEOUT_S = 720, 60     # the spawn alone: about 240 s on 2 shared cores
 
 
 def _phase_dcp(pt, spec, batch, ckpt, clip=None):
@@ -94,14 +95,14 @@ def _worker(rank, port, ckpt, queue):
                 mesh, schedule = pt.Mesh({"pp": 4}), [pt.tactics.pipeline("pp", 4, "1F1B", 4)]
             else:
                 mesh = pt.Mesh({"pp": 2, "dp": 2})
-                schedule = [pt.tactics.pipeline("pp", 4 if name == "Interleaved1F1B" else 2, name, 4),
+                schedule = [pt.tactics.pipeline("pp", 4 if name in TWO_PER_RANK else 2, name, 4),
                             pt.tactics.data_parallel("dp")]
             prog = pt.partition(model, mesh, schedule,
                                 example_inputs=batch, loss_fn=spec.loss_fn,
                                 optimizer=torch.optim.AdamW(model.parameters(), lr=LR))
             losses = [prog.train_step(*batch).item() for _ in range(STEPS)]
-            if name == "Interleaved1F1B":      # eval_step through two stages per rank
-                out["eval_interleaved"] = prog.eval_step(*batch).item()
+            if name in TWO_PER_RANK:      # eval_step through two stages per rank
+                out[f"eval_{name}"] = prog.eval_step(*batch).item()
             held = prog._executor.held().state
             out[name] = {"losses": losses, "params": {k: v.tolist() for k, v in prog.gather_parameters().items()},
                          # what this rank holds: its stage's parameters only (another stage's: an empty tensor)
@@ -159,9 +160,9 @@ def _reference(clip: bool = False, model: str = "llama"):
 def test_pipeline_on_gloo_ranks_trains_like_one_device(ranks, schedule):
     ref = _reference()
     want_losses, want_params = ref.losses, ref.params
-    if schedule == "Interleaved1F1B":
+    if schedule in TWO_PER_RANK:
         for rank, r in sorted(ranks.items()):
-            torch.testing.assert_close(torch.tensor(r["eval_interleaved"]), torch.tensor(ref.eval_loss),
+            torch.testing.assert_close(torch.tensor(r[f"eval_{schedule}"]), torch.tensor(ref.eval_loss),
                                        rtol=LOSS_RTOL, atol=0, msg=lambda m: f"rank {rank} eval_step: {m}")
     for rank, r in sorted(ranks.items()):
         got = r[schedule]
@@ -169,8 +170,8 @@ def test_pipeline_on_gloo_ranks_trains_like_one_device(ranks, schedule):
                                    msg=lambda m: f"rank {rank} {schedule} losses: {m}")
         assert set(got["params"]) == set(want_params)
         spec_params = got["stage_params"]
-        mine = sorted(p for s, ps in enumerate(spec_params) for p in ps if s % (4 if schedule == "1F1B-pp4" else 2)
-                      == got["coord"])
+        rank_of = {"1F1B-pp4": lambda s: s, "ZBVZeroBubble": lambda s: min(s, 3 - s)}.get(schedule, lambda s: s % 2)
+        mine = sorted(p for s, ps in enumerate(spec_params) for p in ps if rank_of(s) == got["coord"])
         assert got["held"] == mine and 0 < len(mine) < len(want_params)
         for k, w in want_params.items():
             torch.testing.assert_close(torch.tensor(got["params"][k]), w, rtol=PARAM_RTOL, atol=PARAM_ATOL,

@@ -8,12 +8,13 @@ collectives in every stage's ops). Then:
    reshard's collective, follows the latest stage among its operands; what reads only the batch, the hyperparameters
    and the rank's coordinates is copied into every stage that reads it);
 2. every op gets its action, (stage, "F" | "B", micro-batch) or (stage, "U", 0) for the optimizer update; what
-   lowering added follows its latest operand's action in its stage (else its earliest reader's);
+   lowering added follows its latest operand's action in its stage (else its earliest reader's); under
+   ZBVZeroBubble each backward is split into "B" and "W" (split_backward);
 3. a value read on another rank of the pipeline axis becomes a `pp_transfer` node at the end of its producer's
    action: sent by the ranks at coordinate src to the ranks at dst with the same coordinates on the other axes
    (the value keeps its layout on them);
 4. the program is reordered action by action: each rank's actions in the schedule's order (`rank_orders`: GPipe,
-   1F1B, Interleaved1F1B), merged into one order in which every action comes after the actions it receives from
+   1F1B, Interleaved1F1B, ZBVZeroBubble), merged into one order in which every action comes after the actions it receives from
    (the schedule is run round by round: each round, every rank whose next action has all its inputs runs it).
 
 Between 1 and 2, the sums that span stages become all_reduces on the pipeline axis that every rank runs (nodes with
@@ -66,7 +67,8 @@ def rank_orders(spec, tokens=()) -> list:
     squared gradients it contributes to the norm) and NORM before the updates, END after them. GPipe: every forward, then every backward. 1F1B (PipeDream-flush, Narayanan et al.
     2021): p - 1 - r forwards to warm up, then one forward and one backward in turn, then the remaining backwards.
     Interleaved1F1B (Megatron-LM's virtual stages, rank r holding stages r, r + p, ...): the same with the
-    micro-batches in groups of p, each group through every chunk in turn, warm-up (p - r - 1) * 2 + (v - 1) * p."""
+    micro-batches in groups of p, each group through every chunk in turn, warm-up (p - r - 1) * 2 + (v - 1) * p.
+    ZBVZeroBubble: zbv_order (each backward as "B", the input gradient, and "W", the weight gradients)."""
     p, m, v = spec.ranks, spec.microbatches, spec.chunks
     out = []
     for r in range(p):
@@ -80,6 +82,8 @@ def rank_orders(spec, tokens=()) -> list:
             for i in range(m - warm):
                 acts += [fs[warm + i], bs[i]]
             acts += bs[m - warm:]
+        elif spec.schedule == "ZBVZeroBubble":
+            acts = zbv_order(r, p, m)
         else:
             n = v * m
 
@@ -98,13 +102,55 @@ def rank_orders(spec, tokens=()) -> list:
             acts += [bwd(k) for k in range(n - warm, n)]
         if TIED in tokens:
             acts.append(TIED)
+        mine = [s for s in range(spec.n_stages) if spec.rank_of(s) == r]
         if NORM in tokens:
-            acts += [(s, "N", 0) for s in range(r, spec.n_stages, p)] + [NORM]
-        acts += [(s, "U", 0) for s in range(r, spec.n_stages, p)]
+            acts += [(s, "N", 0) for s in mine] + [NORM]
+        acts += [(s, "U", 0) for s in mine]
         if END in tokens:
             acts.append(END)
         out.append(acts)
     return out
+
+
+def zbv_order(r: int, p: int, m: int) -> list:
+    """Rank r's actions under ZB-V (Qi et al. 2024, section 6): its stages c0 = r and c1 = 2 p - 1 - r (the V), each
+    backward split into B (the input gradient the previous stage waits for) and W (the weight gradients, which wait
+    for nothing). Warm-up: 2 (p - r) - 1 forwards of c0, r of c1 and c0 in turn, then p - r of c1 each followed by
+    its backward; steady state: one forward and one backward of c0, then of c1; cool-down: the remaining B's of c0
+    and c1, the W's filling the bubble last. Laid out for max(m, 2 p - 1) micro-batches (the V needs 2 p - 1 in
+    flight to fill), the actions of micro-batches >= m dropped."""
+    n, c0, c1 = max(m, 2 * p - 1), r, 2 * p - 1 - r
+    done = {(c, k): 0 for c in (c0, c1) for k in "FBW"}
+    out = []
+
+    def run(c, *kinds):
+        for k in kinds:
+            out.append((c, k, done[(c, k)]))
+            done[(c, k)] += 1
+    for _ in range(2 * (p - r) - 1):
+        run(c0, "F")
+    for _ in range(r):
+        run(c1, "F")
+        run(c0, "F")
+    for _ in range(p - r):
+        run(c1, "F", "B", "W")
+    while done[(c1, "F")] < done[(c0, "F")] or done[(c0, "F")] < n:
+        if done[(c0, "F")] < n:
+            run(c0, "F")
+        run(c0, "B", "W")
+        run(c1, "F", "B", "W")
+    for _ in range(r):
+        run(c0, "B")
+        run(c1, "B")
+    for _ in range(p - r):
+        run(c0, "B", "W")
+    while done[(c1, "W")] < n:
+        run(c1, "W")
+    while done[(c0, "W")] < n:
+        run(c0, "W")
+    if any(v != n for v in done.values()):
+        raise InternalError(f"pipeline: ZB-V laid out {done} actions on rank {r} of {p}, not {n} of each.")
+    return [a for a in out if a[2] < m]
 
 
 def pipeline_program(low, spec, captured):
@@ -123,6 +169,8 @@ def pipeline_program(low, spec, captured):
     orders = rank_orders(spec, tuple(every))
     pos = {a: i for acts in orders for i, a in enumerate(acts)}
     act = _actions(g, stage, cap_nodes, pos)
+    if spec.schedule == "ZBVZeroBubble":
+        split_backward(g, stage, act)
     norm_actions(act, parts)
     for t, ns in every.items():
         act.update((n, t) for n in ns)
@@ -149,8 +197,8 @@ def pipeline_program(low, spec, captured):
 
 def bucket_parts(g, spec) -> dict:
     """The collectives lowering may bucket in a pipelined program (bucket.py), each with its stage, the bucket key:
-    a stage's gradient reductions (its gradients are final in its last micro-batch's backward, so its buckets are
-    issued there as they fill, as Megatron-LM's --overlap-grad-reduce does in the last backward) and its state
+    a stage's gradient reductions (its gradients are final in its last micro-batch's backward, ZB-V's: its last W
+    action, so its buckets are issued there as they fill, as Megatron-LM's --overlap-grad-reduce does in the last backward) and its state
     gathers (in its first micro-batch's forward, one bucket ahead: lower/schedule.py). No bucket mixes two stages.
     The reductions are not bounded in flight (lowering schedules them with reduce_in_flight 0): each is waited for
     where the stage's update reads it, so no wait in the last backward holds back the gradient the previous stage
@@ -276,6 +324,32 @@ def _actions(g, stage, cap_nodes, pos) -> dict:
         if n not in act:     # read by nothing of its stage (the step's output): at the end of the stage
             act[n] = (stage[n], "U", 0)
     return act
+
+
+def split_backward(g, stage, act) -> None:
+    """Zero-bubble backwards (Qi et al. 2024, section 2): each backward action (s, "B", j) keeps what the input
+    gradient sent to the previous stage needs, the ancestors inside the action of every value a node of another stage
+    reads (with the collectives lowering put among them: tensor parallelism's all_reduce of the input gradient); the
+    rest, the weight gradients with their accumulation over the micro-batches, their casts and their reductions on
+    the other axes, moves to (s, "W", j), which no other stage waits for. The first stage sends nothing back: its
+    whole backward is W."""
+    members: dict = {}
+    for n in g.nodes:
+        a = act.get(n)
+        if a is not None and a[1] == "B":
+            members.setdefault(a, []).append(n)
+    for a, ns in members.items():
+        inside = set(ns)
+        todo = [n for n in ns if any(u in stage and stage[u] != a[0] for u in n.users)]
+        keep: set = set()
+        while todo:
+            x = todo.pop()
+            if x in inside and x not in keep:
+                keep.add(x)
+                todo.extend(x.all_input_nodes)
+        for n in ns:
+            if n not in keep:
+                act[n] = (a[0], "W", a[2])
 
 
 def _transfers(g, stage, act, spec) -> list:

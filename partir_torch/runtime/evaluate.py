@@ -187,7 +187,7 @@ class Evaluator:
 def _eval_pipeline(train, batch):
     """The pipeline of a pipelined program's eval step on real ranks: the training stages (their module globs), the
     forwards only, over the most micro-batches up to training's that divide the batch (GPipe order; interleaved:
-    a multiple of the axis size)."""
+    a multiple of the axis size, in its order; ZBVZeroBubble: in its order, the stages in their V)."""
     from ..tactics.pipeline import Pipeline
 
     spec = train.pipeline
@@ -203,8 +203,9 @@ def _eval_pipeline(train, batch):
                              f"batch sizes {sorted(set(sizes))}. Use an eval batch size divisible by {step}.")
     placed = tuple((n.meta[META_NAME], spec.stage_of[n.name]) for n in train.captured.gm.graph.nodes
                    if n.op == "placeholder" and n.name in spec.stage_of)
-    return Pipeline(spec.axis, [list(g) for g in spec.modules],
-                    "Interleaved1F1B" if spec.schedule == "Interleaved1F1B" else "GPipe", m, spec.name, placed)
+    keep = spec.schedule in ("Interleaved1F1B", "ZBVZeroBubble")      # several stages per rank: their placement
+    return Pipeline(spec.axis, [list(g) for g in spec.modules], spec.schedule if keep else "GPipe", m, spec.name,
+                    placed)
 
 
 def _refuse_non_tensors(what, batch) -> None:

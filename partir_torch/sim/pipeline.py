@@ -7,8 +7,9 @@ link (one send at a time), and takes latency + bytes / bandwidth of the link bet
 node, the NIC across nodes, ICI / DCN on TPUs). Then:
 
 - the bubble: 1 - sum over ranks of their forward/backward busy time / (ranks x the span of the forward/backward
-  part); with equal stages and free transfers this is (p - 1) / (m + p - 1) for GPipe and 1F1B and
-  (p - 1) / (v m + p - 1) for Interleaved1F1B (Narayanan et al. 2021, section 2.2);
+  part; the zero-bubble schedule's W actions count as backward); with equal stages and free transfers this is
+  (p - 1) / (m + p - 1) for GPipe and 1F1B and (p - 1) / (v m + p - 1) for Interleaved1F1B (Narayanan et al. 2021,
+  section 2.2), close to 0 for ZBVZeroBubble when F = B = W (Qi et al. 2024, section 6);
 - the slowest stage (the most busy time), each rank's peak memory (the liveness of its own nodes), the transfers;
 - the nodes every rank runs (META_STAGE None: the all_reduces on the pipeline axis of clip_grad_norm and tied
   weights) start when the last rank reaches them, then each rank costs them as the SPMD timeline costs a collective.
@@ -37,7 +38,7 @@ class PipelineSim:
     microbatches: int
     chunks: int
     bubble: float                    # fraction of the forward/backward span the ranks sit idle
-    formula: float                   # the textbook bubble (p - 1) / (v m + p - 1)
+    formula: float                   # the textbook bubble (p - 1) / (v m + p - 1); ZB-V's: 0 (F = B = W)
     busy_s: list                     # per rank: seconds of forward/backward work
     step_s: list                     # per rank: when its step ends (update included)
     peak_bytes: list                 # per rank: peak live bytes of its own program
@@ -58,8 +59,9 @@ class PipelineSim:
     def lines(self) -> list:
         per = ", ".join(f"{r}: {t * 1e3:.3f} ms" for r, t in enumerate(self.busy_s))
         mem = ", ".join(f"{r}: {b / 2**20:.1f} MiB" for r, b in enumerate(self.peak_bytes))
+        book = "ZB-V with F = B = W" if self.schedule == "ZBVZeroBubble" else "(p-1)/(v m+p-1)"
         return [f"pipeline {self.schedule}: {self.ranks} ranks x {self.chunks} stage(s), {self.microbatches} "
-                f"micro-batches; bubble {100 * self.bubble:.1f}% (textbook (p-1)/(v m+p-1) = "
+                f"micro-batches; bubble {100 * self.bubble:.1f}% (textbook {book} = "
                 f"{100 * self.formula:.1f}%); slowest stage rank {self.slowest}",
                 f"pipeline busy (forward/backward) per rank: {per}",
                 f"pipeline peak memory per rank: {mem}",
@@ -154,14 +156,15 @@ def simulate_pipeline(gm, mesh, hw: Hardware, pipelined, axis_map=None, stage_na
 def _report(lines, spans, spec, nodes, facts, hw, sent: int, n_sent: int, stage_name: str) -> SimReport:
     """The SimReport of the ranks' timelines: the slowest rank's figures, the PipelineSim (bubble, stages)."""
     p = spec.ranks
-    fb = {a: v for a, v in spans.items() if a[1] in ("F", "B")}
+    fb = {a: v for a, v in spans.items() if a[1] in ("F", "B", "W")}
     busy = [sum(e - s for rr, s, e in fb.values() if rr == r) for r in range(p)]
     span = (max(e for _, _, e in fb.values()) - min(s for _, s, _ in fb.values())) if fb else 0.0
     bubble = 1.0 - sum(busy) / (p * span) if span > 0 else 0.0
     v, m = spec.chunks, spec.microbatches
     peaks = [_rank_peak(nodes, r, facts) for r in range(p)]
     ends = [max(line.t_c, max(line.t_m.values(), default=0.0)) for line in lines]
-    sim = PipelineSim(spec.schedule, p, m, v, bubble, (p - 1) / (v * m + p - 1), busy, ends, peaks, sent, n_sent,
+    textbook = 0.0 if spec.schedule == "ZBVZeroBubble" else (p - 1) / (v * m + p - 1)
+    sim = PipelineSim(spec.schedule, p, m, v, bubble, textbook, busy, ends, peaks, sent, n_sent,
                       spans, [line.compute_s for line in lines], [line.contention_s for line in lines],
                       [line.exposed for line in lines])
     slow = lines[max(range(p), key=ends.__getitem__)]

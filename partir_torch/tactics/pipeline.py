@@ -36,7 +36,8 @@ from ..errors import PartitionError, warn
 from .base import declare
 from .structure import param_source
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+ZBV = "ZBVZeroBubble"
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,15 @@ class PipelineSpec:
 
     def rank_of(self, stage: int) -> int:
         """The coordinate on the axis that runs `stage`: stage s on rank s % ranks (interleaved: rank r runs
-        stages r, r + ranks, ... as Megatron-LM's virtual stages)."""
+        stages r, r + ranks, ... as Megatron-LM's virtual stages); ZBVZeroBubble places the 2 p stages in a V, rank r
+        running stages r and 2 p - 1 - r (the first and the last on rank 0: Qi et al. 2024, section 6)."""
+        if self.schedule == ZBV:
+            return stage if stage < self.ranks else 2 * self.ranks - 1 - stage
         return stage % self.ranks
+
+    def stages_on(self, rank: int) -> tuple:
+        """The stages `rank` runs, in increasing order."""
+        return tuple(s for s in range(self.n_stages) if self.rank_of(s) == rank)
 
     @property
     def chunks(self) -> int:
@@ -78,7 +86,8 @@ class PipelineSpec:
 class Pipeline:
     """PP: the stages of the step on the ranks of `axis` (see the module docstring). stages: an int (that many
     stages, cut between the model's repeated blocks so that their forward FLOPs are balanced) or one list of module
-    FQN globs per stage. schedule: "GPipe", "1F1B" or "Interleaved1F1B" (several stages per rank). microbatches:
+    FQN globs per stage. schedule: "GPipe", "1F1B", "Interleaved1F1B" (several stages per rank) or "ZBVZeroBubble"
+    (2 stages per rank in a V, each backward split into its input gradient and its weight gradients). microbatches:
     per step (default 2 x stages); partition captures the step with that many (accumulate)."""
 
     axis: str
@@ -131,6 +140,11 @@ class Pipeline:
             if self.n_microbatches % ranks:
                 raise PartitionError(f"{self.name}: Interleaved1F1B runs the micro-batches in groups of the axis size "
                                      f"{ranks}; {self.n_microbatches} micro-batches is not a multiple of it.")
+        elif self.schedule == ZBV:
+            if n != 2 * ranks:
+                raise PartitionError(f"{self.name}: ZBVZeroBubble runs exactly 2 stages per rank, placed in a V (rank r "
+                                     f"runs stages r and {2 * ranks - 1} - r): {n} stages on axis '{self.axis}' (size "
+                                     f"{ranks}). Use stages={2 * ranks}.")
         elif n != ranks:
             raise PartitionError(f"{self.name}: {self.schedule} runs one stage per rank: {n} stages on axis "
                                  f"'{self.axis}' of size {ranks}. Use stages={ranks}, or Interleaved1F1B for "
