@@ -11,7 +11,8 @@ channel id under SPMD) the ids are devices of the mesh, which are the mesh's ran
 XlaProgram builds its xs.Mesh over device ids 0..n-1), so a group's axes are the mesh axes its members differ on.
 
 XLA's CPU pipeline has no reduce-scatter creator (GPU and TPU pipelines turn an all-reduce whose result each device
-only dynamic-slices into a reduce-scatter): `parse_collectives` does the same reading. It evaluates the slice
+only dynamic-slices into a reduce-scatter): `parse_collectives` does the same reading, also where the result
+passes through copies, transposes and reshapes (moves on the device) before the slice. It evaluates the slice
 offsets per device (partition-id tables and scalar arithmetic) to find the axes the slice varies on: those axes
 are a reduce_scatter of the all-reduce's bytes; the group's other axes an all_reduce of the slice. An all-reduce
 over several axes is read as one all_reduce per axis of the same bytes (how partir lowers such a reduction). Sums of
@@ -211,11 +212,27 @@ def _users(ins: dict) -> dict:
     return out
 
 
+def _local_chain_end(ins: dict, users_of: dict, name: str) -> str:
+    """The end of the chain of single users of `name` that only move its elements on the device (copies,
+    transposes, reshapes, bitcasts: how a constrained weight gradient comes out of the partitioner, e.g. all-reduce,
+    transpose, copy, dynamic-slice); `name` itself when there is none. A slice at the end of such a chain keeps the
+    same share of the all-reduced elements as a slice of the all-reduce itself."""
+    at = name
+    while len(users_of.get(at, ())) == 1:
+        u = ins.get(users_of[at][0])
+        if u is None or u.op not in ("copy", "transpose", "reshape", "bitcast") or u.operands[:1] != [at]:
+            break
+        at = u.name
+    return at
+
+
 def _scatter_axes(ins: dict, users_of: dict, ar: _Instr, groups: list, mesh: Mesh):
-    """If every user of all-reduce `ar` dynamic-slices it alike, the mesh axes (within the group) along which the
-    slice offsets vary; else None."""
-    users = [ins[u] for u in users_of.get(ar.name, ())]
-    if not users or any(u.op != "dynamic-slice" or u.operands[0] != ar.name for u in users) or \
+    """If every user of all-reduce `ar` (or of the end of its _local_chain_end) dynamic-slices it alike, the mesh axes
+    (within the group) along which the slice offsets vary, when the slice is the share of the value they split it
+    in; else None."""
+    end = _local_chain_end(ins, users_of, ar.name)
+    users = [ins[u] for u in users_of.get(end, ())]
+    if not users or any(u.op != "dynamic-slice" or u.operands[0] != end for u in users) or \
             len({u.shape.split("{")[0] for u in users}) != 1:
         return None
     offsets = {}
@@ -227,7 +244,14 @@ def _scatter_axes(ins: dict, users_of: dict, ar: _Instr, groups: list, mesh: Mes
     axes = [a for a in mesh.axes if len({coords[d][a] for d in groups[0]}) > 1 and
             any(offsets[d] != offsets[e] for d in groups[0] for e in groups[0]
                 if all(coords[d][b] == coords[e][b] for b in mesh.axes if b != a))]
-    return axes or None
+    if not axes or _elements(users[0].shape) * math.prod(mesh.shape[a] for a in axes) != _elements(ar.shape):
+        return None
+    return axes
+
+
+def _elements(shape: str) -> int:
+    m = _ARRAY.search(shape)
+    return math.prod(int(x) for x in m.group("dims").split(",") if x) if m else 0
 
 
 _PASS = ("reshape", "bitcast", "copy", "convert", "transpose")

@@ -157,6 +157,31 @@ def test_hlo_parser_counts_bytes_and_reads_reduce_scatters():
                    ("all_to_all", "y", 128)]
 
 
+def test_hlo_parser_reads_a_slice_after_transposes_and_copies_as_a_reduce_scatter():
+    """A weight gradient constrained to its reduced layout comes out of the partitioner as all-reduce, transpose,
+    copy, dynamic-slice: each device keeps a share of the sum, so it reads as a reduce_scatter on the axis the
+    slice varies on and an all_reduce of the slice on the other, as without the transpose; a slice that is not the
+    share those axes split it in stays an all-reduce."""
+    hlo = """
+  %p0 = f32[8,4]{1,0} parameter(0)
+  %all-reduce.1 = f32[8,4]{1,0} all-reduce(%p0), channel_id=1, replica_groups=[1,4]<=[4], use_global_device_ids=true, to_apply=%add
+  %transpose.2 = f32[4,8]{0,1} transpose(%all-reduce.1), dimensions={1,0}
+  %copy.3 = f32[4,8]{1,0} copy(%transpose.2)
+  %partition-id = u32[] partition-id()
+  %constant.4 = s32[4]{0} constant({0, 4, 0, 4})
+  %dynamic-slice.5 = s32[1]{0} dynamic-slice(%constant.4, %partition-id), dynamic_slice_sizes={1}
+  %reshape.6 = s32[] reshape(%dynamic-slice.5)
+  %constant.7 = s32[] constant(0)
+  %dynamic-slice.8 = f32[4,4]{1,0} dynamic-slice(%copy.3, %constant.7, %reshape.6), dynamic_slice_sizes={4,4}
+  %all-reduce.9 = f32[8,4]{1,0} all-reduce(%p0), channel_id=2, replica_groups=[1,4]<=[4], use_global_device_ids=true, to_apply=%add
+  %transpose.10 = f32[4,8]{0,1} transpose(%all-reduce.9), dimensions={1,0}
+  %dynamic-slice.11 = f32[2,4]{1,0} dynamic-slice(%transpose.10, %constant.7, %reshape.6), dynamic_slice_sizes={2,4}
+"""
+    got = [(c.kind, c.axis, c.nbytes) for c in parse_collectives(hlo, pt.Mesh({"x": 2, "y": 2}))]
+    assert got == [("reduce_scatter", "y", 128), ("all_reduce", "x", 64), ("all_reduce", "x", 128),
+                   ("all_reduce", "y", 128)]
+
+
 def test_a_mesh_of_another_size_than_the_devices_is_refused_by_name():
     spec = get("mlp")
     model = spec.build()
