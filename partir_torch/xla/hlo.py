@@ -19,8 +19,9 @@ over several axes is read as one all_reduce per axis of the same bytes (how part
 all-reduced values over the same groups (reached through reshapes, transposes, copies, converts and scalings by a
 constant, each with a single user) are read as one all-reduce of the sum: XLA's all-reduce reassociation, which
 the GPU and TPU pipelines run after the algebraic simplifier, and what partir does by keeping a partial value
-partial through a sum. Where both summands also pass the same collective-permute, the sum is read as one
-all-reduce then that permute (the permutes stay listed: collective_permute has no partir counterpart).
+partial through a sum; a sum each device then only slices reads as one reduce_scatter. Where both summands
+also pass the same collective-permute, the sum is read as one all-reduce then that permute (the permutes stay
+listed: collective_permute has no partir counterpart).
 
 Bytes follow the convention of partir's CollectiveRecord (nccl-tests): all_reduce and all_to_all: the operand,
 all_gather: the result, reduce_scatter: the operand; collective_permute: the operand.
@@ -226,11 +227,11 @@ def _local_chain_end(ins: dict, users_of: dict, name: str) -> str:
     return at
 
 
-def _scatter_axes(ins: dict, users_of: dict, ar: _Instr, groups: list, mesh: Mesh):
-    """If every user of all-reduce `ar` (or of the end of its _local_chain_end) dynamic-slices it alike, the mesh axes
-    (within the group) along which the slice offsets vary, when the slice is the share of the value they split it
-    in; else None."""
-    end = _local_chain_end(ins, users_of, ar.name)
+def _scatter_axes(ins: dict, users_of: dict, ar: _Instr, groups: list, mesh: Mesh, start: str = ""):
+    """If every user of all-reduce `ar` (or of the end of its _local_chain_end; `start`: the last add of a sum it is
+    reassociated into, whose slices are then read) dynamic-slices it alike, the mesh axes (within the group) along
+    which the slice offsets vary, when the slice is the share of the value they split it in; else None."""
+    end = _local_chain_end(ins, users_of, start or ar.name)
     users = [ins[u] for u in users_of.get(end, ())]
     if not users or any(u.op != "dynamic-slice" or u.operands[0] != end for u in users) or \
             len({u.shape.split("{")[0] for u in users}) != 1:
@@ -279,7 +280,8 @@ def _source(ins: dict, users: dict, name: str) -> tuple:
 
 
 def _reassociated(ins: dict, users: dict) -> dict:
-    """all-reduce name -> the first all-reduce of the sum it is reassociated into (see the module docstring)."""
+    """all-reduce name -> the first all-reduce of the sum it is reassociated into (see the module docstring); and each
+    add of such a sum -> that all-reduce."""
     rep: dict = {}            # all-reduce or add name -> representative all-reduce
     groups = {n: re.search(r"replica_groups=(\S+?)(?:, [a-z_]+=|$)", i.line) for n, i in ins.items()
               if i.op == "all-reduce"}
@@ -298,7 +300,7 @@ def _reassociated(ins: dict, users: dict) -> dict:
                 if v == rb:
                     rep[k] = ra
             rep[n] = ra
-    return {n: r for n, r in rep.items() if n in groups}
+    return {n: r for n, r in rep.items() if n in groups or ins[n].op == "add"}
 
 
 def parse_collectives(hlo_text: str, mesh: Mesh) -> list:
@@ -309,6 +311,7 @@ def parse_collectives(hlo_text: str, mesh: Mesh) -> list:
     shapes = {name: i.shape for name, i in ins.items()}
     users = _users(ins)
     merged = _reassociated(ins, users)
+    sum_end = {r: n for n, r in merged.items() if ins[n].op == "add"}   # program order: the last add of each sum
     for line in lines:
         m = _INSTR.match(line)
         if m is None:
@@ -329,7 +332,7 @@ def parse_collectives(hlo_text: str, mesh: Mesh) -> list:
         if kind == "all_reduce" and merged.get(name, name) != name:
             continue               # summed into an earlier all-reduce's value: reassociated into that one
         if kind == "all_reduce" and name in ins and axis not in ("?", "-"):
-            scatter = _scatter_axes(ins, users, ins[name], groups, mesh)
+            scatter = _scatter_axes(ins, users, ins[name], groups, mesh, sum_end.get(name, ""))
             if scatter:        # all-reduce + dynamic-slice: reduce_scatter on the slice's axes, then the rest
                 k = math.prod(mesh.shape[a] for a in scatter)
                 out.append(XlaCollective("reduce_scatter", "+".join(scatter), k, nbytes, dtype or op_dtype, name,

@@ -363,6 +363,28 @@ def test_hlo_parser_reads_summed_all_reduces_as_one():
     assert got == [("all_reduce", "y", 128), ("all_reduce", "x", 128)]
 
 
+def test_hlo_parser_reads_a_sliced_sum_of_all_reduces_as_one_reduce_scatter():
+    """A tied weight's gradient: the head's and the embedding's parts all-reduced over both axes, summed, and each
+    device keeps its share on 'y' (partir reduce-scatters the sum): one reduce_scatter on y and one all_reduce of
+    the slice on x, not an all-reduce over both."""
+    hlo = """
+  %p0 = f32[8,4]{1,0} parameter(0)
+  %p1 = f32[8,4]{1,0} parameter(1)
+  %all-reduce.1 = f32[8,4]{1,0} all-reduce(%p0), channel_id=1, replica_groups=[1,4]<=[4], use_global_device_ids=true, to_apply=%add
+  %all-reduce.2 = f32[8,4]{1,0} all-reduce(%p1), channel_id=2, replica_groups=[1,4]<=[4], use_global_device_ids=true, to_apply=%add
+  %add.3 = f32[8,4]{1,0} add(%all-reduce.1, %all-reduce.2)
+  %copy.4 = f32[8,4]{1,0} copy(%add.3)
+  %partition-id = u32[] partition-id()
+  %constant.5 = s32[4]{0} constant({0, 4, 0, 4})
+  %dynamic-slice.6 = s32[1]{0} dynamic-slice(%constant.5, %partition-id), dynamic_slice_sizes={1}
+  %reshape.7 = s32[] reshape(%dynamic-slice.6)
+  %constant.8 = s32[] constant(0)
+  %dynamic-slice.9 = f32[4,4]{1,0} dynamic-slice(%copy.4, %reshape.7, %constant.8), dynamic_slice_sizes={4,4}
+"""
+    got = [(c.kind, c.axis, c.nbytes) for c in parse_collectives(hlo, pt.Mesh({"x": 2, "y": 2}))]
+    assert got == [("reduce_scatter", "y", 128), ("all_reduce", "x", 64)]
+
+
 def test_loss_and_grads_equal_autograd():
     """A program captured with a loss_fn and no optimizer returns the loss and every gradient (MLP, BP x Z3 on 8)."""
     spec = get("mlp")
