@@ -20,6 +20,7 @@ Every record's nbytes is the full array size the collective reduces or produces 
 """
 from __future__ import annotations
 
+import copy
 import re
 from collections import Counter
 
@@ -194,3 +195,69 @@ def test_bucketing_keeps_bytes_and_merges_collectives(stage):
     got, want = bucketed.gather_parameters(), plain.gather_parameters()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7)
+
+
+def test_zero3_does_not_gather_a_weight_the_backward_reads_only_the_shape_of():
+    """The ViT's patch embedding convolves the input images, which need no gradient: its convolution_backward
+    (output_mask [False, True, True]) computes grad_weight from dy and x, reading only the weight's shape. ZeRO-3
+    gathers that weight once, for the forward (it gathered it again for the backward, for nothing: 98 KiB a step on
+    HF ViT, which XLA's program drops). The step still equals one device's."""
+    spec = get("vit")
+    model = spec.build()
+    ref = copy.deepcopy(model)
+    batch = spec.batch(4)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                        example_inputs=batch, loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5), bucket_bytes=0)
+    gathers = select(prog.collectives(), kind="all_gather", value="params.patch_embed.weight")
+    assert [r.phase for r in gathers] == ["forward"], [str(r) for r in gathers]
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-5)
+    for _ in range(2):
+        got = prog.train_step(*batch)
+        opt.zero_grad()
+        want = spec.loss_fn(ref, *batch)
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=0)
+    params = prog.gather_parameters()
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+class _PositionTable(torch.nn.Module):
+    """Tokens plus a learned position table of 64 rows, of which a sequence of 8 reads the first 8 (BERT's and
+    GPT-2's `position_ids[:, :T]`): the table's gradient is the batch-summed (1, T, d) gradient scattered."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.tok, self.pos, self.head = torch.nn.Embedding(32, d), torch.nn.Embedding(64, d), torch.nn.Linear(d, 32)
+
+    def forward(self, x):
+        return self.head(self.tok(x) + self.pos(torch.arange(x.shape[1]))[None])
+
+
+def test_a_position_tables_gradient_is_reduced_before_the_scatter_not_as_the_table():
+    """Under BP the position gradient is partial over the batch axis once summed over the batch: partir reduces
+    those 8 x 16 values (512 B), not the 64 x 16 table they are scattered into (4,096 B, as XLA's program does
+    too); the step still equals one device's."""
+    torch.manual_seed(0)
+    model = _PositionTable()
+    ref = copy.deepcopy(model)
+    x = torch.randint(0, 32, (4, 8))
+    loss_fn = lambda m, x: torch.nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten())   # noqa: E731
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=(x,),
+                        loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5),
+                        bucket_bytes=0)
+    sizes = sorted(r.nbytes for r in select(prog.collectives(), kind="all_reduce"))
+    assert 8 * 16 * F32 in sizes and 64 * 16 * F32 not in sizes, sizes
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-5)
+    for _ in range(2):
+        got = prog.train_step(x)
+        opt.zero_grad()
+        want = loss_fn(ref, x)
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=0)
+    params = prog.gather_parameters()
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")

@@ -40,7 +40,7 @@ from .outputs import flatten_outputs
 from .replicate import splice_update
 from .tags import tracing_graph, collect_tags, install_hooks
 from .moe import hf_experts
-from .tidy import identity_indices, share_views, untie_random_templates
+from .tidy import identity_indices, share_views, untie_random_templates, untie_unused_weights
 
 FORWARD, LOSS_AND_GRADS, TRAIN, EVAL = "forward", "loss_and_grads", "train", "eval"
 # TRAIN: trace the optimizer update once per class of parameters and copy it for each (replicate.py), not op by op
@@ -660,6 +660,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     consts = _lift_constants(gm, names, roles)
     _refuse_state_constants(consts, model)
     untie_random_templates(gm)
+    untie_unused_weights(gm)
     identity_indices(gm)
     _state_mutations(gm, names, roles, out_names, model)
     if accumulate > 1:

@@ -33,6 +33,33 @@ def untie_random_templates(gm: fx.GraphModule) -> None:
     gm.graph.lint()     # capture() regenerates gm's code once, after its last rewrite
 
 
+
+def untie_unused_weights(gm: fx.GraphModule) -> int:
+    """`convolution_backward(dy, x, w, ..., output_mask=[False, ...])`: without grad_input the kernel reads only
+    w's shape (grad_weight is dy and x convolved), yet as an operand w would be gathered whole for the backward
+    under ZeRO-3 (a ViT's patch embedding: its weight gathered twice a step, once for nothing; XLA drops that
+    gather as dead code). The operand becomes zeros of w's static shape: a factory, laid out as the op wants,
+    that moves nothing. Returns how many it rewrote."""
+    done = 0
+    for n in list(gm.graph.nodes):
+        if n.target is not aten.convolution_backward.default or len(n.args) < 11 or n.args[10][0]:
+            continue
+        w = n.args[2]
+        val = w.meta.get("val") if isinstance(w, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or not hasattr(val, "fake_mode"):
+            continue
+        with gm.graph.inserting_before(n):
+            z = gm.graph.call_function(aten.zeros.default, (list(val.shape),),
+                                       {"dtype": val.dtype, "device": val.device})
+        z.meta.update({k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")})
+        with val.fake_mode:
+            z.meta["val"] = torch.zeros(val.shape, dtype=val.dtype, device=val.device)
+        n.args = (*n.args[:2], z, *n.args[3:])
+        done += 1
+    if done:
+        gm.graph.lint()
+    return done
+
 # ops through which an arange's values reach an index unchanged, only its shape gaining dims of size 1
 _SHAPE_ONLY = {aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}

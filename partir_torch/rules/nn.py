@@ -1,6 +1,8 @@
 """Neural-network ops: norms, softmax, losses, embedding, attention, dropout, factories."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .factors import BLOCKED, NEED_REP, PASS, REDUCE, SUM, RuleBuilder, einsum
@@ -94,9 +96,14 @@ def embedding(ctx):
 
 
 def embedding_dense_backward(ctx):
-    """grad_weight (V, D) = scatter-add of grad_output (*, D) by indices: token dims are REDUCE."""
+    """grad_weight (V, D) = scatter-add of grad_output (*, D) by indices: token dims are REDUCE. A partial
+    grad_output flows through (the table comes out partial) only when the table has fewer rows than the tokens
+    scattered; else it is reduced first, as the smaller of the two (a position table of 512 rows scattered from 16
+    positions, their gradient already summed over the batch: reducing the table moved 32x the bytes)."""
     idx = "ijkl"[:len(ctx.in_shapes[1])]
-    return einsum(f"{idx}d,{idx}->vd", ctx.in_shapes, ctx.out_shapes, indexed="v", linear=[({0}, SUM)])
+    tokens = math.prod(ctx.in_shapes[1])
+    linear = [({0}, SUM)] if ctx.out_shapes[0] is not None and ctx.out_shapes[0][0] < tokens else ()
+    return einsum(f"{idx}d,{idx}->vd", ctx.in_shapes, ctx.out_shapes, indexed="v", linear=linear)
 
 
 def sdpa_cpu(ctx):

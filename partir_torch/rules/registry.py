@@ -251,6 +251,8 @@ LINKS = {
     aten.rand_like.default: Links(local=AS_IS, flops=NONE, xla="xla.kernels.rand_like"),
     aten.randn_like.default: Links(local=AS_IS, flops=NONE, xla="xla.kernels.randn_like"),
     aten.bernoulli.p: Links(local=AS_IS, flops=NONE, xla="xla.kernels.bernoulli_p"),
+    # torch-xla reads fill's 0-d value tensor on the host (.item()), which splits the step (T5's _shift_right)
+    aten.fill.Tensor: Links(local=AS_IS, flops=NONE, xla="xla.kernels.fill_tensor"),
     # torch-xla 2.9 has no kernel and no composite for glu's backward: the XLA form is missing
     aten.glu_backward.default: Links(local=AS_IS, flops=NONE),
     # nn.Unfold / nn.Fold: memory-bound rearrangements; torch-xla 2.9 has no kernel for them

@@ -11,15 +11,17 @@ channel id under SPMD) the ids are devices of the mesh, which are the mesh's ran
 XlaProgram builds its xs.Mesh over device ids 0..n-1), so a group's axes are the mesh axes its members differ on.
 
 XLA's CPU pipeline has no reduce-scatter creator (GPU and TPU pipelines turn an all-reduce whose result each device
-only dynamic-slices into a reduce-scatter): `parse_collectives` does the same reading. It evaluates the slice
+only dynamic-slices into a reduce-scatter): `parse_collectives` does the same reading, also where the result
+passes through copies, transposes and reshapes (moves on the device) before the slice. It evaluates the slice
 offsets per device (partition-id tables and scalar arithmetic) to find the axes the slice varies on: those axes
 are a reduce_scatter of the all-reduce's bytes; the group's other axes an all_reduce of the slice. An all-reduce
 over several axes is read as one all_reduce per axis of the same bytes (how partir lowers such a reduction). Sums of
 all-reduced values over the same groups (reached through reshapes, transposes, copies, converts and scalings by a
 constant, each with a single user) are read as one all-reduce of the sum: XLA's all-reduce reassociation, which
 the GPU and TPU pipelines run after the algebraic simplifier, and what partir does by keeping a partial value
-partial through a sum. Where both summands also pass the same collective-permute, the sum is read as one
-all-reduce then that permute (the permutes stay listed: collective_permute has no partir counterpart).
+partial through a sum; a sum each device then only slices reads as one reduce_scatter. Where both summands
+also pass the same collective-permute, the sum is read as one all-reduce then that permute (the permutes stay
+listed: collective_permute has no partir counterpart).
 
 Bytes follow the convention of partir's CollectiveRecord (nccl-tests): all_reduce and all_to_all: the operand,
 all_gather: the result, reduce_scatter: the operand; collective_permute: the operand.
@@ -211,11 +213,27 @@ def _users(ins: dict) -> dict:
     return out
 
 
-def _scatter_axes(ins: dict, users_of: dict, ar: _Instr, groups: list, mesh: Mesh):
-    """If every user of all-reduce `ar` dynamic-slices it alike, the mesh axes (within the group) along which the
-    slice offsets vary; else None."""
-    users = [ins[u] for u in users_of.get(ar.name, ())]
-    if not users or any(u.op != "dynamic-slice" or u.operands[0] != ar.name for u in users) or \
+def _local_chain_end(ins: dict, users_of: dict, name: str) -> str:
+    """The end of the chain of single users of `name` that only move its elements on the device (copies,
+    transposes, reshapes, bitcasts: how a constrained weight gradient comes out of the partitioner, e.g. all-reduce,
+    transpose, copy, dynamic-slice); `name` itself when there is none. A slice at the end of such a chain keeps the
+    same share of the all-reduced elements as a slice of the all-reduce itself."""
+    at = name
+    while len(users_of.get(at, ())) == 1:
+        u = ins.get(users_of[at][0])
+        if u is None or u.op not in ("copy", "transpose", "reshape", "bitcast") or u.operands[:1] != [at]:
+            break
+        at = u.name
+    return at
+
+
+def _scatter_axes(ins: dict, users_of: dict, ar: _Instr, groups: list, mesh: Mesh, start: str = ""):
+    """If every user of all-reduce `ar` (or of the end of its _local_chain_end; `start`: the last add of a sum it is
+    reassociated into, whose slices are then read) dynamic-slices it alike, the mesh axes (within the group) along
+    which the slice offsets vary, when the slice is the share of the value they split it in; else None."""
+    end = _local_chain_end(ins, users_of, start or ar.name)
+    users = [ins[u] for u in users_of.get(end, ())]
+    if not users or any(u.op != "dynamic-slice" or u.operands[0] != end for u in users) or \
             len({u.shape.split("{")[0] for u in users}) != 1:
         return None
     offsets = {}
@@ -227,7 +245,14 @@ def _scatter_axes(ins: dict, users_of: dict, ar: _Instr, groups: list, mesh: Mes
     axes = [a for a in mesh.axes if len({coords[d][a] for d in groups[0]}) > 1 and
             any(offsets[d] != offsets[e] for d in groups[0] for e in groups[0]
                 if all(coords[d][b] == coords[e][b] for b in mesh.axes if b != a))]
-    return axes or None
+    if not axes or _elements(users[0].shape) * math.prod(mesh.shape[a] for a in axes) != _elements(ar.shape):
+        return None
+    return axes
+
+
+def _elements(shape: str) -> int:
+    m = _ARRAY.search(shape)
+    return math.prod(int(x) for x in m.group("dims").split(",") if x) if m else 0
 
 
 _PASS = ("reshape", "bitcast", "copy", "convert", "transpose")
@@ -255,7 +280,8 @@ def _source(ins: dict, users: dict, name: str) -> tuple:
 
 
 def _reassociated(ins: dict, users: dict) -> dict:
-    """all-reduce name -> the first all-reduce of the sum it is reassociated into (see the module docstring)."""
+    """all-reduce name -> the first all-reduce of the sum it is reassociated into (see the module docstring); and each
+    add of such a sum -> that all-reduce."""
     rep: dict = {}            # all-reduce or add name -> representative all-reduce
     groups = {n: re.search(r"replica_groups=(\S+?)(?:, [a-z_]+=|$)", i.line) for n, i in ins.items()
               if i.op == "all-reduce"}
@@ -274,7 +300,7 @@ def _reassociated(ins: dict, users: dict) -> dict:
                 if v == rb:
                     rep[k] = ra
             rep[n] = ra
-    return {n: r for n, r in rep.items() if n in groups}
+    return {n: r for n, r in rep.items() if n in groups or ins[n].op == "add"}
 
 
 def parse_collectives(hlo_text: str, mesh: Mesh) -> list:
@@ -285,6 +311,7 @@ def parse_collectives(hlo_text: str, mesh: Mesh) -> list:
     shapes = {name: i.shape for name, i in ins.items()}
     users = _users(ins)
     merged = _reassociated(ins, users)
+    sum_end = {r: n for n, r in merged.items() if ins[n].op == "add"}   # program order: the last add of each sum
     for line in lines:
         m = _INSTR.match(line)
         if m is None:
@@ -305,7 +332,7 @@ def parse_collectives(hlo_text: str, mesh: Mesh) -> list:
         if kind == "all_reduce" and merged.get(name, name) != name:
             continue               # summed into an earlier all-reduce's value: reassociated into that one
         if kind == "all_reduce" and name in ins and axis not in ("?", "-"):
-            scatter = _scatter_axes(ins, users, ins[name], groups, mesh)
+            scatter = _scatter_axes(ins, users, ins[name], groups, mesh, sum_end.get(name, ""))
             if scatter:        # all-reduce + dynamic-slice: reduce_scatter on the slice's axes, then the rest
                 k = math.prod(mesh.shape[a] for a in scatter)
                 out.append(XlaCollective("reduce_scatter", "+".join(scatter), k, nbytes, dtype or op_dtype, name,

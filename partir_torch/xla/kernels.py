@@ -126,6 +126,12 @@ def upsample_nearest2d_backward(grad_output, output_size, input_size, scales_h=N
     return grad_output.reshape(n, c, h, oh // h, w, ow // w).sum((3, 5))
 
 
+def fill_tensor(x, value):
+    """fill.Tensor: torch-xla reads the 0-d value on the host (a sync that splits the step into several XLA
+    programs); as a broadcast it stays on the devices."""
+    return value.to(x.dtype).expand(x.shape).clone()
+
+
 # op -> its XLA form, for the ops whose registry row links a function here (rules/registry.py LINKS); view ops are
 def _host(t):
     """A host tensor shaped like XLA tensor `t` (what a draw reads of it: shape and dtype)."""

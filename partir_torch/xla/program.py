@@ -14,8 +14,11 @@ The captured *global* step graph runs op by op on XLA tensors (lazily traced, co
   rewritten onto the views; the few layouts no such view tiles are held whole on the strided axis (device.unstrided)
   and one warning per mode names them and what XLA's program moves beyond the plan.
 
-GSPMD is then left to choose little more than how to reduce partial values (pending reductions have no HLO
-sharding). State stays on the devices between steps.
+A partial value (a pending reduction has no HLO sharding) that partir reduces before each of its uses is
+constrained to its reduced layout where it is made, so GSPMD reduces it there as partir does rather than computing
+it tiled on an axis the plan leaves whole and permuting the tiles (_reduced_at_every_use). GSPMD is then left to
+choose little more than how to reduce the partial values kept partial through sums. State stays on the devices
+between steps.
 
     xprog = prog.to_xla()                 # PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 for 8 virtual devices
     loss = xprog.train_step(tokens, targets)
@@ -32,6 +35,7 @@ import torch.fx as fx
 from ..capture import FORWARD
 from ..contract import META_ROLE, STATE_ROLES, Role, forward_nodes
 from ..errors import PartitionError, warn
+from ..sharding import Sharding
 from . import device as xdev
 from .hlo import parse_collectives
 from .kernels import xla_target
@@ -294,10 +298,32 @@ class XlaBackend:
             else:
                 if sh.strides:
                     sh = self._strided_layout(node, sh) or sh  # else partition_spec is None: left to GSPMD
+                elif sh.partial and self._reduced_at_every_use(g.vid[node]):
+                    sh = Sharding.interned(sh.dims, (), sh.replicated, (), sh.blocks)
                 spec = xdev.partition_spec(sh)
             if spec is not None:
                 out[node.name] = spec
         return out
+
+    def _reduced_at_every_use(self, v: int) -> bool:
+        """Whether partir's lowering reduces partial value v before each of its uses (every user computes on it
+        reduced; none keeps it partial, e.g. through a sum; the step does not return it). Such a value is then
+        constrained to its reduced layout (its tiled dims kept, every other axis replicated), where partir reduces
+        it: left unconstrained, GSPMD computes it tiled on an axis the plan leaves replicated (a weight gradient
+        on 'tp' when the operands are replicated there), reduces that tile, and permutes it to the devices of the
+        layout its user wants (collective-permutes on groups no mesh axis spans; tests/xla)."""
+        from ..lower.lower import op_layouts
+
+        g = self.plan.graph
+        node = g.values[v]
+        if not g.users[v] or any(u.op == "output" for u in node.users):
+            return False
+        for i in g.users[v]:
+            wants, _ = op_layouts(self.plan.decisions, i)
+            for j, w in enumerate(g.ops[i].operands):
+                if w == v and (wants[j] is None or wants[j].partial):
+                    return False
+        return True
 
     def _op_specs(self) -> tuple:
         """Where partir's lowering reshards, from lower.op_layouts (the layouts each op computes under):

@@ -74,6 +74,26 @@ def test_nll_loss_total_weight_counts_the_targets_not_ignored():
     torch.testing.assert_close(out, aten.nll_loss_forward(logp, target, None, 2, -100)[0])
 
 
+def test_fill_with_a_tensor_value_equals_aten_and_stays_on_the_devices():
+    """fill.Tensor (T5's `_shift_right`: the decoder start id written into a column of the labels): torch-xla's own
+    kernel reads the 0-d value on the host, a sync that split T5's step in two XLA programs (compare() could not
+    see the whole step); the form is a broadcast, computed on the devices, equal to aten's."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    from partir_torch.xla.kernels import xla_target
+
+    assert xla_target(aten.fill.Tensor) is kernels.fill_tensor
+    labels, start = torch.randint(0, 9, (4, 6)), torch.tensor(7)
+    want = aten.fill.Tensor(labels[:, 0], start)
+    dev = torch_xla.device()
+    before = met.counter_value("aten::_local_scalar_dense") or 0
+    got = kernels.fill_tensor(labels.to(dev)[:, 0], start.to(dev))
+    torch_xla.sync()
+    assert (met.counter_value("aten::_local_scalar_dense") or 0) == before
+    assert got.dtype == want.dtype and torch.equal(got.cpu(), want)
+
+
 def test_the_registry_rows_say_how_torch_xla_runs_each_op():
     """kernels.OVERRIDES is what the rows link; an op declared "as is" has a torch-xla kernel (or a composite one
     that decomposes for XLA); the ops listed as lacking an XLA form have neither."""
