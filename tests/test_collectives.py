@@ -30,6 +30,8 @@ import torch
 import partir_torch as pt
 from examples.models import get
 
+from tests.harness import adamw, train_next_to_eager
+
 T = pt.tactics
 SPEC = get("gpt_sdpa")
 B, SEQ, D, LAYERS, VOCAB = 4, 16, 32, 2, 64
@@ -211,17 +213,7 @@ def test_zero3_does_not_gather_a_weight_the_backward_reads_only_the_shape_of():
                         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5), bucket_bytes=0)
     gathers = select(prog.collectives(), kind="all_gather", value="params.patch_embed.weight")
     assert [r.phase for r in gathers] == ["forward"], [str(r) for r in gathers]
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-5)
-    for _ in range(2):
-        got = prog.train_step(*batch)
-        opt.zero_grad()
-        want = spec.loss_fn(ref, *batch)
-        want.backward()
-        opt.step()
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=0)
-    params = prog.gather_parameters()
-    for k, p in ref.named_parameters():
-        torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    train_next_to_eager(prog, ref, [batch] * 2, spec.loss_fn, adamw(eps=1e-5))
 
 
 class _PositionTable(torch.nn.Module):
@@ -250,14 +242,4 @@ def test_a_position_tables_gradient_is_reduced_before_the_scatter_not_as_the_tab
                         bucket_bytes=0)
     sizes = sorted(r.nbytes for r in select(prog.collectives(), kind="all_reduce"))
     assert 8 * 16 * F32 in sizes and 64 * 16 * F32 not in sizes, sizes
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-5)
-    for _ in range(2):
-        got = prog.train_step(x)
-        opt.zero_grad()
-        want = loss_fn(ref, x)
-        want.backward()
-        opt.step()
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=0)
-    params = prog.gather_parameters()
-    for k, p in ref.named_parameters():
-        torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    train_next_to_eager(prog, ref, [(x,)] * 2, loss_fn, adamw(eps=1e-5))

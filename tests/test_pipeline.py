@@ -371,19 +371,26 @@ class _TiedOnOneRank(nn.Module):
         return self.blocks(x)
 
 
-def test_tied_weight_on_one_rank_needs_no_exchange_and_clipping_interleaved():
-    """Interleaved: stages 0 and 2 on rank 0 read one weight (no exchange: the rank holds it once); clipping sums
-    each rank's two stages' squares before the all_reduce on pp."""
-    model = _TiedOnOneRank()
+def _tied_trained(model, ranks: int, schedule: str, microbatches: int):
+    """`model` (4 blocks, one stage each) on {pp: ranks} under `schedule` with clip_grad_norm, trained next to one
+    device's clip_grad_norm_ (_train_clipped); returns the program."""
     ref = copy.deepcopy(model)
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     loss_fn = lambda m, x, y: F.mse_loss(m(x), y)      # noqa: E731
     max_norm = _max_norm(model, (x, y), loss_fn)
-    prog = pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", [[f"blocks.{i}"] for i in range(4)],
-                                                              "Interleaved1F1B", 2)],
+    prog = pt.partition(model, pt.Mesh({"pp": ranks}), [T.pipeline("pp", [[f"blocks.{i}"] for i in range(4)],
+                                                                  schedule, microbatches)],
                         example_inputs=(x, y), loss_fn=loss_fn,
                         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), clip_grad_norm=max_norm)
     _train_clipped(prog, ref, (x, y), loss_fn, max_norm)
+    return prog
+
+
+def test_tied_weight_on_one_rank_needs_no_exchange_and_clipping_interleaved():
+    """Interleaved: stages 0 and 2 on rank 0 read one weight (no exchange: the rank holds it once); clipping sums
+    each rank's two stages' squares before the all_reduce on pp."""
+    model = _TiedOnOneRank()
+    prog = _tied_trained(model, 2, "Interleaved1F1B", 2)
     assert prog.plan.pipeline.tied["params.blocks.0.0.weight"] == (0, 2)
     assert prog.plan.pipeline.holders("params.blocks.0.0.weight") == (0,)
     assert [r.why for r in prog.collectives() if r.axis == "pp"] == ["grad norm"]
@@ -395,14 +402,7 @@ def test_tied_weight_on_first_and_last_of_four_ranks():
     model = _TiedOnOneRank()
     model.blocks = nn.Sequential(model.blocks[0], model.blocks[1], nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
                                  _Reuse(model.blocks[0][0]))
-    ref = copy.deepcopy(model)
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
-    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)      # noqa: E731
-    max_norm = _max_norm(model, (x, y), loss_fn)
-    prog = pt.partition(model, pt.Mesh({"pp": 4}), [T.pipeline("pp", [[f"blocks.{i}"] for i in range(4)], "1F1B", 4)],
-                        example_inputs=(x, y), loss_fn=loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), clip_grad_norm=max_norm)
-    _train_clipped(prog, ref, (x, y), loss_fn, max_norm)
+    prog = _tied_trained(model, 4, "1F1B", 4)
     assert prog.plan.pipeline.holders("params.blocks.0.0.weight") == (0, 3)
     assert [r.why for r in prog.collectives() if r.axis == "pp"] == ["tied weight", "grad norm"]
 
@@ -417,15 +417,7 @@ def test_zbv_tied_weights_and_clipping(last, holders, pp):
     if last:
         model.blocks = nn.Sequential(model.blocks[0], model.blocks[1], nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
                                      _Reuse(model.blocks[0][0]))
-    ref = copy.deepcopy(model)
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
-    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)      # noqa: E731
-    max_norm = _max_norm(model, (x, y), loss_fn)
-    prog = pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", [[f"blocks.{i}"] for i in range(4)],
-                                                              "ZBVZeroBubble", 4)],
-                        example_inputs=(x, y), loss_fn=loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), clip_grad_norm=max_norm)
-    _train_clipped(prog, ref, (x, y), loss_fn, max_norm)
+    prog = _tied_trained(model, 2, "ZBVZeroBubble", 4)
     assert prog.plan.pipeline.holders("params.blocks.0.0.weight") == holders
     assert [r.why for r in prog.collectives() if r.axis == "pp"] == pp
 
