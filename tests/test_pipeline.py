@@ -251,10 +251,10 @@ def _max_norm(model, batch, loss_fn) -> float:
     return 0.25 * torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf")).item()
 
 
-def _train_clipped(prog, ref, batch, loss_fn, max_norm, steps=2, what=""):
-    """`steps` AdamW steps next to one device's clip_grad_norm_: the losses, the norm before clipping (above
-    max_norm: clipping acts) and the parameters agree."""
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+def _train_clipped(prog, ref, batch, loss_fn, max_norm, steps=2, what="", make_opt=None):
+    """`steps` AdamW steps (or make_opt's optimizer) next to one device's clip_grad_norm_: the losses, the norm
+    before clipping (above max_norm: clipping acts) and the parameters agree."""
+    opt = (make_opt or (lambda ps: torch.optim.AdamW(ps, lr=1e-3)))(ref.parameters())
     for step in range(steps):
         got = prog.train_step(*batch)
         opt.zero_grad()
@@ -384,6 +384,23 @@ def _tied_trained(model, ranks: int, schedule: str, microbatches: int):
                         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), clip_grad_norm=max_norm)
     _train_clipped(prog, ref, (x, y), loss_fn, max_norm)
     return prog
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_tied_weight_clipped_under_sgd(schedule):
+    """SGD reads the clipped gradient in its first update op, so the clipping's scaling is a backward op: it was
+    left in the last backward, before the tied weight's sum on pp and the norm every rank waits for (the schedule
+    deadlocked). The scaling now runs in the update, after both; GPT's tied wte on {pp: 2} trains like one device."""
+    gpt = get("gpt", layers=4)
+    model = gpt.build()
+    ref = copy.deepcopy(model)
+    batch = gpt.batch(8)
+    max_norm = _max_norm(model, batch, gpt.loss_fn)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)      # noqa: E731
+    prog = pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", 2, schedule, 4)], example_inputs=batch,
+                        loss_fn=gpt.loss_fn, optimizer=sgd(model.parameters()), clip_grad_norm=max_norm)
+    _train_clipped(prog, ref, batch, gpt.loss_fn, max_norm, make_opt=sgd)
+    assert [r.why for r in prog.collectives() if r.axis == "pp"] == ["tied weight", "grad norm"]
 
 
 def test_tied_weight_on_one_rank_needs_no_exchange_and_clipping_interleaved():

@@ -178,6 +178,7 @@ def pipeline_program(low, spec, captured):
             acts = orders[spec.rank_of(stage[a])]        # a rank's part (its zeros): before the rank reaches t
             if pos[act[a]] > acts.index(t):
                 act[a] = acts[acts.index(t) - 1]
+    _after_tokens(g, stage, act, orders, spec, every)
     transfers = _transfers(g, stage, act, spec)
     order = _merge(g, act, orders, pos, spec)
     prev = next(n for n in reversed(list(g.nodes)) if n.op == "placeholder")
@@ -193,6 +194,25 @@ def pipeline_program(low, spec, captured):
     low.records = sorted((r for r in low.records if r.node in at), key=lambda r: at[r.node])
     low.pipeline = Pipelined(spec, tuple(tuple(a) for a in orders), tuple(t.name for t in transfers))
     return low
+
+
+def _after_tokens(g, stage, act, orders, spec, every) -> None:
+    """What a stage computes from a value every rank computes at a token (a tied weight's summed gradient after
+    TIED, the clipping factor after NORM) runs in the stage's first action after the token (its norm part "N" or
+    its update "U"), and so do its readers on that rank that came earlier. (SGD's gradient scaled by the clipping
+    factor was left in the last backward, which every rank runs before NORM: the schedule deadlocked.)"""
+    at = {n: t for t, ns in every.items() for n in ns}
+    moved: set = set()
+    for n in g.nodes:
+        if n not in stage or n not in act or act[n][0] is None:
+            continue
+        acts = orders[spec.rank_of(stage[n])]
+        due = max([acts.index(at[a]) for a in n.all_input_nodes if a in at]
+                  + [acts.index(act[a]) for a in n.all_input_nodes if a in moved
+                     and spec.rank_of(act[a][0]) == spec.rank_of(stage[n])], default=-1)
+        if acts.index(act[n]) < due:
+            act[n] = next((a for a in acts[due:] if a[0] == stage[n] and a[1] in ("N", "U")), (stage[n], "U", 0))
+            moved.add(n)
 
 
 def bucket_parts(g, spec) -> dict:

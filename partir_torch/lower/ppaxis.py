@@ -235,7 +235,9 @@ def _linear_term(x, cap_nodes) -> bool:
 def _update_of(g, outputs, stage, cap_nodes) -> tuple:
     """(the update's nodes, in program order; the gradient they read): the optimizer-phase ops whose results reach
     `outputs` (a parameter's and its optimizer state's new values), with the collectives lowering put after them
-    (ZeRO-1/2's gather of the updated shards), clip_grad_norm's shared norm excluded."""
+    (ZeRO-1/2's gather of the updated shards), clip_grad_norm's shared norm excluded, its scaling of the gradient
+    included (a BACKWARD op when the update reads no optimizer state first, as SGD's: the summed gradient is the
+    one before scaling, else the sum on the pipeline axis would wait for the norm, which waits for it)."""
     seen, todo, grads = set(), [(o, True) for o in outputs], set()
     while todo:
         x, after = todo.pop()        # after: reached from the outputs through lowering's nodes only
@@ -243,7 +245,8 @@ def _update_of(g, outputs, stage, cap_nodes) -> tuple:
             continue
         src = cap_nodes.get(x.meta.get(META_SRC))
         of_state = src is None and all(a.op == "placeholder" or a not in stage for a in x.all_input_nodes)
-        if src is None and (after or of_state) or src is not None and phase_of(src) == Phase.OPTIMIZER \
+        if src is None and (after or of_state) or src is not None and (phase_of(src) == Phase.OPTIMIZER
+                                                                      or clip_tag(src) == "scale") \
                 and clip_tag(src) not in ("coef", "sum", "square"):     # of_state: ZeRO's slice of the weight
             seen.add(x)
             todo.extend((a, after and src is None) for a in x.all_input_nodes)
