@@ -57,8 +57,6 @@ ISSUE = "program"
 # published).
 KNOBS = {
     "attn_efficiency": ("scale", (0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3), "kernels"),
-    "attn_bwd_ratio": ("abs", (0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1), "kernels"),
-    "attn_causal_ratio": ("abs", (0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0), "kernels"),
     "hbm_efficiency": ("abs", (0.70, 0.75, 0.80, 0.85, 0.90, 0.95), "kernels"),
     "mm_half_time_s": ("scale", (0.4, 0.5, 0.6, 0.8, 1.0), "kernels"),
     "fp8_efficiency": ("abs", (0.60, 0.65, 0.70, 0.75, 0.80), "kernels"),
@@ -69,9 +67,8 @@ KNOBS = {
 }
 KNOB_SCOPE = {"tpu_mm_efficiency": ("mm_efficiency", "tpu"),       # knob -> (Hardware field, the kind it acts on)
               "sustained_clock": ("sustained_clock", "gpu")}
-TRAINING_KNOBS = ("attn_efficiency", "attn_bwd_ratio", "attn_causal_ratio", "hbm_efficiency", "kernel_overhead_s",
-                  "mm_half_time_s", "overlap_slowdown", "tpu_mm_efficiency", "sustained_clock")   # what bf16 training runs
-#                                                                                                   depend on
+TRAINING_KNOBS = ("attn_efficiency", "hbm_efficiency", "kernel_overhead_s", "mm_half_time_s", "overlap_slowdown",
+                  "tpu_mm_efficiency", "sustained_clock")             # what bf16 training runs depend on
 
 
 # Families predicted but never fitted on, in any fit (the halves' or leave-one-family-out's): pipelined runs, whose
@@ -213,11 +210,7 @@ def predict(ref: Ref, knobs: dict | None = None) -> float:
     if ref.kind == "attention":
         b, T, h, hd = s["batch"], s["seq"], s["heads"], s["head_dim"]
         flops = 4 * b * T * T * h * hd / (2 if s["causal"] else 1)
-        t = kernel_time(hw, flops, 4 * b * T * h * hd * 2, "bfloat16", (False, s["causal"]))
-        if s.get("mode") == "fwd+bwd":      # the backward: 2.5x the forward's FLOPs; reads q k v o dO, writes dq dk dv
-            t += kernel_time(hw, 2.5 * flops, 8 * b * T * h * hd * 2, "bfloat16", (True, s["causal"]))
-            flops *= 3.5
-        return flops / t / 1e12
+        return flops / kernel_time(hw, flops, 4 * b * T * h * hd * 2, "bfloat16", attention=True) / 1e12
     if ref.kind == "hbm":
         return 2 * s["bytes"] / memory_time(hw, 2 * s["bytes"]) / 1e12
     step = _extrapolate(s, hw, lambda r: r.step_time_s)

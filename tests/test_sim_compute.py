@@ -90,43 +90,6 @@ def test_a_causal_attention_kernel_takes_half_the_time_of_a_full_one():
     assert t_causal / t_full == pytest.approx(0.5, abs=0.01)
 
 
-def _attention(shape, causal, backward=False):
-    def build(b):
-        qq, kk, vv = (b.input(n, shape, dtype=torch.bfloat16) for n in "qkv")
-        if not backward:
-            return b.call(aten._scaled_dot_product_flash_attention_for_cpu.default, qq, kk, vv, 0.0, causal)
-        go, o = b.input("go", shape, dtype=torch.bfloat16), b.input("o", shape, dtype=torch.bfloat16)
-        lse = b.input("lse", shape[:-1], dtype=torch.float32)
-        return b.call(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-                      go, qq, kk, vv, o, lse, 0.0, causal)
-    return build
-
-
-def test_an_attention_backward_runs_at_its_own_efficiency():
-    """A fused attention backward runs at attn_bwd_ratio of the forward's fraction of peak (FlashAttention-2's
-    forward + backward kernel rows measure it); 1 keeps the forward's."""
-    shape = (1, 32, 8192, 128)
-    same, slower = hardware("h100"), hardware("h100", attn_bwd_ratio=0.8)
-    f_fwd, t_fwd, _ = _cost(same, _attention(shape, False))
-    f_bwd, t_bwd, _ = _cost(same, _attention(shape, False, backward=True))
-    h = same.mm_half_time_s                                                       # Hockney t_1/2
-    assert f_bwd == 2.5 * f_fwd and (t_bwd - h) / (t_fwd - h) == pytest.approx(2.5, rel=1e-6)
-    assert _cost(slower, _attention(shape, False))[1] == t_fwd                   # the forward keeps its rate
-    assert _cost(slower, _attention(shape, False, backward=True))[1] - h == pytest.approx((t_bwd - h) / 0.8)
-
-
-def test_a_causal_kernel_runs_at_the_causal_ratio_of_a_full_ones_efficiency():
-    """A causal kernel computes the pairs its mask keeps, at attn_causal_ratio of the non-causal efficiency
-    (FlashAttention-2's diagonal tiles and short first rows): forward and backward alike."""
-    shape = (1, 32, 8192, 128)
-    hw = hardware("h100", attn_causal_ratio=0.8, attn_bwd_ratio=0.9)
-    for backward in (False, True):
-        f_full, t_full, _ = _cost(hw, _attention(shape, False, backward))
-        f_causal, t_causal, _ = _cost(hw, _attention(shape, True, backward))
-        h = hw.mm_half_time_s
-        assert (t_causal - h) / (t_full - h) == pytest.approx(f_causal / f_full / 0.8, rel=1e-6)
-
-
 def test_views_and_metadata_are_free():
     for op in (aten.view.default, aten.t.default, aten.expand.default, aten.permute.default, aten.split.Tensor,
                aten._unsafe_view.default, aten.sym_size.int, aten.detach.default):

@@ -143,17 +143,3 @@ def test_collectives_on_different_axes_overlap():
     t_dp = collective_time(hw, "all_reduce", 4096 * 4096 * 2, mesh, "dp")
     assert rep.collectives[0].start_s == rep.collectives[1].start_s == 0.0
     assert rep.exposed_comm_s == pytest.approx(max(t_tp, t_dp)) and rep.comm_s == pytest.approx(t_tp + t_dp)
-
-
-def test_a_forward_backward_attention_row_charges_the_backward_at_its_own_efficiency():
-    """The FlashAttention-2 forward + backward rows count 3.5x the forward's FLOPs (the flash-attention benchmark's
-    count) over the forward's time plus the backward's, which runs at attn_bwd_ratio of the forward's efficiency
-    and, causal, at attn_causal_ratio."""
-    row = next(r for r in R.ROWS if r.name == "a100 flash-attention-2 fwd+bwd hd128 s8k causal")
-    assert row.setup["mode"] == "fwd+bwd" and row.setup["causal"] and row.measured == 182
-    hw = V._hw(row.setup, {})
-    e = hw.attn_efficiency * hw.peak_bf16
-    for bwd, causal in [(1.0, 1.0), (0.8, 1.0), (0.8, 0.9)]:
-        rate = 3.5 / (1 / e + 2.5 / (e * bwd)) * causal / 1e12
-        knobs = {"attn_bwd_ratio": bwd, "attn_causal_ratio": causal}
-        assert V.predict(row, knobs) == pytest.approx(rate, rel=2e-3)

@@ -199,12 +199,11 @@ class CostModel:
                 flops = 0
         if flops <= 0:
             return 0, t_mem, None
-        attn = attention_kind(node)
-        if attn is not None:
+        if _is_attention(node.target):
             flops = int(flops * causal_fraction(node))
         dtype = dtype or torch.float32
         # a step runs at the clock the chip sustains (hw.sustained_clock), kernel benchmarks at their own
-        t = kernel_time(hw, flops / hw.sustained_clock, total, dtype, attn)
+        t = kernel_time(hw, flops / hw.sustained_clock, total, dtype, _is_attention(node.target))
         return flops, t, str(dtype).replace("torch.", "")
 
 
@@ -213,31 +212,17 @@ def memory_time(hw: Hardware, nbytes: float) -> float:
     return nbytes / (hw.hbm_efficiency * hw.hbm_bw) + hw.kernel_overhead_s
 
 
-def kernel_time(hw: Hardware, flops: float, nbytes: float, dtype, attention: tuple | None = None) -> float:
-    """Roofline of one FLOP-carrying kernel: the slower of its Hockney compute leg and its memory leg.
-    ``attention``: None for a matmul, else the fused attention kernel's (backward, causal) (:func:`attention_kind`)."""
-    eff = hw.mm_efficiency if attention is None else attention_efficiency(hw, *attention)
+def kernel_time(hw: Hardware, flops: float, nbytes: float, dtype, attention: bool = False) -> float:
+    """Roofline of one FLOP-carrying kernel: the slower of its Hockney compute leg and its memory leg."""
+    eff = hw.attn_efficiency if attention else hw.mm_efficiency
     if hw.fp8_efficiency and str(dtype).replace("torch.", "").startswith("float8"):
         eff = hw.fp8_efficiency
     t_flop = flops / (eff * hw.peak_flops(dtype)) + hw.mm_half_time_s
     return max(t_flop, memory_time(hw, nbytes))
 
 
-def attention_kind(node) -> tuple | None:
-    """(backward, causal) of a fused attention node (any SDPA kernel, forward or backward); None for other ops."""
-    name = str(node.target)
-    if "scaled_dot_product" not in name:
-        return None
-    return "backward" in name, causal_fraction(node) < 1.0
-
-
-def attention_efficiency(hw: Hardware, backward: bool, causal: bool) -> float:
-    """Fraction of peak a fused attention kernel reaches: ``attn_efficiency`` (the non-causal forward's), times
-    ``attn_bwd_ratio`` for a backward and ``attn_causal_ratio`` for a causal kernel (counted at the FLOPs of the
-    pairs its mask keeps: the diagonal tiles, computed in full and masked, and the shorter rows of the first query
-    blocks cost FlashAttention more per kept pair than a full square)."""
-    return (hw.attn_efficiency * (hw.attn_bwd_ratio if backward else 1.0)
-            * (hw.attn_causal_ratio if causal else 1.0))
+def _is_attention(target) -> bool:
+    return "scaled_dot_product" in str(target)
 
 
 def causal_fraction(node) -> float:

@@ -43,7 +43,7 @@ from ..propagate.arrays import partial, partial_code, replicated, replicated_cod
 from ..rules.factors import REDUCE
 from ..lower.bucket import MIN_BUCKET, UNITS
 from .comm import estimate as comm_estimate
-from .compute import COMPUTE, FREE, WAIT, attention_efficiency, attention_kind, causal_fraction, op_class
+from .compute import COMPUTE, FREE, WAIT, causal_fraction, op_class
 
 KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 aten = torch.ops.aten
@@ -126,8 +126,7 @@ class ProgramFacts:
             f, dtype = _flops(op.node, formula)
             if f > 0:
                 flops[i] = f
-                attn = attention_kind(op.node)              # as sim/compute.kernel_time
-                eff = hw.mm_efficiency if attn is None else attention_efficiency(hw, *attn)
+                eff = hw.attn_efficiency if "scaled_dot_product" in str(op.node.target) else hw.mm_efficiency
                 rate[i] = eff * hw.peak_flops(dtype)
         self.op_flops, self.op_rate, self.op_compute = flops, rate, compute
 

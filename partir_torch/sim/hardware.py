@@ -57,14 +57,6 @@ class Hardware:
     # (Dao 2023, FlashAttention-2, fig. 5-7), ~35-40% on H100 (Shah et al. 2024, FlashAttention-3, fig. 6; 33% in the
     # 8xH200 calibration row)
     attn_efficiency: float = 0.6
-    # an attention backward kernel's efficiency as a fraction of the forward's (attn_efficiency): FlashAttention-2
-    # runs its backward (5 matmuls, dQ accumulated across key blocks) at a lower fraction of peak than its forward;
-    # 1 = the forward's; fit (benchmarks/sim_validation.py, on the A100 forward + backward kernel rows)
-    attn_bwd_ratio: float = 1.0
-    # a causal kernel's efficiency (at the FLOPs of the pairs its mask keeps) as a fraction of a non-causal one's:
-    # FlashAttention-2 forward + backward, causal against not, same shapes: 0.83-0.94 on A100 and H100 at seq 2k-8k
-    # (flash-attention README figures); 1 = the non-causal one's; fit (benchmarks/sim_validation.py)
-    attn_causal_ratio: float = 1.0
     hbm_efficiency: float = 0.90       # large-copy fraction of HBM bandwidth (meas 79-93%, Azure guide)
     kernel_overhead_s: float = 2e-6    # per memory-bound kernel (launch + tail); assumed
     # compute time lost per second of compute that runs while a collective is in flight: NCCL kernels occupy SMs
