@@ -8,13 +8,6 @@ without a FLOP formula are memory bound. FLOPs come from ``torch.utils.flop_coun
 addmm, bmm, baddbmm, convolution(+backward), the SDPA kernels), plus the CPU flash-attention kernels below.
 Views, getitem and metadata ops cost nothing.
 
-A causal attention kernel (``is_causal=True``) executes only the (query, key) pairs its mask keeps: FlashAttention
-skips the key tiles above the diagonal, and its own benchmarks count a causal run's FLOPs as half the full count
-(Dao 2023, FlashAttention-2, sec. 4.1; Shah et al. 2024, FlashAttention-3, sec. 4.1, whose TFLOP/s figures for causal
-and non-causal runs are of the same range with that count). ``torch.utils.flop_counter`` counts the full square;
-the cost model scales it by the kept fraction (:func:`causal_fraction`), so a causal kernel takes about half the
-time of a non-causal one at the efficiency the (non-causal) kernel benchmarks measure.
-
 The fused optimizer update of eager programs (lower/fuse.py's `adam_update`, the kernels of torch.optim's
 foreach/fused Adam) is costed as the fused kernel runs: one memory-bound kernel per param group, reading parameter,
 gradient and both moments once and writing parameter and moments once (7 passes over the parameter bytes, against
@@ -199,8 +192,6 @@ class CostModel:
                 flops = 0
         if flops <= 0:
             return 0, t_mem, None
-        if _is_attention(node.target):
-            flops = int(flops * causal_fraction(node))
         dtype = dtype or torch.float32
         # a step runs at the clock the chip sustains (hw.sustained_clock), kernel benchmarks at their own
         t = kernel_time(hw, flops / hw.sustained_clock, total, dtype, _is_attention(node.target))
@@ -223,24 +214,6 @@ def kernel_time(hw: Hardware, flops: float, nbytes: float, dtype, attention: boo
 
 def _is_attention(target) -> bool:
     return "scaled_dot_product" in str(target)
-
-
-def causal_fraction(node) -> float:
-    """Fraction of the full (query, key) square an attention node computes: 1 unless its ``is_causal`` argument is
-    True; then the pairs torch's causal mask keeps (query i sees keys j <= i, top-left aligned), which the flash
-    kernels compute while skipping the masked tiles."""
-    schema = node.target._schema
-    args = {a.name: (node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value))
-            for i, a in enumerate(schema.arguments)}
-    if args.get("is_causal") is not True:
-        return 1.0
-    q, k = _meta(args.get("query")), _meta(args.get("key"))
-    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)):
-        return 1.0
-    L, S = q.shape[-2], k.shape[-2]
-    m = min(L, S)
-    kept = m * (m + 1) // 2 + (L - m) * S          # row i keeps min(i + 1, S) keys
-    return kept / (L * S)
 
 
 def _freeze(a, sigs):

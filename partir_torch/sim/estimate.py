@@ -43,7 +43,7 @@ from ..propagate.arrays import partial, partial_code, replicated, replicated_cod
 from ..rules.factors import REDUCE
 from ..lower.bucket import MIN_BUCKET, UNITS
 from .comm import estimate as comm_estimate
-from .compute import COMPUTE, FREE, WAIT, causal_fraction, op_class
+from .compute import COMPUTE, FREE, WAIT, op_class
 
 KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 aten = torch.ops.aten
@@ -577,6 +577,4 @@ def _flops(node, formula) -> tuple:
         flops = int(formula(*args, out_val=node.meta.get("val"), **kwargs))
     except Exception:                  # a formula that cannot read these args (as the simulator does)
         flops = 0
-    if flops > 0 and "scaled_dot_product" in str(node.target):
-        flops = int(flops * causal_fraction(node))            # a causal kernel computes the kept pairs only
     return flops, dtype or torch.float32
