@@ -30,6 +30,7 @@ class Ref:
     kind: str            # collective | gemm | attention | hbm | training
     chip: str            # a100 | h100 | h200 | b200 | v4 | v5e | v5p
     strategy: str        # all_reduce | all_gather | all_to_all | gemm | attention | hbm | fsdp | zero2 | dp | tp ...
+    #                      (attention-fwd+bwd: forward + backward attention kernel rows)
     measured: float
     unit: str
     source: str
@@ -123,6 +124,30 @@ KERNELS += [Ref(f"{chip} flash-attention-2 fwd hd{hd}", "attention", chip, "atte
             for chip, preset, hd, v, src in [("a100", "a100-80g", 64, 179.5, AZ_A100),
                                              ("h100", "h100", 128, 327.9, AZ_H100),
                                              ("h200", "h200", 128, 329.3, AZ_H200)]]
+# FlashAttention-2 forward + backward (one training step's attention: the forward and its backward, 2.5x the
+# forward's FLOPs), non-causal and causal, read off the bar labels of the flash-attention README's figures
+# (section Performance; assets/flash2_a100_fwd_bwd_benchmark.png, A100 80GB SXM4, and
+# assets/flash2_h100_fwd_bwd_benchmark.png, H100 80GB SXM5, both added 2023-07-17 in commit 4f285b3): hidden 2048
+# (= heads x head_dim), batch 16k / seqlen, fp16/bf16, TFLOP/s counted by benchmarks/benchmark_flash_attention.py's
+# `flops(..., mode="fwd_bwd")`: 3.5 x 4 b s^2 h d, halved when causal. Only the training rows' sequences (2k-8k).
+# Their own families, predicted but never fitted (sim_validation.HELD_OUT_ONLY): the simulator's attention cost is
+# under study (benchmarks/README.md, session 11). (seq, head_dim, causal, TFLOP/s)
+FA_README = "Dao-AILab/flash-attention README.md, Performance, {} (assets/flash2_{}_fwd_bwd_benchmark.png)"
+_FA2_FWD_BWD = {
+    ("a100", "a100-80g"): [(2048, 64, False, 162), (4096, 64, False, 171), (8192, 64, False, 175),
+                           (2048, 128, False, 187), (4096, 128, False, 196), (8192, 128, False, 201),
+                           (2048, 64, True, 140), (4096, 64, True, 156), (8192, 64, True, 165),
+                           (2048, 128, True, 155), (4096, 128, True, 173), (8192, 128, True, 182)],
+    ("h100", "h100"): [(2048, 64, False, 274), (4096, 64, False, 288), (8192, 64, False, 294),
+                       (2048, 128, False, 320), (4096, 128, False, 326), (8192, 128, False, 335),
+                       (2048, 64, True, 232), (4096, 64, True, 257), (8192, 64, True, 273),
+                       (2048, 128, True, 265), (4096, 128, True, 294), (8192, 128, True, 308)],
+}
+KERNELS += [Ref(f"{chip} flash-attention-2 fwd+bwd hd{hd} s{T // 1024}k{' causal' if c else ''}", "attention", chip,
+                "attention-fwd+bwd", v, "TFLOP/s", FA_README.format(chip.upper(), chip),
+                dict(preset=preset, batch=16384 // T, seq=T, heads=2048 // hd, head_dim=hd, causal=c,
+                     mode="fwd+bwd"))
+            for (chip, preset), rows in _FA2_FWD_BWD.items() for T, hd, c, v in rows]
 # HBM bandwidth, STREAM-style copy kernel (read + write counted), TB/s.
 KERNELS += [Ref(f"{chip} hbm copy", "hbm", chip, "hbm", v, "TB/s", src, dict(preset=preset, bytes=2 * GiB))
             for chip, preset, v, src in [("a100", "a100-80g", 1.61, AZ_A100), ("h100", "h100", 2.90, AZ_H100),
@@ -291,6 +316,7 @@ SPLIT = {
     "h100/all_to_all": "val", "b200/all_reduce": "val",
     "a100/gemm": "cal", "h200/gemm": "cal", "h100/gemm": "val",
     "a100/attention": "cal", "h200/attention": "cal", "h100/attention": "val",
+    "a100/attention-fwd+bwd": "val", "h100/attention-fwd+bwd": "val",      # never fitted (HELD_OUT_ONLY)
     "a100/hbm": "cal", "h200/hbm": "cal", "h100/hbm": "val",
     "a100/fsdp": "cal", "h100/fsdp": "val", "h100/zero2": "val", "h100/dp": "cal", "h100/tp": "val",
     "h100/fsdp+tp": "cal", "h100/fsdp+dcn": "val", "h100/tp+pp": "val", "h100/fsdp+async-tp": "val",

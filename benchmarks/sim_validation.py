@@ -72,9 +72,10 @@ TRAINING_KNOBS = ("attn_efficiency", "hbm_efficiency", "kernel_overhead_s", "mm_
 
 
 # Families predicted but never fitted on, in any fit (the halves' or leave-one-family-out's): pipelined runs, whose
-# programs hold every micro-batch (16 for the 119B row) and take seconds per simulation; their error is always a
-# held-out one.
-HELD_OUT_ONLY = {"h100/tp+pp"}
+# programs hold every micro-batch (16 for the 119B row) and take seconds per simulation, and the FlashAttention-2
+# forward + backward kernel rows (the attention cost model they test is not settled: README, session 11); their
+# error is always a held-out one.
+HELD_OUT_ONLY = {"h100/tp+pp", "a100/attention-fwd+bwd", "h100/attention-fwd+bwd"}
 
 # ----------------------------------------------------------------------------------------------------- programs
 _PROGRAMS: dict = {}
@@ -210,7 +211,11 @@ def predict(ref: Ref, knobs: dict | None = None) -> float:
     if ref.kind == "attention":
         b, T, h, hd = s["batch"], s["seq"], s["heads"], s["head_dim"]
         flops = 4 * b * T * T * h * hd / (2 if s["causal"] else 1)
-        return flops / kernel_time(hw, flops, 4 * b * T * h * hd * 2, "bfloat16", attention=True) / 1e12
+        t = kernel_time(hw, flops, 4 * b * T * h * hd * 2, "bfloat16", attention=True)
+        if s.get("mode") == "fwd+bwd":      # the backward: 2.5x the forward's FLOPs; reads q k v o dO, writes dq dk dv
+            t += kernel_time(hw, 2.5 * flops, 8 * b * T * h * hd * 2, "bfloat16", attention=True)
+            flops *= 3.5
+        return flops / t / 1e12
     if ref.kind == "hbm":
         return 2 * s["bytes"] / memory_time(hw, 2 * s["bytes"]) / 1e12
     step = _extrapolate(s, hw, lambda r: r.step_time_s)

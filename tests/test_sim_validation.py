@@ -143,3 +143,22 @@ def test_collectives_on_different_axes_overlap():
     t_dp = collective_time(hw, "all_reduce", 4096 * 4096 * 2, mesh, "dp")
     assert rep.collectives[0].start_s == rep.collectives[1].start_s == 0.0
     assert rep.exposed_comm_s == pytest.approx(max(t_tp, t_dp)) and rep.comm_s == pytest.approx(t_tp + t_dp)
+
+
+def test_the_flash_attention_forward_backward_rows_are_predicted_never_fitted(monkeypatch):
+    """The FlashAttention-2 forward + backward kernel rows (flash-attention README) count 3.5x the forward's FLOPs
+    (the flash-attention benchmark's count, halved when causal) over the forward's time plus the backward's; no fit
+    (the halves' or leave-one-family-out's) sees them."""
+    row = next(r for r in R.ROWS if r.name == "a100 flash-attention-2 fwd+bwd hd128 s8k causal")
+    assert row.setup["mode"] == "fwd+bwd" and row.setup["causal"] and row.measured == 182
+    assert row.family in V.HELD_OUT_ONLY and len([r for r in R.ROWS if r.family in V.HELD_OUT_ONLY]) >= 24
+    hw = V._hw(row.setup, {})
+    flops = 4 * 2 * 8192 ** 2 * 16 * 128 / 2
+    t = (flops / (hw.attn_efficiency * hw.peak_bf16) + 2.5 * flops / (hw.attn_efficiency * hw.peak_bf16)
+         + 2 * hw.mm_half_time_s)
+    assert V.predict(row, {}) == pytest.approx(3.5 * flops / t / 1e12, rel=1e-9)
+    seen = []
+    real = V.predict
+    monkeypatch.setattr(V, "predict", lambda r, knobs=None: seen.append(r.family) or real(r, knobs))
+    V.fit([r for r in R.ROWS if r.kind == "attention"], {}, passes=1)
+    assert seen and not set(seen) & V.HELD_OUT_ONLY
