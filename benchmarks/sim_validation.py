@@ -73,7 +73,7 @@ TRAINING_KNOBS = ("attn_efficiency", "hbm_efficiency", "kernel_overhead_s", "mm_
 
 # Families predicted but never fitted on, in any fit (the halves' or leave-one-family-out's): pipelined runs, whose
 # programs hold every micro-batch (16 for the 119B row) and take seconds per simulation, and the FlashAttention-2
-# forward + backward kernel rows (the attention cost model they test is not settled: README, session 11); their
+# forward + backward kernel rows (the attention cost model they test is not settled: README, "FlashAttention-2 forward + backward rows"); their
 # error is always a held-out one.
 HELD_OUT_ONLY = {"h100/tp+pp", "a100/attention-fwd+bwd", "h100/attention-fwd+bwd"}
 
