@@ -18,6 +18,7 @@ from .hardware import CHIPS
 FAMILY_ERROR = {
     "a100/all_reduce": 0.004,
     "a100/attention": 0.042,
+    "a100/attention-fwd+bwd": 0.086,
     "a100/fsdp": 0.016,
     "a100/gemm": 0.175,
     "a100/hbm": 0.076,
@@ -26,6 +27,7 @@ FAMILY_ERROR = {
     "h100/all_reduce": 0.034,
     "h100/all_to_all": 0.084,
     "h100/attention": 0.023,
+    "h100/attention-fwd+bwd": 0.153,
     "h100/dp": 0.092,
     "h100/fsdp": 0.055,
     "h100/fsdp+async-tp": 0.203,
@@ -43,7 +45,7 @@ FAMILY_ERROR = {
     "v4/fsdp": 0.184,
     "v5e/fsdp": 0.039,
     "v5e/fsdp+dcn": 0.041,
-    "v5p/fsdp+tp": 0.075,
+    "v5p/fsdp+tp": 0.074,
 }  # end FAMILY_ERROR
 
 # chip class of each preset, and the classes nearest to each: declared on the chips (sim/hardware.py CHIPS)
