@@ -1,7 +1,7 @@
 """Step time and bytes communicated: partir_torch (eager and compiled) vs hand-written DTensor TP + FSDP2 (eager
 and compiled per block), on 4 real gloo ranks; and the cost of emulating the ranks in one process.
 
-    python benchmarks/step_time.py [--steps 10] [--warmup 2] [--models llama,gpt] [--no-compile]
+    python benchmarks/step_time.py [--steps 10] [--warmup 2] [--models llama,gpt] [--no-compile] [--profile]
 
 One run. Both models, mesh {batch: 2, model: 2}, schedule BP+MP+Z3, AdamW, fp32, 4 CPU processes on gloo with
 one thread each; the steps of all implementations of a model are timed interleaved (A, B, C, D, A, B, ...):
@@ -26,6 +26,10 @@ Bound: the same step (eager, foreach AdamW) of the whole model in one process wi
 Emulation (in this process, after the ranks exit): partir's emulated step of the 4 ranks (runtime/interpret.py)
 against the sum of the 4 ranks' local steps run as plain eager programs (the same per-device GraphModule called
 once per rank, its collectives on a `fake` process group, which moves no data), interleaved.
+
+CPU: each rank's process time per step (gloo's threads included), summed over the ranks: 4 ranks share 2 cores,
+so the wall time is at least half of it. --profile adds one profiled step (torch.profiler) of each eager
+implementation on every rank, its self CPU time by category.
 
 Bytes are counted by one TorchDispatchMode that sees every collective op the step issues (c10d functional ops from
 partir_torch and DTensor, c10d ops from FSDP2), in the nccl-tests convention (the full array an all_reduce reduces,
