@@ -463,6 +463,9 @@ def test_schedule_orders():
 
         def rank_of(self, s):
             return s % 2
+
+        def stages_on(self, r):
+            return tuple(s for s in range(self.n_stages) if self.rank_of(s) == r)
     o = rank_orders(S())
     assert [(k, j) for _, k, j in o[0]] == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2),
                                             ("B", 3), ("U", 0)]

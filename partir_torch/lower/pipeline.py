@@ -102,7 +102,7 @@ def rank_orders(spec, tokens=()) -> list:
             acts += [bwd(k) for k in range(n - warm, n)]
         if TIED in tokens:
             acts.append(TIED)
-        mine = [s for s in range(spec.n_stages) if spec.rank_of(s) == r]
+        mine = spec.stages_on(r)
         if NORM in tokens:
             acts += [(s, "N", 0) for s in mine] + [NORM]
         acts += [(s, "U", 0) for s in mine]
@@ -202,16 +202,18 @@ def _after_tokens(g, stage, act, orders, spec, every) -> None:
     its update "U"), and so do its readers on that rank that came earlier. (SGD's gradient scaled by the clipping
     factor was left in the last backward, which every rank runs before NORM: the schedule deadlocked.)"""
     at = {n: t for t, ns in every.items() for n in ns}
+    index = [{a: i for i, a in enumerate(acts)} for acts in orders]      # per rank: action -> its place
     moved: set = set()
     for n in g.nodes:
         if n not in stage or n not in act or act[n][0] is None:
             continue
-        acts = orders[spec.rank_of(stage[n])]
-        due = max([acts.index(at[a]) for a in n.all_input_nodes if a in at]
-                  + [acts.index(act[a]) for a in n.all_input_nodes if a in moved
-                     and spec.rank_of(act[a][0]) == spec.rank_of(stage[n])], default=-1)
-        if acts.index(act[n]) < due:
-            act[n] = next((a for a in acts[due:] if a[0] == stage[n] and a[1] in ("N", "U")), (stage[n], "U", 0))
+        r = spec.rank_of(stage[n])
+        due = max([index[r][at[a]] for a in n.all_input_nodes if a in at]
+                  + [index[r][act[a]] for a in n.all_input_nodes if a in moved and spec.rank_of(stage[a]) == r],
+                  default=-1)
+        if index[r][act[n]] < due:
+            act[n] = next((a for a in orders[r][due:] if a[0] == stage[n] and a[1] in ("N", "U")),
+                          (stage[n], "U", 0))
             moved.add(n)
 
 
