@@ -15,32 +15,42 @@ export OMP_NUM_THREADS ?= 1
 TEST_TOOLS := "pytest==9.1.1" "pytest-xdist==3.8.0"
 JOBS ?= 2
 XDIST := -n $(JOBS) --dist loadgroup
+# pip install, tried three times: on CI the registry's connection has broken off mid-download (torch 2.9.0's 900 MB
+# wheel stopped at 154 MB and pip's own resumes got no further byte), so a failed install starts again after a pause.
+# The first upgrade runs the venv's own pip, which may be too old for --resume-retries
+PIPFLAGS := -q --retries 10 --resume-retries 20 --timeout 60
+define retry3
+for try in 1 2 3; do $(1) && break; test $$try -lt 3 || exit 1; \
+	echo "failed (try $$try of 3); trying again in 30 s"; sleep 30; done
+endef
+pip_install = $(call retry3,$(1) -m pip install $(PIPFLAGS) $(2))
+pip_upgrade = $(call retry3,$(1) -m pip install -q --retries 10 --timeout 60 --upgrade $(2))
 
 .PHONY: test demo install install-timm install-xla clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.0" numpy tabulate $(TEST_TOOLS) "transformers==5.24.0"
-	$(PY) -m pip install -q --no-build-isolation -e .
+	$(call pip_upgrade,$(PY),pip)
+	$(call pip_install,$(PY),"torch==2.13.0" numpy tabulate $(TEST_TOOLS) "transformers==5.24.0")
+	$(call pip_install,$(PY),--no-build-isolation -e .)
 	touch $@
 
 install: $(VENV)/.installed
 
 $(TIMM_VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(TPY) || python3 -m venv $(TIMM_VENV)
-	$(TPY) -m pip install -q --upgrade pip
-	$(TPY) -m pip install -q "torch==2.14.1" "torchvision==0.29.1" timm numpy tabulate $(TEST_TOOLS)
-	$(TPY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(call pip_upgrade,$(TPY),pip)
+	$(call pip_install,$(TPY),"torch==2.14.1" "torchvision==0.29.1" timm numpy tabulate $(TEST_TOOLS))
+	$(call pip_install,$(TPY),--no-build-isolation --no-deps -e .)
 	touch $@
 
 install-timm: $(TIMM_VENV)/.installed
 
 $(XLA_VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(XPY) || python3 -m venv $(XLA_VENV)
-	$(XPY) -m pip install -q --upgrade pip setuptools
-	$(XPY) -m pip install -q "torch==2.9.0" "torch-xla==2.9.0" numpy tabulate $(TEST_TOOLS) "transformers==5.24.0"
-	$(XPY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(call pip_upgrade,$(XPY),pip setuptools)
+	$(call pip_install,$(XPY),"torch==2.9.0" "torch-xla==2.9.0" numpy tabulate $(TEST_TOOLS) "transformers==5.24.0")
+	$(call pip_install,$(XPY),--no-build-isolation --no-deps -e .)
 	touch $@
 
 install-xla: $(XLA_VENV)/.installed
