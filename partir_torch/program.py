@@ -87,6 +87,11 @@ class Program:
         text = self.reports.summary()
         cap = self.plan.captured
         lines = describe_counts(cap)
+        if cap.gates is not None:
+            g = cap.gates
+            lines.append(f"Layerdrop in {', '.join(g.lists)}: {len(g.gates)} layers gated in one program (each "
+                         f"layer's draw decides, at every step, whether its output and update are kept); every "
+                         f"layer is computed at every step, so skipped layers save no time, unlike eager.")
         if not cap.guards and not cap.checks:
             return "\n".join([text] + lines)
         if cap.guards:

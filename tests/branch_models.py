@@ -140,3 +140,47 @@ class MoELoop(nn.Module):
             out.index_add_(0, top_x, cur.to(h.dtype))
         y = self.head(out + h).reshape(B, T)
         return (y.pow(2) * mask).mean()
+
+
+class _Block(nn.Module):
+    """A pre-norm residual block (the residual inside it, as in HF's layers); `memory`: a decoder's cross input."""
+
+    def __init__(self, d, cross=False):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.cross = nn.Linear(d, d) if cross else None
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, h, memory=None):
+        out = h + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(h)))))
+        if self.cross is not None:
+            out = out + self.cross(memory).mean(1, keepdim=True)
+        return out
+
+
+class LayerdropEncDec(nn.Module):
+    """M2M100's layerdrop: a draw per layer of an encoder and a decoder, `continue` past a skipped layer; the
+    encoder's output is read only inside the decoder's layers (skipping all of them leaves the encoder without a
+    gradient). residual_outside: `h = h + layer(h)` instead (not layerdrop's shape: traced as paths)."""
+
+    def __init__(self, d=16, layers=3, layerdrop=0.5, residual_outside=False):
+        super().__init__()
+        self.emb, self.dec_emb = nn.Linear(4, d), nn.Linear(4, d)
+        self.enc = nn.ModuleList(_Block(d) for _ in range(layers))
+        self.dec = nn.ModuleList(_Block(d, cross=True) for _ in range(layers))
+        self.head = nn.Linear(d, 1)
+        self.drop = nn.Dropout(0.1)
+        self.layerdrop, self.residual_outside = layerdrop, residual_outside
+
+    def forward(self, x, y):
+        h = self.drop(self.emb(x))
+        for layer in self.enc:
+            if self.training and torch.rand([]) < self.layerdrop:
+                continue
+            h = h + layer(h) if self.residual_outside else layer(h)
+        g = self.drop(self.dec_emb(y))
+        for layer in self.dec:
+            if self.training and torch.rand([]) < self.layerdrop:
+                continue
+            g = layer(g, h)
+        return self.head(g).pow(2).mean()

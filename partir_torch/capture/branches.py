@@ -91,6 +91,15 @@ def key_of(v):
     return "nan" if isinstance(v, float) and v != v else v
 
 
+def traced_node(tracer, t):
+    """The node make_fx's `tracer` traced tensor t (functional or fake) as, or None."""
+    if tracer is None or not isinstance(t, torch.Tensor):
+        return None
+    inner = torch._from_functional_tensor(t.elem) if isinstance(t, FunctionalTensor) else t
+    slot = get_proxy_slot(inner, tracer, None)
+    return None if slot is None else slot.proxy.node
+
+
 def _factory(node: fx.Node):
     """`empty_like(x)` and its kin as the factory of x's static shape (target, args, kwargs), else None: a guard's
     slice reads a dropout template's shape, never the activation x it was shaped like (tidy.py does the same to the
@@ -218,17 +227,14 @@ class Recorder(TorchDispatchMode):
 
     def _node(self, t):
         """The traced node of tensor t (functional or fake), or None."""
-        if self._tracer is None or not isinstance(t, torch.Tensor):
-            return None
-        inner = torch._from_functional_tensor(t.elem) if isinstance(t, FunctionalTensor) else t
-        slot = get_proxy_slot(inner, self._tracer, None)
-        if slot is None:
+        node = traced_node(self._tracer, t)
+        if node is None:
             return None
         self._root = self._tracer.root
         if not self._placeholders:
             ph = [n for n in self._tracer.graph.nodes if n.op == "placeholder"]
             self._placeholders = {n: self.names[i] for i, n in enumerate(ph)}
-        return slot.proxy.node
+        return node
 
     def _evaluate(self, pred: fx.Node, where: str, count: bool = False):
         """pred's real value (count: its number of nonzero elements): its backward slice and every random op traced

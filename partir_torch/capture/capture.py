@@ -26,6 +26,7 @@ from ..contract import (META_ACCUMULATE, META_CLIP, META_MICRO, META_NAME, META_
                         META_REMAT, META_ROLE, forward_nodes, stamp_phases)
 from ..errors import PartitionError, TraceError, user_stacklevel, warn
 from .branches import Recorder, add_checks, lift_draws, python_draws
+from . import gates as gating
 from .counts import Padding, Unpadded
 from .decompositions import capture_decompositions
 from .dims import DimGuards, fake_mode_for, symbolic_decompositions, symbolic_input
@@ -78,6 +79,7 @@ class Captured:
     guards: tuple = ()
     checks: tuple = ()
     updated: tuple = ()                          # TRAIN with guards: the parameters this path updates
+    gates: object = None                         # gates.Gates: layerdrop gated in one program
     # selections traced at a static size (counts.py): (line, N) each; and (line, why) of those kept as count guards
     padded: tuple = ()
     unpadded: tuple = ()
@@ -444,6 +446,8 @@ class _Step:
         self.module_recorder = None                # stages._Recorder when capture records modules (pipelines)
         self.record_modules = False
         self.updated, self.anchor = None, None     # TRAIN: the update's parameters, the last node before it
+        self.gate_tracer = None                    # gates.GateTracer while the step's layerdrop is traced gated
+        self.gates = None                          # gates.Gates when the step's layerdrop is gated
         self.running_stats = {f"{fqn}.{n}" if fqn else n for fqn, mod in model.named_modules()
                               if isinstance(mod, torch.nn.modules.batchnorm._NormBase)
                               for n, _ in mod.named_buffers(recurse=False)}
@@ -589,10 +593,11 @@ def _trace(step, lay, table, recorder, padding=None):
         # lazy: code generated on first use (below); sources: the user's line of each forward op (sources.py)
         step.module_recorder = modules
         gm = make_fx(_functional(step, recorder, padding), tracing_mode="fake", decomposition_table=table)(*lay.flat)
-        if recorder is not None:       # the guards' programs, from the graph as traced
+        if isinstance(recorder, Recorder):       # the guards' programs, from the graph as traced
             recorder.build()
         if step.updated is not None:
-            splice_update(gm, lay, step.updated, step.anchor, _template_tracer(table))
+            masks = step.gate_tracer.masks(gm, lay, step.updated) if step.gate_tracer is not None else None
+            splice_update(gm, lay, step.updated, step.anchor, _template_tracer(table), masks)
     if drawn:
         warn(f"partition: the step draws from Python's or NumPy's random generator at {'; '.join(drawn[:3])}: the "
              f"capture fixed that draw, so every step takes the path it chose. Draw with torch (torch.rand([])): "
@@ -622,15 +627,43 @@ def _traced_with_branches(model, example_inputs, make_step, table, device, value
             refused.append(u)
 
 
-def _unpadded(e: BaseException):
-    """The Unpadded that caused e (make_fx may wrap it), or None."""
+def _traced_with_gates(model, make_step, table):
+    """The step traced once with its layerdrop gated (gates.py): (gm, step), step.gates set; raises
+    gates.NotGated (its reason None when the step's reads are no layerdrop at all)."""
+    step = make_step()
+    tracer = gating.GateTracer(model)
+    step.gate_tracer = tracer
+    handles = tracer.hooks()
+    try:
+        gm = _trace(step, step.lay, table, tracer)
+        tracer.check(model)
+        step.gates = tracer.build(gm)
+        return gm, step
+    except Exception as e:  # noqa: BLE001 - any failure of the gated trace: the step is traced as paths
+        found = _in_chain(e, gating.NotGated)
+        if found is not None:
+            raise found from None
+        if _data_dependent(e):
+            raise gating.NotGated(None) from None
+        raise gating.NotGated(f"the gated trace failed ({type(e).__name__}: {str(e)[:200]})") from None
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _in_chain(e: BaseException, kind):
     seen = set()
     while e is not None and id(e) not in seen:
-        if isinstance(e, Unpadded):
+        if isinstance(e, kind):
             return e
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return None
+
+
+def _unpadded(e: BaseException):
+    """The Unpadded that caused e (make_fx may wrap it), or None."""
+    return _in_chain(e, Unpadded)
 
 
 def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None, options=(),
@@ -653,6 +686,8 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     checks = add_checks(gm, recorder.checks, out_names) if recorder is not None else []
     if recorder is not None:
         lift_draws(gm, recorder.drawn, names, roles)
+    if step.gates is not None:         # every draw is made before the step, a skipped layer's not at all
+        lift_draws(gm, gating.traced_draws(gm), names, roles)
     if first_call is not None and first_call.lifted:
         nodes = {n.name: n for n in gm.graph.nodes}
         lift_draws(gm, [nodes[k] for k in first_call.lifted], names, roles)
@@ -677,6 +712,8 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
         cap.updated = tuple(step.updated or ())
         cap.padded = tuple(padding.selections)
         cap.unpadded = tuple((u.where, u.why) for u in unpadded)
+    if step.gates is not None:
+        cap.gates, cap.updated = step.gates, tuple(step.updated or ())
     cap.first_call = first_call
     cap.rewrites = tuple(opt.name for opt in options)
     cap.decompositions = frozenset((decompositions or {}).keys())
@@ -748,8 +785,19 @@ def _trace_step(model, example_inputs, loss_fn, optimizer, options, decompositio
                 step = _Step(model, lay, loss_fn, options, clip_grad_norm, accumulate, accumulate_dims)
                 step.record_modules = record_modules
                 return step
-            gm, step, recorder, padding, unpadded = _traced_with_branches(model, example_inputs, make_step, table,
-                                                                           device, values)
+            gm, why = None, None
+            if gating.enabled() and accumulate == 1 and not record_modules:
+                try:
+                    gm, step = _traced_with_gates(model, make_step, table)
+                except gating.NotGated as e:
+                    why = e.reason
+            if gm is None:
+                gm, step, recorder, padding, unpadded = _traced_with_branches(model, example_inputs, make_step,
+                                                                               table, device, values)
+            if why is not None:
+                warn(f"partition: the step's random branches are not layerdrop's shape ({why}); it is traced "
+                     f"as paths, one program per combination of their values, each captured when first met.",
+                     stacklevel=user_stacklevel())
             lay = step.lay
     except PartitionError:
         raise

@@ -111,12 +111,14 @@ class _Splicer:
         return self._copy(self.templates[cls], inputs)
 
 
-def splice_update(gm: fx.GraphModule, lay, updated: list, anchor: fx.Node, trace) -> None:
+def splice_update(gm: fx.GraphModule, lay, updated: list, anchor: fx.Node, trace, gated=None) -> None:
     """Add the optimizer update to `gm`, traced without it: its output holds [loss, the gradient of each parameter
     of `updated` (FunctionalOptimizer.updated's order), grad_norm if clipped], and `anchor` is the last node traced
     before the update. Afterwards the output holds the step's: [loss, new parameters (lay.trainable), new optimizer
     state (lay.state_keys), grad_norm if clipped]. `trace(fn, example_inputs)` traces a template as capture traces
-    the step."""
+    the step. gated: fqn -> the predicate (a bool node) under which the parameter's layer was skipped
+    (capture/gates.py): its new parameter and state are `where(skipped, old, new)`, as torch.optim leaves a
+    parameter without a gradient alone."""
     graph, fopt = gm.graph, lay.fopt
     placeholders = dict(zip(lay.names, (n for n in graph.nodes if n.op == "placeholder")))
     out_node = next(iter(reversed(graph.nodes)))
@@ -128,8 +130,17 @@ def splice_update(gm: fx.GraphModule, lay, updated: list, anchor: fx.Node, trace
     with graph.inserting_before(anchor.next):
         for fqn in updated:
             names = fopt.names_for(fqn)
-            new = splicer.update(fqn, new_p[fqn], grads[fqn], [new_s[(s, fqn)] for s in names])
+            old = [new_p[fqn]] + [new_s[(s, fqn)] for s in names]
+            new = splicer.update(fqn, old[0], grads[fqn], old[1:])
+            if gated and fqn in gated:
+                new = [_masked(graph, gated[fqn], o, n) for o, n in zip(old, new)]
             new_p[fqn] = new[0]
             new_s.update({(s, fqn): n for s, n in zip(names, new[1:])})
     out_node.args = ([outs[0]] + [new_p[k] for k in lay.trainable] + [new_s[key] for key in lay.state_keys]
                      + outs[1 + len(updated):],)
+
+
+def _masked(graph: fx.Graph, nograd: fx.Node, old: fx.Node, new: fx.Node) -> fx.Node:
+    node = graph.call_function(torch.ops.aten.where.self, (nograd, old, new))
+    node.meta.update(new.meta)
+    return node

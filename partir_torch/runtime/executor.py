@@ -144,6 +144,7 @@ class Executor:
             check_divisible(self.plan, sig, what)
             entry = self._build(batch, sig, values, real, symbolic, what)
         self._bind(entry, self.rt)
+        self.paths.gate(entry)      # a gated step's draws (capture/gates.py)
         entry.calls += 1
         return entry, flat
 
@@ -226,8 +227,7 @@ class Executor:
         self._held.relayout(entry.layouts)
         args = self._args(entry, flat, local, what)
         outs = self.execute(entry.lowered.gm, args, desc, entry.plan)
-        self._last = entry
-        cap = entry.plan.captured
+        self._last, cap = entry, entry.plan.captured
         if cap.checks:     # the model's asserts on tensor values (paths.py)
             paths.verify(cap.checks, cap.output_names, outs, self.rt.rank0, desc)
         return outs

@@ -157,6 +157,7 @@ class StepPaths:
         self.tries: dict = {}
         self.draws: dict = {}
         self.param_steps = param_steps     # the HeldState's (its state_dict and export_to report them)
+        self.nograd = frozenset()          # a gated step (capture/gates.py): the parameters without a gradient
         self._rng = None
         if first.plan.captured.guards:
             first.path = tuple(g.value for g in first.plan.captured.guards)
@@ -190,6 +191,14 @@ class StepPaths:
                                 f"({describe(entry.plan.captured.guards, entry.path)}) is not the one its guards "
                                 f"select ({values}). Please report this with the model.")
 
+    def gate(self, entry) -> None:
+        """A step whose layerdrop is gated (capture/gates.py): this call's draws, made now in eager's order (a
+        skipped layer's not at all), and the parameters the skipped layers leave without a gradient."""
+        gates = entry.plan.captured.gates
+        self.nograd = frozenset()
+        if gates is not None:
+            self.draws, self.nograd = gates.draw()
+
     def draw(self, name: str):
         return self.draws[name[len("draws."):]]
 
@@ -199,9 +208,13 @@ class StepPaths:
 
     def count(self, cap, steps: int) -> None:
         """After a train step of path `cap` (steps: those taken before it)."""
-        if not cap.guards:
+        if cap.gates is not None:
+            updated = [f for f in cap.updated if f not in self.nograd]
+        elif cap.guards:
+            updated = cap.updated
+        else:
             return
-        for fqn in cap.updated:
+        for fqn in updated:
             self.param_steps[fqn] = self.param_steps.get(fqn, steps) + 1
         for fqn in cap.trainable:
             self.param_steps.setdefault(fqn, steps)

@@ -1,0 +1,106 @@
+"""Issue 26: layerdrop gated in one program (capture/gates.py). Every step is compared with single-device eager
+torch, the generator seeded alike on both sides: the layers skipped, the parameters updated and each one's Adam
+step count must be eager's, with one program for every combination of skipped layers."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import partir_torch as pt
+from partir_torch.capture import gates
+from tests.branch_models import LayerdropEncDec
+from tests.harness import LOSS_RTOL, adamw, assert_parameters_equal
+
+T = pt.tactics
+
+
+def _batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 6, 4, generator=g), torch.randn(4, 5, 4, generator=g)) for _ in range(n)]
+
+
+def _loss(m, x, y):
+    return m(x, y)
+
+
+def _train(model, mesh, schedule, batches, loss=_loss, seed=100):
+    """partition + train_step next to eager, step by step: (prog, eager optimizer, eager model, warnings said);
+    prog.nograd: per step, the parameters it left without a gradient."""
+    ref = copy.deepcopy(model)
+    nograd = []
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        prog = pt.partition(model, mesh, schedule, example_inputs=batches[0], loss_fn=loss,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        opt = adamw()(ref.parameters())
+        for i, batch in enumerate(batches):
+            torch.manual_seed(seed + i)
+            got = prog.train_step(*batch)
+            nograd.append(prog.executor.paths.nograd)
+            torch.manual_seed(seed + i)
+            opt.zero_grad()
+            want = loss(ref, *batch)
+            want.backward()
+            opt.step()
+            torch.testing.assert_close(got.detach(), want.detach(), rtol=LOSS_RTOL, atol=0,
+                                       msg=lambda m: f"loss of step {i}: {m}")
+    assert_parameters_equal(prog, ref)
+    prog.nograd = nograd
+    return prog, opt, ref, [str(w.message) for w in said]
+
+
+def _eager_steps(opt, ref) -> dict:
+    return {n: int(opt.state[p]["step"]) if p in opt.state else 0 for n, p in ref.named_parameters()}
+
+
+@pytest.mark.parametrize("mesh,schedule", [
+    ({"batch": 2}, [T.data_parallel("batch")]),
+    ({"batch": 2, "model": 2}, [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")]),
+], ids=["dp", "dp_mp_z3"])
+def test_layerdrop_trains_like_eager_in_one_program(mesh, schedule):
+    """Layerdrop 0.5 over an encoder and a decoder of 3 layers each, 8 steps: one program (no capture after
+    partition), eager's losses and parameters, and each parameter's Adam step count eager's, including the steps
+    where every decoder layer was skipped and the encoder had no gradient at all."""
+    torch.manual_seed(0)
+    prog, opt, ref, said = _train(LayerdropEncDec(), pt.Mesh(mesh), schedule, _batches(8), seed=300)
+    assert len(prog.shapes()) == 1 and not [m for m in said if "new path" in m], said
+    assert prog.captured.gates is not None and len(prog.captured.gates.gates) == 6
+    assert prog.captured.guards == ()
+    steps = _eager_steps(opt, ref)
+    assert {k: v for k, v in prog.executor.paths.param_steps.items()} == steps
+    # the cases the masks are for: a skipped layer, and an encoder left without a gradient (its embedding too)
+    # because every decoder layer was skipped
+    assert steps["enc.0.fc1.weight"] < 8 and steps["dec.0.fc1.weight"] < 8 and steps["head.weight"] == 8, steps
+    assert any("emb.weight" in ng and "dec_emb.weight" not in ng for ng in prog.nograd), prog.nograd
+
+
+def test_residual_outside_the_layer_is_traced_as_paths_and_said():
+    """`h = h + layer(h)`: a skipped layer would not leave h as a gated where does, so the step is traced as paths
+    (one per combination met), with one warning saying why, and still equals eager."""
+    torch.manual_seed(0)
+    prog, _, _, said = _train(LayerdropEncDec(layers=2, residual_outside=True), pt.Mesh({"batch": 2}),
+                              [T.data_parallel("batch")], _batches(3))
+    assert prog.captured.gates is None and len(prog.captured.guards) == 4
+    why = [m for m in said if "not layerdrop's shape" in m]
+    assert why and "do not pass the hidden states from one to the next unchanged" in why[0], said
+
+
+def test_summary_says_the_layers_are_gated():
+    torch.manual_seed(0)
+    model = LayerdropEncDec(layers=2)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=_batches(1)[0],
+                        loss_fn=_loss, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    text = prog.summary()
+    assert "Layerdrop in enc, dec: 4 layers gated in one program" in text
+    assert "skipped layers save no time" in text
+
+
+def test_gates_disabled_traces_paths():
+    torch.manual_seed(0)
+    with gates.disabled():
+        prog, _, _, _ = _train(LayerdropEncDec(layers=2), pt.Mesh({"batch": 2}), [T.data_parallel("batch")],
+                               _batches(3))
+    assert prog.captured.gates is None and len(prog.captured.guards) == 4
