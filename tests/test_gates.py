@@ -104,3 +104,24 @@ def test_gates_disabled_traces_paths():
         prog, _, _, _ = _train(LayerdropEncDec(layers=2), pt.Mesh({"batch": 2}), [T.data_parallel("batch")],
                                _batches(3))
     assert prog.captured.gates is None and len(prog.captured.guards) == 4
+
+
+def test_stock_m2m100_trains_like_eager_in_one_program():
+    """Hugging Face's M2M100 as its documentation calls it (`model(input_ids=..., labels=...).loss`), layerdrop
+    0.5 in the encoder and the decoder (the config's default is 0.05), dropout on: 6 steps on 2 emulated ranks in
+    one program, equal to eager."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.M2M100Config(vocab_size=64, d_model=32, encoder_layers=3, decoder_layers=3,
+                                    encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                    decoder_ffn_dim=64, max_position_embeddings=64, encoder_layerdrop=0.5,
+                                    decoder_layerdrop=0.5)
+    torch.manual_seed(0)
+    model = transformers.M2M100ForConditionalGeneration(cfg).train()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(3, 64, (4, 8), generator=g), torch.randint(3, 64, (4, 8), generator=g))
+               for _ in range(6)]
+    loss = lambda m, ids, labels: m(input_ids=ids, labels=labels).loss   # noqa: E731
+    prog, opt, ref, said = _train(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], batches, loss=loss)
+    assert len(prog.shapes()) == 1 and len(prog.captured.gates.gates) == 6, said
+    assert prog.executor.paths.param_steps == _eager_steps(opt, ref)
+    assert any(prog.nograd), prog.nograd

@@ -794,7 +794,7 @@ def _trace_step(model, example_inputs, loss_fn, optimizer, options, decompositio
             if gm is None:
                 gm, step, recorder, padding, unpadded = _traced_with_branches(model, example_inputs, make_step,
                                                                                table, device, values)
-            if why is not None:
+            if why is not None and values is None:     # said by partition, not again at each new path
                 warn(f"partition: the step's random branches are not layerdrop's shape ({why}); it is traced "
                      f"as paths, one program per combination of their values, each captured when first met.",
                      stacklevel=user_stacklevel())
