@@ -11,6 +11,7 @@ import torch
 
 import partir_torch as pt
 from partir_torch.capture import gates
+from partir_torch.lower import fuse
 from tests.branch_models import LayerdropEncDec
 from tests.harness import LOSS_RTOL, adamw, assert_parameters_equal
 
@@ -26,7 +27,7 @@ def _loss(m, x, y):
     return m(x, y)
 
 
-def _train(model, mesh, schedule, batches, loss=_loss, seed=100):
+def _train(model, mesh, schedule, batches, loss=_loss, seed=100, make_opt=adamw()):
     """partition + train_step next to eager, step by step: (prog, eager optimizer, eager model, warnings said);
     prog.nograd: per step, the parameters it left without a gradient."""
     ref = copy.deepcopy(model)
@@ -34,8 +35,8 @@ def _train(model, mesh, schedule, batches, loss=_loss, seed=100):
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         prog = pt.partition(model, mesh, schedule, example_inputs=batches[0], loss_fn=loss,
-                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-        opt = adamw()(ref.parameters())
+                            optimizer=make_opt(model.parameters()))
+        opt = make_opt(ref.parameters())
         for i, batch in enumerate(batches):
             torch.manual_seed(seed + i)
             got = prog.train_step(*batch)
@@ -75,6 +76,12 @@ def test_layerdrop_trains_like_eager_in_one_program(mesh, schedule):
     # because every decoder layer was skipped
     assert steps["enc.0.fc1.weight"] < 8 and steps["dec.0.fc1.weight"] < 8 and steps["head.weight"] == 8, steps
     assert any("emb.weight" in ng and "dec_emb.weight" not in ng for ng in prog.nograd), prog.nograd
+    # the masked updates are fused (lower/fuse.py): one adam_update takes the flags, no where pass is left
+    gm = prog.executor._first.lowered.gm
+    fused = [n for n in gm.graph.nodes if n.target is fuse.FUSED_UPDATE and n.args[15] is not None]
+    masked = [n for n in gm.graph.nodes if n.target is torch.ops.aten.where.self
+              and "nograd" in str(n.args[0])]
+    assert fused and not masked, (len(fused), len(masked))
 
 
 def test_residual_outside_the_layer_is_traced_as_paths_and_said():
@@ -125,3 +132,13 @@ def test_stock_m2m100_trains_like_eager_in_one_program():
     assert len(prog.shapes()) == 1 and len(prog.captured.gates.gates) == 6, said
     assert prog.executor.paths.param_steps == _eager_steps(opt, ref)
     assert any(prog.nograd), prog.nograd
+
+
+def test_sgd_momentum_masked_op_by_op_like_eager():
+    """SGD with momentum and weight decay (no fused update: the where masks run op by op): a skipped layer keeps its
+    parameters and momentum buffers, and the first step of a layer skipped at step 1 starts its buffer as eager."""
+    torch.manual_seed(0)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01)   # noqa: E731
+    prog, opt, ref, _ = _train(LayerdropEncDec(), pt.Mesh({"batch": 2}), [T.data_parallel("batch")], _batches(6),
+                               seed=300, make_opt=sgd)
+    assert len(prog.shapes()) == 1 and any(prog.nograd)

@@ -14,8 +14,11 @@ implementation; on CPU bitwise equal to the single-tensor update the capture mir
 ones). The simulator costs the node as one memory-bound kernel: one read of parameter, gradient and moments, one
 write of parameter and moments (sim/compute.py).
 
-An update that does not match (an unknown optimizer, an op outside the pattern, an intermediate read elsewhere)
-stays op by op. Compiled programs (partition(..., compile=True)) keep the ops: Inductor fuses them itself.
+A masked update (a gated step, capture/gates.py: `where(nograd, old, new)` on the parameter and each moment, with
+`nograd` its input `draws.nograd.<fqn>`) is fused too: the node takes the flags (`skip`) and updates only the
+parameters that have a gradient this step, as torch.optim skips those without one (no extra pass over the
+others). An update that does not match (an unknown optimizer, an op outside the pattern, an intermediate read
+elsewhere) stays op by op. Compiled programs (partition(..., compile=True)) keep the ops: Inductor fuses them itself.
 """
 from __future__ import annotations
 
@@ -42,13 +45,15 @@ _ADAM_OPS = {aten.mul.Tensor, aten.mul.Scalar, aten.lerp.Tensor, aten.lerp.Scala
 def adam_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
                 max_exp_avg_sqs: list[Tensor], step: Tensor, lr: Tensor, beta1: Tensor, beta2: Tensor,
                 weight_decay: Optional[Tensor], eps: float, amsgrad: bool, maximize: bool, decoupled: bool,
-                fused: bool, donate: bool) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+                fused: bool, skip: Optional[list], donate: bool) -> tuple[list[Tensor], list[Tensor], list[Tensor],
+                                                                           list[Tensor]]:
     """One Adam/AdamW step over lists of tensors of one dtype. Hyperparameters are 0-dim float64 tensors (fed at
     every step); the scalar math is capture/optim.py's _adam_scalars, rounded to the dtype.
 
     donate=True: the step's parameters and moments are updated in place, as torch.optim does, and returned (the
     program donates them: fuse_optimizer checks that nothing reads them after this node, and the runtimes hold
-    state they own, runtime/backend.py); donate=False: on copies, the inputs stay as they were."""
+    state they own, runtime/backend.py); donate=False: on copies, the inputs stay as they were. skip: per
+    parameter a bool 0-dim tensor, True when it has no gradient this step (left as it is, with its moments)."""
     first = step[0] if isinstance(step, (list, tuple)) else step     # a list: one count per parameter
     if first.is_meta or is_fake(first):   # shapes only (lower/fakeprop.py): the scalar math needs values
         like = (lambda ts: ts) if donate else (lambda ts: [torch.empty_like(t) for t in ts])  # noqa: E731
@@ -56,6 +61,14 @@ def adam_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
     if not donate:
         params, exp_avgs, exp_avg_sqs = ([t.clone() for t in ts] for ts in (params, exp_avgs, exp_avg_sqs))
         max_exp_avg_sqs = [t.clone() for t in max_exp_avg_sqs] if amsgrad else []
+    if skip is not None:
+        keep = [i for i, s in enumerate(skip) if not bool(s)]
+        pick = lambda ts: [ts[i] for i in keep] if ts else []  # noqa: E731
+        if keep:
+            adam_update(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(max_exp_avg_sqs),
+                        pick(step) if isinstance(step, (list, tuple)) else step, lr, beta1, beta2, weight_decay,
+                        eps, amsgrad, maximize, decoupled, fused, None, True)
+        return params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else []
     if isinstance(step, (list, tuple)):  # a step count per parameter (a step that branches): one update per count
         by: dict = {}
         for i, s in enumerate(step):
@@ -63,7 +76,8 @@ def adam_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
         for idx in by.values():
             pick = lambda ts: [ts[i] for i in idx] if ts else []  # noqa: E731
             adam_update(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(max_exp_avg_sqs),
-                        step[idx[0]], lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled, fused, True)
+                        step[idx[0]], lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled, fused, None,
+                        True)
         return params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else []
     dtype = params[0].dtype
     step64, lr64, b1, b2 = step.double(), lr.double(), beta1.double(), beta2.double()
@@ -143,10 +157,10 @@ def fuse_optimizer(graph: fx.Graph, captured) -> int:
         if found is not None:
             # a step that branches counts steps per parameter (placeholders step.<fqn>: capture/branches.py)
             found["step"] = placeholders.get(f"step.{fqn}", step)
-            key = (fopt._group[fqn], captured.names[f"params.{fqn}"].meta["val"].dtype)
+            key = (fopt._group[fqn], captured.names[f"params.{fqn}"].meta["val"].dtype, found["skip"] is not None)
             groups.setdefault(key, []).append(found)
     n_fused = 0
-    for (gi, _), members in groups.items():
+    for (gi, _, _), members in groups.items():
         own = [m["step"] for m in members]
         if _emit(graph, fopt, gi, members, placeholders, step if all(s is step for s in own) else own):
             n_fused += len(members)
@@ -189,7 +203,14 @@ def _match(fqn, fopt, placeholders, result_of, phase, index):
     if any(o not in result_of or o not in placeholders for o in outs):
         return None
     results = [result_of[o] for o in outs]
+    skip = placeholders.get(f"draws.nograd.{fqn}")
     cone, leaves, stack = set(), set(), list(results)
+    if skip is not None:     # a masked update (capture/gates.py): where(nograd, old, new) on every result
+        if not all(r.target is aten.where.self and r.args[0] is skip and r.args[1] is placeholders[o]
+                   for r, o in zip(results, outs)):
+            return None
+        cone.update(results)
+        stack = [r.args[2] for r in results]
     while stack:
         n = stack.pop()
         if n in cone:
@@ -202,6 +223,7 @@ def _match(fqn, fopt, placeholders, result_of, phase, index):
         else:
             leaves.add(n)
     state = {placeholders[o] for o in outs}
+    leaves.discard(skip)
     hyper = {n for n in leaves if n.op == "placeholder" and n.meta.get(META_ROLE) in (Role.LR, Role.STEP)}
     grads = leaves - state - hyper
     if len(grads) != 1 or not state <= leaves:
@@ -225,7 +247,7 @@ def _match(fqn, fopt, placeholders, result_of, phase, index):
         if n not in results and any(u not in cone for u in n.users):
             return None
     return {"fqn": fqn, "results": results, "state": [placeholders[o] for o in outs], "grad": grad,
-            "cone": cone, "hyper": hyper}
+            "cone": cone, "hyper": hyper, "skip": skip}
 
 
 def _emit(graph, fopt, gi, members, placeholders, step) -> bool:
@@ -237,12 +259,14 @@ def _emit(graph, fopt, gi, members, placeholders, step) -> bool:
     amsgrad = bool(group["amsgrad"])
     cols = [[m["state"][k] for m in members] for k in range(1 + 2 + amsgrad)]
     grads = [m["grad"] for m in members]
+    skips = [m["skip"] for m in members]
     first = min((n for m in members for n in m["cone"]), key=_index_of(graph))
     with graph.inserting_before(first):
         node = graph.call_function(FUSED_UPDATE, (cols[0], grads, cols[1], cols[2], cols[3] if amsgrad else [],
                                                   step, lr, b1, b2, wd, float(group["eps"]), amsgrad,
                                                   bool(group["maximize"]), fopt.kind == "adamw",
-                                                  bool(fopt._opt.defaults.get("fused") or False), False))
+                                                  bool(fopt._opt.defaults.get("fused") or False),
+                                                  skips if skips[0] is not None else None, False))
         node.meta[META_SRC] = members[0]["results"][0].meta.get(META_SRC)
         outs = []
         for k in range(1 + 2 + amsgrad):

@@ -187,7 +187,7 @@ def _sweep(nodes, temps, size, born, last) -> list:
 def _transient(node, elems) -> int:
     """Bytes a node allocates and frees inside itself (0 for aten ops: their scratch is not tensors). partir's
     fused Adam/AdamW (lower/fuse.py: adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, lr,
-    beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled, fused, donate)): the foreach path holds, at its
+    beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled, fused, skip, donate)): the foreach path holds, at its
     last kernel, sqrt(v) (one exp_avg_sq each) and the modified gradients (maximize, or L2 weight decay; decoupled
     weight decay scales the parameters in place); the fused path a 0-dim float32 step per parameter."""
     if not getattr(node.target, "partir_kernel", False):
