@@ -24,6 +24,8 @@ rank returns plain Python results and the tests below read them:
                   then eval_step at another batch size: losses, norms, parameters and eval loss equal one device.
   phase "branches": (issue 26) a step that branches on tensor values (tests/branch_models.py), BP + MP: every
                   rank takes one device's path each step, new paths captured on every rank.
+  phase "gates":  (issue 26) layerdrop gated in one program (capture/gates.py), BP + MP: every rank draws the
+                  step's draws (a skipped layer's not) and masks the same updates; one program, equal to one device.
   phase "first_call": (issue 26) a model that rebuilds a module on its first call after a dropout (capture/settle.py),
                   BP: every rank draws the lifted dropout and the first call's init draws as one device does.
   phase "memory": (issue 19) gpt_sdpa, BP + Z3 on {batch: 4}, measure_memory=True: each rank's measured peak
@@ -178,6 +180,25 @@ def _phase_branches(mesh) -> dict:
                         example_inputs=batches[0], loss_fn=lambda m, x, k: m(x, k),
                         optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
     return {**_next_to_eager(prog, ref, opt, batches), "paths": len(prog.shapes())}
+
+
+def _phase_gates(mesh) -> dict:
+    """(issue 26) layerdrop gated in one program (capture/gates.py) under BP + MP: each rank makes the step's draws
+    before it from its generator (seeded alike), skips a skipped layer's, and masks the same updates: one program,
+    equal to one device step by step."""
+    import partir_torch as pt
+    from tests.branch_models import LayerdropEncDec
+    from tests.test_gates import _batches
+
+    torch.manual_seed(0)
+    model = LayerdropEncDec()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    prog = pt.partition(model, mesh, [pt.tactics.data_parallel("batch"), pt.tactics.megatron("model")],
+                        example_inputs=_batches(1)[0], loss_fn=lambda m, x, y: m(x, y),
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    return {**_next_to_eager(prog, ref, opt, _batches(4)), "programs": len(prog.shapes()),
+            "gates": len(prog.captured.gates.gates)}
 
 
 def _phase_first_call(mesh) -> dict:
@@ -549,6 +570,7 @@ def _worker(rank, port, ckpt, queue):
                          ("uneven", lambda: _phase_uneven(ckpt)),
                          ("clip_acc_eval", _phase_clip_accumulate_eval),
                          ("branches", lambda: _phase_branches(mesh)),
+                         ("gates", lambda: _phase_gates(mesh)),
                          ("counts", lambda: _phase_counts(mesh)),
                          ("async_tp", _phase_async_tp),
                          ("first_call", lambda: _phase_first_call(mesh)),
@@ -692,6 +714,14 @@ def test_real_ranks_branches_take_one_devices_path(ranks):
             assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r['losses']}"
         assert max(r["param_errs"].values()) <= 0, f"rank {rank}: {r['param_errs']}"
         assert r["paths"] >= 2, f"rank {rank}: {r['paths']} path(s)"
+
+
+def test_real_ranks_gated_layerdrop_runs_one_program_like_one_device(ranks):
+    for rank, r in _phase(ranks, "gates").items():
+        for got, want in r["losses"]:
+            assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r['losses']}"
+        assert max(r["param_errs"].values()) <= 0, f"rank {rank}: {r['param_errs']}"
+        assert r["programs"] == 1 and r["gates"] == 6, f"rank {rank}: {r['programs']} program(s), {r['gates']} gates"
 
 
 def test_real_ranks_model_rebuilt_on_its_first_call_draws_like_one_device(ranks):
