@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 class Branchy(nn.Module):
@@ -184,3 +185,29 @@ class LayerdropEncDec(nn.Module):
                 continue
             g = layer(g, h)
         return self.head(g).pow(2).mean()
+
+
+class SplitExperts(nn.Module):
+    """JetMoE's experts: the rows sorted by expert, `x.split(counts.tolist())`, one linear per chunk, `torch.cat`.
+    read_count: the code also reads a count as a Python int (no static form: the counts stay guards)."""
+
+    def __init__(self, d=8, n=4, top_k=2, read_count=False):
+        super().__init__()
+        self.inp, self.router = nn.Linear(4, d), nn.Linear(d, n)
+        self.weight = nn.Parameter(torch.randn(n, d, d) * 0.3)
+        self.n, self.top_k, self.read_count = n, top_k, read_count
+
+    def forward(self, x):
+        h = self.inp(x).flatten(0, 1)                                       # (tokens, d)
+        gates, idx = torch.topk(torch.softmax(self.router(h), -1), self.top_k)
+        counts = torch.zeros(h.shape[0], self.n).scatter(1, idx, 1).long().sum(0)
+        sizes = counts.tolist()
+        if self.read_count and sizes[0] > 100:
+            h = h * 2
+        order = idx.flatten().sort(0)[1]
+        rows = order.div(self.top_k, rounding_mode="trunc")
+        chunks = h[rows].split(sizes, dim=0)
+        out = torch.cat([F.linear(c, self.weight[i]) for i, c in enumerate(chunks)], dim=0)
+        out = out * gates.flatten()[order][:, None]
+        y = torch.zeros_like(h).index_add(0, rows, out)
+        return y.pow(2).mean()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import partir_torch as pt
 from partir_torch.capture import counts
-from tests.branch_models import MoELoop, SelectedLoss
+from tests.branch_models import MoELoop, SelectedLoss, SplitExperts
 from tests.harness import adamw, train_next_to_eager
 
 T = pt.tactics
@@ -221,3 +221,39 @@ def test_padding_rules_equal_eager_or_refuse():
         got.backward()
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda s: f"{name}: {s}")
         torch.testing.assert_close(got_x.grad, want_x.grad, rtol=1e-6, atol=1e-6, msg=lambda s: f"{name}: {s}")
+
+
+def _split_batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 6, 4, generator=g),) for _ in range(n)]
+
+
+def test_a_split_by_counts_read_with_tolist_is_one_program():
+    """JetMoE's experts (`x.split(counts.tolist())`, a linear per chunk, `torch.cat`): the counts change with every
+    batch, and every batch runs the one program (each chunk padded to all rows), equal to eager step by step."""
+    torch.manual_seed(0)
+    model = SplitExperts()
+    ref = copy.deepcopy(model)
+    batches = _split_batches(4)
+    loss = lambda m, x: m(x)   # noqa: E731
+    prog = pt.partition(model, *DP, example_inputs=batches[0], loss_fn=loss,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    train_next_to_eager(prog, ref, batches, loss, adamw())
+    assert len(prog.shapes()) == 1 and not prog.captured.guards
+    assert len(prog.captured.padded) == 4 and not prog.captured.unpadded
+
+
+def test_a_count_of_a_split_read_as_an_int_stays_a_guard():
+    """The same experts whose code also reads a count as a Python int: the counts are guards again (named in
+    captured.unpadded), one path per set of counts, still equal to eager."""
+    torch.manual_seed(0)
+    model = SplitExperts(read_count=True)
+    ref = copy.deepcopy(model)
+    batches = _split_batches(3)
+    loss = lambda m, x: m(x)   # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = pt.partition(model, *DP, example_inputs=batches[0], loss_fn=loss,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        train_next_to_eager(prog, ref, batches, loss, adamw())
+    assert len(prog.captured.guards) == 4 and "reads a count as a Python int" in prog.captured.unpadded[0][1]

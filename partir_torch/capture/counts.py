@@ -18,6 +18,10 @@ padding, and rewrites its consumers so that padding never reaches a result:
     cross_entropy, nll_loss   a padded target becomes ignore_index (the mean divides by the valid rows)
     index_add(0, i, v)        padding rows of v read 0, summed into the coordinate i indexes
     y[mask] = v               torch.where(mask, v, y)
+    x.split(c.tolist())       (JetMoE's experts: the sizes are counts read from a traced tensor c) chunk i is all N
+                              rows of x, valid where cumsum(c)[i] - c[i] <= row < cumsum(c)[i]; `torch.cat` of
+                              the chunks of one split, in order, is the sum of each chunk's valid rows (a plain
+                              tensor again); the list of counts is good for nothing else (`SplitSizes`)
 
 The rules live in padrules.py. Autograd differentiates the rewritten forward, so the backward is the static-shape one. Padding rows hold the data
 of unselected positions (real rows, computed like the valid ones), so every value they produce is one eager
@@ -39,6 +43,7 @@ import os
 import sys
 
 import torch
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -108,6 +113,29 @@ class Group:
 
     def valid_at(self, d: int, ndim: int):
         return self.valid.reshape([1] * d + [self.n] + [1] * (ndim - d - 1))
+
+
+class SplitSizes(list):
+    """`c.tolist()` of a traced integer vector c (a count per expert) under Padding: passed to `split` it gives
+    padded chunks; any other use (iterating, indexing, arithmetic) raises Unpadded, and the step is traced again
+    with the counts read as guards (one path per set of counts)."""
+
+    def __init__(self, counts, where, fail):
+        super().__init__()
+        self.counts, self.where, self._fail = counts, where, fail
+
+    def __len__(self):
+        return int(self.counts.shape[0])
+
+    def __iter__(self):
+        self._fail("reads the counts as Python ints")
+
+    def __getitem__(self, i):
+        self._fail("reads a count as a Python int")
+
+    __eq__ = __add__ = __radd__ = __contains__ = __getitem__
+
+    __hash__ = None
 
 
 class _Size(tuple):
@@ -239,6 +267,8 @@ class Padding(Rules, TorchFunctionMode):
             made = self._create(func, name, args, kwargs)
             return func(*args, **kwargs) if made is None else made
         group = tracked[0][2]
+        if name == "cat" and getattr(group, "split", None) is not None:
+            return self._cat_split(args, kwargs, tracked)
         if any(e[2] is not group for e in tracked):
             raise Unpadded(group.where, f"{name} mixes it with another selection")
 
@@ -274,6 +304,8 @@ class Padding(Rules, TorchFunctionMode):
 
     def _create(self, func, name, args, kwargs):
         """A selection on plain tensors: its padded form, or None (not one, or kept as a count guard)."""
+        if name == "split" and len(args) >= 2 and isinstance(args[1], SplitSizes):
+            return self._split_by_counts(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("dim", 0))
         if name == "getitem" and len(args) == 2:
             x, key = args
             if isinstance(key, torch.Tensor) and key.dtype == torch.bool and key.dim() >= 1 \
@@ -298,6 +330,25 @@ class Padding(Rules, TorchFunctionMode):
             return self._track(x.expand(shape).reshape(g.n), "rows", g, 0, fresh=False)
         return None
 
+    def _cat_split(self, args, kwargs, tracked):
+        """torch.cat of the chunks of one split by counts, in order, along their rows: each row from its chunk."""
+        parts = args[0]
+        dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        where = tracked[0][2].where
+        ok = isinstance(parts, (list, tuple)) and len(tracked) == len(parts) and dim % parts[0].dim() == 0
+        if ok:
+            ids = [e[2].split for e in (self._get(t) for t in parts)]
+            ok = all(i == (ids[0][0], k) for k, i in enumerate(ids)) and all(e[1] == "rows" and e[3] == 0
+                                                                            for e in tracked)
+        if not ok:
+            raise Unpadded(where, "is concatenated otherwise than with the other chunks of its split, in order")
+        out = None
+        for t in parts:
+            g = self._get(t)[2]
+            part = torch.where(g.valid_at(0, t.dim()), t, torch.zeros((), dtype=t.dtype, device=t.device))
+            out = part if out is None else out + part
+        return out
+
     def _coords(self, m, tuple_):
         if not isinstance(m, torch.Tensor) or m.dim() == 0:
             return None
@@ -309,6 +360,46 @@ class Padding(Rules, TorchFunctionMode):
         if tuple_:
             return idx
         return self._track(torch.stack(idx, 1), "coords", g, None)
+
+    def __enter__(self):
+        # FunctionalTensor.tolist reads each element with .item() in Python, below any torch function: wrapped
+        self._tolist = FunctionalTensor.tolist
+        FunctionalTensor.tolist = lambda t: self._counts(t, self._tolist)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        FunctionalTensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    def _counts(self, t, tolist):
+        """`c.tolist()` of a traced integer vector: SplitSizes (what split reads), else the plain list."""
+        if t.dim() != 1 or t.is_floating_point() or t.is_complex() or self.node_of is None \
+                or self.node_of(t) is None:
+            return tolist(t)
+        _, where = _frames()
+        if where in self.refused or not ENABLED:
+            return tolist(t)
+
+        def fail(why):
+            raise Unpadded(where, why)
+        return SplitSizes(t, where, fail)
+
+    def _split_by_counts(self, x, sizes, dim):
+        """x.split(c.tolist(), dim): each chunk all of x's rows along dim, valid on its own stretch."""
+        if dim % x.dim() != 0:
+            sizes._fail("splits another dim than the first")
+        n = x.shape[0]
+        ends = sizes.counts.cumsum(0)
+        rows = torch.arange(n, device=x.device)
+        chunks = []
+        for i in range(len(sizes)):
+            valid = (rows >= ends[i] - sizes.counts[i]) & (rows < ends[i])
+            g = Group(valid, (0,), sizes.where)
+            g.split = (id(sizes), i)
+            self.groups.append(g)
+            self.selections.append((sizes.where, n))
+            chunks.append(self._track(x.view(x.shape), "rows", g, 0, fresh=False))
+        return tuple(chunks)
 
     def check_outputs(self, outs) -> None:
         """A padded value returned by the step would have N rows where eager's has the count."""
