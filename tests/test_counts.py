@@ -257,3 +257,29 @@ def test_a_count_of_a_split_read_as_an_int_stays_a_guard():
                             optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
         train_next_to_eager(prog, ref, batches, loss, adamw())
     assert len(prog.captured.guards) == 4 and "reads a count as a Python int" in prog.captured.unpadded[0][1]
+
+
+def test_masked_select_kept_as_a_count_guard_is_traced_at_its_count():
+    """With the static sizes off, `x.masked_select(mask)` (CTC losses flatten their targets so) is a count guard:
+    fake tensors get the real count (it used to stop the trace), one path per count, equal to eager."""
+    class Selects(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+
+        def forward(self, x, mask):
+            return self.a(x).masked_select(mask[..., None]).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Selects()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 6, 4, generator=g), torch.rand(4, 6, generator=g) < 0.5) for _ in range(3)]
+    loss = lambda m, x, k: m(x, k)   # noqa: E731
+    with warnings.catch_warnings(), counts.disabled():
+        warnings.simplefilter("ignore")
+        prog = pt.partition(model, *DP, example_inputs=batches[0], loss_fn=loss,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        train_next_to_eager(prog, ref, batches, loss, adamw())
+    assert [g.count for g in prog.captured.guards] == [True]
+    assert len(prog.shapes()) == len({int(k.sum()) for _, k in batches})

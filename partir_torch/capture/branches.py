@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dis
 import linecache
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from .tidy import LIKE
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _NONZERO = torch.ops.aten.nonzero.default
+_MASKED_SELECT = torch.ops.aten.masked_select.default
 _TORCH = os.path.dirname(torch.__file__)
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _JUMPS = {"POP_JUMP_FORWARD_IF_TRUE": True, "POP_JUMP_IF_TRUE": True, "POP_JUMP_BACKWARD_IF_TRUE": True,
@@ -193,7 +195,7 @@ class Recorder(TorchDispatchMode):
         specialised to that size (a new count is a new path). And a traced 0-dim tensor in an f-string
         (Switch Transformers' `self.experts[f"expert_{idx}"]`) formats its value, a guard, as eager's does."""
         table = fake_impls.op_implementations_dict
-        was = table[_NONZERO]
+        was, was_select = table[_NONZERO], table[_MASKED_SELECT]
 
         def nonzero(fake_mode, func, arg):
             node = self._node(arg)
@@ -205,6 +207,18 @@ class Recorder(TorchDispatchMode):
             self._preds.append(node)
             return arg.new_empty_strided((n, arg.dim()), (1, max(n, 1)), dtype=torch.int64)
 
+        def masked_select(fake_mode, func, arg, mask):     # its size: the mask's count, broadcast to arg's shape
+            node = self._node(mask)
+            if node is None:
+                return was_select(fake_mode, func, arg, mask)
+            _, where = _frames()
+            n = self._evaluate(node, where, count=True)
+            self.guards.append(Guard(node.name, n, where, count=True))
+            self._preds.append(node)
+            shape = torch.broadcast_shapes(arg.shape, mask.shape)
+            n *= math.prod(shape) // max(math.prod(mask.shape), 1)
+            return arg.new_empty((n,))
+
         fmt = torch.Tensor.__format__
 
         def format_(t, spec):          # f"expert_{idx}" of a traced 0-dim tensor formats its value, as eager
@@ -212,12 +226,12 @@ class Recorder(TorchDispatchMode):
                 return t.detach().item().__format__(spec)
             return fmt(t, spec)
 
-        table[_NONZERO] = nonzero
+        table[_NONZERO], table[_MASKED_SELECT] = nonzero, masked_select
         torch.Tensor.__format__ = format_
         try:
             yield self
         finally:
-            table[_NONZERO] = was
+            table[_NONZERO], table[_MASKED_SELECT] = was, was_select
             torch.Tensor.__format__ = fmt
 
     def __enter__(self):
