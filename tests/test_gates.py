@@ -142,3 +142,4 @@ def test_sgd_momentum_masked_op_by_op_like_eager():
     prog, opt, ref, _ = _train(LayerdropEncDec(), pt.Mesh({"batch": 2}), [T.data_parallel("batch")], _batches(6),
                                seed=300, make_opt=sgd)
     assert len(prog.shapes()) == 1 and any(prog.nograd)
+

@@ -136,7 +136,6 @@ class _Pending:
     tensor: torch.Tensor
     where: str
     owner: torch.nn.Module
-    frame: object
 
 
 @dataclass
@@ -149,7 +148,7 @@ class _Layer:
 
 
 class GateTracer(TorchDispatchMode):
-    """Answers layerdrop's reads while make_fx traces (see the module docstring); `hooks(model)` installs the module
+    """Answers layerdrop's reads while make_fx traces (see the module docstring); `hooks()` installs the module
     hooks that find the layer each read gates."""
 
     def __init__(self, model: torch.nn.Module):
@@ -186,7 +185,7 @@ class GateTracer(TorchDispatchMode):
             raise NotGated(f"the branch on a random draw at {where} is not in a module's forward")
         if self._pending is not None:
             raise NotGated(f"no layer call follows the branch on a random draw at {self._pending.where}")
-        self._pending = _Pending(node, args[0], where, owner, frame)
+        self._pending = _Pending(node, args[0], where, owner)
         return False
 
     def hooks(self) -> list:
