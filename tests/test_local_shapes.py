@@ -1,5 +1,6 @@
 """Local shapes of the per-device program (lower/fakeprop.py): the meta run's memo gives exactly what the meta
-kernels give, and runs each repeated op once per signature; lowering and the meta run do not pay the collector."""
+kernels give, and runs each repeated op once per signature; lowering and the meta run do not pay the collector;
+lowering's node builder (reshard.call_function) builds what fx's Graph.call_function builds."""
 from __future__ import annotations
 
 import gc
@@ -13,6 +14,7 @@ import partir_torch as pt
 from partir_torch import tactics as T
 from partir_torch.lower import fakeprop
 from partir_torch.lower.lower import Lowerer
+from partir_torch.lower.reshard import call_function
 from examples.models import get
 
 aten = torch.ops.aten
@@ -123,3 +125,25 @@ def test_lowering_and_local_shapes_run_without_the_collector(monkeypatch):
     finally:
         if not was:
             gc.disable()
+
+
+def test_call_function_builds_what_fx_builds():
+    def build(make):
+        g = fx.Graph()
+        x, y = g.placeholder("x"), g.placeholder("y")
+        a = make(g, aten.mm.default, (x, y), None)
+        b = make(g, aten.cat.default, ([a, x, a], 0), None)
+        c = make(g, aten.clone.default, (b,), {"memory_format": torch.contiguous_format})
+        d = make(g, aten.add.Tensor, (c, x), {"alpha": 2})
+        g.output((d, a))
+        return g
+
+    ours = build(call_function)
+    theirs = build(lambda g, t, args, kwargs: g.call_function(t, args, kwargs))
+
+    def facts(g):
+        return [(n.name, n.op, n.target, repr(n.args), repr(n.kwargs), type(n.args), type(n.kwargs),
+                 [u.name for u in n.all_input_nodes], [u.name for u in n.users]) for n in g.nodes]
+
+    assert facts(ours) == facts(theirs) and ours.python_code("self").src == theirs.python_code("self").src
+    ours.lint()
