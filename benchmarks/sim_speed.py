@@ -9,6 +9,7 @@ GPT (d 768, 12 heads, seq 1024, vocab 50304, AdamW) built on `meta`, partitioned
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -56,7 +57,10 @@ def main(layers: int = 48):
 
 def llama8b():
     """Issue 23's "answers in a second": prog.simulate of a 32-layer Llama-3-8B (d 4096, GQA 32/8, MLP 14336, vocab
-    128256, seq 8192, bf16, AdamW) under BP + Z3 on 8xH100, lowering included (CPU seconds; partition excluded)."""
+    128256, seq 8192, bf16, AdamW) under BP + Z3 on 8xH100, lowering included (CPU seconds; partition excluded).
+    The call pays the collection partition's objects are due (partition runs under no_gc), as a user's first
+    simulate does; a full collection after it is timed apart: what the call leaves to the collector (the passes that
+    run under no_gc defer theirs)."""
     from examples.models import llama
 
     warnings.simplefilter("ignore")
@@ -72,9 +76,11 @@ def llama8b():
         c1 = time.process_time()
         r = prog.simulate(hw, stages=stages)
         c2 = time.process_time()
+        gc.collect()      # what the simulation leaves to the collector (passes that ran under no_gc are deferred)
+        c3 = time.process_time()
         print(f"Llama-3-8B BP+Z3 on 8xH100: partition {c1 - c:.2f} s CPU; prog.simulate(hw, stages={stages}) "
-              f"{c2 - c1:.2f} s CPU (goal <= 2 s): step {r.step_time_s * 1e3:.0f} ms, MFU {100 * r.mfu:.1f}%, "
-              f"peak {r.peak_memory_bytes / 2**30:.1f} GiB")
+              f"{c2 - c1:.2f} s CPU (goal <= 2 s), then gc.collect() {c3 - c2:.2f} s: step "
+              f"{r.step_time_s * 1e3:.0f} ms, MFU {100 * r.mfu:.1f}%, peak {r.peak_memory_bytes / 2**30:.1f} GiB")
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 
