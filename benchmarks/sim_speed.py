@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_speed.py [layers]
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_speed.py llama8b
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_speed.py llama8b --phases   # where prog.simulate's time goes
 
 
 GPT (d 768, 12 heads, seq 1024, vocab 50304, AdamW) built on `meta`, partitioned with BP + MP + Z3 on 8 devices
@@ -84,8 +85,64 @@ def llama8b():
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 
+def _llama8b_program():
+    from examples.models import llama
+
+    cfg = dict(vocab=128256, seq=8192, d=4096, heads=32, kv_heads=8, layers=32, hidden=14336)
+    model = llama.build(device="meta", **cfg).to(torch.bfloat16)
+    tokens = torch.zeros(8, cfg["seq"], dtype=torch.int64, device="meta")
+    return pt.partition(model, pt.Mesh({"batch": 8}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                        example_inputs=(tokens, tokens), loss_fn=llama.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4))
+
+
+def llama8b_phases():
+    """CPU seconds of each phase of llama8b's prog.simulate(hw, stages=False), with the collector on (as a user
+    runs it) and off (a fresh partition each). Nested phases are included in their parents (Lowerer.run holds
+    bucket, schedule, fuse); the collector's passes land in whichever phase they interrupt."""
+    import partir_torch.lower.fakeprop as fakeprop
+    import partir_torch.lower.lower as lower
+    import partir_torch.sim as sim
+    import partir_torch.sim.simulate as simulate
+
+    warnings.simplefilter("ignore")
+    spent: dict = {}
+
+    def timed(owner, name, label):
+        f = getattr(owner, name)
+
+        def run(*args, **kwargs):
+            c = time.process_time()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0.0) + time.process_time() - c
+        setattr(owner, name, run)
+
+    for owner, name in [(simulate, "step_flops"), (lower.Lowerer, "__init__"), (lower, "op_layouts"),
+                        (lower.Lowerer, "run"), (lower.Lowerer, "_op"), (lower, "fuse_optimizer"),
+                        (lower, "bucket_collectives"), (lower, "schedule"), (fakeprop, "annotate_local_vals"),
+                        (sim, "simulate_graph")]:
+        timed(owner, name, f"{owner.__name__.split('.')[-1]}.{name}")
+    hw = pt.sim.hardware("h100")
+    for collector in (True, False):
+        prog = _llama8b_program()
+        spent.clear()
+        (gc.enable if collector else gc.disable)()
+        c = time.process_time()
+        prog.simulate(hw, stages=False)
+        total = time.process_time() - c
+        gc.enable()
+        print(f"prog.simulate(hw, stages=False), collector {'on' if collector else 'off'}: {total:.3f} s CPU")
+        for label, t in spent.items():
+            print(f"  {label:32s} {t:.3f}")
+    print(f"load average {os.getloadavg()[0]:.2f}")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "llama8b":
+    if sys.argv[1:] == ["llama8b", "--phases"]:
+        llama8b_phases()
+    elif len(sys.argv) > 1 and sys.argv[1] == "llama8b":
         llama8b()
     else:
         main(int(sys.argv[1]) if len(sys.argv) > 1 else 48)
