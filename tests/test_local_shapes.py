@@ -64,6 +64,7 @@ def _scalars_graph():
                  g.call_function(aten.sum.dim_IntList, (x, [0], True)),
                  g.call_function(aten.sum.dim_IntList, (x, [0], False))]
         outs.append(g.call_function(aten.t.default, (outs[-4],)))          # a view of a memoised result
+        outs.append(g.call_function(torch.ops._c10d_functional.wait_tensor.default, (x,)))
     g.output(tuple(outs))
     args = [torch.empty(3, 4, dtype=torch.int64, device="meta"), torch.empty(3, 4, dtype=torch.bool, device="meta"),
             torch.empty(3, 4, device="meta")]
@@ -84,6 +85,7 @@ def test_memo_gives_the_kernels_results_and_runs_each_signature_once():
     assert seen.ops[aten.t.default] == 4                                   # views run every time (they alias)
     views = [n for n in gm.graph.nodes if n.target == aten.t.default][1:]
     assert all(n.meta["val"]._base is n.args[0].meta["val"] for n in views)
+    assert seen.ops[torch.ops._c10d_functional.wait_tensor.default] == 1
 
 
 def test_lowered_program_local_shapes_equal_the_unmemoised_run():

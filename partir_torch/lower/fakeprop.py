@@ -10,7 +10,9 @@ A program repeats itself (32 identical layers): an op that allocates its results
 meta once per signature (the op, its tensors' shapes, strides, dtypes and offsets, its other arguments with their
 types) and its results are made again with those shapes and strides (`torch.empty_strided`), which is what the
 meta kernel makes: most elementwise meta kernels are Python (torch._refs, ~100 us a call), an empty tensor ~2 us.
-The memo lives for one run (one program).
+The memo lives for one run (one program). A memoised result is a new tensor: where a kernel may hand back its
+argument itself (wait_tensor does, for some tensors), the value is an equal tensor instead; nothing reads identity
+(sim/memory.py aliases a wait, a view or an in-place result by the op, not by the tensor).
 """
 from __future__ import annotations
 
