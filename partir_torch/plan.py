@@ -98,9 +98,10 @@ class Plan:
         collectives (reporting.reshard_warnings), at the user's line that asked for it."""
         k = len(self.stages) - 1 if k is None else k
         if k not in self._lowered:
-            low = self._lower(k, self.options)
-            if self.options.memory_budget is not None:
-                low = self._within_budget(k, low)
+            with no_gc():     # a bulk pass building a graph as large as the captured one (capture/graphutil.py)
+                low = self._lower(k, self.options)
+                if self.options.memory_budget is not None:
+                    low = self._within_budget(k, low)
             self._lowered[k] = low
             if k == len(self.stages) - 1:
                 _warn_reshards(self._lowered[k])
@@ -153,7 +154,8 @@ class Plan:
 
         low = self.lowered(k)
         if not low.annotated:
-            annotate_local_vals(low, self.captured)
+            with no_gc():
+                annotate_local_vals(low, self.captured)
         return low
 
     @cached_property

@@ -3,6 +3,7 @@ torch.optim's foreach and fused implementations, the simulator's cost of the fus
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -183,6 +184,48 @@ def test_fused_optimizer_program_runs_the_fused_kernel():
     got = prog.gather_parameters()
     for k, p in ref.named_parameters():
         torch.testing.assert_close(got[k], p.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_fusing_rewrites_the_program_output_once(monkeypatch):
+    """fuse_optimizer hands the program's output node its fused results in one rewrite, not one replacement per
+    result (each scans all the output's arguments: quadratic in the parameters); the program still trains."""
+    from partir_torch.lower import lower
+
+    fusing, rewrites = [], []
+    replace, fuse = fx.Node._replace_input_with, lower.fuse_optimizer
+
+    def spy(node, old, new):
+        if fusing and node.op == "output":
+            rewrites.append(old.name)
+        return replace(node, old, new)
+
+    def fuse_spied(graph, captured):
+        fusing.append(True)
+        try:
+            return fuse(graph, captured)
+        finally:
+            fusing.clear()
+
+    monkeypatch.setattr(fx.Node, "_replace_input_with", spy)
+    monkeypatch.setattr(lower, "fuse_optimizer", fuse_spied)
+    torch.manual_seed(0)
+    model, x, y = MLP(), torch.randn(8, 16), torch.randn(8, 8)
+    ref = copy.deepcopy(model)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                        example_inputs=(x, y), loss_fn=_loss, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    node = next(n for n in prog.lowered.gm.graph.nodes if n.target is FUSED_UPDATE)
+    out = next(n for n in reversed(prog.lowered.gm.graph.nodes) if n.op == "output")
+    fused = [a for a in out.all_input_nodes if a.target is operator.getitem and a.args[0].args[0] is node]
+    assert rewrites == [] and len(fused) == 3 * len(list(ref.parameters()))     # parameters, exp_avg, exp_avg_sq
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(2):
+        prog.train_step(x, y)
+        opt.zero_grad()
+        _loss(ref, x, y).backward()
+        opt.step()
+    got = prog.gather_parameters()
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(got[k], p.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_unfused_and_fused_programs_agree_and_the_simulator_costs_one_kernel():

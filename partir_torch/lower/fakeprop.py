@@ -5,6 +5,14 @@ The program is run once on `meta` tensors (shapes, dtypes and strides, no data, 
 fake-tensor propagation (FakeTensorProp's dispatch cache and device bookkeeping), which matters because
 `prog.simulate` lowers and annotates one program per tactic stage. Ops that create tensors on a device are run on
 `meta` instead, constants are read as meta tensors; kernels of our own (lower/fuse.py's adam_update) take the shapes-only path on meta operands.
+
+A program repeats itself (32 identical layers): an op that allocates its results (no view, no write) is run on
+meta once per signature (the op, its tensors' shapes, strides, dtypes and offsets, its other arguments with their
+types) and its results are made again with those shapes and strides (`torch.empty_strided`), which is what the
+meta kernel makes: most elementwise meta kernels are Python (torch._refs, ~100 us a call), an empty tensor ~2 us.
+The memo lives for one run (one program). A memoised result is a new tensor: where a kernel may hand back its
+argument itself (wait_tensor does, for some tensors), the value is an equal tensor instead; nothing reads identity
+(sim/memory.py aliases a wait, a view or an in-place result by the op, not by the tensor).
 """
 from __future__ import annotations
 
@@ -29,11 +37,88 @@ def _makes_tensors(target) -> bool:
 _FACTORIES: dict = {}
 
 
+def _allocates(target) -> bool:
+    """An aten (or functional collective) op whose results are new tensors: no result aliases an argument and no
+    argument is written. Only these are memoised: a view's result must share its argument's storage."""
+    made = _ALLOCATES.get(target)
+    if made is None:
+        schema = getattr(target, "_schema", None)
+        made = _ALLOCATES[target] = isinstance(target, torch._ops.OpOverload) and not schema.is_mutable and all(
+            r.alias_info is None for r in schema.returns) and all(a.alias_info is None for a in schema.arguments)
+    return made
+
+
+_ALLOCATES: dict = {}
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+class _Unkeyed(Exception):
+    """An argument (or result) the memo cannot describe exactly: the op is run."""
+
+
+def _sig(a):
+    """A hashable stand-in for one argument that determines the meta kernel's results: a tensor's shape, strides,
+    dtype, offset and conj/neg bits; any other value with its type (1, 1.0 and True promote differently)."""
+    if isinstance(a, torch.Tensor):
+        if type(a) is not torch.Tensor or a.layout != torch.strided:
+            raise _Unkeyed
+        return a.shape, a.stride(), a.dtype, a.storage_offset(), a.is_conj(), a.is_neg()
+    if isinstance(a, (list, tuple)):
+        return type(a), tuple(_sig(x) for x in a)
+    if type(a) in _PLAIN:
+        return type(a), a
+    raise _Unkeyed
+
+
+def _template(out):
+    """How to make a meta kernel's results again (_make): ("t", shape, strides, dtype) per tensor, ("seq", list or
+    tuple, items), ("v", value); raises _Unkeyed for a result empty_strided would not make as it is (an offset, a
+    flag, a subclass)."""
+    if isinstance(out, torch.Tensor):
+        if (type(out) is not torch.Tensor or out.storage_offset() or out.requires_grad or out.is_conj()
+                or out.is_neg() or out.layout != torch.strided):
+            raise _Unkeyed
+        return "t", tuple(out.shape), out.stride(), out.dtype
+    if type(out) in (list, tuple):
+        return "seq", type(out), [_template(x) for x in out]
+    if type(out) in _PLAIN:
+        return "v", out
+    raise _Unkeyed
+
+
+def _make(t):
+    if t[0] == "t":
+        _, shape, strides, dtype = t
+        return torch.empty_strided(shape, strides, dtype=dtype, device=META)
+    if t[0] == "seq":
+        _, kind, items = t
+        return kind(_make(x) for x in items)
+    return t[1]
+
+
 class _MetaProp(fx.Interpreter):
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.memo: dict = {}             # (op, argument signatures) -> results' template, or None: run it each time
+
     def call_function(self, target, args, kwargs):
         if "device" in kwargs or _makes_tensors(target):
             kwargs = {**kwargs, "device": META}
-        return target(*args, **kwargs)
+        if not _allocates(target):
+            return target(*args, **kwargs)
+        try:
+            key = (target, _sig(args), _sig(tuple(kwargs.items())))
+        except _Unkeyed:
+            return target(*args, **kwargs)
+        t = self.memo.get(key, False)
+        if t is False:
+            out = target(*args, **kwargs)
+            try:
+                self.memo[key] = _template(out)
+            except _Unkeyed:
+                self.memo[key] = None
+            return out
+        return target(*args, **kwargs) if t is None else _make(t)
 
     def get_attr(self, target, args, kwargs):
         t = super().get_attr(target, args, kwargs)            # a constant the capture kept (cpu): its meta twin

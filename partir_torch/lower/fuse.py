@@ -272,9 +272,13 @@ def _emit(graph, fopt, gi, members, placeholders, step) -> bool:
         for k in range(1 + 2 + amsgrad):
             lst = graph.call_function(operator.getitem, (node, k))
             outs.append([graph.call_function(operator.getitem, (lst, i)) for i in range(len(members))])
-    for i, m in enumerate(members):
-        for k, r in enumerate(m["results"]):
-            r.replace_all_uses_with(outs[k][i])
+    # the program's output reads every result: rewritten once (replacing one use at a time scans its arguments each
+    # time, quadratic in the parameters)
+    swap = {r: outs[k][i] for i, m in enumerate(members) for k, r in enumerate(m["results"])}
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    for r, new in swap.items():
+        r.replace_all_uses_with(new, delete_user_cb=lambda u: u is not out)
+    out.args = fx.map_arg(out.args, lambda n: swap.get(n, n))
     dead = set().union(*(m["cone"] for m in members))
     changed = True
     while changed:

@@ -34,7 +34,7 @@ from .pipeline import bucket_parts
 from .ring import async_tp
 from .schedule import Scheduled, schedule
 from .fuse import fuse_optimizer
-from .reshard import Emitter, reshard
+from .reshard import Emitter, call_function, reshard
 from .uneven import FILL_FROM_ARG, fill_padding, identity
 from .why import SAME_VALUE, Causes
 
@@ -302,8 +302,8 @@ class Lowerer:
                          (out_local[k] if out_local[k] is not None else _local(tuple(t.shape), outs[k], mesh))
                          if outs[k] is not None else tuple(t.shape) for k, t in enumerate(node.meta["val"])]
         args, kwargs = localize_args(node, args, kwargs, in_local, out_local)
-        x = self._indexed(i, args, kwargs) or self.new.call_function(_RESHAPE.get(node.target, node.target), args,
-                                                                      kwargs)
+        x = self._indexed(i, args, kwargs) or call_function(self.new, _RESHAPE.get(node.target, node.target), args,
+                                                             kwargs)
         x.meta[META_SRC] = node.name
         if node.meta.get(META_RECOMPUTE):
             x.meta[META_RECOMPUTE] = node.meta[META_RECOMPUTE]
