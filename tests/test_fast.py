@@ -155,7 +155,7 @@ def test_adam_update_kernel_is_torch_optims(fused, kind):
         donate = k % 2 == 1
         before = [t.clone() for t in p]
         p2, m, v, mx2 = FUSED_UPDATE(p, g, m, v, mx, f64(k + 1.0), f64(3e-3), f64(0.8), f64(0.95), f64(0.1), 1e-6,
-                                     amsgrad, False, not amsgrad, fused, donate)
+                                     amsgrad, False, not amsgrad, fused, None, donate)
         assert all((a is b) == donate for a, b in zip(p2, p))
         assert donate or all(torch.equal(a, b) for a, b in zip(p, before))      # not donated: inputs untouched
         p, mx = p2, (mx2 if amsgrad else mx)
@@ -174,7 +174,7 @@ def test_fused_optimizer_program_runs_the_fused_kernel():
     prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=(x, y),
                         loss_fn=_loss, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
     node = next(n for n in prog.lowered.gm.graph.nodes if n.target is FUSED_UPDATE)
-    assert node.args[-2] is True and node.args[-1] is True          # fused kernel, parameters donated
+    assert node.args[-3] is True and node.args[-1] is True          # fused kernel, parameters donated
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     for _ in range(3):
         prog.train_step(x, y)
