@@ -164,14 +164,17 @@ class LayerdropEncDec(nn.Module):
     encoder's output is read only inside the decoder's layers (skipping all of them leaves the encoder without a
     gradient). residual_outside: `h = h + layer(h)` instead (not layerdrop's shape: traced as paths)."""
 
-    def __init__(self, d=16, layers=3, layerdrop=0.5, residual_outside=False):
+    def __init__(self, d=16, layers=3, layerdrop=0.5, residual_outside=False, aux=False, norm=None):
         super().__init__()
         self.emb, self.dec_emb = nn.Linear(4, d), nn.Linear(4, d)
         self.enc = nn.ModuleList(_Block(d) for _ in range(layers))
         self.dec = nn.ModuleList(_Block(d, cross=True) for _ in range(layers))
         self.head = nn.Linear(d, 1)
         self.drop = nn.Dropout(0.1)
-        self.layerdrop, self.residual_outside = layerdrop, residual_outside
+        self.layerdrop, self.residual_outside, self.aux = layerdrop, residual_outside, aux
+        if norm is not None:         # a module with running statistics inside each encoder layer
+            for layer in self.enc:
+                layer.norm = norm(d)
 
     def forward(self, x, y):
         h = self.drop(self.emb(x))
@@ -180,11 +183,14 @@ class LayerdropEncDec(nn.Module):
                 continue
             h = h + layer(h) if self.residual_outside else layer(h)
         g = self.drop(self.dec_emb(y))
+        extra = 0.0
         for layer in self.dec:
             if self.training and torch.rand([]) < self.layerdrop:
                 continue
             g = layer(g, h)
-        return self.head(g).pow(2).mean()
+            if self.aux:             # DETR's auxiliary loss on every decoder layer's output
+                extra = extra + self.head(g).mean()
+        return self.head(g).pow(2).mean() + extra
 
 
 class SplitExperts(nn.Module):

@@ -143,3 +143,23 @@ def test_sgd_momentum_masked_op_by_op_like_eager():
                                seed=300, make_opt=sgd)
     assert len(prog.shapes()) == 1 and any(prog.nograd)
 
+
+
+class _TokenBatchNorm(torch.nn.BatchNorm1d):
+    def forward(self, h):
+        return super().forward(h.transpose(1, 2)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(aux=True), "is read outside the next layer"),
+    (dict(norm=_TokenBatchNorm), "(running statistics): a skipped layer would write too"),
+], ids=["aux_loss", "running_stats"])
+def test_what_a_skipped_layer_would_change_is_traced_as_paths(kw, why):
+    """A read of every layer's output beyond the next layer (DETR's auxiliary losses) or a gated layer that writes
+    running statistics: a gated where would not leave them as a skipped layer does, so the step is traced as paths,
+    said, and equals eager."""
+    torch.manual_seed(0)
+    prog, _, _, said = _train(LayerdropEncDec(layers=2, **kw), pt.Mesh({"batch": 2}), [T.data_parallel("batch")],
+                              _batches(3))
+    assert prog.captured.gates is None and len(prog.captured.guards) == 4
+    assert any(why in m for m in said), said

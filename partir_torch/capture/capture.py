@@ -636,7 +636,7 @@ def _traced_with_gates(model, make_step, table):
     handles = tracer.hooks()
     try:
         gm = _trace(step, step.lay, table, tracer)
-        tracer.check(model)
+        tracer.check(model, gm, step.lay.names)
         step.gates = tracer.build(gm)
         return gm, step
     except Exception as e:  # noqa: BLE001 - any failure of the gated trace: the step is traced as paths

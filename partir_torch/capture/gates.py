@@ -161,7 +161,8 @@ class GateTracer(TorchDispatchMode):
         self._pending = None
         self._active: dict = {}          # id(module) -> _Layer
         self._seen: set = set()          # ids of gated modules
-        self._chain: dict = {}           # id(list of layers) -> (the last gated layer's merged output, its index)
+        self._chain: dict = {}           # id(list of layers) -> (the last gated layer's merged output, its index, gate)
+        self._next: dict = {}            # gate -> the gate of the next layer of its list
         self._tracer = None
 
     def __enter__(self):
@@ -239,14 +240,19 @@ class GateTracer(TorchDispatchMode):
         if self._active:
             raise NotGated(f"the layer {name} is gated inside another gated layer")
         merged = torch.where(layer.pending.tensor, h, first)
-        self._chain[id(layer.list)] = (merged, layer.index)
+        prev = self._chain.get(id(layer.list))
+        if prev is not None:
+            self._next[prev[2]] = len(self.gates)
+        self._chain[id(layer.list)] = (merged, layer.index, len(self.gates))
         self.switches[traced_node(self._tracer, merged)] = len(self.gates)
         self.gates.append((Gate(layer.pending.pred.name, layer.pending.where, name), layer.pending.pred, region))
         return merged if isinstance(out, torch.Tensor) else type(out)([merged, *rest])
 
-    def check(self, model) -> None:
+    def check(self, model, gm: fx.GraphModule, names: list) -> None:
         """After the trace: each read gated a layer, every layer of a gated list is gated, no parameter is shared
-        with anything outside its layer."""
+        with anything outside its layer, the forward reads each layer's output only in the next layer (what reads
+        it elsewhere, an auxiliary loss on every layer's output, would read a skipped layer's too), and no gated
+        layer writes into the module's state (batch norm's running statistics: eager's skipped layer does not)."""
         if self._pending is not None:
             raise NotGated(f"no layer call follows the branch on a random draw at {self._pending.where}")
         if not self.gates:
@@ -272,6 +278,30 @@ class GateTracer(TorchDispatchMode):
                 raise NotGated(f"the gated layer {self.fqn[id(m)]} shares its parameter {shared[0]} with another "
                                f"module")
         self.lists = tuple(lists)
+        self._check_graph(gm, names)
+
+    def _check_graph(self, gm: fx.GraphModule, names: list) -> None:
+        graph = gm.graph
+        forward = set(_closure(next(iter(reversed(graph.nodes))).args[0][0], lambda m: False))   # what the loss reads
+        region = [set(r) for _, _, r in self.gates]
+        switch = {k: n for n, k in self.switches.items()}
+        for k, (gate, _, _) in enumerate(self.gates):
+            nxt = self._next.get(k)
+            if nxt is None:
+                continue
+            allowed = region[nxt] | {switch[nxt]}
+            bad = [u for u in switch[k].users if u in forward and u not in allowed]
+            if bad:
+                raise NotGated(f"the output of the gated layer {gate.module} is read outside the next layer "
+                               f"({bad[0].format_node()[:120]}): that read would see a skipped layer's output")
+        placeholders = dict(zip((n for n in graph.nodes if n.op == "placeholder"), names))
+        gated = [g.module + "." for g, _, _ in self.gates]
+        for n in graph.nodes:
+            if n.op == "call_function" and n.target is torch.ops.aten.copy_.default:
+                name = placeholders.get(n.args[0], "")
+                if name.startswith("buffers.") and any(name[len("buffers."):].startswith(m) for m in gated):
+                    raise NotGated(f"the gated layers write into {name} (running statistics): a skipped layer "
+                                   f"would write too")
 
     def masks(self, gm: fx.GraphModule, lay, updated: list) -> dict:
         """Before the update is spliced in (gm's output: [loss, gradients...]): an input `draws.nograd.<fqn>` for
