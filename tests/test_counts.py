@@ -7,11 +7,13 @@ from __future__ import annotations
 import copy
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import partir_torch as pt
 from partir_torch.capture import counts
+from partir_torch.capture.ctc import ctc_loss_static
 from tests.branch_models import MoELoop, SelectedLoss, SplitExperts
 from tests.harness import adamw, train_next_to_eager
 
@@ -283,3 +285,57 @@ def test_masked_select_kept_as_a_count_guard_is_traced_at_its_count():
         train_next_to_eager(prog, ref, batches, loss, adamw())
     assert [g.count for g in prog.captured.guards] == [True]
     assert len(prog.shapes()) == len({int(k.sum()) for _, k in batches})
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_static_ctc_equals_torchs(reduction):
+    """capture/ctc.py's recursion against F.ctc_loss: lengths that differ per sample (a frame count below the
+    longest, an empty target, repeated labels that need a blank between them, an input too short for its target:
+    inf, zeroed with zero_infinity), loss and the gradient of the log-probabilities."""
+    g = torch.Generator().manual_seed(0)
+    T_, B, C, S = 12, 5, 6, 4
+    logits = torch.randn(T_, B, C, generator=g, dtype=torch.float64)
+    targets = torch.randint(1, C, (B, S), generator=g)
+    targets[1, :2] = 3                                    # a repeat
+    input_lengths = torch.tensor([12, 9, 12, 3, 7])
+    target_lengths = torch.tensor([4, 3, 0, 4, 2])        # sample 3: 3 frames, 4 labels (no alignment)
+    for zero_infinity in (False, True):
+        a = logits.clone().requires_grad_(True)
+        b = logits.clone().requires_grad_(True)
+        want = F.ctc_loss(a.log_softmax(-1), targets, input_lengths, target_lengths, reduction=reduction,
+                          zero_infinity=zero_infinity)
+        got = ctc_loss_static(b.log_softmax(-1), targets, input_lengths, target_lengths, reduction=reduction,
+                              zero_infinity=zero_infinity)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
+        if zero_infinity:
+            want.sum().backward()
+            got.sum().backward()
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_stock_wav2vec2_ctc_with_layerdrop_runs_one_program_like_eager():
+    """Wav2Vec2ForCTC as its documentation calls it (`model(input_values, labels=labels).loss`; labels padded with
+    -100, so the CTC targets are a selection whose count changes with every batch), layerdrop 0.5: the labels'
+    check is a guard, the layers are gated, the CTC loss is traced at static shapes: one program for 5 batches of
+    different target lengths, equal to eager. SGD: the attention key bias has an exactly-zero gradient, which
+    AdamW would turn into steps of size lr on both sides (rounding noise). mask_time_prob 0: HF draws SpecAugment's
+    masks from NumPy's generator, which a trace fixes (capture warns)."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_gates import _train
+    cfg = transformers.Wav2Vec2Config(vocab_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                                      intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                      num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, layerdrop=0.5,
+                                      mask_time_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2ForCTC(cfg).train()
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for n in (5, 3, 4, 2, 5):
+        labels = torch.full((2, 5), -100)
+        labels[0, :n] = torch.randint(1, 16, (n,), generator=g)
+        labels[1, :5 - n // 2] = torch.randint(1, 16, (5 - n // 2,), generator=g)
+        batches.append((torch.randn(2, 400, generator=g), labels))
+    loss = lambda m, x, labels: m(x, labels=labels).loss   # noqa: E731
+    prog, opt, ref, _ = _train(model, DP[0], DP[1], batches, loss=loss,
+                               make_opt=lambda ps: torch.optim.SGD(ps, lr=1e-5))
+    assert len(prog.shapes()) == 1 and len(prog.captured.gates.gates) == 3 and len(prog.captured.guards) == 1

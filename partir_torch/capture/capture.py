@@ -627,18 +627,23 @@ def _traced_with_branches(model, example_inputs, make_step, table, device, value
             refused.append(u)
 
 
-def _traced_with_gates(model, make_step, table):
-    """The step traced once with its layerdrop gated (gates.py): (gm, step), step.gates set; raises
-    gates.NotGated (its reason None when the step's reads are no layerdrop at all)."""
+def _traced_with_gates(model, example_inputs, make_step, table, values):
+    """The step traced once with its layerdrop gated (gates.py): (gm, step, recorder, padding), step.gates set; the
+    reads of data before the step's first draw (HF's check of the labels) are path guards of `recorder`
+    (branches.py), selections are traced padded (counts.py; one that is not: the step is traced as paths).
+    Raises gates.NotGated (its reason None when the step's reads are no layerdrop at all)."""
     step = make_step()
-    tracer = gating.GateTracer(model)
+    recorder = Recorder(step.lay.names, values or _real_values(model, example_inputs))
+    tracer = gating.GateTracer(model, recorder)
+    padding = Padding(set(), recorder._node)
     step.gate_tracer = tracer
     handles = tracer.hooks()
     try:
-        gm = _trace(step, step.lay, table, tracer)
+        gm = _trace(step, step.lay, table, tracer, padding)
         tracer.check(model, gm, step.lay.names)
         step.gates = tracer.build(gm)
-        return gm, step
+        recorder.build()
+        return gm, step, recorder, padding
     except Exception as e:  # noqa: BLE001 - any failure of the gated trace: the step is traced as paths
         found = _in_chain(e, gating.NotGated)
         if found is not None:
@@ -710,7 +715,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     if recorder is not None:
         cap.guards, cap.checks = tuple(recorder.guards), tuple(checks)
         cap.updated = tuple(step.updated or ())
-        cap.padded = tuple(padding.selections)
+        cap.padded = tuple(padding.selections) if padding is not None else ()
         cap.unpadded = tuple((u.where, u.why) for u in unpadded)
     if step.gates is not None:
         cap.gates, cap.updated = step.gates, tuple(step.updated or ())
@@ -788,7 +793,8 @@ def _trace_step(model, example_inputs, loss_fn, optimizer, options, decompositio
             gm, why = None, None
             if gating.enabled() and accumulate == 1 and not record_modules:
                 try:
-                    gm, step = _traced_with_gates(model, make_step, table)
+                    gm, step, recorder, padding = _traced_with_gates(model, example_inputs, make_step, table,
+                                                                     values)
                 except gating.NotGated as e:
                     why = e.reason
             if gm is None:

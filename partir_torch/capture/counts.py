@@ -47,9 +47,8 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ..contract import draws_random
 from .branches import _OURS, _TORCH, _frames
-from .padrules import HANDLERS, POINTWISE, SEVERAL, Rules
+from .padrules import HANDLERS, POINTWISE, SEVERAL, Rules, _same_node
 
 ENABLED = True            # tests switch it off to see the count guards come back
 
@@ -164,22 +163,6 @@ class _Size(tuple):
 METADATA = frozenset("size numel len nelement stride storage_offset is_contiguous data_ptr untyped_storage".split())
 SAFE_ATTRS = frozenset("dim ndim dtype device is_floating_point requires_grad is_cuda layout is_complex "
                        "element_size get_device grad_fn is_leaf names".split())
-
-
-def _same_node(a, b, depth: int) -> bool:
-    """The same value: one node, or the same deterministic op on the same arguments (two draws never are)."""
-    if a is b:
-        return True
-    if depth == 0 or a.op != "call_function" or b.op != "call_function" or a.target != b.target \
-            or len(a.args) != len(b.args) or a.kwargs != b.kwargs or draws_random(a):
-        return False
-    for x, y in zip(a.args, b.args):
-        if hasattr(x, "op") and hasattr(y, "op"):
-            if not _same_node(x, y, depth - 1):
-                return False
-        elif x != y or hasattr(x, "op") or hasattr(y, "op"):
-            return False
-    return True
 
 
 def _name(func) -> str:

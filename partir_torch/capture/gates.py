@@ -151,9 +151,9 @@ class GateTracer(TorchDispatchMode):
     """Answers layerdrop's reads while make_fx traces (see the module docstring); `hooks()` installs the module
     hooks that find the layer each read gates."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, recorder=None):
         super().__init__()
-        self.model = model
+        self.model, self.recorder = model, recorder
         self.fqn = {id(m): f for f, m in model.named_modules()}
         self.gates: list = []            # (Gate, pred node, region nodes)
         self.switches: dict = {}         # the gated where node -> its gate
@@ -168,6 +168,8 @@ class GateTracer(TorchDispatchMode):
     def __enter__(self):
         mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
         self._tracer = None if mode is None else mode.tracer
+        if self.recorder is not None:
+            self.recorder._tracer = self._tracer
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -178,7 +180,11 @@ class GateTracer(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         frame, where = _frames()
         if assert_expect(frame) is not None or not _draw_only(node):
-            raise NotGated(None)       # an assert, a branch on data: path guards (branches.py)
+            # an assert, a branch on data: the recorder's check or path guard while the step has drawn nothing
+            # (its guard programs then draw nothing either), else the whole step is traced as paths
+            if self.recorder is None or any(draws_random(n) for n in node.graph.nodes):
+                raise NotGated(None)
+            return self.recorder.__torch_dispatch__(func, types, args, kwargs)
         if node.meta["val"].dtype != torch.bool:
             raise NotGated(f"the step reads a random draw as a number at {where}")
         owner = frame.f_locals.get("self") if frame is not None else None

@@ -11,6 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..contract import draws_random
+from .ctc import ctc_loss_static
+
 
 # Elementwise functions and methods (by name, in-place and reflected forms included): the result is padded like
 # its padded operands.
@@ -19,6 +22,22 @@ eq erf exp expm1 float floor ge gelu gt half hardsigmoid hardswish le leaky_relu
 logical_not logical_or lt masked_fill maximum minimum mish mul ne neg pow reciprocal relu relu6 rsqrt rsub selu sigmoid
 sign silu sin softplus sqrt square sub tanh to truediv type type_as where""".split())
 VIEWS = frozenset("reshape view squeeze unsqueeze flatten".split())
+
+
+def _same_node(a, b, depth: int) -> bool:
+    """The same value: one node, or the same deterministic op on the same arguments (two draws never are)."""
+    if a is b:
+        return True
+    if depth == 0 or a.op != "call_function" or b.op != "call_function" or a.target != b.target \
+            or len(a.args) != len(b.args) or a.kwargs != b.kwargs or draws_random(a):
+        return False
+    for x, y in zip(a.args, b.args):
+        if hasattr(x, "op") and hasattr(y, "op"):
+            if not _same_node(x, y, depth - 1):
+                return False
+        elif x != y or hasattr(x, "op") or hasattr(y, "op"):
+            return False
+    return True
 
 
 class Rules:
@@ -137,6 +156,38 @@ class Rules:
         if b.arguments["reduction"] == "none":
             return self._track(out, "rows", group, 0)
         return out
+
+    def _ctc(self, func, name, args, kwargs, tracked, group, fail):
+        """F.ctc_loss of a (batch, label) selection (HF's `labels.masked_select(mask)`) with the mask's row counts
+        as target lengths: ctc.py's static recursion on the rows, each row's labels moved to its front."""
+        b = inspect.signature(F.ctc_loss).bind(*args, **kwargs)
+        b.apply_defaults()
+        tg, tl = b.arguments["targets"], b.arguments["target_lengths"]
+        e = self._get(tg)
+        if e is None or any(self._get(v) is not None for k, v in b.arguments.items() if k != "targets") \
+                or e[1] != "rows" or e[3] != 0 or tg.dim() != 1 or len(group.shape) != 2 or group.order != (0, 1) \
+                or e[5] != group.order or not isinstance(tl, torch.Tensor) \
+                or not isinstance(b.arguments["input_lengths"], torch.Tensor):
+            fail("is a CTC loss whose targets are not one selection of (batch, label) rows")
+        if not self._row_counts(tl, group):
+            fail("is a CTC loss whose target lengths are not the selection's count per row")
+        rows = tg.reshape(group.shape)
+        order = torch.sort((~group.mask).to(torch.uint8), dim=1, stable=True).indices
+        return ctc_loss_static(b.arguments["log_probs"], rows.gather(1, order), b.arguments["input_lengths"], tl,
+                               b.arguments["blank"], b.arguments["reduction"], b.arguments["zero_infinity"])
+
+    def _row_counts(self, lengths, group) -> bool:
+        """Whether `lengths` is traced as the group's mask summed over its last dim (`mask.sum(-1)`)."""
+        if self.node_of is None:
+            return False
+        n, m = self.node_of(lengths), self.node_of(group.mask)
+        if n is None or m is None:
+            return False
+        while m.op == "call_function" and m.target is torch.ops.aten.expand.default:
+            m = m.args[0]
+        return (n.op == "call_function" and n.target is torch.ops.aten.sum.dim_IntList
+                and list(n.args[1]) in ([-1], [1]) and not (len(n.args) > 2 and n.args[2])
+                and not n.kwargs.get("keepdim", False) and _same_node(n.args[0], m, 4))
 
     def _index(self, func, name, args, kwargs, tracked, group, fail):
         y, key = args
@@ -266,7 +317,7 @@ HANDLERS = {
     "getitem": Rules._index, "setitem": Rules._setitem,
     "index_add": Rules._index_add, "index_add_": Rules._index_add,
     "sum": Rules._reduce, "mean": Rules._reduce, "amax": Rules._reduce,
-    "cross_entropy": Rules._loss, "nll_loss": Rules._loss,
+    "cross_entropy": Rules._loss, "nll_loss": Rules._loss, "ctc_loss": Rules._ctc,
     "linear": Rules._linear, "matmul": Rules._linear, "mm": Rules._linear,
     "layer_norm": Rules._norm, "rms_norm": Rules._norm, "softmax": Rules._norm, "log_softmax": Rules._norm,
     "dropout": Rules._dropout, "unbind": Rules._unbind, "chunk": Rules._split, "split": Rules._split,
