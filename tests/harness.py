@@ -21,13 +21,15 @@ def adamw(lr=1e-3, eps=1e-8):
 
 
 def train_next_to_eager(prog, ref, batches, loss_fn, make_opt=adamw(), *, seed=100, buffers=False,
-                        loss_rtol=LOSS_RTOL, param_rtol=PARAM_RTOL, param_atol=PARAM_ATOL, what=""):
-    """Returns the per-step (partitioned, eager) losses."""
+                        loss_rtol=LOSS_RTOL, param_rtol=PARAM_RTOL, param_atol=PARAM_ATOL, what="", on_step=None):
+    """Returns the per-step (partitioned, eager) losses. on_step(i, opt): called after each partitioned step."""
     opt = make_opt(ref.parameters())
     losses = []
     for i, batch in enumerate(batches):
         torch.manual_seed(seed + i)
         got = prog.train_step(*batch)
+        if on_step is not None:
+            on_step(i, opt)
         torch.manual_seed(seed + i)
         opt.zero_grad()
         want = loss_fn(ref, *batch)

@@ -175,15 +175,19 @@ def test_fused_optimizer_program_runs_the_fused_kernel():
                         loss_fn=_loss, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
     node = next(n for n in prog.lowered.gm.graph.nodes if n.target is FUSED_UPDATE)
     assert node.args[-3] is True and node.args[-1] is True          # fused kernel, parameters donated
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    for _ in range(3):
-        prog.train_step(x, y)
+    _steps_like_torch_optim(prog, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True), (x, y), 3,
+                            rtol=1e-6, atol=1e-7)
+
+
+def _steps_like_torch_optim(prog, ref, opt, batch, steps, rtol, atol):
+    for _ in range(steps):
+        prog.train_step(*batch)
         opt.zero_grad()
-        _loss(ref, x, y).backward()
+        _loss(ref, *batch).backward()
         opt.step()
     got = prog.gather_parameters()
     for k, p in ref.named_parameters():
-        torch.testing.assert_close(got[k], p.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got[k], p.detach(), rtol=rtol, atol=atol)
 
 
 def test_fusing_rewrites_the_program_output_once(monkeypatch):
@@ -217,15 +221,7 @@ def test_fusing_rewrites_the_program_output_once(monkeypatch):
     out = next(n for n in reversed(prog.lowered.gm.graph.nodes) if n.op == "output")
     fused = [a for a in out.all_input_nodes if a.target is operator.getitem and a.args[0].args[0] is node]
     assert rewrites == [] and len(fused) == 3 * len(list(ref.parameters()))     # parameters, exp_avg, exp_avg_sq
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for _ in range(2):
-        prog.train_step(x, y)
-        opt.zero_grad()
-        _loss(ref, x, y).backward()
-        opt.step()
-    got = prog.gather_parameters()
-    for k, p in ref.named_parameters():
-        torch.testing.assert_close(got[k], p.detach(), rtol=1e-5, atol=1e-6)
+    _steps_like_torch_optim(prog, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), (x, y), 2, rtol=1e-5, atol=1e-6)
 
 
 def test_unfused_and_fused_programs_agree_and_the_simulator_costs_one_kernel():

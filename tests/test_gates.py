@@ -13,7 +13,7 @@ import partir_torch as pt
 from partir_torch.capture import gates
 from partir_torch.lower import fuse
 from tests.branch_models import LayerdropEncDec
-from tests.harness import LOSS_RTOL, adamw, assert_parameters_equal
+from tests.harness import adamw, train_next_to_eager
 
 T = pt.tactics
 
@@ -28,29 +28,18 @@ def _loss(m, x, y):
 
 
 def _train(model, mesh, schedule, batches, loss=_loss, seed=100, make_opt=adamw()):
-    """partition + train_step next to eager, step by step: (prog, eager optimizer, eager model, warnings said);
-    prog.nograd: per step, the parameters it left without a gradient."""
+    """partition + train_step next to eager, step by step (tests/harness.py): (prog, eager optimizer, eager model,
+    warnings said); prog.nograd: per step, the parameters it left without a gradient."""
     ref = copy.deepcopy(model)
-    nograd = []
+    nograd, opts = [], []
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         prog = pt.partition(model, mesh, schedule, example_inputs=batches[0], loss_fn=loss,
                             optimizer=make_opt(model.parameters()))
-        opt = make_opt(ref.parameters())
-        for i, batch in enumerate(batches):
-            torch.manual_seed(seed + i)
-            got = prog.train_step(*batch)
-            nograd.append(prog.executor.paths.nograd)
-            torch.manual_seed(seed + i)
-            opt.zero_grad()
-            want = loss(ref, *batch)
-            want.backward()
-            opt.step()
-            torch.testing.assert_close(got.detach(), want.detach(), rtol=LOSS_RTOL, atol=0,
-                                       msg=lambda m: f"loss of step {i}: {m}")
-    assert_parameters_equal(prog, ref)
+        train_next_to_eager(prog, ref, batches, loss, make_opt, seed=seed,
+                            on_step=lambda i, opt: (nograd.append(prog.executor.paths.nograd), opts.append(opt)))
     prog.nograd = nograd
-    return prog, opt, ref, [str(w.message) for w in said]
+    return prog, opts[0], ref, [str(w.message) for w in said]
 
 
 def _eager_steps(opt, ref) -> dict:
