@@ -21,7 +21,11 @@ one layer runs, so capture first tries to trace the step once as a *gated* step:
   was skipped; torch.optim then leaves it, its state and its count alone. `Reach` finds these parameters at every
   step from the gates' values, over the forward graph (the gated wheres are the switches); each parameter upstream
   of a switch gets an input `draws.nograd.<fqn>` and a masked update (`where(nograd, old, new)` for the parameter
-  and its optimizer state: replicate.splice_update), and its own step count (`step.<fqn>`).
+  and its optimizer state: replicate.splice_update; lower/fuse.py folds them into the fused update, which skips
+  those parameters), and its own step count (`step.<fqn>`).
+- Also refused: a layer's output read outside the next layer (an auxiliary loss per layer), a gated layer writing
+  running statistics. Reads of data before the step's first draw (HF's check of the labels) are path guards of
+  a Recorder beside the tracer; selections are traced padded (counts.py).
 - Every random draw of the step becomes an input (`draws.<node>`): `Gates.draw` draws them before each step in
   the trace's order from the caller's generator, evaluating each gate from its draw, and skips the draws inside a
   skipped layer (eager does not make them): the generator advances exactly as eager's. A skipped layer's draws are
