@@ -204,7 +204,7 @@ def rules() -> dict:
         aten._safe_softmax.default: along_dim(1),
         aten.glu.default: along_dim(1), aten.glu_backward.default: along_dim(2),   # halves split `dim`
         aten._softmax_backward_data.default: along_dim(2), aten._log_softmax_backward_data.default: along_dim(2),
-        aten.sort.default: along_dim(1), aten.topk.default: along_dim(2),
+        aten.sort.default: along_dim(1), aten.sort.stable: along_dim(1), aten.topk.default: along_dim(2),
         aten.nll_loss_forward.default: nll_loss_forward, aten.nll_loss_backward.default: nll_loss_backward,
         aten.embedding.default: embedding, aten.embedding_dense_backward.default: embedding_dense_backward,
         aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_cpu,

@@ -274,7 +274,7 @@ LINKS = {
 }
 LINKS.update({op: PLAIN for op in (    # the rest of nn.py: memory-bound kernels torch-xla runs as they are
     aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default, aten._softmax_backward_data.default,
-    aten._log_softmax_backward_data.default, aten.glu.default, aten.sort.default, aten.topk.default,
+    aten._log_softmax_backward_data.default, aten.glu.default, aten.sort.default, aten.sort.stable, aten.topk.default,
     aten.native_dropout_backward.default, aten.tril.default, aten.triu.default,
     aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.scalar_tensor.default,
     aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
