@@ -340,3 +340,28 @@ def test_stock_wav2vec2_ctc_with_layerdrop_runs_one_program_like_eager():
                                make_opt=lambda ps: torch.optim.SGD(ps, lr=1e-5))
     assert len(prog.shapes()) == 1 and len(prog.captured.gates.gates) == 3 and len(prog.captured.guards) == 1
     assert "aten.sort" not in prog.audit()        # the CTC rule's stable sort keeps each rank's rows (rules/nn.py)
+
+
+def test_a_cat_of_some_chunks_of_a_split_by_counts_stays_a_guard():
+    """`torch.cat(chunks[:2])` of a split by counts has fewer rows than the padded chunks: not the sum of the valid
+    rows, so the counts are guards again (named), and the steps equal eager."""
+    class FirstTwo(SplitExperts):
+        def forward(self, x):
+            h = self.inp(x).flatten(0, 1)
+            expert = self.router(h).argmax(-1)
+            counts = F.one_hot(expert, self.n).sum(0)
+            order = expert.sort(0)[1]
+            chunks = h[order].split(counts.tolist(), dim=0)
+            return torch.cat(chunks[:2], 0).pow(2).sum() / h.shape[0]
+
+    torch.manual_seed(0)
+    model = FirstTwo()
+    ref = copy.deepcopy(model)
+    batches = _split_batches(2)
+    loss = lambda m, x: m(x)   # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = pt.partition(model, *DP, example_inputs=batches[0], loss_fn=loss,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        train_next_to_eager(prog, ref, batches, loss, adamw())
+    assert prog.captured.guards and prog.captured.unpadded, prog.captured.unpadded

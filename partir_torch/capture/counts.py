@@ -20,8 +20,9 @@ padding, and rewrites its consumers so that padding never reaches a result:
     y[mask] = v               torch.where(mask, v, y)
     x.split(c.tolist())       (JetMoE's experts: the sizes are counts read from a traced tensor c) chunk i is all N
                               rows of x, valid where cumsum(c)[i] - c[i] <= row < cumsum(c)[i]; `torch.cat` of
-                              the chunks of one split, in order, is the sum of each chunk's valid rows (a plain
-                              tensor again); the list of counts is good for nothing else (`SplitSizes`)
+                              all the chunks of one split, in order, is the sum of each chunk's valid rows (a plain
+                              tensor again); the list of counts is good for nothing else (`SplitSizes`). The
+                              counts are taken to sum to x's rows, as split requires (eager raises otherwise)
 
 The rules live in padrules.py. Autograd differentiates the rewritten forward, so the backward is the static-shape one. Padding rows hold the data
 of unselected positions (real rows, computed like the valid ones), so every value they produce is one eager
@@ -321,10 +322,10 @@ class Padding(Rules, TorchFunctionMode):
         ok = isinstance(parts, (list, tuple)) and len(tracked) == len(parts) and dim % parts[0].dim() == 0
         if ok:
             ids = [e[2].split for e in (self._get(t) for t in parts)]
-            ok = all(i == (ids[0][0], k) for k, i in enumerate(ids)) and all(e[1] == "rows" and e[3] == 0
-                                                                            for e in tracked)
+            ok = all(i == (ids[0][0], k, len(parts)) for k, i in enumerate(ids)) and all(
+                e[1] == "rows" and e[3] == 0 for e in tracked)
         if not ok:
-            raise Unpadded(where, "is concatenated otherwise than with the other chunks of its split, in order")
+            raise Unpadded(where, "is concatenated otherwise than with all the other chunks of its split, in order")
         out = None
         for t in parts:
             g = self._get(t)[2]
@@ -378,7 +379,7 @@ class Padding(Rules, TorchFunctionMode):
         for i in range(len(sizes)):
             valid = (rows >= ends[i] - sizes.counts[i]) & (rows < ends[i])
             g = Group(valid, (0,), sizes.where)
-            g.split = (id(sizes), i)
+            g.split = (id(sizes), i, len(sizes))
             self.groups.append(g)
             self.selections.append((sizes.where, n))
             chunks.append(self._track(x.view(x.shape), "rows", g, 0, fresh=False))
