@@ -230,17 +230,24 @@ def _split_batches(n, seed=0):
     return [(torch.randn(4, 6, 4, generator=g),) for _ in range(n)]
 
 
+def _train_split(model, n):
+    """SplitExperts-like `model` partitioned under DP and trained next to eager on n batches (warnings off)."""
+    ref = copy.deepcopy(model)
+    batches = _split_batches(n)
+    loss = lambda m, x: m(x)   # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = pt.partition(model, *DP, example_inputs=batches[0], loss_fn=loss,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        train_next_to_eager(prog, ref, batches, loss, adamw())
+    return prog
+
+
 def test_a_split_by_counts_read_with_tolist_is_one_program():
     """JetMoE's experts (`x.split(counts.tolist())`, a linear per chunk, `torch.cat`): the counts change with every
     batch, and every batch runs the one program (each chunk padded to all rows), equal to eager step by step."""
     torch.manual_seed(0)
-    model = SplitExperts()
-    ref = copy.deepcopy(model)
-    batches = _split_batches(4)
-    loss = lambda m, x: m(x)   # noqa: E731
-    prog = pt.partition(model, *DP, example_inputs=batches[0], loss_fn=loss,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-    train_next_to_eager(prog, ref, batches, loss, adamw())
+    prog = _train_split(SplitExperts(), 4)
     assert len(prog.shapes()) == 1 and not prog.captured.guards
     assert len(prog.captured.padded) == 4 and not prog.captured.unpadded
 
@@ -249,15 +256,7 @@ def test_a_count_of_a_split_read_as_an_int_stays_a_guard():
     """The same experts whose code also reads a count as a Python int: the counts are guards again (named in
     captured.unpadded), one path per set of counts, still equal to eager."""
     torch.manual_seed(0)
-    model = SplitExperts(read_count=True)
-    ref = copy.deepcopy(model)
-    batches = _split_batches(3)
-    loss = lambda m, x: m(x)   # noqa: E731
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prog = pt.partition(model, *DP, example_inputs=batches[0], loss_fn=loss,
-                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-        train_next_to_eager(prog, ref, batches, loss, adamw())
+    prog = _train_split(SplitExperts(read_count=True), 3)
     assert len(prog.captured.guards) == 4 and "reads a count as a Python int" in prog.captured.unpadded[0][1]
 
 
@@ -355,13 +354,5 @@ def test_a_cat_of_some_chunks_of_a_split_by_counts_stays_a_guard():
             return torch.cat(chunks[:2], 0).pow(2).sum() / h.shape[0]
 
     torch.manual_seed(0)
-    model = FirstTwo()
-    ref = copy.deepcopy(model)
-    batches = _split_batches(2)
-    loss = lambda m, x: m(x)   # noqa: E731
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prog = pt.partition(model, *DP, example_inputs=batches[0], loss_fn=loss,
-                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
-        train_next_to_eager(prog, ref, batches, loss, adamw())
+    prog = _train_split(FirstTwo(), 2)
     assert prog.captured.guards and prog.captured.unpadded, prog.captured.unpadded

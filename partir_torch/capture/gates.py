@@ -76,6 +76,8 @@ class Reach:
 
     def unreached(self, skipped: frozenset) -> frozenset:
         if skipped not in self._memo:
+            if len(self._memo) >= 4096:       # 2^L sets at most: keep the memo bounded over a long run
+                self._memo.clear()
             reach = [False] * len(self.inputs)
             reach[0] = True
             for i, ins in enumerate(self.inputs):
