@@ -320,14 +320,11 @@ class GateTracer(TorchDispatchMode):
         each updated parameter upstream of a switch (fqn -> its placeholder), and the Reach that feeds them."""
         graph = gm.graph
         loss = next(iter(reversed(graph.nodes))).args[0][0]
-        fwd = _closure(loss, lambda m: False)
-        upstream = set()
-        for sw in self.switches:
-            upstream.update(_closure(sw.args[1], lambda m: False))
-            upstream.update(_closure(sw.args[2], lambda m: False))
+        fwd = set(_closure(loss, lambda m: False))
+        upstream = set(_closure([a for sw in self.switches for a in sw.args[1:3]], lambda m: False))
         placeholders = dict(zip(lay.names, (n for n in graph.nodes if n.op == "placeholder")))
         masked = [f for f in updated if placeholders[f"params.{f}"] in upstream]
-        order = [n for n in reversed(graph.nodes) if n in set(fwd)]
+        order = [n for n in reversed(graph.nodes) if n in fwd]
         index = {n: i for i, n in enumerate(order)}
         inputs = []
         for n in order:
@@ -353,20 +350,20 @@ class GateTracer(TorchDispatchMode):
             for n in region:
                 if draws_random(n):
                     regions[n] = k
-        draws = []
+        draws, order = [], {n: i for i, n in enumerate(gm.graph.nodes)}
         for n in gm.graph.nodes:
             if not draws_random(n):
                 continue
             val = n.meta.get("val")
             if not isinstance(val, torch.Tensor):
                 raise NotGated(f"the step draws {n.format_node()}, which is not one tensor")
-            draws.append(GatedDraw(n.name, _program(gm, [], n, stop_at_draws=False), regions.get(n),
+            draws.append(GatedDraw(n.name, _program(gm, [], n, False, order), regions.get(n),
                                    tuple(val.shape), val.dtype, val.device))
         gates = []
         for gate, pred, _ in self.gates:
             reads = _draw_inputs(pred)
             gate.reads = tuple(r.name for r in reads)
-            gate.program = _program(gm, reads, pred, stop_at_draws=True)
+            gate.program = _program(gm, reads, pred, True, order)
             gates.append(gate)
         return Gates(tuple(gates), tuple(draws), self.lists, self.reach)
 
@@ -393,16 +390,18 @@ def _describe(out) -> str:
     return type(out).__name__
 
 
-def _closure(node: fx.Node, stop) -> list:
-    """The nodes `node` is computed from (itself included), up to factories and nodes for which stop(n) holds."""
-    seen, todo, stack = set(), [], [node]
+def _closure(node, stop) -> list:
+    """The nodes `node` (or each node of a list) is computed from, itself included, up to factories and nodes for
+    which stop(n) holds: one walk, each node once."""
+    roots = set(node) if isinstance(node, list) else {node}
+    seen, todo, stack = set(), [], list(roots)
     while stack:
         m = stack.pop()
         if m in seen:
             continue
         seen.add(m)
         todo.append(m)
-        if m is node or (not stop(m) and _factory(m) is None):
+        if m in roots or (not stop(m) and _factory(m) is None):
             stack.extend(a for a in m.all_input_nodes)
     return todo
 
@@ -416,13 +415,12 @@ def _draw_inputs(pred: fx.Node) -> list:
     return [m for m in _closure(pred, draws_random) if m is not pred and draws_random(m)]
 
 
-def _program(gm: fx.GraphModule, inputs: list, out: fx.Node, stop_at_draws: bool) -> fx.GraphModule:
+def _program(gm: fx.GraphModule, inputs: list, out: fx.Node, stop_at_draws: bool, order: dict) -> fx.GraphModule:
     """A small GraphModule computing `out` from `inputs` (nodes, its placeholders), factories and constants."""
     stop = (lambda m: m in inputs) if stop_at_draws else (lambda m: False)
     nodes = _closure(out, stop)
     if any(m.op == "placeholder" for m in nodes):
         raise NotGated(f"the step's draw {out.name} reads the step's data")
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     graph, root = fx.Graph(), torch.nn.Module()
     env = {a: graph.placeholder(f"in_{i}") for i, a in enumerate(inputs)}
     for n in sorted((m for m in nodes if m not in env), key=order.__getitem__):
