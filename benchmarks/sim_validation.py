@@ -60,6 +60,7 @@ KNOBS = {
     "hbm_efficiency": ("abs", (0.70, 0.75, 0.80, 0.85, 0.90, 0.95), "kernels"),
     "mm_half_time_s": ("scale", (0.4, 0.5, 0.6, 0.8, 1.0), "kernels"),
     "fp8_efficiency": ("abs", (0.60, 0.65, 0.70, 0.75, 0.80), "kernels"),
+    "roofline_p": ("abs", (1.5, 2.0, 3.0, 4.0, 6.0, 64.0), "kernels"),
     "sustained_clock": ("abs", (0.75, 0.8, 0.85, 0.9, 0.95, 1.0), "training"),
     "overlap_slowdown": ("abs", (0.0, 0.1, 0.2, 0.3, 0.4, 0.5), "training"),
     "kernel_overhead_s": ("abs", (1e-6, 2e-6, 4e-6, 8e-6), "training"),
@@ -68,7 +69,7 @@ KNOBS = {
 KNOB_SCOPE = {"tpu_mm_efficiency": ("mm_efficiency", "tpu"),       # knob -> (Hardware field, the kind it acts on)
               "sustained_clock": ("sustained_clock", "gpu")}
 TRAINING_KNOBS = ("attn_efficiency", "hbm_efficiency", "kernel_overhead_s", "mm_half_time_s", "overlap_slowdown",
-                  "tpu_mm_efficiency", "sustained_clock")             # what bf16 training runs depend on
+                  "tpu_mm_efficiency", "sustained_clock", "roofline_p")             # what bf16 training runs depend on
 
 
 # Families predicted but never fitted on, in any fit (the halves' or leave-one-family-out's): pipelined runs, whose

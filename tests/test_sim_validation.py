@@ -152,11 +152,12 @@ def test_the_flash_attention_forward_backward_rows_are_predicted_never_fitted(mo
     row = next(r for r in R.ROWS if r.name == "a100 flash-attention-2 fwd+bwd hd128 s8k causal")
     assert row.setup["mode"] == "fwd+bwd" and row.setup["causal"] and row.measured == 182
     assert row.family in V.HELD_OUT_ONLY and len([r for r in R.ROWS if r.family in V.HELD_OUT_ONLY]) >= 24
-    hw = V._hw(row.setup, {})
+    legs = {"roofline_p": 64.0}          # the compute leg alone: this checks the FLOP count and its split
+    hw = V._hw(row.setup, legs)
     flops = 4 * 2 * 8192 ** 2 * 16 * 128 / 2
     t = (flops / (hw.attn_efficiency * hw.peak_bf16) + 2.5 * flops / (hw.attn_efficiency * hw.peak_bf16)
          + 2 * hw.mm_half_time_s)
-    assert V.predict(row, {}) == pytest.approx(3.5 * flops / t / 1e12, rel=1e-9)
+    assert V.predict(row, legs) == pytest.approx(3.5 * flops / t / 1e12, rel=1e-9)
     seen = []
     real = V.predict
     monkeypatch.setattr(V, "predict", lambda r, knobs=None: seen.append(r.family) or real(r, knobs))

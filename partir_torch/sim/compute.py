@@ -1,6 +1,8 @@
 """Per-op compute cost: FLOPs and bytes from FX meta, roofline time with Hockney-style efficiency curves.
 
-time = max(F / (mm_efficiency * peak(dtype)) + mm_half_time,  bytes / (hbm_efficiency * hbm_bw) + kernel_overhead)
+time = ||(F / (mm_efficiency * peak(dtype)) + mm_half_time,  bytes / (hbm_efficiency * hbm_bw) + kernel_overhead)||_p
+
+(p = ``Hardware.roofline_p``; p -> infinity is the classic max() roofline)
 
 The first leg is Hockney's r_inf / n_1/2 model (Hockney 1991): efficiency F / (F + F_1/2) rises with the work and
 saturates at the best-shape fraction; F_1/2 is fit so a 1024^3 fp16 GEMM on A100 gets 38% of peak (MAMF). Ops
@@ -18,6 +20,7 @@ from __future__ import annotations
 import math
 import operator
 
+import numpy as np
 import torch
 from torch.fx import Node
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
@@ -173,8 +176,8 @@ class CostModel:
         hw = self.hw
         in_bytes = 0
         dtype = None
-        for a in node.all_input_nodes:
-            in_bytes += nbytes.get(a, 0)
+        for a in _operands(node):                # every operand read, a repeated one (mm(x, x)) each time: the
+            in_bytes += nbytes.get(a, 0)         # cost cache's key has one entry per argument too
             if dtype is None:
                 v = a.meta.get("val")
                 if isinstance(v, torch.Tensor) and v.is_floating_point():
@@ -198,18 +201,36 @@ class CostModel:
         return flops, t, str(dtype).replace("torch.", "")
 
 
+def _operands(node) -> list:
+    out: list = []
+    torch.fx.node.map_arg((node.args, node.kwargs), out.append)
+    return out
+
+
 def memory_time(hw: Hardware, nbytes: float) -> float:
     """Seconds of a memory-bound kernel that reads and writes ``nbytes`` in all."""
     return nbytes / (hw.hbm_efficiency * hw.hbm_bw) + hw.kernel_overhead_s
 
 
 def kernel_time(hw: Hardware, flops: float, nbytes: float, dtype, attention: bool = False) -> float:
-    """Roofline of one FLOP-carrying kernel: the slower of its Hockney compute leg and its memory leg."""
+    """Roofline of one FLOP-carrying kernel: its Hockney compute leg and its memory leg, combined as a p-norm
+    (``hw.roofline_p``): a kernel near the ridge point (a tall-skinny GEMM) overlaps its operand streaming with its
+    math only in part, so it takes longer than the slower leg alone; far from the ridge the slower leg wins, and as
+    p grows the classic max() roofline is the limit."""
     eff = hw.attn_efficiency if attention else hw.mm_efficiency
     if hw.fp8_efficiency and str(dtype).replace("torch.", "").startswith("float8"):
         eff = hw.fp8_efficiency
     t_flop = flops / (eff * hw.peak_flops(dtype)) + hw.mm_half_time_s
-    return max(t_flop, memory_time(hw, nbytes))
+    return float(combine_legs(t_flop, memory_time(hw, nbytes), hw.roofline_p))
+
+
+def combine_legs(t_flop, t_mem, p: float):
+    """(t_flop^p + t_mem^p)^(1/p), elementwise on floats or numpy arrays (sim/estimate.py); p >= 64: the max."""
+    hi = np.maximum(t_flop, t_mem)
+    if p >= 64:
+        return hi
+    safe = np.where(hi > 0, hi, 1.0)             # scaled by the larger leg so that large p does not overflow
+    return np.where(hi > 0, hi * ((t_flop / safe) ** p + (t_mem / safe) ** p) ** (1 / p), 0.0)
 
 
 def _is_attention(target) -> bool:

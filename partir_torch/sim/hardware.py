@@ -25,8 +25,16 @@ TFLOPS = 1e12
 
 # Small-GEMM fall-off as a Hockney curve (Hockney 1991, "r_inf and n_1/2"): t = F / (eff_max * peak) + t_half.
 # Fit to MAMF (ml-engineering): a 1024^3 fp16 GEMM on A100 reaches 38% of 312 TFLOP/s, best shapes 86.9%.
+# The 38% is the whole kernel's time, whose memory leg (6 MiB of operands at 90% of 2,039 GB/s, plus the 2 us
+# kernel overhead) combines with the compute leg as sim/compute.py's p-norm (p = 2, Hardware.roofline_p).
 _T_PEAK_1024 = 2 * 1024 ** 3 / (312 * TFLOPS)
-GEMM_HALF_TIME_S = _T_PEAK_1024 * (1 / 0.38 - 1 / 0.869)          # ~10.2 us
+_T_MEM_1024 = 3 * 2 * 1024 ** 2 / (0.90 * 2039 * GB) + 2e-6
+GEMM_HALF_TIME_S = math.sqrt((_T_PEAK_1024 / 0.38) ** 2 - _T_MEM_1024 ** 2) - _T_PEAK_1024 / 0.869   # ~9.4 us
+# The half-time is a GEMM kernel's fixed cost (launch, prologue, epilogue, the last wave's tail): a number of cycles,
+# so it shrinks with the clock. Hopper's boost clock is 1,980 MHz against A100's 1,410 (datasheets); B200's is
+# assumed Hopper's. The 1024^3 fp8 GEMMs of the kernel table (7.8 us on H100) are what this predicts (7.4 us), and
+# A100's half-time was 38% too slow for them.
+_HOPPER_HALF_TIME_S = GEMM_HALF_TIME_S * 1410 / 1980
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,11 @@ class Hardware:
     attn_efficiency: float = 0.6
     hbm_efficiency: float = 0.90       # large-copy fraction of HBM bandwidth (meas 79-93%, Azure guide)
     kernel_overhead_s: float = 2e-6    # per memory-bound kernel (launch + tail); assumed
+    # how a FLOP-carrying kernel's compute and memory legs combine: time = (t_c^p + t_m^p)^(1/p) (sim/compute.py);
+    # p = 64 and above is the max() roofline. Near the ridge point the two overlap only in part: the tall-skinny
+    # GEMMs of the kernel table (802816x192x768) run 30-40% slower than the slower leg; fit
+    # (benchmarks/sim_validation.py)
+    roofline_p: float = 2.0
     # compute time lost per second of compute that runs while a collective is in flight: NCCL kernels occupy SMs
     # and both sides stream through HBM (Rashidi et al., ISCA'21; arXiv 2512.10236 measures the contention
     # slowdown of overlapped GEMMs); fit (benchmarks/sim_validation.py)
@@ -184,6 +197,7 @@ class Chip:
     nearest: tuple
     attn_efficiency: float = 0.6
     fp8_efficiency: float = 0.0
+    mm_half_time_s: float = GEMM_HALF_TIME_S
     generation: str = ""               # TPU generation: selects the torus wraparound rule
     source: str = ""                   # where each figure comes from (docs/hardware.md has them all)
 
@@ -233,12 +247,15 @@ CHIPS = {
                         confidence="a100", nearest=("h100", "h200", "b200"), source=_A100),
     "h100": _nvidia("h100", bf16=989, fp32=66.9, tf32=494.5, fp8=1979, hbm_gb=80, hbm_gbs=3350, mm=0.803,
                     confidence="h100", nearest=("h200", "b200", "a100"), attn_efficiency=0.34, fp8_efficiency=0.70,
+                    mm_half_time_s=_HOPPER_HALF_TIME_S,
                     source=_H100.format("H100 SXM5")),
     "h200": _nvidia("h200", bf16=989, fp32=67, tf32=494.5, fp8=1979, hbm_gb=141, hbm_gbs=4800, mm=0.803,
                     confidence="h200", nearest=("h100", "b200", "a100"), attn_efficiency=0.34, fp8_efficiency=0.70,
+                    mm_half_time_s=_HOPPER_HALF_TIME_S,
                     source=_H100.format("H200 SXM")),
     "b200": _nvidia("b200", bf16=2250, fp32=80, tf32=1125, fp8=4500, hbm_gb=180, hbm_gbs=8000, mm=0.776,
                     confidence="b200", nearest=("h200", "h100", "a100"), attn_efficiency=0.4,
+                    mm_half_time_s=_HOPPER_HALF_TIME_S,
                     source="spec: NVIDIA DGX B200 (180 GB usable); mm 77.6% meas: MAMF; attention 40% assumed "
                            "(H100's FlashAttention-3 range)"),
     "tpu-v4": _tpu("tpu-v4", "v4", bf16=275, hbm_bytes=32 * GiB, hbm_gbs=1200, nearest=("v5p", "v5e", "v6e")),
