@@ -47,6 +47,7 @@ class MemoryResult:
     categories: dict = field(default_factory=dict, repr=False)   # producing node name -> category
     curve: list = field(default_factory=list, repr=False)   # live bytes at each node, program order
     events: tuple = field(default=(), repr=False)    # reserved_bytes' arguments: the storages' liveness
+    owners: tuple = field(default=(), repr=False)    # per storage of events, the node that allocates it
     _reserved: int | None = field(default=None, repr=False)
 
     def reserved_bytes(self) -> int:
@@ -142,7 +143,7 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
     # eager torch.optim creates its state in the first step's update, among the activations' freed blocks
     lazy = {s: first[s] for s in persistent if s in first and owner[s].meta.get(META_ROLE) == Role.OPT_STATE}
     return MemoryResult(peak, nodes[at].name if nodes else "", breakdown, names, curve,
-                        (size, born, last, end, persistent, lazy))
+                        (size, born, last, end, persistent, lazy), tuple(owner))
 
 
 def _storages(node, cls, info, sid_of, donated, elems, new) -> list:
