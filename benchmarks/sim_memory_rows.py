@@ -72,7 +72,7 @@ def simulated(ref) -> tuple:
     for s, node in enumerate(mem.owners):
         if born[s] <= at <= last[s]:
             out[_category(node, mem.categories.get(node.name, ""), ref.setup["model"]["vocab"])] += size[s] / GIB
-    return out, mem.peak_node, mem.peak_bytes / GIB, mem.reserved_bytes() / GIB
+    return out, mem.peak_node, mem.peak_bytes / GIB, mem.reserved_bytes(ref.setup.get("runtime", "partir")) / GIB
 
 
 def torchtitan(setup: dict) -> dict:

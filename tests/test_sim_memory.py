@@ -1,4 +1,5 @@
 """Peak memory from buffer liveness, and its breakdown."""
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -92,7 +93,7 @@ def test_caching_allocator_pools_segments_best_fit_split_and_merge():
     assert a.reserved == 40 * MiB
     for b in (x, y, z, w):
         a.release(b)
-    assert sorted(a.free[False]) == [(18 * MiB, z), (20 * MiB, y)]      # y merged with its neighbours again
+    assert sorted(a.free[0, False]) == [(18 * MiB, z), (20 * MiB, y)]   # the default stream's large pool      # y merged with its neighbours again
     assert a.malloc(19 * MiB) == y and a.reserved == 40 * MiB           # reused, not reserved again
 
 
@@ -105,6 +106,21 @@ def test_a_hole_too_small_for_the_next_tensor_is_fragmentation():
     sizes, born, last = [8 * MiB, 8 * MiB, 9 * MiB], [0, 0, 2], [1, 3, 3]
     assert reserved_bytes(sizes, born, last, end=4, steps=1) == 40 * MiB
     assert reserved_bytes(sizes, born, last, end=4, steps=3) == 40 * MiB     # the steady state: reused
+
+
+def test_a_block_freed_on_one_stream_is_not_reused_on_another():
+    """The caching allocator keys its pools by stream: a 30 MiB tensor freed on a side stream (FSDP2's
+    reduce-scatter stream) leaves a free 30 MiB segment that a 30 MiB tensor of the default stream cannot use, so a
+    second segment is reserved; on one stream it is reused."""
+    from partir_torch.sim.allocator import CachingAllocator, reserved_bytes
+
+    a = CachingAllocator()
+    a.release(a.malloc(30 * MiB, stream=1))
+    a.malloc(30 * MiB)
+    assert a.reserved == 60 * MiB
+    sizes, born, last = [30 * MiB, 30 * MiB], [0, 2], [1, 3]
+    assert reserved_bytes(sizes, born, last, end=4) == 30 * MiB
+    assert reserved_bytes(sizes, born, last, end=4, streams={0: 1}) == 60 * MiB
 
 
 def test_report_reserved_is_at_least_the_live_peak_on_gpus_and_absent_on_tpus():
@@ -121,3 +137,31 @@ def test_report_reserved_is_at_least_the_live_peak_on_gpus_and_absent_on_tpus():
     assert "reserved by PyTorch's CUDA caching allocator" in gpu.table()
     tpu = prog.simulate(pt.sim.hardware("tpu-v5e", topology=(2, 1)))
     assert tpu.reserved_memory_bytes is None and "caching allocator" not in tpu.table()
+
+
+def test_fsdp2_runtime_puts_gathers_and_reductions_on_their_streams():
+    """FSDP2 allocates an all-gather's output on its copy-in stream, copies it out at the wait into the unsharded
+    parameters (the program's storage, from the wait on) and frees it; the reduce-scatter's output, the sharded
+    gradient, lives on the reduce-scatter stream. Their segments are the other streams' own: more is reserved."""
+    import partir_torch as pt
+    from examples.models import get
+    from partir_torch.errors import PartitionError
+    from partir_torch.sim.allocator import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM, fsdp2_buffers
+
+    spec = get("gpt")
+    m = spec.build()
+    prog = pt.partition(m, pt.Mesh({"batch": 2}), [pt.tactics.data_parallel("batch"), pt.tactics.zero(3, "batch")],
+                        example_inputs=spec.batch(8), loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(m.parameters()))
+    mem = prog.simulate(pt.sim.hardware("h100", gpus_per_node=2)).allocator
+    sizes, born, last, _, _, _, streams = fsdp2_buffers(mem.events, mem.owners)
+    n = len(mem.events[0])
+    gathers = [s for s, node in enumerate(mem.owners[:n]) if "all_gather" in str(node.target)]
+    reductions = [s for s, node in enumerate(mem.owners[:n]) if "reduce_scatter" in str(node.target)]
+    assert gathers and reductions and len(sizes) == n + len(gathers)
+    assert {streams[s] for s in reductions} == {REDUCE_SCATTER_STREAM}
+    for g, s in zip(gathers, range(n, len(sizes))):       # the copy-in buffer: issue to the copy-out at the wait
+        assert streams[s] == ALL_GATHER_STREAM and sizes[s] == sizes[g]
+        assert born[s] == mem.events[1][g] < born[g] == last[s]
+    assert mem.reserved_bytes("fsdp2") > mem.reserved_bytes("partir") >= mem.peak_bytes
+    with pytest.raises(PartitionError, match="'ddp' is not modelled"):
+        mem.reserved_bytes("ddp")

@@ -31,6 +31,7 @@ from itertools import accumulate
 import torch
 
 from ..contract import META_NAME, META_ROLE, Role
+from ..errors import PartitionError
 from .compute import FREE, WAIT, elem_bytes, op_class
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "buffers", "inputs")
@@ -48,17 +49,27 @@ class MemoryResult:
     curve: list = field(default_factory=list, repr=False)   # live bytes at each node, program order
     events: tuple = field(default=(), repr=False)    # reserved_bytes' arguments: the storages' liveness
     owners: tuple = field(default=(), repr=False)    # per storage of events, the node that allocates it
-    _reserved: int | None = field(default=None, repr=False)
+    _reserved: dict = field(default_factory=dict, repr=False)
 
-    def reserved_bytes(self) -> int:
+    def reserved_bytes(self, runtime: str = "partir") -> int:
         """What PyTorch's CUDA caching allocator reserves for these storages in the steady state (two steps;
         sim/allocator.py): the figure torch.cuda.max_memory_reserved reports, where peak_bytes is
-        max_memory_allocated's. Computed on first use."""
-        if self._reserved is None:
-            from .allocator import reserved_bytes
+        max_memory_allocated's. ``runtime``: "partir" (every buffer on the default stream) or "fsdp2" (the
+        collectives' buffers on FSDP2's streams: allocator.fsdp2_buffers). Computed on first use."""
+        if runtime not in ("partir", "fsdp2"):
+            raise PartitionError(f"reserved_bytes: runtime {runtime!r} is not modelled: 'partir' (every buffer on "
+                                 f"the default stream) or 'fsdp2' (FSDP2's collective buffers on their streams).")
+        if runtime not in self._reserved:
+            from .allocator import fsdp2_buffers, reserved_bytes
 
-            self._reserved = reserved_bytes(*self.events) if self.events else self.peak_bytes
-        return self._reserved
+            if not self.events:
+                self._reserved[runtime] = self.peak_bytes
+            elif runtime == "fsdp2":
+                *args, streams = fsdp2_buffers(self.events, self.owners)
+                self._reserved[runtime] = reserved_bytes(*args, streams=streams)
+            else:
+                self._reserved[runtime] = reserved_bytes(*self.events)
+        return self._reserved[runtime]
 
 
 _WRITES: dict = {}
