@@ -255,13 +255,13 @@ TRAINING = [
       for r, tps in [(_TITAN_TP[0], 4809.4), (_TITAN_TP[1], 652.4)]],
     # --- torchtitan Llama 3.1 8B, FSDP on 8 / 128 H100 (96GB HBM2e), local batch 2, seq 8192; peak memory
     #     (max reserved) as published; "selective activation checkpointing" (torchtitan's llama3_8b config: the
-    #     per-op policy, remat "selective"); FSDP2 ran the collectives: its all-gather and reduce-scatter buffers are
-    #     allocated on its own streams (runtime "fsdp2", sim/allocator.fsdp2_buffers)
+    #     per-op policy, remat "selective"); eager PyTorch's machinery ran the step (runtime "eager",
+    #     sim/allocator.eager_buffers): FSDP2's buffers on its streams, torch.utils.checkpoint's cache of saved outputs
     *[Ref(f"Llama-3.1-8B h100 x{n} FSDP", "training", "h100", "fsdp", tps, "tokens/s/device", TITAN_H100_MEM,
           dict(model=dict(vocab=128256, seq=8192, d=4096, heads=32, kv_heads=8, layers=32, hidden=14336,
                           gated=True, tied=False),
                preset="h100", hw={**_TITAN_H100, **_GPU_NODES(n)}, mesh={"dp": n}, batch=2,
-               schedule="fsdp", remat="selective", runtime="fsdp2"), mem_gib=mem, mem_kind="reserved")
+               schedule="fsdp", remat="selective", runtime="eager"), mem_gib=mem, mem_kind="reserved")
       for n, tps, mem in [(8, 5762, 82.4), (128, 5605, 67.0)]],
     # --- MaxText on TPU: FSDP over the slice (ICI), data parallel over slices (DCN); bf16 compute, fp32 weights;
     #     global_parameter_scale s: emb 2048*, heads 16*, mlp 7168*, layers 16* (get_individual_scales), head_dim

@@ -238,7 +238,7 @@ def predict_memory(ref: Ref, kind: str | None = None) -> float:
 
     gm, mesh, recompute, _ = program(ref.setup, ref.setup["model"]["layers"])
     rep = simulate_graph(gm, mesh, _hw(ref.setup, {}), exclude_flops=recompute, issue=ISSUE)
-    # the runtime that ran the row allocates the collectives' buffers (FSDP2: on its own streams)
+    # the runtime that ran the row allocates the collectives' buffers (eager PyTorch: FSDP2's streams, checkpoint's cache)
     return rep.allocator.reserved_bytes(ref.setup.get("runtime", "partir")) / 2 ** 30
 
 

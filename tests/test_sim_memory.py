@@ -93,7 +93,7 @@ def test_caching_allocator_pools_segments_best_fit_split_and_merge():
     assert a.reserved == 40 * MiB
     for b in (x, y, z, w):
         a.release(b)
-    assert sorted(a.free[0, False]) == [(18 * MiB, z), (20 * MiB, y)]   # the default stream's large pool      # y merged with its neighbours again
+    assert sorted(a.free[0, False]) == [(18 * MiB, z), (20 * MiB, y)]   # y merged again (default stream, large pool)
     assert a.malloc(19 * MiB) == y and a.reserved == 40 * MiB           # reused, not reserved again
 
 
@@ -139,21 +139,21 @@ def test_report_reserved_is_at_least_the_live_peak_on_gpus_and_absent_on_tpus():
     assert tpu.reserved_memory_bytes is None and "caching allocator" not in tpu.table()
 
 
-def test_fsdp2_runtime_puts_gathers_and_reductions_on_their_streams():
+def test_eager_runtime_puts_fsdp2_gathers_and_reductions_on_their_streams():
     """FSDP2 allocates an all-gather's output on its copy-in stream, copies it out at the wait into the unsharded
     parameters (the program's storage, from the wait on) and frees it; the reduce-scatter's output, the sharded
     gradient, lives on the reduce-scatter stream. Their segments are the other streams' own: more is reserved."""
     import partir_torch as pt
     from examples.models import get
     from partir_torch.errors import PartitionError
-    from partir_torch.sim.allocator import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM, fsdp2_buffers
+    from partir_torch.sim.allocator import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM, eager_buffers
 
     spec = get("gpt")
     m = spec.build()
     prog = pt.partition(m, pt.Mesh({"batch": 2}), [pt.tactics.data_parallel("batch"), pt.tactics.zero(3, "batch")],
                         example_inputs=spec.batch(8), loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(m.parameters()))
     mem = prog.simulate(pt.sim.hardware("h100", gpus_per_node=2)).allocator
-    sizes, born, last, _, _, _, streams = fsdp2_buffers(mem.events, mem.owners)
+    sizes, born, last, _, _, _, streams = eager_buffers(mem.events, mem.owners)
     n = len(mem.events[0])
     gathers = [s for s, node in enumerate(mem.owners[:n]) if "all_gather" in str(node.target)]
     reductions = [s for s, node in enumerate(mem.owners[:n]) if "reduce_scatter" in str(node.target)]
@@ -162,6 +162,39 @@ def test_fsdp2_runtime_puts_gathers_and_reductions_on_their_streams():
     for g, s in zip(gathers, range(n, len(sizes))):       # the copy-in buffer: issue to the copy-out at the wait
         assert streams[s] == ALL_GATHER_STREAM and sizes[s] == sizes[g]
         assert born[s] == mem.events[1][g] < born[g] == last[s]
-    assert mem.reserved_bytes("fsdp2") > mem.reserved_bytes("partir") >= mem.peak_bytes
+    assert mem.reserved_bytes("eager") > mem.reserved_bytes("partir") >= mem.peak_bytes
     with pytest.raises(PartitionError, match="'ddp' is not modelled"):
         mem.reserved_bytes("ddp")
+
+
+def test_eager_runtime_holds_what_selective_checkpointing_saves_until_the_recomputation():
+    """torch.utils.checkpoint's selective checkpointing stores every output its policy saves, read by the backward
+    or not, until its region is recomputed; partir frees one nobody reads. In a SwiGLU block the 7th matmul (w2,
+    saved by the every-other-matmul policy) only feeds the residual add: partir frees it in the forward, eager
+    PyTorch holds it until the block's recomputation in the backward."""
+    import partir_torch as pt
+    from benchmarks import sim_models as M
+    from partir_torch.contract import META_RECOMPUTE, META_SAVED
+    from partir_torch.sim.allocator import eager_buffers
+
+    cfg = M.DecoderConfig(vocab=64, seq=16, d=32, heads=4, kv_heads=2, layers=2, hidden=64, gated=True, tied=False)
+    model = M.build(cfg)
+    tokens = torch.zeros(2, cfg.seq, dtype=torch.int64, device="meta")
+    prog = pt.partition(model, pt.Mesh({"dp": 2}), [pt.tactics.data_parallel("dp"),
+                                                    pt.tactics.remat("layers.*", policy="selective")],
+                        example_inputs=(tokens, tokens), loss_fn=M.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters()))
+    mem = prog.simulate(pt.sim.hardware("h100", gpus_per_node=2)).allocator
+    nodes = list(mem.owners[0].graph.nodes)
+    start = {}
+    for i, node in enumerate(nodes):
+        start.setdefault(node.meta.get(META_RECOMPUTE), i)
+    sizes, born, last = eager_buffers(mem.events, mem.owners)[:3]
+    saved = [s for s, node in enumerate(mem.owners) if node.meta.get(META_SAVED)]
+    mms = [s for s in saved if "mm" in str(mem.owners[s].target)]
+    assert len(mms) == 4 * cfg.layers                     # wq, wv, w1, w2 of each block
+    unread = [s for s in mms if mem.events[2][s] < start[mem.owners[s].meta[META_SAVED]]]
+    assert len(unread) == cfg.layers                      # w2's output, freed by partir in the forward
+    for s in saved:
+        assert last[s] == max(mem.events[2][s], start[mem.owners[s].meta[META_SAVED]])
+    assert mem.reserved_bytes("eager") >= mem.reserved_bytes("partir")

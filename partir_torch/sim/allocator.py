@@ -15,14 +15,21 @@ first, and returns the segment bytes at the end (the maximum: segments are never
 `expandable_segments`, no `max_split_size_mb`: PyTorch's defaults. A block belongs to the stream it was allocated
 on and is reused only for requests on that stream (DeviceCachingAllocator keys its pools' blocks by stream first:
 c10/cuda/CUDACachingAllocator.cpp, BlockComparatorSize): `streams` names the storages allocated on another stream
-than the default one (FSDP2's all-gather and reduce-scatter buffers), whose freed blocks the others cannot use. What else a process reserves on a GPU (the CUDA
+than the default one, whose freed blocks the others cannot use. What else a process reserves on a GPU (the CUDA
 context, NCCL's buffers, cuBLAS workspaces outside the allocator) is not in it, as it is not in the published figure.
+
+partir's runtime allocates every buffer on the default stream and frees each after its last use. `eager_buffers`
+turns the storages into those eager PyTorch holds for the same step when its own machinery runs it (torchtitan's
+runs): FSDP2 for ZeRO-3's collectives (its buffers on its streams) and torch.utils.checkpoint's selective
+checkpointing for a selective remat (its cache holds every saved output until its region is recomputed).
 
     reserved_bytes([4096, 3 << 20, 512], born=[0, 1, 2], last=[5, 2, 3], end=6, persistent=[0])
 """
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+
+from ..contract import META_RECOMPUTE, META_SAVED
 
 _MIN_BLOCK = 512                  # kMinBlockSize: every request is rounded up to a multiple of it
 _SMALL = 1 << 20                  # kSmallSize: requests up to this size use the small pool
@@ -154,25 +161,36 @@ def reserved_bytes(sizes, born, last, end: int, persistent=(), lazy=None, steps:
 ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM = 1, 2
 
 
-def fsdp2_buffers(events: tuple, owners: tuple) -> tuple:
-    """reserved_bytes' arguments for a program whose collectives FSDP2 runs, with its buffers as it allocates them
-    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_all_gather / foreach_reduce): an all-gather's
-    output on the all-gather copy-in stream, copied out at its wait into the unsharded parameters (the program's
-    storage, on the default stream from the wait on) and then freed; a reduce-scatter's output, the sharded
-    gradient, on the reduce-scatter stream. ``events``: MemoryResult.events; ``owners``: the node allocating each
-    storage. Returns (sizes, born, last, end, persistent, lazy, streams)."""
+def eager_buffers(events: tuple, owners: tuple) -> tuple:
+    """reserved_bytes' arguments for the step as eager PyTorch runs it (module docstring). ``events``:
+    MemoryResult.events; ``owners``: the node allocating each storage. Returns (sizes, born, last, end, persistent,
+    lazy, streams):
+
+    - FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_all_gather / foreach_reduce): an
+      all-gather's output on the all-gather copy-in stream, copied out at its wait into the unsharded parameters
+      (the program's storage, on the default stream from the wait on) and then freed; a reduce-scatter's output,
+      the sharded gradient, on the reduce-scatter stream;
+    - selective checkpointing (torch/utils/checkpoint.py, _CachingTorchDispatchMode): an op the policy saves
+      (META_SAVED) has its outputs stored whether or not the backward reads them, until its region's recomputation
+      (the first node recomputing that region) pops them."""
     sizes, born, last, end, persistent, lazy = events
     sizes, born, last = list(sizes), list(born), list(last)
-    streams, index = {}, None
-    for s, node in enumerate(owners[:len(events[0])]):
+    streams, n = {}, len(sizes)
+    nodes = list(owners[0].graph.nodes) if owners else []
+    index = {node: i for i, node in enumerate(nodes)}
+    recompute: dict = {}
+    for i, node in enumerate(nodes):
+        if node.meta.get(META_RECOMPUTE):
+            recompute.setdefault(node.meta[META_RECOMPUTE], i)
+    for s, node in enumerate(owners[:n]):
         target = str(getattr(node, "target", ""))
+        region = node.meta.get(META_SAVED)
+        if region in recompute:
+            last[s] = max(last[s], recompute[region])
         if "reduce_scatter" in target:
             streams[s] = REDUCE_SCATTER_STREAM
         elif "all_gather" in target:
-            if index is None:
-                index = {n: i for i, n in enumerate(node.graph.nodes)}
-            waits = [index[u] for u in node.users if "wait_tensor" in str(u.target)]
-            at = min(waits, default=born[s])
+            at = min((index[u] for u in node.users if "wait_tensor" in str(u.target)), default=born[s])
             streams[len(sizes)] = ALL_GATHER_STREAM       # the copy-in stream's output buffer, issue to copy-out
             sizes.append(sizes[s])
             born.append(born[s])

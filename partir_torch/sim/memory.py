@@ -54,18 +54,19 @@ class MemoryResult:
     def reserved_bytes(self, runtime: str = "partir") -> int:
         """What PyTorch's CUDA caching allocator reserves for these storages in the steady state (two steps;
         sim/allocator.py): the figure torch.cuda.max_memory_reserved reports, where peak_bytes is
-        max_memory_allocated's. ``runtime``: "partir" (every buffer on the default stream) or "fsdp2" (the
-        collectives' buffers on FSDP2's streams: allocator.fsdp2_buffers). Computed on first use."""
-        if runtime not in ("partir", "fsdp2"):
-            raise PartitionError(f"reserved_bytes: runtime {runtime!r} is not modelled: 'partir' (every buffer on "
-                                 f"the default stream) or 'fsdp2' (FSDP2's collective buffers on their streams).")
+        max_memory_allocated's. ``runtime``: "partir" (partir's runtime: every buffer on the default stream,
+        freed after its last use) or "eager" (the step as eager PyTorch runs it: FSDP2's collective buffers on their
+        streams, selective checkpointing's cache: allocator.eager_buffers). Computed on first use."""
+        if runtime not in ("partir", "eager"):
+            raise PartitionError(f"reserved_bytes: runtime {runtime!r} is not modelled: 'partir' (partir's runtime) "
+                                 f"or 'eager' (eager PyTorch's: FSDP2, torch.utils.checkpoint).")
         if runtime not in self._reserved:
-            from .allocator import fsdp2_buffers, reserved_bytes
+            from .allocator import eager_buffers, reserved_bytes
 
             if not self.events:
                 self._reserved[runtime] = self.peak_bytes
-            elif runtime == "fsdp2":
-                *args, streams = fsdp2_buffers(self.events, self.owners)
+            elif runtime == "eager":
+                *args, streams = eager_buffers(self.events, self.owners)
                 self._reserved[runtime] = reserved_bytes(*args, streams=streams)
             else:
                 self._reserved[runtime] = reserved_bytes(*self.events)
