@@ -13,7 +13,9 @@ Kinds and units:
 - ``training``: step throughput of a training run, tokens/s/device or TFLOP/s/device counted with the source's own
   FLOP formula (``flops``: "megatron" = Narayanan et al. 2021 eq. 3 without recompute, "maxtext" = MaxText's
   calculate_tflops_training_per_device before 2025-04, i.e. non-causal attention); ``mem_gib`` the peak memory
-  the source reports for the same run, if any.
+  the source reports for the same run, if any; setup ``runtime`` the machinery that ran it, as the memory replay
+  holds its buffers (``MemoryResult.reserved_bytes``: "partir", the default, or "eager": FSDP2 and
+  torch.utils.checkpoint).
 
 Sizes in nccl-tests tables are powers of two ("1M" = 2**20 B, "8G" = 2**33 B).
 """
