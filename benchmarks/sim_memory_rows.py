@@ -75,11 +75,11 @@ def simulated(ref) -> tuple:
 
     gm, mesh, recompute, _ = V.program(ref.setup, ref.setup["model"]["layers"])
     rep = simulate_graph(gm, mesh, V._hw(ref.setup, {}), exclude_flops=recompute, issue=V.ISSUE)
-    mem, vocab = rep.allocator, ref.setup["model"]["vocab"]
+    mem, vocab, held = rep.allocator, ref.setup["model"]["vocab"], ref.setup.get("fsdp_held", ())
     nodes = list(gm.graph.nodes)
     out = {}
     for runtime in ("partir", "eager"):
-        size, born, last = (mem.events if runtime == "partir" else eager_buffers(mem.events, mem.owners))[:3]
+        size, born, last = (mem.events if runtime == "partir" else eager_buffers(mem.events, mem.owners, held))[:3]
         delta = [0] * (len(nodes) + 2)
         for s in range(len(size)):
             delta[born[s]] += size[s]
@@ -93,7 +93,8 @@ def simulated(ref) -> tuple:
                 cat = (_category(node, mem.categories.get(node.name, ""), vocab) if node is not None
                        else "FSDP2 all-gather buffers")
                 cats[cat] += size[s] / GIB
-        out[runtime] = (cats, nodes[at].name, curve[at] / GIB, mem.reserved_bytes(runtime) / GIB)
+        reserved = mem.reserved_bytes(runtime, held if runtime == "eager" else ())
+        out[runtime] = (cats, nodes[at].name, curve[at] / GIB, reserved / GIB)
     return out
 
 

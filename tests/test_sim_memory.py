@@ -198,3 +198,42 @@ def test_eager_runtime_holds_what_selective_checkpointing_saves_until_the_recomp
     for s in saved:
         assert last[s] == max(mem.events[2][s], start[mem.owners[s].meta[META_SAVED]])
     assert mem.reserved_bytes("eager") >= mem.reserved_bytes("partir")
+
+
+def test_eager_runtime_keeps_the_modules_fsdp2_does_not_reshard_gathered_to_the_end_of_the_backward():
+    """FSDP2 frees a module's gathered parameters at the module's reshard, not after their last use: the root's own
+    parameters (never resharded after the forward) and a block with reshard_after_forward=False stay gathered until
+    the end of the backward. partir frees the embedding's gathered copy after the embedding's forward (its backward
+    does not read the weight); held=("emb.*",) keeps it to the update."""
+    import partir_torch as pt
+    from benchmarks import sim_models as M
+    from partir_torch.contract import META_NAME
+    from partir_torch.errors import PartitionError
+    from partir_torch.sim.allocator import eager_buffers
+
+    cfg = M.DecoderConfig(vocab=64, seq=16, d=32, heads=4, kv_heads=2, layers=2, hidden=64, gated=True, tied=False)
+    model = M.build(cfg)
+    tokens = torch.zeros(2, cfg.seq, dtype=torch.int64, device="meta")
+    prog = pt.partition(model, pt.Mesh({"dp": 2}), [pt.tactics.data_parallel("dp"), pt.tactics.zero(3, "dp")],
+                        example_inputs=(tokens, tokens), loss_fn=M.loss_fn, bucket_bytes=0,   # a gather per parameter
+                        optimizer=torch.optim.AdamW(model.parameters()))
+    mem = prog.simulate(pt.sim.hardware("h100", gpus_per_node=2)).allocator
+    nodes = list(mem.owners[0].graph.nodes)
+    update = next(i for i, x in enumerate(nodes) if x.op == "call_function" and any(
+        a.op == "placeholder" and str(a.meta.get(META_NAME, "")).startswith("opt.") for a in x.all_input_nodes))
+
+    def gathers_of(name):
+        return [s for s, x in enumerate(mem.owners) if "all_gather" in str(x.target)
+                and any(a.meta.get(META_NAME) == name for a in x.all_input_nodes)]
+
+    emb = gathers_of("params.emb.weight")
+    assert len(emb) == 1 and mem.events[2][emb[0]] < update - 1            # partir: freed after the forward
+    last = eager_buffers(mem.events, mem.owners)[2]
+    assert last[emb[0]] == mem.events[2][emb[0]]
+    last = eager_buffers(mem.events, mem.owners, held=("emb.*",))[2]
+    assert last[emb[0]] == update - 1                                      # FSDP2: to the end of the backward
+    other = gathers_of("params.layers.0.mlp.w1.weight")
+    assert other and all(last[s] == mem.events[2][s] for s in other)
+    assert mem.reserved_bytes("eager", ("emb.*",)) >= mem.reserved_bytes("eager")
+    with pytest.raises(PartitionError, match="applies to runtime 'eager'"):
+        mem.reserved_bytes("partir", ("emb.*",))

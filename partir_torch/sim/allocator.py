@@ -28,8 +28,9 @@ checkpointing for a selective remat (its cache holds every saved output until it
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from fnmatch import fnmatchcase
 
-from ..contract import META_RECOMPUTE, META_SAVED
+from ..contract import META_NAME, META_RECOMPUTE, META_ROLE, META_SAVED, Role
 
 _MIN_BLOCK = 512                  # kMinBlockSize: every request is rounded up to a multiple of it
 _SMALL = 1 << 20                  # kSmallSize: requests up to this size use the small pool
@@ -161,32 +162,53 @@ def reserved_bytes(sizes, born, last, end: int, persistent=(), lazy=None, steps:
 ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM = 1, 2
 
 
-def eager_buffers(events: tuple, owners: tuple) -> tuple:
+def eager_buffers(events: tuple, owners: tuple, held=()) -> tuple:
     """reserved_bytes' arguments for the step as eager PyTorch runs it (module docstring). ``events``:
-    MemoryResult.events; ``owners``: the node allocating each storage. Returns (sizes, born, last, end, persistent,
-    lazy, streams):
+    MemoryResult.events; ``owners``: the node allocating each storage; ``held``: globs of the parameter names whose
+    gathered copy FSDP2 keeps from the forward to the end of the backward (the modules fully_shard'ed with
+    reshard_after_forward=False, and the root module's own parameters: FSDP2 never reshards the root after the
+    forward). Returns (sizes, born, last, end, persistent, lazy, streams):
 
     - FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_all_gather / foreach_reduce): an
       all-gather's output on the all-gather copy-in stream, copied out at its wait into the unsharded parameters
       (the program's storage, on the default stream from the wait on) and then freed; a reduce-scatter's output,
-      the sharded gradient, on the reduce-scatter stream;
+      the sharded gradient, on the reduce-scatter stream; FSDP2 frees a module's unsharded parameters at the
+      module's reshard, not after their last use: a held parameter's copy lives to the end of the backward (the
+      first node of the update);
     - selective checkpointing (torch/utils/checkpoint.py, _CachingTorchDispatchMode): an op the policy saves
       (META_SAVED) has its outputs stored whether or not the backward reads them, until its region's recomputation
       (the first node recomputing that region) pops them."""
     sizes, born, last, end, persistent, lazy = events
     sizes, born, last = list(sizes), list(born), list(last)
-    streams, n = {}, len(sizes)
+    n = len(sizes)
     nodes = list(owners[0].graph.nodes) if owners else []
-    index = {node: i for i, node in enumerate(nodes)}
+    _checkpoint_cache(nodes, owners[:n], last)
+    streams = _fsdp2(nodes, owners[:n], sizes, born, last, held)
+    return sizes, born, last, end, persistent, lazy, streams
+
+
+def _checkpoint_cache(nodes, owners, last) -> None:
+    """Saved outputs held until their region's first recomputed node (eager_buffers)."""
     recompute: dict = {}
     for i, node in enumerate(nodes):
         if node.meta.get(META_RECOMPUTE):
             recompute.setdefault(node.meta[META_RECOMPUTE], i)
-    for s, node in enumerate(owners[:n]):
-        target = str(getattr(node, "target", ""))
+    for s, node in enumerate(owners):
         region = node.meta.get(META_SAVED)
         if region in recompute:
             last[s] = max(last[s], recompute[region])
+
+
+def _fsdp2(nodes, owners, sizes, born, last, held) -> dict:
+    """FSDP2's buffers (eager_buffers): appends the copy-in buffers, moves the unsharded parameters' birth to the
+    copy-out, extends the held ones; returns {storage: stream}."""
+    index = {node: i for i, node in enumerate(nodes)}
+    state = {x for x in nodes if x.op == "placeholder" and x.meta.get(META_ROLE) in (Role.OPT_STATE, Role.LR)}
+    update = next((i for i, x in enumerate(nodes) if x.op == "call_function" and state & set(x.all_input_nodes)),
+                  len(nodes))
+    streams: dict = {}
+    for s, node in enumerate(owners):
+        target = str(getattr(node, "target", ""))
         if "reduce_scatter" in target:
             streams[s] = REDUCE_SCATTER_STREAM
         elif "all_gather" in target:
@@ -196,4 +218,15 @@ def eager_buffers(events: tuple, owners: tuple) -> tuple:
             born.append(born[s])
             last.append(at)
             born[s] = min(at, last[s])                      # the unsharded parameters, from the copy-out on
-    return sizes, born, last, end, persistent, lazy, streams
+            if held and any(fnmatchcase(p, g) for p in _param_names(node) for g in held):
+                last[s] = max(last[s], update - 1)
+    return streams
+
+
+def _param_names(node, depth: int = 4) -> list:
+    """The parameters (names without "params.") a gathered value is made of: placeholders up its inputs (casts,
+    a bucket's concatenation), at most `depth` nodes up."""
+    if node.op == "placeholder":
+        name = str(node.meta.get(META_NAME, ""))
+        return [name[len("params."):]] if name.startswith("params.") else []
+    return [p for a in node.all_input_nodes for p in _param_names(a, depth - 1)] if depth else []

@@ -51,26 +51,31 @@ class MemoryResult:
     owners: tuple = field(default=(), repr=False)    # per storage of events, the node that allocates it
     _reserved: dict = field(default_factory=dict, repr=False)
 
-    def reserved_bytes(self, runtime: str = "partir") -> int:
+    def reserved_bytes(self, runtime: str = "partir", held: tuple = ()) -> int:
         """What PyTorch's CUDA caching allocator reserves for these storages in the steady state (two steps;
         sim/allocator.py): the figure torch.cuda.max_memory_reserved reports, where peak_bytes is
         max_memory_allocated's. ``runtime``: "partir" (partir's runtime: every buffer on the default stream,
         freed after its last use) or "eager" (the step as eager PyTorch runs it: FSDP2's collective buffers on their
-        streams, selective checkpointing's cache: allocator.eager_buffers). Computed on first use."""
+        streams, selective checkpointing's cache: allocator.eager_buffers; ``held``: the parameters FSDP2 does not
+        reshard after the forward, globs). Computed on first use."""
         if runtime not in ("partir", "eager"):
             raise PartitionError(f"reserved_bytes: runtime {runtime!r} is not modelled: 'partir' (partir's runtime) "
                                  f"or 'eager' (eager PyTorch's: FSDP2, torch.utils.checkpoint).")
-        if runtime not in self._reserved:
+        if held and runtime != "eager":
+            raise PartitionError(f"reserved_bytes: held={held!r} names parameters FSDP2 keeps gathered; it applies "
+                                 f"to runtime 'eager', not {runtime!r}.")
+        key = (runtime, tuple(held))
+        if key not in self._reserved:
             from .allocator import eager_buffers, reserved_bytes
 
             if not self.events:
-                self._reserved[runtime] = self.peak_bytes
+                self._reserved[key] = self.peak_bytes
             elif runtime == "eager":
-                *args, streams = eager_buffers(self.events, self.owners)
-                self._reserved[runtime] = reserved_bytes(*args, streams=streams)
+                *args, streams = eager_buffers(self.events, self.owners, held)
+                self._reserved[key] = reserved_bytes(*args, streams=streams)
             else:
-                self._reserved[runtime] = reserved_bytes(*self.events)
-        return self._reserved[runtime]
+                self._reserved[key] = reserved_bytes(*self.events)
+        return self._reserved[key]
 
 
 _WRITES: dict = {}
