@@ -13,7 +13,9 @@ Kinds and units:
 - ``training``: step throughput of a training run, tokens/s/device or TFLOP/s/device counted with the source's own
   FLOP formula (``flops``: "megatron" = Narayanan et al. 2021 eq. 3 without recompute, "maxtext" = MaxText's
   calculate_tflops_training_per_device before 2025-04, i.e. non-causal attention); ``mem_gib`` the peak memory
-  the source reports for the same run, if any.
+  the source reports for the same run, if any; setup ``runtime`` the machinery that ran it, as the memory replay
+  holds its buffers (``MemoryResult.reserved_bytes``: "partir", the default, or "eager": FSDP2 and
+  torch.utils.checkpoint), with ``fsdp_held`` the parameters FSDP2 keeps gathered through the step.
 
 Sizes in nccl-tests tables are powers of two ("1M" = 2**20 B, "8G" = 2**33 B).
 """
@@ -255,12 +257,16 @@ TRAINING = [
       for r, tps in [(_TITAN_TP[0], 4809.4), (_TITAN_TP[1], 652.4)]],
     # --- torchtitan Llama 3.1 8B, FSDP on 8 / 128 H100 (96GB HBM2e), local batch 2, seq 8192; peak memory
     #     (max reserved) as published; "selective activation checkpointing" (torchtitan's llama3_8b config: the
-    #     per-op policy, remat "selective")
+    #     per-op policy, remat "selective"); eager PyTorch's machinery ran the step (runtime "eager",
+    #     sim/allocator.eager_buffers): FSDP2's buffers on its streams, torch.utils.checkpoint's cache of saved outputs
     *[Ref(f"Llama-3.1-8B h100 x{n} FSDP", "training", "h100", "fsdp", tps, "tokens/s/device", TITAN_H100_MEM,
           dict(model=dict(vocab=128256, seq=8192, d=4096, heads=32, kv_heads=8, layers=32, hidden=14336,
                           gated=True, tied=False),
                preset="h100", hw={**_TITAN_H100, **_GPU_NODES(n)}, mesh={"dp": n}, batch=2,
-               schedule="fsdp", remat="selective"), mem_gib=mem, mem_kind="reserved")
+               schedule="fsdp", remat="selective", runtime="eager",
+               # FSDP2 keeps these gathered from the forward to the end of the backward: the root module's own
+               # parameters (never resharded after the forward) and the last block (reshard_after_forward=False)
+               fsdp_held=("emb.*", "norm.*", "head.*", "layers.31.*")), mem_gib=mem, mem_kind="reserved")
       for n, tps, mem in [(8, 5762, 82.4), (128, 5605, 67.0)]],
     # --- MaxText on TPU: FSDP over the slice (ICI), data parallel over slices (DCN); bf16 compute, fp32 weights;
     #     global_parameter_scale s: emb 2048*, heads 16*, mlp 7168*, layers 16* (get_individual_scales), head_dim

@@ -239,7 +239,10 @@ def predict_memory(ref: Ref, kind: str | None = None) -> float:
 
     gm, mesh, recompute, _ = program(ref.setup, ref.setup["model"]["layers"])
     rep = simulate_graph(gm, mesh, _hw(ref.setup, {}), exclude_flops=recompute, issue=ISSUE)
-    return rep.reserved_memory_bytes / 2 ** 30
+    # the buffers as the runtime that ran the row holds them (eager PyTorch: FSDP2's streams and held modules,
+    # torch.utils.checkpoint's cache)
+    runtime, held = ref.setup.get("runtime", "partir"), ref.setup.get("fsdp_held", ())
+    return rep.allocator.reserved_bytes(runtime, held) / 2 ** 30
 
 
 def memory_table(mem: list) -> None:

@@ -60,6 +60,7 @@ META_TAGS = "partir_tags"                  # every module-output tag on a node
 META_OUTPUT = "partir_output"              # True on nodes that are outputs of the step
 META_REMAT = "partir_remat"                # remat: the FQN of the checkpointed module that made the node
 META_RECOMPUTE = "partir_recompute"        # remat: on a recomputed copy, the module FQN
+META_SAVED = "partir_saved"                # selective remat: on a kept op output (a matmul's, attention's), the FQN
 META_RECOMPUTE_OF = "partir_recompute_of"  # remat: on a recomputed copy, the name of the node it recomputes
 META_NO_PARTIAL_PASS = "partir_no_partial_pass"   # mixed precision: a partial value is reduced before this node
 META_ACCUMULATE = "partir_accumulate"      # fx custom meta: the node belongs to one micro-batch (accumulate=k)

@@ -1,4 +1,5 @@
 """Peak memory from buffer liveness, and its breakdown."""
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -92,7 +93,7 @@ def test_caching_allocator_pools_segments_best_fit_split_and_merge():
     assert a.reserved == 40 * MiB
     for b in (x, y, z, w):
         a.release(b)
-    assert sorted(a.free[False]) == [(18 * MiB, z), (20 * MiB, y)]      # y merged with its neighbours again
+    assert sorted(a.free[0, False]) == [(18 * MiB, z), (20 * MiB, y)]   # y merged again (default stream, large pool)
     assert a.malloc(19 * MiB) == y and a.reserved == 40 * MiB           # reused, not reserved again
 
 
@@ -105,6 +106,21 @@ def test_a_hole_too_small_for_the_next_tensor_is_fragmentation():
     sizes, born, last = [8 * MiB, 8 * MiB, 9 * MiB], [0, 0, 2], [1, 3, 3]
     assert reserved_bytes(sizes, born, last, end=4, steps=1) == 40 * MiB
     assert reserved_bytes(sizes, born, last, end=4, steps=3) == 40 * MiB     # the steady state: reused
+
+
+def test_a_block_freed_on_one_stream_is_not_reused_on_another():
+    """The caching allocator keys its pools by stream: a 30 MiB tensor freed on a side stream (FSDP2's
+    reduce-scatter stream) leaves a free 30 MiB segment that a 30 MiB tensor of the default stream cannot use, so a
+    second segment is reserved; on one stream it is reused."""
+    from partir_torch.sim.allocator import CachingAllocator, reserved_bytes
+
+    a = CachingAllocator()
+    a.release(a.malloc(30 * MiB, stream=1))
+    a.malloc(30 * MiB)
+    assert a.reserved == 60 * MiB
+    sizes, born, last = [30 * MiB, 30 * MiB], [0, 2], [1, 3]
+    assert reserved_bytes(sizes, born, last, end=4) == 30 * MiB
+    assert reserved_bytes(sizes, born, last, end=4, streams={0: 1}) == 60 * MiB
 
 
 def test_report_reserved_is_at_least_the_live_peak_on_gpus_and_absent_on_tpus():
@@ -121,3 +137,103 @@ def test_report_reserved_is_at_least_the_live_peak_on_gpus_and_absent_on_tpus():
     assert "reserved by PyTorch's CUDA caching allocator" in gpu.table()
     tpu = prog.simulate(pt.sim.hardware("tpu-v5e", topology=(2, 1)))
     assert tpu.reserved_memory_bytes is None and "caching allocator" not in tpu.table()
+
+
+def test_eager_runtime_puts_fsdp2_gathers_and_reductions_on_their_streams():
+    """FSDP2 allocates an all-gather's output on its copy-in stream, copies it out at the wait into the unsharded
+    parameters (the program's storage, from the wait on) and frees it; the reduce-scatter's output, the sharded
+    gradient, lives on the reduce-scatter stream. Their segments are the other streams' own: more is reserved."""
+    import partir_torch as pt
+    from examples.models import get
+    from partir_torch.errors import PartitionError
+    from partir_torch.sim.allocator import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM, eager_buffers
+
+    spec = get("gpt")
+    m = spec.build()
+    prog = pt.partition(m, pt.Mesh({"batch": 2}), [pt.tactics.data_parallel("batch"), pt.tactics.zero(3, "batch")],
+                        example_inputs=spec.batch(8), loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(m.parameters()))
+    mem = prog.simulate(pt.sim.hardware("h100", gpus_per_node=2)).allocator
+    sizes, born, last, _, _, _, streams = eager_buffers(mem.events, mem.owners)
+    n = len(mem.events[0])
+    gathers = [s for s, node in enumerate(mem.owners[:n]) if "all_gather" in str(node.target)]
+    reductions = [s for s, node in enumerate(mem.owners[:n]) if "reduce_scatter" in str(node.target)]
+    assert gathers and reductions and len(sizes) == n + len(gathers)
+    assert {streams[s] for s in reductions} == {REDUCE_SCATTER_STREAM}
+    for g, s in zip(gathers, range(n, len(sizes))):       # the copy-in buffer: issue to the copy-out at the wait
+        assert streams[s] == ALL_GATHER_STREAM and sizes[s] == sizes[g]
+        assert born[s] == mem.events[1][g] < born[g] == last[s]
+    assert mem.reserved_bytes("eager") > mem.reserved_bytes("partir") >= mem.peak_bytes
+    with pytest.raises(PartitionError, match="'ddp' is not modelled"):
+        mem.reserved_bytes("ddp")
+
+
+def test_eager_runtime_holds_what_selective_checkpointing_saves_until_the_recomputation():
+    """torch.utils.checkpoint's selective checkpointing stores every output its policy saves, read by the backward
+    or not, until its region is recomputed; partir frees one nobody reads. In a SwiGLU block the 7th matmul (w2,
+    saved by the every-other-matmul policy) only feeds the residual add: partir frees it in the forward, eager
+    PyTorch holds it until the block's recomputation in the backward."""
+    import partir_torch as pt
+    from benchmarks import sim_models as M
+    from partir_torch.contract import META_RECOMPUTE, META_SAVED
+    from partir_torch.sim.allocator import eager_buffers
+
+    cfg = M.DecoderConfig(vocab=64, seq=16, d=32, heads=4, kv_heads=2, layers=2, hidden=64, gated=True, tied=False)
+    model = M.build(cfg)
+    tokens = torch.zeros(2, cfg.seq, dtype=torch.int64, device="meta")
+    prog = pt.partition(model, pt.Mesh({"dp": 2}), [pt.tactics.data_parallel("dp"),
+                                                    pt.tactics.remat("layers.*", policy="selective")],
+                        example_inputs=(tokens, tokens), loss_fn=M.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters()))
+    mem = prog.simulate(pt.sim.hardware("h100", gpus_per_node=2)).allocator
+    nodes = list(mem.owners[0].graph.nodes)
+    start = {}
+    for i, node in enumerate(nodes):
+        start.setdefault(node.meta.get(META_RECOMPUTE), i)
+    sizes, born, last = eager_buffers(mem.events, mem.owners)[:3]
+    saved = [s for s, node in enumerate(mem.owners) if node.meta.get(META_SAVED)]
+    mms = [s for s in saved if "mm" in str(mem.owners[s].target)]
+    assert len(mms) == 4 * cfg.layers                     # wq, wv, w1, w2 of each block
+    unread = [s for s in mms if mem.events[2][s] < start[mem.owners[s].meta[META_SAVED]]]
+    assert len(unread) == cfg.layers                      # w2's output, freed by partir in the forward
+    for s in saved:
+        assert last[s] == max(mem.events[2][s], start[mem.owners[s].meta[META_SAVED]])
+    assert mem.reserved_bytes("eager") >= mem.reserved_bytes("partir")
+
+
+def test_eager_runtime_keeps_the_modules_fsdp2_does_not_reshard_gathered_to_the_end_of_the_backward():
+    """FSDP2 frees a module's gathered parameters at the module's reshard, not after their last use: the root's own
+    parameters (never resharded after the forward) and a block with reshard_after_forward=False stay gathered until
+    the end of the backward. partir frees the embedding's gathered copy after the embedding's forward (its backward
+    does not read the weight); held=("emb.*",) keeps it to the update."""
+    import partir_torch as pt
+    from benchmarks import sim_models as M
+    from partir_torch.contract import META_NAME
+    from partir_torch.errors import PartitionError
+    from partir_torch.sim.allocator import eager_buffers
+
+    cfg = M.DecoderConfig(vocab=64, seq=16, d=32, heads=4, kv_heads=2, layers=2, hidden=64, gated=True, tied=False)
+    model = M.build(cfg)
+    tokens = torch.zeros(2, cfg.seq, dtype=torch.int64, device="meta")
+    prog = pt.partition(model, pt.Mesh({"dp": 2}), [pt.tactics.data_parallel("dp"), pt.tactics.zero(3, "dp")],
+                        example_inputs=(tokens, tokens), loss_fn=M.loss_fn, bucket_bytes=0,   # a gather per parameter
+                        optimizer=torch.optim.AdamW(model.parameters()))
+    mem = prog.simulate(pt.sim.hardware("h100", gpus_per_node=2)).allocator
+    nodes = list(mem.owners[0].graph.nodes)
+    update = next(i for i, x in enumerate(nodes) if x.op == "call_function" and any(
+        a.op == "placeholder" and str(a.meta.get(META_NAME, "")).startswith("opt.") for a in x.all_input_nodes))
+
+    def gathers_of(name):
+        return [s for s, x in enumerate(mem.owners) if "all_gather" in str(x.target)
+                and any(a.meta.get(META_NAME) == name for a in x.all_input_nodes)]
+
+    emb = gathers_of("params.emb.weight")
+    assert len(emb) == 1 and mem.events[2][emb[0]] < update - 1            # partir: freed after the forward
+    last = eager_buffers(mem.events, mem.owners)[2]
+    assert last[emb[0]] == mem.events[2][emb[0]]
+    last = eager_buffers(mem.events, mem.owners, held=("emb.*",))[2]
+    assert last[emb[0]] == update - 1                                      # FSDP2: to the end of the backward
+    other = gathers_of("params.layers.0.mlp.w1.weight")
+    assert other and all(last[s] == mem.events[2][s] for s in other)
+    assert mem.reserved_bytes("eager", ("emb.*",)) >= mem.reserved_bytes("eager")
+    with pytest.raises(PartitionError, match="applies to runtime 'eager'"):
+        mem.reserved_bytes("partir", ("emb.*",))

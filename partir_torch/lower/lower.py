@@ -17,8 +17,8 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.node import map_aggregate
 
-from ..contract import META_NAME, META_OUTPUT, META_RECOMPUTE, META_ROLE, META_SRC, STATE_PREFIXES, VIEW_OPS, Role, \
-    phase_of
+from ..contract import META_NAME, META_OUTPUT, META_RECOMPUTE, META_ROLE, META_SAVED, META_SRC, STATE_PREFIXES, \
+    VIEW_OPS, Role, phase_of
 from ..errors import PartitionError, internal_error
 from ..options import Options
 from ..propagate.decisions import Decisions
@@ -305,8 +305,9 @@ class Lowerer:
         x = self._indexed(i, args, kwargs) or call_function(self.new, _RESHAPE.get(node.target, node.target), args,
                                                              kwargs)
         x.meta[META_SRC] = node.name
-        if node.meta.get(META_RECOMPUTE):
-            x.meta[META_RECOMPUTE] = node.meta[META_RECOMPUTE]
+        for key in (META_RECOMPUTE, META_SAVED):
+            if node.meta.get(key):
+                x.meta[key] = node.meta[key]
         self.env[node] = x
         self.produced_of[node] = outs
         if isinstance(node.meta.get("val"), torch.Tensor):

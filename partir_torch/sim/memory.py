@@ -31,6 +31,7 @@ from itertools import accumulate
 import torch
 
 from ..contract import META_NAME, META_ROLE, Role
+from ..errors import PartitionError
 from .compute import FREE, WAIT, elem_bytes, op_class
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "buffers", "inputs")
@@ -47,17 +48,34 @@ class MemoryResult:
     categories: dict = field(default_factory=dict, repr=False)   # producing node name -> category
     curve: list = field(default_factory=list, repr=False)   # live bytes at each node, program order
     events: tuple = field(default=(), repr=False)    # reserved_bytes' arguments: the storages' liveness
-    _reserved: int | None = field(default=None, repr=False)
+    owners: tuple = field(default=(), repr=False)    # per storage of events, the node that allocates it
+    _reserved: dict = field(default_factory=dict, repr=False)
 
-    def reserved_bytes(self) -> int:
+    def reserved_bytes(self, runtime: str = "partir", held: tuple = ()) -> int:
         """What PyTorch's CUDA caching allocator reserves for these storages in the steady state (two steps;
         sim/allocator.py): the figure torch.cuda.max_memory_reserved reports, where peak_bytes is
-        max_memory_allocated's. Computed on first use."""
-        if self._reserved is None:
-            from .allocator import reserved_bytes
+        max_memory_allocated's. ``runtime``: "partir" (partir's runtime: every buffer on the default stream,
+        freed after its last use) or "eager" (the step as eager PyTorch runs it: FSDP2's collective buffers on their
+        streams, selective checkpointing's cache: allocator.eager_buffers; ``held``: the parameters FSDP2 does not
+        reshard after the forward, globs). Computed on first use."""
+        if runtime not in ("partir", "eager"):
+            raise PartitionError(f"reserved_bytes: runtime {runtime!r} is not modelled: 'partir' (partir's runtime) "
+                                 f"or 'eager' (eager PyTorch's: FSDP2, torch.utils.checkpoint).")
+        if held and runtime != "eager":
+            raise PartitionError(f"reserved_bytes: held={held!r} names parameters FSDP2 keeps gathered; it applies "
+                                 f"to runtime 'eager', not {runtime!r}.")
+        key = (runtime, tuple(held))
+        if key not in self._reserved:
+            from .allocator import eager_buffers, reserved_bytes
 
-            self._reserved = reserved_bytes(*self.events) if self.events else self.peak_bytes
-        return self._reserved
+            if not self.events:
+                self._reserved[key] = self.peak_bytes
+            elif runtime == "eager":
+                *args, streams = eager_buffers(self.events, self.owners, held)
+                self._reserved[key] = reserved_bytes(*args, streams=streams)
+            else:
+                self._reserved[key] = reserved_bytes(*self.events)
+        return self._reserved[key]
 
 
 _WRITES: dict = {}
@@ -142,7 +160,7 @@ def analyze_memory(nodes: list, elems: dict | None = None, inputs: dict | None =
     # eager torch.optim creates its state in the first step's update, among the activations' freed blocks
     lazy = {s: first[s] for s in persistent if s in first and owner[s].meta.get(META_ROLE) == Role.OPT_STATE}
     return MemoryResult(peak, nodes[at].name if nodes else "", breakdown, names, curve,
-                        (size, born, last, end, persistent, lazy))
+                        (size, born, last, end, persistent, lazy), tuple(owner))
 
 
 def _storages(node, cls, info, sid_of, donated, elems, new) -> list:

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from ..capture.graphutil import split_for_backward
 from ..contract import (META_NO_PARTIAL_PASS, META_PHASE, META_RECOMPUTE, META_RECOMPUTE_OF, META_REMAT, META_ROLE,
-    META_TAG, META_TAGS, RANDOM_OPS, Phase, phase_of, traced_forward)
+    META_SAVED, META_TAG, META_TAGS, RANDOM_OPS, Phase, phase_of, traced_forward)
 from ..errors import PartitionError
 
 aten = torch.ops.aten
@@ -210,7 +210,10 @@ class Remat:
             kept |= {u for n in members if n.target in _RANDOM for u in n.users if u in inside
                      and u.target is __import__("operator").getitem}
             if self.policy == "selective":
-                kept |= _saved_kernels(members, inside)
+                saved = _saved_kernels(members, inside)
+                for n in saved:
+                    n.meta[META_SAVED] = fqn      # what torch.utils.checkpoint's cache would hold (sim/allocator.py)
+                kept |= saved
             late = {n: [u for u in n.users if u not in fwd and u.op != "output"] for n in members if n not in kept}
             late = {n: us for n, us in late.items() if us}
             if not late:
