@@ -147,17 +147,22 @@ def test_collectives_on_different_axes_overlap():
 
 def test_the_flash_attention_forward_backward_rows_are_predicted_never_fitted(monkeypatch):
     """The FlashAttention-2 forward + backward kernel rows (flash-attention README) count 3.5x the forward's FLOPs
-    (the flash-attention benchmark's count, halved when causal) over the forward's time plus the backward's; no fit
-    (the halves' or leave-one-family-out's) sees them."""
-    row = next(r for r in R.ROWS if r.name == "a100 flash-attention-2 fwd+bwd hd128 s8k causal")
-    assert row.setup["mode"] == "fwd+bwd" and row.setup["causal"] and row.measured == 182
+    (the flash-attention benchmark's count, halved when causal) over the time the simulator's own cost model gives
+    the attention nodes of a training program (forward and backward, is_causal as the row); no fit (the halves' or
+    leave-one-family-out's) sees them."""
+    row = next(r for r in R.ROWS if r.name == "a100 flash-attention-2 fwd+bwd hd128 s8k")
+    assert row.setup["mode"] == "fwd+bwd" and not row.setup["causal"] and row.measured == 201
     assert row.family in V.HELD_OUT_ONLY and len([r for r in R.ROWS if r.family in V.HELD_OUT_ONLY]) >= 24
     legs = {"roofline_p": 64.0}          # the compute leg alone: this checks the FLOP count and its split
     hw = V._hw(row.setup, legs)
-    flops = 4 * 2 * 8192 ** 2 * 16 * 128 / 2
+    flops = 4 * 2 * 8192 ** 2 * 16 * 128
     t = (flops / (hw.attn_efficiency * hw.peak_bf16) + 2.5 * flops / (hw.attn_efficiency * hw.peak_bf16)
          + 2 * hw.mm_half_time_s)
     assert V.predict(row, legs) == pytest.approx(3.5 * flops / t / 1e12, rel=1e-9)
+    # the simulator charges a causal kernel the full square (README, "FlashAttention-2 forward + backward rows"):
+    # its causal twin, counted at half the FLOPs, is predicted at half the rate; the row's error says so
+    causal = next(r for r in R.ROWS if r.name == row.name + " causal")
+    assert V.predict(causal, legs) == pytest.approx(V.predict(row, legs) / 2, rel=1e-9)
     seen = []
     real = V.predict
     monkeypatch.setattr(V, "predict", lambda r, knobs=None: seen.append(r.family) or real(r, knobs))
