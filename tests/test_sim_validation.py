@@ -163,6 +163,8 @@ def test_the_flash_attention_forward_backward_rows_are_predicted_never_fitted(mo
     # its causal twin, counted at half the FLOPs, is predicted at half the rate; the row's error says so
     causal = next(r for r in R.ROWS if r.name == row.name + " causal")
     assert V.predict(causal, legs) == pytest.approx(V.predict(row, legs) / 2, rel=1e-9)
+    # a kernel row runs at the clock its benchmark ran at, not at a training step's sustained clock
+    assert V.predict(row, {**legs, "sustained_clock": 0.8}) == pytest.approx(V.predict(row, legs), rel=1e-9)
     seen = []
     real = V.predict
     monkeypatch.setattr(V, "predict", lambda r, knobs=None: seen.append(r.family) or real(r, knobs))
