@@ -212,14 +212,13 @@ TRAINING = [
     *[Ref(f"GPT-{size} h100 TP{tp} DP48", "training", "h100", "dp" if tp == 1 else "tp", tflops, "TFLOP/s/device",
           MEGATRON, dict(model=dict(vocab=131072, seq=4096, d=d, heads=h, layers=L), preset="h100",
                          hw={"nodes": 6 * tp}, mesh={"dp": 48, "tp": tp} if tp > 1 else {"dp": 48},
-                         batch=192 // 48, schedule=sched, remat=False, flops="megatron",
-                         options={"tp_chunks": 4} if tp > 1 else {}))
-      # Megatron's distributed optimizer shards flat buffers of any size; partir's ZeRO needs a dim that the data
-      # axis (48) divides, which only the 16B model's tensor-parallel shards have (1536 = 32 x 48): the other rows
-      # run data parallel without ZeRO (zero would shard nothing and raises; uneven sharding is issue 22)
-      for size, h, d, L, tp, tflops, sched in [
-          ("1.7B", 16, 2048, 24, 1, 408.8, "dp"), ("7.1B", 32, 4096, 30, 2, 465.9, "tp"),
-          ("16B", 48, 6144, 32, 4, 489.1, "tp+zero1-overlap"), ("32B", 56, 7168, 48, 8, 459.6, "tp")]],
+                         batch=192 // 48, schedule=("dp" if tp == 1 else "tp") + "+zero1-overlap", remat=False,
+                         flops="megatron", options={"tp_chunks": 4} if tp > 1 else {}))
+      # Megatron's distributed optimizer shards flat buffers of any size over the 48 data-parallel ranks; partir's
+      # ZeRO tiles a dim the data axis does not divide unevenly, as torch.chunk does (issue 22), so every row runs
+      # its Adam update on 1/48 of each (tensor-parallel) shard, e.g. 86 of the 7.1B TP2 shard's 4096 columns
+      for size, h, d, L, tp, tflops in [("1.7B", 16, 2048, 24, 1, 408.8), ("7.1B", 32, 4096, 30, 2, 465.9),
+                                        ("16B", 48, 6144, 32, 4, 489.1), ("32B", 56, 7168, 48, 8, 459.6)]],
     # --- the same Megatron-Core table, its pipelined rows (TP8 x PP x DP48; global batch 8 sequences per data-parallel
     #     replica, i.e. 8 x PP micro-batches of one sequence: Megatron's default micro-batch size 1). The README does
     #     not give the schedule; Megatron's default with PP > 1 and no virtual stages is 1F1B, which is what is
