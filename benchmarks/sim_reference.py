@@ -155,11 +155,12 @@ KERNELS += [Ref(f"{chip} hbm copy", "hbm", chip, "hbm", v, "TB/s", src, dict(pre
 
 
 def _mpt(size):
-    """MPT model configs (llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml): GELU MLP 4d, tied head."""
+    """MPT model configs (llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml): GELU MLP 4d, tied head, q/k/v
+    in one GEMM (llm-foundry's attention ``Wqkv``)."""
     d, h, L = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1b": (2048, 16, 24),
                "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 56, 48),
                "70b": (8192, 64, 80)}[size]
-    return dict(vocab=50368, d=d, heads=h, layers=L)
+    return dict(vocab=50368, d=d, heads=h, layers=L, fused_qkv=True)
 
 
 def _foundry(size, chip, preset, n, seq, mb, strategy, tok_s, ac=False, hw=None):
@@ -208,9 +209,10 @@ TRAINING = [
     # --- Megatron-LM (Megatron-Core) weak-scaling table, H100: DP 48, distributed optimizer (ZeRO-1), run with
     #     Megatron's communication overlap: the parameter gather overlapped with the next forward
     #     (--overlap-param-gather: partir's zero(3, reshard_after_forward=False)) and tensor-parallel communication
-    #     overlapped with the matmuls (--tp-comm-overlap: partir's tp_chunks=4, lower/overlap.py)
+    #     overlapped with the matmuls (--tp-comm-overlap: partir's tp_chunks=4, lower/overlap.py); q/k/v in one GEMM
+    #     (Megatron-Core's linear_qkv, head-major: the colwise split gives each TP rank whole heads)
     *[Ref(f"GPT-{size} h100 TP{tp} DP48", "training", "h100", "dp" if tp == 1 else "tp", tflops, "TFLOP/s/device",
-          MEGATRON, dict(model=dict(vocab=131072, seq=4096, d=d, heads=h, layers=L), preset="h100",
+          MEGATRON, dict(model=dict(vocab=131072, seq=4096, d=d, heads=h, layers=L, fused_qkv=True), preset="h100",
                          hw={"nodes": 6 * tp}, mesh={"dp": 48, "tp": tp} if tp > 1 else {"dp": 48},
                          batch=192 // 48, schedule=("dp" if tp == 1 else "tp") + "+zero1-overlap", remat=False,
                          flops="megatron", options={"tp_chunks": 4} if tp > 1 else {}))
@@ -225,7 +227,7 @@ TRAINING = [
     #     simulated (Megatron cuts layers / PP blocks per stage, the embedding on the first stage, the head on the
     #     last). The gradient reduction and optimizer are as the TP rows above.
     *[Ref(f"GPT-{size} h100 TP8 PP{pp} DP48", "training", "h100", "tp+pp", tflops, "TFLOP/s/device", MEGATRON,
-          dict(model=dict(vocab=131072, seq=4096, d=d, heads=h, layers=L, tied=False), preset="h100",
+          dict(model=dict(vocab=131072, seq=4096, d=d, heads=h, layers=L, tied=False, fused_qkv=True), preset="h100",
                hw={"nodes": 6 * 8 * pp}, mesh={"dp": 48, "pp": pp, "tp": 8}, batch=batch // 48,
                schedule="tp+zero1-overlap", remat=False, flops="megatron", options={"tp_chunks": 4},
                pipeline=dict(stages=pp, schedule="1F1B", microbatches=batch // 48)))
