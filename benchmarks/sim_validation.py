@@ -98,8 +98,10 @@ def _schedule(kind: str, remat, cfg):
          "dp+zero1-overlap": [mp, T.data_parallel("dp"), T.zero(3, "dp", reshard_after_forward=False)],
          "tp+zero1-overlap": [T.data_parallel("dp"), tp, mp, T.zero(3, "dp", reshard_after_forward=False)],
          "fsdp+tp": [T.data_parallel("dp"), tp, mp, T.zero(3, "dp")],
-         # what Megatron ran with --tp-comm-overlap (sequence parallelism); a what-if for --breakdown
+         # what Megatron ran with --tp-comm-overlap (sequence parallelism); what-ifs for --breakdown
          "tp+sp": [T.data_parallel("dp"), tp, T.sequence_parallel("tp"), mp],
+         "tp+sp+zero1-overlap": [T.data_parallel("dp"), tp, T.sequence_parallel("tp"), mp,
+                                 T.zero(3, "dp", reshard_after_forward=False)],
          # torchtitan's tensor parallelism: sequence parallel norms by default (enable_sequence_parallel=True)
          "fsdp+tp+sp": [T.data_parallel("dp"), tp, T.sequence_parallel("tp"), mp, T.zero(3, "dp")]}[kind]
     # remat: False, True (full) or "selective" (torchtitan's per-op policy)
