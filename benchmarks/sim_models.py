@@ -2,7 +2,8 @@
 
 One module covers the published configurations: GPT/MPT (LayerNorm, GELU MLP, tied head) and Llama/MaxText
 (RMSNorm, SwiGLU MLP, untied head, grouped-query attention, a head_dim that need not be d / heads, as in MaxText's
-``global_parameter_scale`` models). Positional encodings are left out: they are elementwise work of a few
+``global_parameter_scale`` models), with q, k and v in one head-major GEMM where the source fuses them
+(``fused_qkv``: Megatron's GPT, llm-foundry's MPT). Positional encodings are left out: they are elementwise work of a few
 hundredths of a percent of the step. Names follow the zoo's Llama (``layers.N.attn.wq``...), so the Megatron plan
 below and ``remat("layers.*")`` select the same modules for every row.
 """
@@ -27,6 +28,11 @@ class DecoderConfig:
     head_dim: int = 0          # 0 = d // heads
     gated: bool = False        # SwiGLU (w2(silu(w1 x) * w3 x)) instead of GELU
     tied: bool = True          # output head shares the embedding
+    fused_qkv: bool = False    # one q/k/v GEMM (Megatron's linear_qkv, MPT's Wqkv), head-major; needs kv_heads == heads
+
+    def __post_init__(self):
+        if self.fused_qkv and self.kv_heads not in (0, self.heads):
+            raise ValueError(f"fused_qkv needs kv_heads == heads (got heads {self.heads}, kv_heads {self.kv_heads})")
 
     @property
     def hd(self) -> int:
@@ -49,17 +55,29 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, c: DecoderConfig):
         super().__init__()
-        self.h, self.kv, self.hd = c.heads, c.kv_heads or c.heads, c.hd
-        self.wq = nn.Linear(c.d, self.h * self.hd, bias=False)
-        self.wk = nn.Linear(c.d, self.kv * self.hd, bias=False)
-        self.wv = nn.Linear(c.d, self.kv * self.hd, bias=False)
+        self.h, self.kv, self.hd, self.fused = c.heads, c.kv_heads or c.heads, c.hd, c.fused_qkv
+        if c.fused_qkv:
+            self.wqkv = nn.Linear(c.d, 3 * self.h * self.hd, bias=False)
+        else:
+            self.wq = nn.Linear(c.d, self.h * self.hd, bias=False)
+            self.wk = nn.Linear(c.d, self.kv * self.hd, bias=False)
+            self.wv = nn.Linear(c.d, self.kv * self.hd, bias=False)
         self.wo = nn.Linear(self.h * self.hd, c.d, bias=False)
+
+    def qkv(self, x):                                                  # x: (B, T, d)
+        B, T, _ = x.shape
+        if self.fused:
+            # Megatron's layout: output rows grouped by head, [q_h k_h v_h] within a head, so that a colwise split
+            # of the weight gives each tensor-parallel rank whole heads
+            qkv = self.wqkv(x).reshape(B, T, self.h, 3 * self.hd)
+            return [t.transpose(1, 2) for t in qkv.split(self.hd, dim=-1)]     # 3 x (B, H, T, hd)
+        return (self.wq(x).reshape(B, T, self.h, self.hd).transpose(1, 2),    # (B, H, T, hd)
+                self.wk(x).reshape(B, T, self.kv, self.hd).transpose(1, 2),   # (B, KV, T, hd)
+                self.wv(x).reshape(B, T, self.kv, self.hd).transpose(1, 2))
 
     def forward(self, x):                                              # x: (B, T, d)
         B, T, _ = x.shape
-        q = self.wq(x).reshape(B, T, self.h, self.hd).transpose(1, 2)   # (B, H, T, hd)
-        k = self.wk(x).reshape(B, T, self.kv, self.hd).transpose(1, 2)  # (B, KV, T, hd)
-        v = self.wv(x).reshape(B, T, self.kv, self.hd).transpose(1, 2)
+        q, k, v = self.qkv(x)
         if self.kv != self.h:
             k = k.repeat_interleave(self.h // self.kv, dim=1)          # (B, H, T, hd)
             v = v.repeat_interleave(self.h // self.kv, dim=1)
@@ -130,4 +148,8 @@ def build(c: DecoderConfig) -> Decoder:
 def plan_for(c: DecoderConfig) -> dict:
     """Megatron's plan for this config, with the vocabulary-parallel embedding and head Megatron-LM uses."""
     plan = {k: v for k, v in MEGATRON_PLAN.items() if c.gated or "w3" not in k}
+    if c.fused_qkv:
+        plan = {"layers.*.attn.wqkv.weight": "colwise",
+                **{k: v for k, v in plan.items() if not k.startswith(("layers.*.attn.wq", "layers.*.attn.wk",
+                                                                      "layers.*.attn.wv"))}}
     return {**plan, "emb.weight": "vocab", **({} if c.tied else {"head.weight": "vocab"})}

@@ -157,11 +157,12 @@ KERNELS += [Ref(f"{chip} hbm copy", "hbm", chip, "hbm", v, "TB/s", src, dict(pre
 
 
 def _mpt(size):
-    """MPT model configs (llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml): GELU MLP 4d, tied head."""
+    """MPT model configs (llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml): GELU MLP 4d, tied head, q/k/v
+    in one GEMM (llm-foundry's attention ``Wqkv``)."""
     d, h, L = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1b": (2048, 16, 24),
                "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 56, 48),
                "70b": (8192, 64, 80)}[size]
-    return dict(vocab=50368, d=d, heads=h, layers=L)
+    return dict(vocab=50368, d=d, heads=h, layers=L, fused_qkv=True)
 
 
 def _foundry(size, chip, preset, n, seq, mb, strategy, tok_s, ac=False, hw=None):
@@ -210,25 +211,25 @@ TRAINING = [
     # --- Megatron-LM (Megatron-Core) weak-scaling table, H100: DP 48, distributed optimizer (ZeRO-1), run with
     #     Megatron's communication overlap: the parameter gather overlapped with the next forward
     #     (--overlap-param-gather: partir's zero(3, reshard_after_forward=False)) and tensor-parallel communication
-    #     overlapped with the matmuls (--tp-comm-overlap: partir's tp_chunks=4, lower/overlap.py)
+    #     overlapped with the matmuls (--tp-comm-overlap: partir's tp_chunks=4, lower/overlap.py); q/k/v in one GEMM
+    #     (Megatron-Core's linear_qkv, head-major: the colwise split gives each TP rank whole heads)
     *[Ref(f"GPT-{size} h100 TP{tp} DP48", "training", "h100", "dp" if tp == 1 else "tp", tflops, "TFLOP/s/device",
-          MEGATRON, dict(model=dict(vocab=131072, seq=4096, d=d, heads=h, layers=L), preset="h100",
+          MEGATRON, dict(model=dict(vocab=131072, seq=4096, d=d, heads=h, layers=L, fused_qkv=True), preset="h100",
                          hw={"nodes": 6 * tp}, mesh={"dp": 48, "tp": tp} if tp > 1 else {"dp": 48},
-                         batch=192 // 48, schedule=sched, remat=False, flops="megatron",
-                         options={"tp_chunks": 4} if tp > 1 else {}))
-      # Megatron's distributed optimizer shards flat buffers of any size; partir's ZeRO needs a dim that the data
-      # axis (48) divides, which only the 16B model's tensor-parallel shards have (1536 = 32 x 48): the other rows
-      # run data parallel without ZeRO (zero would shard nothing and raises; uneven sharding is issue 22)
-      for size, h, d, L, tp, tflops, sched in [
-          ("1.7B", 16, 2048, 24, 1, 408.8, "dp"), ("7.1B", 32, 4096, 30, 2, 465.9, "tp"),
-          ("16B", 48, 6144, 32, 4, 489.1, "tp+zero1-overlap"), ("32B", 56, 7168, 48, 8, 459.6, "tp")]],
+                         batch=192 // 48, schedule=("dp" if tp == 1 else "tp") + "+zero1-overlap", remat=False,
+                         flops="megatron", options={"tp_chunks": 4} if tp > 1 else {}))
+      # Megatron's distributed optimizer shards flat buffers of any size over the 48 data-parallel ranks; partir's
+      # ZeRO tiles a dim the data axis does not divide unevenly, as torch.chunk does (issue 22), so every row runs
+      # its Adam update on 1/48 of each (tensor-parallel) shard, e.g. 86 of the 7.1B TP2 shard's 4096 columns
+      for size, h, d, L, tp, tflops in [("1.7B", 16, 2048, 24, 1, 408.8), ("7.1B", 32, 4096, 30, 2, 465.9),
+                                        ("16B", 48, 6144, 32, 4, 489.1), ("32B", 56, 7168, 48, 8, 459.6)]],
     # --- the same Megatron-Core table, its pipelined rows (TP8 x PP x DP48; global batch 8 sequences per data-parallel
     #     replica, i.e. 8 x PP micro-batches of one sequence: Megatron's default micro-batch size 1). The README does
     #     not give the schedule; Megatron's default with PP > 1 and no virtual stages is 1F1B, which is what is
     #     simulated (Megatron cuts layers / PP blocks per stage, the embedding on the first stage, the head on the
     #     last). The gradient reduction and optimizer are as the TP rows above.
     *[Ref(f"GPT-{size} h100 TP8 PP{pp} DP48", "training", "h100", "tp+pp", tflops, "TFLOP/s/device", MEGATRON,
-          dict(model=dict(vocab=131072, seq=4096, d=d, heads=h, layers=L, tied=False), preset="h100",
+          dict(model=dict(vocab=131072, seq=4096, d=d, heads=h, layers=L, tied=False, fused_qkv=True), preset="h100",
                hw={"nodes": 6 * 8 * pp}, mesh={"dp": 48, "pp": pp, "tp": 8}, batch=batch // 48,
                schedule="tp+zero1-overlap", remat=False, flops="megatron", options={"tp_chunks": 4},
                pipeline=dict(stages=pp, schedule="1F1B", microbatches=batch // 48)))

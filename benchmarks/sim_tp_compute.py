@@ -94,12 +94,16 @@ def main(argv=None):
     ap.add_argument("--ops", metavar="KIND", help="also list the nodes of this kind (e.g. clone) in the deeper "
                     "program, with shapes and simulated time")
     ap.add_argument("--schedule", help="the row run with another schedule of sim_validation._schedule")
+    ap.add_argument("--options", help="partition options as JSON, added to the row's (e.g. '{\"async_tp\": true}')")
     args = ap.parse_args(argv)
     ref = next(r for r in ROWS if r.kind == "training" and args.row in r.name)
-    if args.schedule:
+    if args.schedule or args.options:
         import dataclasses
-        ref = dataclasses.replace(ref, setup={**ref.setup, "schedule": args.schedule})
-        print(f"schedule {args.schedule}")
+        import json
+        opts = {**ref.setup.get("options", {}), **json.loads(args.options or "{}")}
+        ref = dataclasses.replace(ref, setup={**ref.setup, "schedule": args.schedule or ref.setup["schedule"],
+                                              "options": opts})
+        print(f"schedule {ref.setup['schedule']}, options {opts}")
     hw = V._hw(ref.setup, V.fit([r for r in ROWS if SPLIT[r.family] == "cal"], {}, passes=1))
     a, b = V._depths(ref.setup)
     (lo, rep_lo), (hi, rep_hi) = split(ref.setup, hw, a), split(ref.setup, hw, b)

@@ -93,14 +93,17 @@ def _schedule(kind: str, remat, cfg):
     s = {"fsdp": [mp, T.data_parallel("dp"), T.zero(3, "dp")],
          "zero2": [mp, T.data_parallel("dp"), T.zero(2, "dp")],
          "dcn+fsdp": [mp, T.data_parallel("dcn", name="BP-dcn"), T.data_parallel("dp"), T.zero(3, "dp")],
-         # Megatron's distributed optimizer with --overlap-param-gather: the updated shards are gathered ahead of
-         # their use in the next forward, the gathered copy kept for the backward (one gather per step, as ZeRO-1)
          "dp": [mp, T.data_parallel("dp")],
          "tp": [T.data_parallel("dp"), tp, mp],
+         # Megatron's distributed optimizer with --overlap-param-gather: the updated shards are gathered ahead of
+         # their use in the next forward, the gathered copy kept for the backward (one gather per step, as ZeRO-1)
+         "dp+zero1-overlap": [mp, T.data_parallel("dp"), T.zero(3, "dp", reshard_after_forward=False)],
          "tp+zero1-overlap": [T.data_parallel("dp"), tp, mp, T.zero(3, "dp", reshard_after_forward=False)],
          "fsdp+tp": [T.data_parallel("dp"), tp, mp, T.zero(3, "dp")],
-         # what Megatron ran with --tp-comm-overlap (sequence parallelism); a what-if for --breakdown
+         # what Megatron ran with --tp-comm-overlap (sequence parallelism); what-ifs for --breakdown
          "tp+sp": [T.data_parallel("dp"), tp, T.sequence_parallel("tp"), mp],
+         "tp+sp+zero1-overlap": [T.data_parallel("dp"), tp, T.sequence_parallel("tp"), mp,
+                                 T.zero(3, "dp", reshard_after_forward=False)],
          # torchtitan's tensor parallelism: sequence parallel norms by default (enable_sequence_parallel=True)
          "fsdp+tp+sp": [T.data_parallel("dp"), tp, T.sequence_parallel("tp"), mp, T.zero(3, "dp")]}[kind]
     # remat: False, True (full) or "selective" (torchtitan's per-op policy)

@@ -170,3 +170,23 @@ def test_the_flash_attention_forward_backward_rows_are_predicted_never_fitted(mo
     monkeypatch.setattr(V, "predict", lambda r, knobs=None: seen.append(r.family) or real(r, knobs))
     V.fit([r for r in R.ROWS if r.kind == "attention"], {}, passes=1)
     assert seen and not set(seen) & V.HELD_OUT_ONLY
+
+
+def _adam_numel(gm) -> int:
+    import math
+    node = next(n for n in gm.graph.nodes if "adam" in str(n.target))
+    return sum(math.prod(p.meta["val"].shape) for p in node.args[0])
+
+
+@pytest.mark.parametrize("name", ["GPT-1.7B h100 TP1", "GPT-7.1B h100 TP2", "GPT-32B h100 TP8"])
+def test_the_megatron_rows_update_a_48th_of_each_shard(name):
+    """Megatron-Core ran its table with the distributed optimizer: each of the 48 data-parallel ranks updates
+    1/48 of its (tensor-parallel) shard. The rows' programs do too, the dims 48 does not divide tiled unevenly."""
+    row = next(r for r in R.ROWS if r.name.startswith(name))
+    gm = V.program(row.setup, 2)[0]
+    cfg = V.M.DecoderConfig(**{**row.setup["model"], "layers": 2})
+    with torch.device("meta"):
+        params = {k: p.numel() for k, p in V.M.Decoder(cfg).named_parameters()}
+    tp = row.setup["mesh"].get("tp", 1)
+    shard = sum(n if "norm" in k else n // tp for k, n in params.items())
+    assert shard / 48 <= _adam_numel(gm) <= 1.01 * shard / 48

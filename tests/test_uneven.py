@@ -304,3 +304,26 @@ def test_interpreter_equals_local_tensor_mode_on_an_uneven_program():
         assert torch.equal(a, b)
     for k in p_want:
         torch.testing.assert_close(p_got[k], p_want[k], rtol=0, atol=0)
+
+
+def test_zero3_buckets_the_gathers_of_uneven_bf16_shards():
+    """Mixed precision casts each fp32 shard to bf16 right before its gather, and an uneven gather keeps its first
+    positions with a narrow right after its wait: the gathers still merge into buckets (the narrows move after the
+    bucket), as the even ones do; the same bytes, the same steps as the unbucketed program."""
+    x, y = torch.randn(6, 5), torch.randn(6, 3)
+    tactics = [T.mixed_precision(torch.bfloat16), T.data_parallel("batch"), T.zero(3, "batch")]
+
+    def prog(bucket_bytes):
+        model = _tiny()
+        return pt.partition(model, pt.Mesh({"batch": 3}), tactics, example_inputs=(x, y), loss_fn=_mse,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), bucket_bytes=bucket_bytes)
+
+    plain, bucketed = prog(0), prog(64 * 2 ** 20)
+    gathers = lambda p: [r for r in p.collectives() if r.kind == "all_gather" and r.phase == "forward"]  # noqa: E731
+    assert sum(r.nbytes for r in gathers(bucketed)) == sum(r.nbytes for r in gathers(plain))
+    assert len(gathers(plain)) == 6 and len(gathers(bucketed)) == 1
+    for _ in range(3):
+        torch.testing.assert_close(bucketed.train_step(x, y), plain.train_step(x, y), rtol=0, atol=0)
+    got, want = bucketed.gather_parameters(), plain.gather_parameters()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)

@@ -94,7 +94,22 @@ def _fits(run, node, rec, order) -> bool:
     if any(n.args[0] not in order for n, _ in members):
         return False                      # an input made by an earlier bucket: keep it simple, do not merge
     ready = max(order[n.args[0]] for n, _ in members)
-    return all(min(order.get(u, -1) for u in next(iter(n.users)).users) > ready for n, _ in members)
+    return all(min(order.get(u, -1) for u in _reads(next(iter(n.users)))) > ready for n, _ in members)
+
+
+def _narrow(wait):
+    """The slice an uneven gather keeps its first positions with (lower/uneven.py), when it is the wait's only
+    reader: a view, moved after the bucket with its input."""
+    users = list(wait.users)
+    return users[0] if len(users) == 1 and users[0].target is aten.slice.Tensor else None
+
+
+def _reads(wait) -> list:
+    """The nodes that read a collective's result, through an uneven gather's narrow."""
+    narrow = _narrow(wait)
+    if narrow is None:
+        return list(wait.users)
+    return list(narrow.users) or [narrow]
 
 
 def _merge(graph, run, order) -> CollectiveRecord:
@@ -141,7 +156,10 @@ def _merge(graph, run, order) -> CollectiveRecord:
                 part = graph.call_function(aten.slice.Tensor, (wait, 0, off, off + n))
                 out = graph.call_function(aten.view.default, (part, [shape[0] // k] + shape[1:]))
             off += n
+            narrow = _narrow(next(iter(node.users)))
             next(iter(node.users)).replace_all_uses_with(out)
+            if narrow is not None and first.kind == ALL_GATHER:
+                out.append(narrow)       # it read the member's wait, which may sit before the bucket
     for node, _ in run:   # collectives count as side effects: dead-code elimination would keep them
         wait = next(iter(node.users))
         graph.erase_node(wait)
