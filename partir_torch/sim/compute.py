@@ -221,7 +221,9 @@ def kernel_time(hw: Hardware, flops: float, nbytes: float, dtype, attention: boo
     if hw.fp8_efficiency and str(dtype).replace("torch.", "").startswith("float8"):
         eff = hw.fp8_efficiency
     t_flop = flops / (eff * hw.peak_flops(dtype)) + hw.mm_half_time_s
-    return float(combine_legs(t_flop, memory_time(hw, nbytes), hw.roofline_p))
+    # the kernel's fixed cost is the compute leg's half-time; its memory leg is the streaming alone (the memory-bound
+    # kernels' launch overhead, hw.kernel_overhead_s, is not charged a second time)
+    return float(combine_legs(t_flop, nbytes / (hw.hbm_efficiency * hw.hbm_bw), hw.roofline_p))
 
 
 def combine_legs(t_flop, t_mem, p: float):

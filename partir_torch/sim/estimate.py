@@ -242,7 +242,9 @@ class ProgramFacts:
         op_bytes = np.bincount(self.s_op, weights=self.s_bytes / slot_div, minlength=len(self.g.ops))
         t_mem = op_bytes / (hw.hbm_efficiency * hw.hbm_bw) + hw.kernel_overhead_s
         t_flop = np.where(self.op_flops > 0, self.op_flops / op_div / self.op_rate + hw.mm_half_time_s, 0.0)
-        t_op = np.where(self.op_compute, np.where(t_flop > 0, combine_legs(t_flop, t_mem, hw.roofline_p), t_mem), 0.0)
+        t_stream = op_bytes / (hw.hbm_efficiency * hw.hbm_bw)      # a FLOP-carrying kernel's memory leg (compute.py)
+        t_op = np.where(self.op_compute, np.where(t_flop > 0, combine_legs(t_flop, t_stream, hw.roofline_p), t_mem),
+                        0.0)
         compute = float(np.sum(t_op))
         update = float(np.sum(t_op[self.op_phase == 2]))      # the optimizer update waits for the gradients
         return compute, update

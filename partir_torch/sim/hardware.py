@@ -25,10 +25,10 @@ TFLOPS = 1e12
 
 # Small-GEMM fall-off as a Hockney curve (Hockney 1991, "r_inf and n_1/2"): t = F / (eff_max * peak) + t_half.
 # Fit to MAMF (ml-engineering): a 1024^3 fp16 GEMM on A100 reaches 38% of 312 TFLOP/s, best shapes 86.9%.
-# The 38% is the whole kernel's time, whose memory leg (6 MiB of operands at 90% of 2,039 GB/s, plus the 2 us
-# kernel overhead) combines with the compute leg as sim/compute.py's p-norm (p = 2, Hardware.roofline_p).
+# The 38% is the whole kernel's time, whose memory leg (6 MiB of operands at 90% of 2,039 GB/s) combines with the
+# compute leg as sim/compute.py's p-norm (p = 2, Hardware.roofline_p).
 _T_PEAK_1024 = 2 * 1024 ** 3 / (312 * TFLOPS)
-_T_MEM_1024 = 3 * 2 * 1024 ** 2 / (0.90 * 2039 * GB) + 2e-6
+_T_MEM_1024 = 3 * 2 * 1024 ** 2 / (0.90 * 2039 * GB)
 GEMM_HALF_TIME_S = math.sqrt((_T_PEAK_1024 / 0.38) ** 2 - _T_MEM_1024 ** 2) - _T_PEAK_1024 / 0.869   # ~9.4 us
 # The half-time is a GEMM kernel's fixed cost (launch, prologue, epilogue, the last wave's tail): a number of cycles,
 # so it shrinks with the clock. Hopper's boost clock is 1,980 MHz against A100's 1,410 (datasheets); B200's is
