@@ -61,7 +61,7 @@ KNOBS = {
     "hbm_efficiency": ("abs", (0.70, 0.75, 0.80, 0.85, 0.90, 0.95), "kernels"),
     "mm_half_time_s": ("scale", (0.4, 0.5, 0.6, 0.8, 1.0), "kernels"),
     "fp8_efficiency": ("abs", (0.60, 0.65, 0.70, 0.75, 0.80), "kernels"),
-    "roofline_p": ("abs", (1.5, 2.0, 3.0, 4.0, 6.0, 64.0), "kernels"),
+    "roofline_p": ("abs", (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 64.0), "kernels"),   # 1: no overlap (sum), 64: max()
     "sustained_clock": ("abs", (0.75, 0.8, 0.85, 0.9, 0.95, 1.0), "training"),
     "overlap_slowdown": ("abs", (0.0, 0.1, 0.2, 0.3, 0.4, 0.5), "training"),
     "kernel_overhead_s": ("abs", (1e-6, 2e-6, 4e-6, 8e-6), "training"),

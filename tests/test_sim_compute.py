@@ -104,7 +104,7 @@ def test_a_kernel_near_the_ridge_point_takes_longer_than_its_slower_leg():
     big = _gemm(16384, torch.bfloat16)                                   # far from the ridge: the compute leg
     assert _cost(hardware("a100-80g"), big)[1] == pytest.approx(_cost(legs, big)[1], rel=0.01)
     # the fixed cost is the half-time alone: a memory-bound kernel's launch overhead does not enter a GEMM's time
-    assert _cost(hardware("a100-80g", kernel_overhead_s=50e-6), tall)[1] == pytest.approx(t_p2)
+    assert _cost(hardware("a100-80g", kernel_overhead_s=50e-6, roofline_p=2.0), tall)[1] == pytest.approx(t_p2)
 
 
 def test_a_gemm_fixed_cost_is_cycles_so_hopper_pays_less_of_it():
