@@ -40,6 +40,7 @@ from benchmarks import sim_models as M                                   # noqa:
 from benchmarks.sim_reference import RANKING, ROWS, SPLIT, Ref, check     # noqa: E402
 from partir_torch.mesh import Mesh                                        # noqa: E402
 from partir_torch.sim import estimate, hardware                           # noqa: E402
+from partir_torch.sim.hardware import KNOBS as HW_KNOBS, with_knobs       # noqa: E402
 from partir_torch.sim.compute import elem_bytes, kernel_time, memory_time, val_sig   # noqa: E402
 
 DEPTHS = (2, 4)            # shallow depths simulated; deeper runs are extrapolated linearly in the layer count
@@ -50,7 +51,7 @@ ISSUE = "program"
 
 # Physical knobs the fit may move, each a Hardware field with the grid it searches (multiplicative on the preset
 # value where "scale", absolute otherwise) and the rows that measure it. They act on every chip alike (or, named in
-# KNOB_SCOPE, on every chip of one kind): the fit learns physics shared across families, never a per-row constant.
+# partir_torch.sim.hardware.KNOBS, on every chip of one kind): the fit learns physics shared across families, never a per-row constant.
 # Kernel benchmarks measure the kernel knobs (how efficient fused attention is relative to its peak, how much of HBM
 # bandwidth a copy sees, the small-GEMM fall-off, fp8 GEMM efficiency); training runs then measure what only shows
 # in a whole step with those fixed (the clock a GPU sustains through a step, per-launch overhead, how much a
@@ -67,8 +68,7 @@ KNOBS = {
     "kernel_overhead_s": ("abs", (1e-6, 2e-6, 4e-6, 8e-6), "training"),
     "tpu_mm_efficiency": ("abs", (0.80, 0.85, 0.90, 0.95), "training"),
 }
-KNOB_SCOPE = {"tpu_mm_efficiency": ("mm_efficiency", "tpu"),       # knob -> (Hardware field, the kind it acts on)
-              "sustained_clock": ("sustained_clock", "gpu")}
+assert all(KNOBS[k][0] == HW_KNOBS[k][1] for k in KNOBS) and set(KNOBS) == set(HW_KNOBS)   # one definition of each
 TRAINING_KNOBS = ("attn_efficiency", "hbm_efficiency", "kernel_overhead_s", "mm_half_time_s", "overlap_slowdown",
                   "tpu_mm_efficiency", "sustained_clock", "roofline_p")             # what bf16 training runs depend on
 
@@ -157,15 +157,8 @@ def _depths(setup: dict) -> tuple:
 
 
 def _hw(setup: dict, knobs: dict):
-    base = hardware(setup["preset"], **setup.get("hw", {}))
-    over = {}
-    for k, v in knobs.items():
-        field, kind = KNOB_SCOPE.get(k, (k, base.kind))
-        if kind == base.kind:
-            over[field] = getattr(base, field) * v if KNOBS[k][0] == "scale" else v
-    if "attn_efficiency" in over:
-        over["attn_efficiency"] = min(over["attn_efficiency"], over.get("mm_efficiency", base.mm_efficiency))
-    return dataclasses.replace(base, **over)
+    """The row's machine, from the preset's datasheet figures (not the presets' own fit), with ``knobs`` applied."""
+    return with_knobs(hardware(setup["preset"], calibrated=False, **setup.get("hw", {})), knobs)
 
 
 # ---------------------------------------------------------------------------------------------------- predict
@@ -297,8 +290,8 @@ def _loss(rows, knobs, cache) -> float:
 def fit(rows, cache, passes: int = 2) -> dict:
     """Coordinate descent over ``KNOBS`` minimising median + mean/4 of |log(sim/ref)|: the kernel knobs on the
     kernel and collective rows of ``rows``, then the training knobs on its training rows."""
-    start = {k: getattr(hardware("tpu-v5e" if KNOB_SCOPE.get(k, ("", ""))[1] == "tpu" else "h100"),
-                        KNOB_SCOPE.get(k, (k,))[0]) for k in KNOBS}
+    start = {k: getattr(hardware("tpu-v5e" if HW_KNOBS[k][2] == "tpu" else "h100", calibrated=False),
+                        HW_KNOBS[k][0]) for k in KNOBS}
     knobs = {k: (1.0 if mode == "scale" else start[k]) for k, (mode, _, _) in KNOBS.items()}
     knobs = {k: (v if v in KNOBS[k][1] else KNOBS[k][1][len(KNOBS[k][1]) // 2]) for k, v in knobs.items()}
     rows = [r for r in rows if r.family not in HELD_OUT_ONLY]
@@ -405,7 +398,7 @@ def main(argv=None):
     conf = {f: statistics.median(abs(x) for x in (lofo[f] if SPLIT[f] == "cal" else
                                                   [e[r.name] for r in val if r.family == f])) for f in fams}
     if args.write_confidence and not args.quick:
-        _write_confidence(conf)
+        _write_confidence(conf, knobs)
     print(f"\n{time.process_time() - t0:.0f} s CPU")
 
 
@@ -480,13 +473,18 @@ def _extrapolated_split(ref, setup, splits) -> None:
         print(f"  measured step ({ref.measured:g} {ref.unit}): {1e3 * step:.0f} ms")
 
 
-def _write_confidence(conf: dict) -> None:
-    path = os.path.join(os.path.dirname(__file__), "..", "partir_torch", "sim", "confidence.py")
-    text = open(path).read()
-    start, end = text.index("FAMILY_ERROR = {"), text.index("}  # end FAMILY_ERROR") + 1
-    body = "FAMILY_ERROR = {\n" + "".join(f"    \"{f}\": {v:.3f},\n" for f, v in sorted(conf.items())) + "}"
-    open(path, "w").write(text[:start] + body + text[end:])
-    print(f"wrote {len(conf)} family errors to {path}")
+def _write_confidence(conf: dict, knobs: dict) -> None:
+    """The held-out family errors into sim/confidence.py, and the calibration half's fit they are the errors of into
+    sim/fitted.py (the presets carry it: hardware(name))."""
+    sim = os.path.join(os.path.dirname(__file__), "..", "partir_torch", "sim")
+    for name, var, items in (("confidence.py", "FAMILY_ERROR", [(f, f"{v:.3f}") for f, v in sorted(conf.items())]),
+                             ("fitted.py", "FITTED", [(k, f"{v!r}") for k, v in sorted(knobs.items())])):
+        path = os.path.join(sim, name)
+        text = open(path).read()
+        start, end = text.index(f"{var} = {{"), text.index(f"}}  # end {var}") + 1
+        body = f"{var} = {{\n" + "".join(f"    \"{k}\": {v},\n" for k, v in items) + "}"
+        open(path, "w").write(text[:start] + body + text[end:])
+    print(f"wrote {len(conf)} family errors to confidence.py and the fit to fitted.py in {sim}")
 
 
 if __name__ == "__main__":

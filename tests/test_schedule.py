@@ -147,7 +147,9 @@ def test_tp_chunks_overlap_megatron_all_reduces_and_keep_the_numbers():
     fwd = lambda p: [r for r in p.collectives() if r.phase == "forward" and r.axis == "model"]  # noqa: E731
     assert len(fwd(chunked)) == 2 * len(fwd(plain)) == 4 * 3              # 2 row-parallel linears x 3 layers
     assert sum(r.nbytes for r in fwd(chunked)) == sum(r.nbytes for r in fwd(plain))
-    hw = pt.sim.hardware("h100", gpus_per_node=4)
+    # the datasheet preset: at this toy size the fitted per-kernel overheads (sim/fitted.py) outweigh what the chunks
+    # overlap, which is not what this checks (that the chunked program overlaps its all-reduces)
+    hw = pt.sim.hardware("h100", calibrated=False, gpus_per_node=4)
     assert chunked.simulate(hw).exposed_comm_s < plain.simulate(hw).exposed_comm_s
     train_next_to_eager(chunked, ref, [BATCH] * 2, SPEC.loss_fn, make_opt=harness.adamw(lr=1e-3))
 

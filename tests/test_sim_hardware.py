@@ -98,3 +98,17 @@ def test_mesh_size_mismatch_names_both_numbers():
     with pytest.raises(PartitionError) as e:
         collective_time(hardware("h100", nodes=2), "all_reduce", 1 << 20, Mesh({"dp": 8}), "dp")
     assert "8" in str(e.value) and "16" in str(e.value)
+
+
+def test_presets_carry_the_fit_whose_held_out_error_the_confidence_column_reports():
+    from partir_torch.sim.fitted import FITTED
+    from partir_torch.sim.hardware import with_knobs
+
+    raw, fit = hardware("h100", calibrated=False), hardware("h100")
+    assert fit == with_knobs(raw, FITTED)
+    assert fit.sustained_clock == FITTED["sustained_clock"] and raw.sustained_clock == 1.0
+    assert fit.attn_efficiency == pytest.approx(min(raw.attn_efficiency * FITTED["attn_efficiency"], raw.mm_efficiency))
+    tpu, tpu_raw = hardware("tpu-v5e"), hardware("tpu-v5e", calibrated=False)
+    assert tpu.mm_efficiency == FITTED["tpu_mm_efficiency"] and tpu.sustained_clock == tpu_raw.sustained_clock
+    assert fit.mm_efficiency == raw.mm_efficiency                  # the TPU knob leaves GPUs alone
+    assert hardware("h100", sustained_clock=0.5).sustained_clock == 0.5   # a user's override wins over the fit

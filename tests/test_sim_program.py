@@ -26,7 +26,8 @@ def kinds(report):
 def test_stage_reports_follow_the_schedule():
     prog = gpt_program({"batch": 2, "model": 2}, [T.data_parallel("batch"), T.megatron("model"),
                                                    T.zero(3, "batch")])
-    r = prog.simulate(pt.sim.hardware("h100", gpus_per_node=4))
+    # the datasheet preset: the fit's contention (compute slowed while collectives run) would blur the halving below
+    r = prog.simulate(pt.sim.hardware("h100", calibrated=False, gpus_per_node=4))
     base, bp, mp, z3 = r.stages
     assert [s.stage_name for s in r.stages] == ["replicated", "BP", "MP", "Z3"]
     assert kinds(base) == set()

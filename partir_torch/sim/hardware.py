@@ -303,12 +303,36 @@ _ALIASES = {"a100": "a100-80g", "h100-80g": "h100", "v4": "tpu-v4", "v5e": "tpu-
             "v6e": "tpu-v6e"}
 
 
-def hardware(name: str, **overrides) -> Hardware:
+# The knobs benchmarks/sim_validation.py fits: knob -> (Hardware field, "abs" or "scale" (a factor on the preset's
+# value), the kind of chip it acts on or None for every kind). sim/fitted.py holds the fit the presets carry.
+KNOBS = {"attn_efficiency": ("attn_efficiency", "scale", None), "hbm_efficiency": ("hbm_efficiency", "abs", None),
+         "mm_half_time_s": ("mm_half_time_s", "scale", None), "fp8_efficiency": ("fp8_efficiency", "abs", None),
+         "roofline_p": ("roofline_p", "abs", None), "sustained_clock": ("sustained_clock", "abs", "gpu"),
+         "overlap_slowdown": ("overlap_slowdown", "abs", None), "kernel_overhead_s": ("kernel_overhead_s", "abs", None),
+         "tpu_mm_efficiency": ("mm_efficiency", "abs", "tpu")}
+
+
+def with_knobs(hw: Hardware, knobs: dict) -> Hardware:
+    """``hw`` with fitted knobs applied (``KNOBS``): absolute values, or factors on ``hw``'s own; a knob scoped to one
+    kind of chip leaves the other alone. Fused attention never runs above the GEMM efficiency."""
+    over = {}
+    for k, v in knobs.items():
+        field, mode, kind = KNOBS[k]
+        if kind in (None, hw.kind):
+            over[field] = getattr(hw, field) * v if mode == "scale" else v
+    if "attn_efficiency" in over:
+        over["attn_efficiency"] = min(over["attn_efficiency"], over.get("mm_efficiency", hw.mm_efficiency))
+    return dataclasses.replace(hw, **over)
+
+
+def hardware(name: str, calibrated: bool = True, **overrides) -> Hardware:
     """A preset machine with any field overridden.
 
     GPU presets ("a100-40g", "a100-80g", "h100", "h200", "b200") take ``nodes=``, ``gpus_per_node=``,
     ``nic_bw=`` ...; TPU presets ("tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e") take ``topology=(x, y[, z])`` and
-    ``slices=``.
+    ``slices=``. ``calibrated``: the preset carries the knobs fitted on published measurements (sim/fitted.py:
+    the sustained clock, contention, launch overhead, HBM and roofline constants), the model whose held-out error
+    the report's confidence column gives; False: the datasheet and kernel-benchmark figures alone (docs/hardware.md).
     """
     key = _ALIASES.get(str(name).lower(), str(name).lower())
     if key not in PRESETS:
@@ -330,4 +354,8 @@ def hardware(name: str, **overrides) -> Hardware:
     if base.kind == "tpu" and any(k in overrides for k in ("nodes", "gpus_per_node")):
         raise PartitionError(f"hardware({name!r}): nodes/gpus_per_node describe GPU clusters; for TPUs use "
                              f"topology=(x, y[, z]) and slices=.")
+    if calibrated:
+        from .fitted import FITTED
+
+        base = with_knobs(base, FITTED)
     return dataclasses.replace(base, **overrides)
