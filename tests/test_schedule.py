@@ -133,7 +133,8 @@ def test_options_are_checked():
 
 def test_tp_chunks_overlap_megatron_all_reduces_and_keep_the_numbers():
     """tp_chunks=2: each row-parallel matmul and its all_reduce in two row chunks (lower/overlap.py): twice the
-    forward all_reduces, the same bytes, less exposed communication in the simulator, and the same training."""
+    forward all_reduces, the same bytes, a chunk's all_reduce in flight over the next chunk's matmul, and the same
+    training."""
     def make(chunks):
         torch.manual_seed(0)
         model = SPEC.build()
@@ -147,10 +148,17 @@ def test_tp_chunks_overlap_megatron_all_reduces_and_keep_the_numbers():
     fwd = lambda p: [r for r in p.collectives() if r.phase == "forward" and r.axis == "model"]  # noqa: E731
     assert len(fwd(chunked)) == 2 * len(fwd(plain)) == 4 * 3              # 2 row-parallel linears x 3 layers
     assert sum(r.nbytes for r in fwd(chunked)) == sum(r.nbytes for r in fwd(plain))
-    # the datasheet preset: at this toy size the fitted per-kernel overheads (sim/fitted.py) outweigh what the chunks
-    # overlap, which is not what this checks (that the chunked program overlaps its all-reduces)
-    hw = pt.sim.hardware("h100", calibrated=False, gpus_per_node=4)
-    assert chunked.simulate(hw).exposed_comm_s < plain.simulate(hw).exposed_comm_s
+    # every chunk's all_reduce but a row's last is in flight over the next chunk's matmul
+    nodes = list(chunked.lowered.gm.graph.nodes)
+    at = {x: i for i, x in enumerate(nodes)}
+    starts = [x for x in nodes if "all_reduce" in str(x.target) and x.meta.get("partir_phase", "") != "backward"]
+    overlapped = [s for s in starts
+                  if any(x.target in MM for x in nodes[at[s]:at[next(u for u in s.users if u.target is WAIT)]])]
+    assert len(overlapped) >= len(fwd(plain))                             # at least one chunk per matmul
+    # the simulator sees it: part of the chunked program's communication runs under compute (on a model this small
+    # the chunks' extra latencies can outweigh it against the plain program, which is not what this checks)
+    rep = chunked.simulate(pt.sim.hardware("h100", gpus_per_node=4))
+    assert rep.exposed_comm_s < rep.comm_s
     train_next_to_eager(chunked, ref, [BATCH] * 2, SPEC.loss_fn, make_opt=harness.adamw(lr=1e-3))
 
 
