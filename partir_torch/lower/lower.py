@@ -109,6 +109,32 @@ def op_layouts(decisions: Decisions, i: int):
     return ins, outs
 
 
+class StageShare:
+    """What the lowerings of one plan's stages share (Plan.lowered): the ops' layouts of the stage lowered last,
+    reused for each op whose per-op decisions the next stage left as they were (Decisions.ops_differing), and the
+    meta run's memo (fakeprop.py; its entries are functions of their keys alone). One plan: one graph and mesh."""
+
+    def __init__(self):
+        self.layouts = None              # (Decisions, [op_layouts(d, i) per op]) of the stage lowered last
+        self.meta_memo: dict = {}        # fakeprop._MetaProp's memo, kept across the plan's programs
+
+
+def stage_layouts(decisions: Decisions, share: StageShare | None = None) -> list:
+    """op_layouts of every op; with `share`, the layouts of the stage lowered before are kept for the ops whose
+    decisions are the same (op_layouts reads nothing else that differs between stages), and these become it."""
+    n = len(decisions.graph.ops)
+    prev = share.layouts if share is not None else None
+    changed = decisions.ops_differing(prev[0]) if prev is not None else None
+    if changed is None:
+        out = [op_layouts(decisions, i) for i in range(n)]
+    else:
+        old = prev[1]
+        out = [op_layouts(decisions, i) if i in changed else old[i] for i in range(n)]
+    if share is not None:
+        share.layouts = (decisions, out)
+    return out
+
+
 def _strides(pairs) -> tuple:
     """Sharding's normal form of (axis, split) pairs (strides, blocks): one per axis (the last given), splits > 1,
     sorted."""
@@ -150,10 +176,11 @@ def _place_factor(rule, f, axis, inner, in_dims, in_strides, out_dims, out_strid
 class Lowerer:
     """Builds the per-device program from a captured graph and its decisions. groups: mesh axis -> process group
     name used by the collectives. Runs of parameter all_gathers / gradient reduce_scatters are merged into
-    buckets of options.bucket_bytes (bucket.py)."""
+    buckets of options.bucket_bytes (bucket.py). share: what a plan's stages share (StageShare), or None."""
 
     def __init__(self, graph, decisions: Decisions, mesh, captured, groups: dict, options: Options | None = None,
-                 families: dict | None = None, kept: frozenset = frozenset(), pipelined=None):
+                 families: dict | None = None, kept: frozenset = frozenset(), pipelined=None,
+                 share: StageShare | None = None):
         self.g, self.d, self.mesh, self.cap = graph, decisions, mesh, captured
         # pipelined: the PipelineSpec of a program cut into stages after lowering (lower/pipeline.py): no bucket or
         # fused update may mix the values of two stages, so buckets are made per stage (gradient reductions and
@@ -173,7 +200,7 @@ class Lowerer:
         self.produced_of: dict = {}      # multi-output node -> result layouts
         self.out_layouts: list = []
         self.op_index = {op.node: i for i, op in enumerate(graph.ops)}
-        self.layouts_of = [op_layouts(decisions, i) for i in range(len(graph.ops))]
+        self.layouts_of = stage_layouts(decisions, share)
         self.wants: dict = {}            # value node -> {layout its consumers need: the first such consumer}
         for i, op in enumerate(graph.ops):
             for vid, want in zip(op.operands, self.layouts_of[i][0]):

@@ -178,6 +178,28 @@ class Decisions:
         a = st.assign.get(i) if st is not None else None
         return PARTIAL_OP[a] if a is not None and a < 0 else None
 
+    def ops_differing(self, other: "Decisions") -> set | None:
+        """Indices of the ops whose per-op decisions differ from `other`'s (another stage of the same graph and
+        mesh): the tables lower.op_layouts reads (factor axes, inner splits, uneven blocks, assignments), and every
+        op passing a partial value through in either (its layouts also read its operands' states). None: not
+        comparable (another graph or mesh, or the axes in another order)."""
+        a, b = self._p, other._p
+        if a.g is not b.g or a.mesh != b.mesh or a.axis_order != b.axis_order:
+            return None
+        changed = _keys_differing(a.op_axes, b.op_axes)
+        changed |= {i for i, _ in _keys_differing(a.op_inner, b.op_inner) | _keys_differing(a.op_uneven, b.op_uneven)}
+        for axis in a.axis_order:
+            sa, sb = a.axes[axis].assign, b.axes[axis].assign
+            changed |= _keys_differing(sa, sb)
+            changed |= {i for i, f in sa.items() if f < 0} | {i for i, f in sb.items() if f < 0}
+        return changed
+
     @property
     def conflicts(self) -> list:
         return self._p.conflicts
+
+
+def _keys_differing(a: dict, b: dict) -> set:
+    """Keys whose entries differ between two dicts (present in one only, or unequal)."""
+    missing = object()
+    return {k for k in a.keys() | b.keys() if a.get(k, missing) != b.get(k, missing)}
