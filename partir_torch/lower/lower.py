@@ -308,7 +308,8 @@ class Lowerer:
         slot = iter(range(len(op.operands)))
         in_local = []
 
-        padded = self._padded_reductions(i)
+        tiled = self.d.op_factor_axes(i)         # factor -> axes tiling it (read once: both steps below need it)
+        padded = self._padded_reductions(i, tiled) if tiled else {}
 
         def mapped(a):
             if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) and a in g.vid:
@@ -329,8 +330,8 @@ class Lowerer:
                          (out_local[k] if out_local[k] is not None else _local(tuple(t.shape), outs[k], mesh))
                          if outs[k] is not None else tuple(t.shape) for k, t in enumerate(node.meta["val"])]
         args, kwargs = localize_args(node, args, kwargs, in_local, out_local)
-        x = self._indexed(i, args, kwargs) or call_function(self.new, _RESHAPE.get(node.target, node.target), args,
-                                                             kwargs)
+        x = (tiled and self._indexed(i, tiled, args, kwargs)) or call_function(
+            self.new, _RESHAPE.get(node.target, node.target), args, kwargs)
         x.meta[META_SRC] = node.name
         for key in (META_RECOMPUTE, META_SAVED):
             if node.meta.get(key):
@@ -421,14 +422,15 @@ class Lowerer:
     def _tactic_of(self, vid):
         return lambda axis: self.d.tactic_of(vid, axis)
 
-    def _padded_reductions(self, i) -> dict:
+    def _padded_reductions(self, i, tiled: dict) -> dict:
         """operand slot -> {dim: (parent size, axis, block, reduce op)} for the dims op i reduces over (a REDUCE factor of
         its rule) that an axis tiles unevenly: their padding must hold the reduction's identity (lower/uneven.py).
-        An indexed factor (embedding's vocabulary) needs none: no position addresses the padding."""
+        An indexed factor (embedding's vocabulary) needs none: no position addresses the padding. tiled: factor ->
+        axes (Decisions.op_factor_axes(i))."""
         op, g = self.g.ops[i], self.g
         out: dict = {}
         ins = self.layouts_of[i][0]
-        for f, axes in self.d.op_factor_axes(i).items():
+        for f, axes in tiled.items():
             factor = op.rule.factors[f]
             if factor.kind != "reduce" or factor.indexed or not axes:
                 continue
@@ -441,10 +443,11 @@ class Lowerer:
                         out.setdefault(j, {})[d] = (*uneven[d], factor.reduce_op)
         return out
 
-    def _indexed(self, i, args, kwargs):
-        """The local kernel of an op whose indexed factor (vocabulary, classes) is tiled, else None."""
+    def _indexed(self, i, tiled: dict, args, kwargs):
+        """The local kernel of an op whose indexed factor (vocabulary, classes) is tiled (tiled: factor -> axes),
+        else None."""
         op = self.g.ops[i]
-        for f, axes in self.d.op_factor_axes(i).items():
+        for f, axes in tiled.items():
             factor = op.rule.factors[f]
             if factor.indexed and axes:
                 impl = indexed.IMPLS.get(op.node.target)

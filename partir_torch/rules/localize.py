@@ -41,8 +41,7 @@ class _Call:
     out_local: list     # per result slot: local shape, or None
 
     def names(self) -> list:
-        schema = getattr(self.node.target, "_schema", None)
-        return [a.name for a in schema.arguments] if schema is not None else []
+        return _arg_names(self.node.target)
 
     def get(self, name: str):
         names = self.names()
@@ -56,6 +55,18 @@ class _Call:
             self.args[i] = value
         elif name in self.kwargs:
             self.kwargs[name] = value
+
+
+def _arg_names(target) -> list:
+    """The schema's argument names of an op (read once per op: localize_args runs on every op lowered)."""
+    names = _ARG_NAMES.get(target)
+    if names is None:
+        schema = getattr(target, "_schema", None)
+        names = _ARG_NAMES[target] = [a.name for a in schema.arguments] if schema is not None else []
+    return names
+
+
+_ARG_NAMES: dict = {}
 
 
 def localize_args(node: fx.Node, args: tuple, kwargs: dict, in_local: list, out_local: list):
