@@ -111,12 +111,14 @@ def op_layouts(decisions: Decisions, i: int):
 
 class StageShare:
     """What the lowerings of one plan's stages share (Plan.lowered): the ops' layouts of the stage lowered last,
-    reused for each op whose per-op decisions the next stage left as they were (Decisions.ops_differing), and the
-    meta run's memo (fakeprop.py; its entries are functions of their keys alone). One plan: one graph and mesh."""
+    reused for each op whose per-op decisions the next stage left as they were (Decisions.ops_differing), the meta
+    run's memo (fakeprop.py; its entries are functions of their keys alone) and the captured graph's state and
+    gradient nodes (why.Causes). One plan: one graph and mesh."""
 
     def __init__(self):
         self.layouts = None              # (Decisions, [op_layouts(d, i) per op]) of the stage lowered last
         self.meta_memo: dict = {}        # fakeprop._MetaProp's memo, kept across the plan's programs
+        self.roles = None                # why.Causes.roles: the captured graph's state and gradient nodes
 
 
 def stage_layouts(decisions: Decisions, share: StageShare | None = None) -> list:
@@ -206,7 +208,9 @@ class Lowerer:
             for vid, want in zip(op.operands, self.layouts_of[i][0]):
                 if want is not None:
                     self.wants.setdefault(graph.values[vid], {}).setdefault(want, op.node)
-        self.causes = Causes(graph, decisions, captured)
+        self.causes = Causes(graph, decisions, captured, share.roles if share is not None else None)
+        if share is not None:
+            share.roles = self.causes.roles
         self.placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
         coords = self._emit_placeholders(groups)
         self.em = Emitter(self.new, mesh, groups, coords, families)   # families: tactic name -> declared family

@@ -181,15 +181,18 @@ class Decisions:
     def ops_differing(self, other: "Decisions") -> set | None:
         """Indices of the ops whose per-op decisions differ from `other`'s (another stage of the same graph and
         mesh): the tables lower.op_layouts reads (factor axes, inner splits, uneven blocks, assignments), and every
-        op passing a partial value through in either (its layouts also read its operands' states). None: not
-        comparable (another graph or mesh, or the axes in another order)."""
+        op passing a partial value through in either (its layouts also read its operands' states). An axis one of
+        them has not used yet counts as nothing assigned. None: not comparable (another graph or mesh, or axes
+        first used in another order: lowering orders an op's partial axes so)."""
         a, b = self._p, other._p
-        if a.g is not b.g or a.mesh != b.mesh or a.axis_order != b.axis_order:
+        n = min(len(a.axis_order), len(b.axis_order))
+        if a.g is not b.g or a.mesh != b.mesh or a.axis_order[:n] != b.axis_order[:n]:
             return None
         changed = _keys_differing(a.op_axes, b.op_axes)
         changed |= {i for i, _ in _keys_differing(a.op_inner, b.op_inner) | _keys_differing(a.op_uneven, b.op_uneven)}
-        for axis in a.axis_order:
-            sa, sb = a.axes[axis].assign, b.axes[axis].assign
+        for axis in set(a.axis_order) | set(b.axis_order):
+            sa = a.axes[axis].assign if axis in a.axes else {}
+            sb = b.axes[axis].assign if axis in b.axes else {}
             changed |= _keys_differing(sa, sb)
             changed |= {i for i, f in sa.items() if f < 0} | {i for i, f in sb.items() if f < 0}
         return changed
