@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.fx.node import map_arg
 
 from ..contract import META_NAME
 
@@ -127,10 +128,30 @@ class _MetaProp(fx.Interpreter):
         t = super().get_attr(target, args, kwargs)            # a constant the capture kept (cpu): its meta twin
         return t.to(META) if isinstance(t, torch.Tensor) else t
 
-    def run_node(self, n):
-        out = super().run_node(n)
-        n.meta["val"] = out
-        return out
+    def run(self, *args):
+        """fx.Interpreter.run without its per-node bookkeeping (a progress bar, the current-node context, a debug
+        log, freeing values after their last use): a program of meta tensors, each kept in its node's meta["val"].
+        Placeholders take `args` in order; returns the output's value."""
+        env: dict = {}
+        it = iter(args)
+        for n in self.graph.nodes:
+            try:
+                if n.op == "placeholder":
+                    out = next(it)
+                elif n.op == "get_attr":
+                    out = self.get_attr(n.target, (), {})
+                elif n.op in ("call_function", "output"):
+                    a, k = map_arg(n.args, env.__getitem__), map_arg(n.kwargs, env.__getitem__)
+                    out = a[0] if n.op == "output" else self.call_function(n.target, a, k)
+                else:
+                    raise RuntimeError(f"a per-device program has no {n.op} nodes")
+            except Exception as e:
+                e.add_note(f"While executing {n.format_node()}")
+                raise
+            env[n] = n.meta["val"] = out
+            if n.op == "output":
+                return out
+        return None
 
 
 def annotate_graph(graph: fx.Graph, args: list) -> None:
