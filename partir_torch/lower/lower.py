@@ -67,6 +67,10 @@ def op_layouts(decisions: Decisions, i: int):
     g, mesh = d.graph, d.mesh
     op = g.ops[i]
     rule = op.rule
+    if not d.axes:            # nothing decided on any axis (the replicated stage): every operand and result whole
+        ins = [None if rule is not None and rule.operands[j] is None else Sharding.interned([[] for _ in g.shapes[v]])
+               for j, v in enumerate(op.operands)]
+        return ins, [None if v is None else Sharding.interned([[] for _ in g.shapes[v]]) for v in op.results]
     nops, nres = len(op.operands), len(op.results)
     in_dims = [[[] for _ in g.shapes[v]] for v in op.operands]
     in_part = [[] for _ in range(nops)]
