@@ -77,9 +77,11 @@ def localize_args(node: fx.Node, args: tuple, kwargs: dict, in_local: list, out_
     >>> localize_args(view_node, (x_local, [8, -1, 64]), {}, [(4, 16, 64)], [(4, 16, 64)])
     ((x_local, [4, 16, 64]), {})
     """
+    row = ROWS.get(node.target)
+    if row is None and not any(map(_is_int_list, args)) and not any(map(_is_int_list, kwargs.values())):
+        return tuple(args), dict(kwargs)          # no int list: nothing the generic rule would rewrite
     call = _Call(node, list(args), dict(kwargs), list(in_local), list(out_local))
     _generic(call)
-    row = ROWS.get(node.target)
     if row is not None:
         row(call)
     return tuple(call.args), call.kwargs
