@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
-from torch.fx.node import map_aggregate
+from torch.fx.node import map_arg
 
 from ..contract import META_NAME, META_OUTPUT, META_RECOMPUTE, META_ROLE, META_SAVED, META_SRC, STATE_PREFIXES, \
     VIEW_OPS, Role, phase_of
@@ -319,8 +319,8 @@ class Lowerer:
         tiled = self.d.op_factor_axes(i)         # factor -> axes tiling it (read once: both steps below need it)
         padded = self._padded_reductions(i, tiled) if tiled else {}
 
-        def mapped(a):
-            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) and a in g.vid:
+        def mapped(a):            # a node argument (map_arg passes nodes only)
+            if a in g.vid and isinstance(a.meta.get("val"), torch.Tensor):
                 j = next(slot)
                 x, shp = self.fetch(a, ins[j], node)
                 in_local.append(shp)
@@ -328,9 +328,9 @@ class Lowerer:
                     fill = _fill(node, j, op_, a.meta["val"].dtype)
                     x = fill_padding(self.em, x, shp, d, parent, axis, m, fill, a.meta["val"].dtype)
                 return x
-            return self.env[a] if isinstance(a, fx.Node) else a
+            return self.env[a]
 
-        args, kwargs = map_aggregate(node.args, mapped), map_aggregate(node.kwargs, mapped)
+        args, kwargs = map_arg(node.args, mapped), map_arg(node.kwargs, mapped)
         out_local = [None if o is None else _local(g.shapes[v], o, mesh) if v is not None else None
                      for o, v in zip(outs, op.results)]
         if not isinstance(node.meta.get("val"), torch.Tensor):
