@@ -131,9 +131,10 @@ def test_stages_lowered_together_equal_each_lowered_alone():
 
 
 def test_ops_differing_names_every_op_whose_layouts_differ():
-    """Decisions.ops_differing between two stages (either way, and from the replicated stage) holds every op
-    whose op_layouts differ, so a stage reusing another's layouts for the rest lowers what it would alone."""
-    from partir_torch.lower.lower import StageShare, op_layouts, stage_layouts
+    """Decisions.ops_differing (values_differing) between two stages (either way, and from the replicated stage)
+    holds every op (value) whose op_layouts (Sharding) differ, so a stage reusing another's layouts for the rest
+    lowers what it would alone."""
+    from partir_torch.lower.lower import StageShare, op_layouts, stage_layouts, stage_value_layouts
 
     spec = get("gpt")
     model = spec.build()
@@ -149,6 +150,12 @@ def test_ops_differing_names_every_op_whose_layouts_differ():
             changed = stages[b].ops_differing(stages[a])
             assert changed is not None
             assert {i for i, (x, y) in enumerate(zip(fresh[a], fresh[b])) if x != y} <= changed, (a, b)
+    values = [[d.sharding(v) for v in range(len(p.graph.values))] for d in stages]
+    for a in range(len(stages)):
+        for b in range(len(stages)):
+            changed = stages[b].values_differing(stages[a])
+            assert {p.graph.canon[v] for v, (x, y) in enumerate(zip(values[a], values[b])) if x != y} <= changed
     share = StageShare()
     for k in [0, 2, 1, 4, 3, 0]:           # in any order: each reuses the layouts of the stage lowered before it
         assert stage_layouts(stages[k], share) == fresh[k]
+        assert stage_value_layouts(stages[k], share) == values[k]

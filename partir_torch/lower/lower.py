@@ -114,13 +114,15 @@ def op_layouts(decisions: Decisions, i: int):
 
 
 class StageShare:
-    """What the lowerings of one plan's stages share (Plan.lowered): the ops' layouts of the stage lowered last,
-    reused for each op whose per-op decisions the next stage left as they were (Decisions.ops_differing), the meta
-    run's memo (fakeprop.py; its entries are functions of their keys alone) and the captured graph's state and
-    gradient nodes (why.Causes). One plan: one graph and mesh."""
+    """What the lowerings of one plan's stages share (Plan.lowered): the ops' and values' layouts of the stage
+    lowered last, reused for each op or value whose decisions the next stage left as they were
+    (Decisions.ops_differing, values_differing), the meta run's memo (fakeprop.py; its entries are functions of
+    their keys alone) and the captured graph's state and gradient nodes (why.Causes). One plan: one graph and
+    mesh."""
 
     def __init__(self):
         self.layouts = None              # (Decisions, [op_layouts(d, i) per op]) of the stage lowered last
+        self.values = None               # (Decisions, [Sharding per value]) of the stage lowered last
         self.meta_memo: dict = {}        # fakeprop._MetaProp's memo, kept across the plan's programs
         self.roles = None                # why.Causes.roles: the captured graph's state and gradient nodes
 
@@ -138,6 +140,22 @@ def stage_layouts(decisions: Decisions, share: StageShare | None = None) -> list
         out = [op_layouts(decisions, i) if i in changed else old[i] for i in range(n)]
     if share is not None:
         share.layouts = (decisions, out)
+    return out
+
+
+def stage_value_layouts(decisions: Decisions, share: StageShare | None = None) -> list:
+    """Every value's Sharding; with `share`, those of the stage lowered before are kept for the values whose
+    decisions are the same (Decisions.values_differing), and these become it."""
+    prev = share.values if share is not None else None
+    changed = decisions.values_differing(prev[0]) if prev is not None else None
+    canon = decisions.graph.canon
+    if changed is None:
+        out = [decisions.sharding(v) for v in range(len(decisions.graph.values))]
+    else:
+        old = prev[1]
+        out = [decisions.sharding(v) if canon[v] in changed else old[v] for v in range(len(old))]
+    if share is not None:
+        share.values = (decisions, out)
     return out
 
 
@@ -197,7 +215,7 @@ class Lowerer:
         self.new = fx.Graph()
         self.env: dict = {}              # captured node -> lowered node (in the value's recorded layout)
         self.local_shape: dict = {}      # captured node -> local shape under its recorded layout
-        self.layout = [decisions.sharding(v) for v in range(len(graph.values))]
+        self.layout = stage_value_layouts(decisions, share)   # per value: its recorded Sharding
         self.cache: dict = {}            # (node, layout, phase) -> (lowered node, local shape): shared reshards
         self.fwd_uses: dict = {}         # (state key, layout) -> (index of the last forward op reading it, cache key)
         self.tail = None                 # (state key, layout) -> forward cache key, read last (_tail_of_forward)

@@ -197,6 +197,23 @@ class Decisions:
             changed |= {i for i, f in sa.items() if f < 0} | {i for i, f in sb.items() if f < 0}
         return changed
 
+    def values_differing(self, other: "Decisions") -> set | None:
+        """Canonical ids of the values whose Sharding may differ from `other`'s (another stage of the same graph and
+        mesh): a state on some axis (an axis one has not used counts as unknown), the axes of a dim, a strided
+        split or an uneven block. None: not comparable (another graph or mesh, or axes used in another order)."""
+        a, b = self._p, other._p
+        n = min(len(a.axis_order), len(b.axis_order))
+        if a.g is not b.g or a.mesh != b.mesh or a.axis_order[:n] != b.axis_order[:n]:
+            return None
+        changed = {c for c, _ in _keys_differing(a.dim_axes, b.dim_axes)}
+        changed |= {c for c, _ in _keys_differing(a.strides, b.strides) | _keys_differing(a.blocks, b.blocks)}
+        unknown = [UNKNOWN] * len(a.g.values)
+        for axis in set(a.axis_order) | set(b.axis_order):
+            va = a.axes[axis].value if axis in a.axes else unknown
+            vb = b.axes[axis].value if axis in b.axes else unknown
+            changed.update(c for c, (x, y) in enumerate(zip(va, vb)) if x != y)
+        return changed
+
     @property
     def conflicts(self) -> list:
         return self._p.conflicts
