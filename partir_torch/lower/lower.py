@@ -315,7 +315,7 @@ class Lowerer:
         self.new.output(tuple(outs))
 
     def _getitem(self, node) -> None:
-        self.env[node] = self.new.call_function(operator.getitem, (self.env[node.args[0]], node.args[1]))
+        self.env[node] = call_function(self.new, operator.getitem, (self.env[node.args[0]], node.args[1]))
         v = self.g.vid.get(node)
         produced = self.produced_of[node.args[0]][node.args[1]]
         if v is not None:
