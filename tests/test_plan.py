@@ -103,7 +103,7 @@ def _program_text(low) -> tuple:
     return low.gm.code, shapes, [repr(r) for r in low.records]
 
 
-@pytest.mark.filterwarnings("ignore:partir_torch")     # gpt's attention reshards on batch 6 over 4: said, not tested here
+@pytest.mark.filterwarnings("ignore:partir_torch")     # gpt's attention reshards on batch 6 over 4 (said, not tested)
 def test_stages_lowered_together_equal_each_lowered_alone():
     """prog.simulate(hw, stages=True) lowers every stage of a plan with what they share (lower.StageShare: the
     layouts of ops a stage did not change, the meta run's memo): each stage's program and row equal those of the

@@ -67,7 +67,9 @@ def op_layouts(decisions: Decisions, i: int):
     g, mesh = d.graph, d.mesh
     op = g.ops[i]
     rule = op.rule
-    if not d.axes:            # nothing decided on any axis (the replicated stage): every operand and result whole
+    tiled = d.op_factor_axes(i) if rule is not None and d.axes else {}
+    partial = [(a, p) for a in d.axes if (p := d.op_partial(i, a)) is not None] if rule is not None else []
+    if not tiled and not partial:     # nothing decided for this op on any axis: every operand and result whole
         ins = [None if rule is not None and rule.operands[j] is None else Sharding.interned([[] for _ in g.shapes[v]])
                for j, v in enumerate(op.operands)]
         return ins, [None if v is None else Sharding.interned([[] for _ in g.shapes[v]]) for v in op.results]
@@ -81,31 +83,29 @@ def op_layouts(decisions: Decisions, i: int):
     out_dims = [None if v is None else [[] for _ in g.shapes[v]] for v in op.results]
     out_part = [[] for _ in range(nres)]
     ignored = [rule is not None and rule.operands[j] is None for j in range(nops)]
-    if rule is not None:
-        for f, axes in d.op_factor_axes(i).items():
-            for axis in axes:
-                _place_factor(rule, f, axis, d.op_inner(i, axis), in_dims, in_strides, out_dims, out_strides,
-                              out_part)
-                block = d.op_uneven(i, axis)
-                if block is not None:
-                    _place_blocks(rule, f, axis, block, in_blocks, out_blocks, out_dims)
-        for axis in d.axes:
-            opname = d.op_partial(i, axis)
-            if opname is not None:
-                for j, v in enumerate(op.operands):
-                    if d.state(axis, v).op == opname:
-                        in_part[j].append((axis, opname))
-                for j in range(nres):
-                    out_part[j].append((axis, opname))
-    # each dim's axes major to minor, placed as the propagator places them for values (engine.place_axis)
+    for f, axes in tiled.items():
+        for axis in axes:
+            _place_factor(rule, f, axis, d.op_inner(i, axis), in_dims, in_strides, out_dims, out_strides, out_part)
+            block = d.op_uneven(i, axis)
+            if block is not None:
+                _place_blocks(rule, f, axis, block, in_blocks, out_blocks, out_dims)
+    for axis, opname in partial:
+        for j, v in enumerate(op.operands):
+            if d.state(axis, v).op == opname:
+                in_part[j].append((axis, opname))
+        for j in range(nres):
+            out_part[j].append((axis, opname))
+    # each dim's axes major to minor, placed as the propagator places them for values (engine.place_axis); one
+    # axis is its own order
     for dims_list, strides_list in ((in_dims, in_strides), (out_dims, out_strides)):
         for dims, strides in zip(dims_list, strides_list):
             sf = dict(strides)
             for dd, axes in enumerate(dims or ()):
-                ordered = []
-                for a in axes:
-                    place_axis(ordered, a, lambda x: sf.get(x, 1), mesh)
-                dims[dd] = ordered
+                if len(axes) > 1:
+                    ordered = []
+                    for a in axes:
+                        place_axis(ordered, a, lambda x: sf.get(x, 1), mesh)
+                    dims[dd] = ordered
     ins = [None if ignored[j] else Sharding.interned(in_dims[j], in_part[j], (), _strides(in_strides[j]),
                                                      _strides(in_blocks[j])) for j in range(nops)]
     outs = [None if out_dims[j] is None else Sharding.interned(out_dims[j], out_part[j], (), _strides(out_strides[j]),
