@@ -125,6 +125,7 @@ class StageShare:
         self.values = None               # (Decisions, [Sharding per value]) of the stage lowered last
         self.meta_memo: dict = {}        # fakeprop._MetaProp's memo, kept across the plan's programs
         self.roles = None                # why.Causes.roles: the captured graph's state and gradient nodes
+        self.roles_of = None             # the (graph, captured) they were read from
 
 
 def stage_layouts(decisions: Decisions, share: StageShare | None = None) -> list:
@@ -230,9 +231,12 @@ class Lowerer:
             for vid, want in zip(op.operands, self.layouts_of[i][0]):
                 if want is not None:
                     self.wants.setdefault(graph.values[vid], {}).setdefault(want, op.node)
-        self.causes = Causes(graph, decisions, captured, share.roles if share is not None else None)
+        same = share is not None and share.roles_of is not None and all(
+            a is b for a, b in zip(share.roles_of, (graph, captured)))
+        known = share.roles if same else None
+        self.causes = Causes(graph, decisions, captured, known)
         if share is not None:
-            share.roles = self.causes.roles
+            share.roles, share.roles_of = self.causes.roles, (graph, captured)
         self.placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
         coords = self._emit_placeholders(groups)
         self.em = Emitter(self.new, mesh, groups, coords, families)   # families: tactic name -> declared family
