@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_speed.py [layers]
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_speed.py llama8b
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_speed.py llama8b --phases   # where prog.simulate's time goes
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_speed.py llama8b --phases --stages   # the same, stages=True
 
 
 GPT (d 768, 12 heads, seq 1024, vocab 50304, AdamW) built on `meta`, partitioned with BP + MP + Z3 on 8 devices
@@ -96,10 +97,11 @@ def _llama8b_program():
                         optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4))
 
 
-def llama8b_phases():
-    """CPU seconds of each phase of llama8b's prog.simulate(hw, stages=False), with the collector on (as a user
+def llama8b_phases(stages: bool = False):
+    """CPU seconds of each phase of llama8b's prog.simulate(hw, stages=stages), with the collector on (as a user
     runs it) and off (a fresh partition each). Nested phases are included in their parents (Lowerer.run holds
-    bucket, schedule, fuse); the collector's passes land in whichever phase they interrupt."""
+    bucket, schedule, fuse); the collector's passes land in whichever phase they interrupt. With stages, each
+    phase's time is summed over the three stages (replicated, BP, Z3)."""
     import partir_torch.lower.fakeprop as fakeprop
     import partir_torch.lower.lower as lower
     import partir_torch.sim as sim
@@ -119,7 +121,8 @@ def llama8b_phases():
                 spent[label] = spent.get(label, 0.0) + time.process_time() - c
         setattr(owner, name, run)
 
-    for owner, name in [(simulate, "step_flops"), (lower.Lowerer, "__init__"), (lower, "op_layouts"),
+    for owner, name in [(simulate, "step_flops"), (lower.Lowerer, "__init__"), (lower, "stage_layouts"),
+                        (lower, "op_layouts"), (lower, "stage_value_layouts"),
                         (lower.Lowerer, "run"), (lower.Lowerer, "_op"), (lower, "fuse_optimizer"),
                         (lower, "bucket_collectives"), (lower, "schedule"), (fakeprop, "annotate_local_vals"),
                         (sim, "simulate_graph")]:
@@ -130,18 +133,18 @@ def llama8b_phases():
         spent.clear()
         (gc.enable if collector else gc.disable)()
         c = time.process_time()
-        prog.simulate(hw, stages=False)
+        prog.simulate(hw, stages=stages)
         total = time.process_time() - c
         gc.enable()
-        print(f"prog.simulate(hw, stages=False), collector {'on' if collector else 'off'}: {total:.3f} s CPU")
+        print(f"prog.simulate(hw, stages={stages}), collector {'on' if collector else 'off'}: {total:.3f} s CPU")
         for label, t in spent.items():
             print(f"  {label:32s} {t:.3f}")
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["llama8b", "--phases"]:
-        llama8b_phases()
+    if sys.argv[1:3] == ["llama8b", "--phases"]:
+        llama8b_phases(stages=sys.argv[3:] == ["--stages"])
     elif len(sys.argv) > 1 and sys.argv[1] == "llama8b":
         llama8b()
     else:

@@ -105,18 +105,29 @@ RANDOM_OPS = frozenset({aten.native_dropout.default, aten.rand.default, aten.ran
 def draws_random(node) -> bool:
     """Whether fx node `node` draws from the generator: a seeded op (RANDOM_OPS and every op tagged
     nondeterministic_seeded; attention kernels only with dropout_p > 0)."""
-    t = node.target
     if node.op != "call_function":
         return False
+    seeded = _SEEDED.get(node.target)
+    if seeded is None:
+        seeded = _SEEDED[node.target] = _seeded(node.target)
+    if seeded == "dropout_p":
+        p = node.kwargs.get("dropout_p", node.args[3] if len(node.args) > 3 else 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return seeded
+
+
+def _seeded(t):
+    """draws_random's answer for an op whatever its arguments (True / False), or "dropout_p" for an attention
+    kernel, which draws only with dropout (read once per op: reordering a graph asks it of every node)."""
     if t in RANDOM_OPS:
         return True
     if not (isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
             and "empty" not in t.name()):
         return False
-    if "scaled_dot_product" in t.name():
-        p = node.kwargs.get("dropout_p", node.args[3] if len(node.args) > 3 else 0.0)
-        return not (isinstance(p, (int, float)) and p == 0)
-    return True
+    return "dropout_p" if "scaled_dot_product" in t.name() else True
+
+
+_SEEDED: dict = {}
 
 
 # -- phases --------------------------------------------------------------------------------------------------------

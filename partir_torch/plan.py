@@ -53,7 +53,7 @@ class Stage:
 @dataclass(frozen=True, eq=False)
 class Plan:
     """A captured step and what the schedule decided for it on a mesh (see the module docstring). Immutable but for
-    the memo of its lowerings (Plan.lowered), a function of the plan."""
+    the memo of its lowerings (Plan.lowered) and what they share (Plan.share), functions of the plan."""
 
     captured: object                     # capture.Captured
     graph: PartGraph
@@ -113,7 +113,7 @@ class Plan:
         piped = self.pipeline is not None and 0 <= self.pipeline_at <= k
         low = Lowerer(self.graph, self.stage_decisions(k), self.mesh, self.captured, canonical_groups(self.mesh),
                       options, self.families, self.kept_gathered,
-                      pipelined=self.pipeline if piped else None).run()
+                      pipelined=self.pipeline if piped else None, share=self.share).run()
         if piped:
             from .lower.pipeline import pipeline_program
 
@@ -136,7 +136,7 @@ class Plan:
         best = None
         for i, (pf, rif) in enumerate(tries):
             cand = low if i == 0 else self._lower(k, dataclasses.replace(o, prefetch=pf, reduce_in_flight=rif))
-            annotate_local_vals(cand, self.captured)
+            annotate_local_vals(cand, self.captured, self.share.meta_memo)
             peak = analyze_memory(list(cand.gm.graph.nodes)).peak_bytes
             if peak <= budget:
                 return cand
@@ -155,8 +155,16 @@ class Plan:
         low = self.lowered(k)
         if not low.annotated:
             with no_gc():
-                annotate_local_vals(low, self.captured)
+                annotate_local_vals(low, self.captured, self.share.meta_memo)
         return low
+
+    @cached_property
+    def share(self):
+        """What the lowerings of this plan's stages share (lower.StageShare): the layouts of ops a stage left
+        unchanged, the meta run's memo."""
+        from .lower.lower import StageShare
+
+        return StageShare()
 
     @cached_property
     def families(self) -> dict:

@@ -114,7 +114,7 @@ def test_lowering_and_local_shapes_run_without_the_collector(monkeypatch):
     run, annotate = Lowerer.run, fakeprop.annotate_local_vals
     monkeypatch.setattr(Lowerer, "run", lambda self: (enabled.append(gc.isenabled()), run(self))[1])
     monkeypatch.setattr(fakeprop, "annotate_local_vals",
-                        lambda low, cap: (enabled.append(gc.isenabled()), annotate(low, cap))[1])
+                        lambda low, cap, memo=None: (enabled.append(gc.isenabled()), annotate(low, cap, memo))[1])
     spec = get("mlp")
     model = spec.build()
     prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(4),

@@ -10,7 +10,9 @@ A program repeats itself (32 identical layers): an op that allocates its results
 meta once per signature (the op, its tensors' shapes, strides, dtypes and offsets, its other arguments with their
 types) and its results are made again with those shapes and strides (`torch.empty_strided`), which is what the
 meta kernel makes: most elementwise meta kernels are Python (torch._refs, ~100 us a call), an empty tensor ~2 us.
-The memo lives for one run (one program). A memoised result is a new tensor: where a kernel may hand back its
+The memo lives for one run (one program), or for the programs of one plan when the plan passes its own
+(lower.StageShare: the stages of `prog.simulate(hw, stages=True)` share most signatures); an entry is a function of
+its key alone, whichever program made it. A memoised result is a new tensor: where a kernel may hand back its
 argument itself (wait_tensor does, for some tensors), the value is an equal tensor instead; nothing reads identity
 (sim/memory.py aliases a wait, a view or an in-place result by the op, not by the tensor).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.fx.node import map_arg
 
 from ..contract import META_NAME
 
@@ -97,9 +100,10 @@ def _make(t):
 
 
 class _MetaProp(fx.Interpreter):
-    def __init__(self, gm):
+    def __init__(self, gm, memo: dict | None = None):
         super().__init__(gm)
-        self.memo: dict = {}             # (op, argument signatures) -> results' template, or None: run it each time
+        # (op, argument signatures) -> results' template, or None: run it each time
+        self.memo: dict = {} if memo is None else memo
 
     def call_function(self, target, args, kwargs):
         if "device" in kwargs or _makes_tensors(target):
@@ -124,10 +128,30 @@ class _MetaProp(fx.Interpreter):
         t = super().get_attr(target, args, kwargs)            # a constant the capture kept (cpu): its meta twin
         return t.to(META) if isinstance(t, torch.Tensor) else t
 
-    def run_node(self, n):
-        out = super().run_node(n)
-        n.meta["val"] = out
-        return out
+    def run(self, *args):
+        """fx.Interpreter.run without its per-node bookkeeping (a progress bar, the current-node context, a debug
+        log, freeing values after their last use): a program of meta tensors, each kept in its node's meta["val"].
+        Placeholders take `args` in order; returns the output's value."""
+        env: dict = {}
+        it = iter(args)
+        for n in self.graph.nodes:
+            try:
+                if n.op == "placeholder":
+                    out = next(it)
+                elif n.op == "get_attr":
+                    out = self.get_attr(n.target, (), {})
+                elif n.op in ("call_function", "output"):
+                    a, k = map_arg(n.args, env.__getitem__), map_arg(n.kwargs, env.__getitem__)
+                    out = a[0] if n.op == "output" else self.call_function(n.target, a, k)
+                else:
+                    raise RuntimeError(f"a per-device program has no {n.op} nodes")
+            except Exception as e:
+                e.add_note(f"While executing {n.format_node()}")
+                raise
+            env[n] = n.meta["val"] = out
+            if n.op == "output":
+                return out
+        return None
 
 
 def annotate_graph(graph: fx.Graph, args: list) -> None:
@@ -139,15 +163,16 @@ def annotate_graph(graph: fx.Graph, args: list) -> None:
         _MetaProp(_LazyGraphModule(torch.nn.Module(), graph)).run(*args)
 
 
-def annotate_local_vals(lowered, captured) -> None:
-    """Give every node of lowered.gm a meta-device tensor in meta["val"] with its local shape (no memory)."""
+def annotate_local_vals(lowered, captured, memo: dict | None = None) -> None:
+    """Give every node of lowered.gm a meta-device tensor in meta["val"] with its local shape (no memory). memo: the
+    meta run's memo to use and extend (lower.StageShare.meta_memo), else one for this run."""
     gm = lowered.gm
     cap_vals = [n.meta["val"] for n in captured.gm.graph.nodes if n.op == "placeholder"]
     args = [torch.empty(tuple(shape) if shape is not None else tuple(val.shape), dtype=val.dtype, device=META)
             for val, shape in zip(cap_vals, lowered.local_shapes)]
     args += [torch.zeros((), dtype=torch.int64, device=META) for _ in lowered.coord_axes]
     with torch.no_grad():
-        _MetaProp(gm).run(*args)
+        _MetaProp(gm, memo).run(*args)
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     out.meta[META_NAME] = list(captured.output_names)
     lowered.annotated = True

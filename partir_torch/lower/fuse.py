@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..contract import META_NAME, META_ROLE, META_SRC, Phase, Role, phase_of
 from .order import reorder
+from .reshard import call_function
 
 aten = torch.ops.aten
 
@@ -262,16 +263,16 @@ def _emit(graph, fopt, gi, members, placeholders, step) -> bool:
     skips = [m["skip"] for m in members]
     first = min((n for m in members for n in m["cone"]), key=_index_of(graph))
     with graph.inserting_before(first):
-        node = graph.call_function(FUSED_UPDATE, (cols[0], grads, cols[1], cols[2], cols[3] if amsgrad else [],
-                                                  step, lr, b1, b2, wd, float(group["eps"]), amsgrad,
-                                                  bool(group["maximize"]), fopt.kind == "adamw",
-                                                  bool(fopt._opt.defaults.get("fused") or False),
-                                                  skips if skips[0] is not None else None, False))
+        node = call_function(graph, FUSED_UPDATE, (cols[0], grads, cols[1], cols[2], cols[3] if amsgrad else [],
+                                                   step, lr, b1, b2, wd, float(group["eps"]), amsgrad,
+                                                   bool(group["maximize"]), fopt.kind == "adamw",
+                                                   bool(fopt._opt.defaults.get("fused") or False),
+                                                   skips if skips[0] is not None else None, False))
         node.meta[META_SRC] = members[0]["results"][0].meta.get(META_SRC)
         outs = []
         for k in range(1 + 2 + amsgrad):
-            lst = graph.call_function(operator.getitem, (node, k))
-            outs.append([graph.call_function(operator.getitem, (lst, i)) for i in range(len(members))])
+            lst = call_function(graph, operator.getitem, (node, k))
+            outs.append([call_function(graph, operator.getitem, (lst, i)) for i in range(len(members))])
     # the program's output reads every result: rewritten once (replacing one use at a time scans its arguments each
     # time, quadratic in the parameters)
     swap = {r: outs[k][i] for i, m in enumerate(members) for k, r in enumerate(m["results"])}

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
-from torch.fx.node import map_aggregate
+from torch.fx.node import map_arg
 
 from ..contract import META_NAME, META_OUTPUT, META_RECOMPUTE, META_ROLE, META_SAVED, META_SRC, STATE_PREFIXES, \
     VIEW_OPS, Role, phase_of
@@ -67,6 +67,12 @@ def op_layouts(decisions: Decisions, i: int):
     g, mesh = d.graph, d.mesh
     op = g.ops[i]
     rule = op.rule
+    tiled = d.op_factor_axes(i) if rule is not None and d.axes else {}
+    partial = [(a, p) for a in d.axes if (p := d.op_partial(i, a)) is not None] if rule is not None else []
+    if not tiled and not partial:     # nothing decided for this op on any axis: every operand and result whole
+        ins = [None if rule is not None and rule.operands[j] is None else Sharding.interned([[] for _ in g.shapes[v]])
+               for j, v in enumerate(op.operands)]
+        return ins, [None if v is None else Sharding.interned([[] for _ in g.shapes[v]]) for v in op.results]
     nops, nres = len(op.operands), len(op.results)
     in_dims = [[[] for _ in g.shapes[v]] for v in op.operands]
     in_part = [[] for _ in range(nops)]
@@ -77,36 +83,81 @@ def op_layouts(decisions: Decisions, i: int):
     out_dims = [None if v is None else [[] for _ in g.shapes[v]] for v in op.results]
     out_part = [[] for _ in range(nres)]
     ignored = [rule is not None and rule.operands[j] is None for j in range(nops)]
-    if rule is not None:
-        for f, axes in d.op_factor_axes(i).items():
-            for axis in axes:
-                _place_factor(rule, f, axis, d.op_inner(i, axis), in_dims, in_strides, out_dims, out_strides,
-                              out_part)
-                block = d.op_uneven(i, axis)
-                if block is not None:
-                    _place_blocks(rule, f, axis, block, in_blocks, out_blocks, out_dims)
-        for axis in d.axes:
-            opname = d.op_partial(i, axis)
-            if opname is not None:
-                for j, v in enumerate(op.operands):
-                    if d.state(axis, v).op == opname:
-                        in_part[j].append((axis, opname))
-                for j in range(nres):
-                    out_part[j].append((axis, opname))
-    # each dim's axes major to minor, placed as the propagator places them for values (engine.place_axis)
+    for f, axes in tiled.items():
+        for axis in axes:
+            _place_factor(rule, f, axis, d.op_inner(i, axis), in_dims, in_strides, out_dims, out_strides, out_part)
+            block = d.op_uneven(i, axis)
+            if block is not None:
+                _place_blocks(rule, f, axis, block, in_blocks, out_blocks, out_dims)
+    for axis, opname in partial:
+        for j, v in enumerate(op.operands):
+            if d.state(axis, v).op == opname:
+                in_part[j].append((axis, opname))
+        for j in range(nres):
+            out_part[j].append((axis, opname))
+    # each dim's axes major to minor, placed as the propagator places them for values (engine.place_axis); one
+    # axis is its own order
     for dims_list, strides_list in ((in_dims, in_strides), (out_dims, out_strides)):
         for dims, strides in zip(dims_list, strides_list):
             sf = dict(strides)
             for dd, axes in enumerate(dims or ()):
-                ordered = []
-                for a in axes:
-                    place_axis(ordered, a, lambda x: sf.get(x, 1), mesh)
-                dims[dd] = ordered
+                if len(axes) > 1:
+                    ordered = []
+                    for a in axes:
+                        place_axis(ordered, a, lambda x: sf.get(x, 1), mesh)
+                    dims[dd] = ordered
     ins = [None if ignored[j] else Sharding.interned(in_dims[j], in_part[j], (), _strides(in_strides[j]),
                                                      _strides(in_blocks[j])) for j in range(nops)]
     outs = [None if out_dims[j] is None else Sharding.interned(out_dims[j], out_part[j], (), _strides(out_strides[j]),
                                                                _strides(out_blocks[j])) for j in range(nres)]
     return ins, outs
+
+
+class StageShare:
+    """What the lowerings of one plan's stages share (Plan.lowered): the ops' and values' layouts of the stage
+    lowered last, reused for each op or value whose decisions the next stage left as they were
+    (Decisions.ops_differing, values_differing), the meta run's memo (fakeprop.py; its entries are functions of
+    their keys alone) and the captured graph's state and gradient nodes (why.Causes). One plan: one graph and
+    mesh."""
+
+    def __init__(self):
+        self.layouts = None              # (Decisions, [op_layouts(d, i) per op]) of the stage lowered last
+        self.values = None               # (Decisions, [Sharding per value]) of the stage lowered last
+        self.meta_memo: dict = {}        # fakeprop._MetaProp's memo, kept across the plan's programs
+        self.roles = None                # why.Causes.roles: the captured graph's state and gradient nodes
+        self.roles_of = None             # the (graph, captured) they were read from
+
+
+def stage_layouts(decisions: Decisions, share: StageShare | None = None) -> list:
+    """op_layouts of every op; with `share`, the layouts of the stage lowered before are kept for the ops whose
+    decisions are the same (op_layouts reads nothing else that differs between stages), and these become it."""
+    n = len(decisions.graph.ops)
+    prev = share.layouts if share is not None else None
+    changed = decisions.ops_differing(prev[0]) if prev is not None else None
+    if changed is None:
+        out = [op_layouts(decisions, i) for i in range(n)]
+    else:
+        old = prev[1]
+        out = [op_layouts(decisions, i) if i in changed else old[i] for i in range(n)]
+    if share is not None:
+        share.layouts = (decisions, out)
+    return out
+
+
+def stage_value_layouts(decisions: Decisions, share: StageShare | None = None) -> list:
+    """Every value's Sharding; with `share`, those of the stage lowered before are kept for the values whose
+    decisions are the same (Decisions.values_differing), and these become it."""
+    prev = share.values if share is not None else None
+    changed = decisions.values_differing(prev[0]) if prev is not None else None
+    canon = decisions.graph.canon
+    if changed is None:
+        out = [decisions.sharding(v) for v in range(len(decisions.graph.values))]
+    else:
+        old = prev[1]
+        out = [decisions.sharding(v) if canon[v] in changed else old[v] for v in range(len(old))]
+    if share is not None:
+        share.values = (decisions, out)
+    return out
 
 
 def _strides(pairs) -> tuple:
@@ -150,10 +201,11 @@ def _place_factor(rule, f, axis, inner, in_dims, in_strides, out_dims, out_strid
 class Lowerer:
     """Builds the per-device program from a captured graph and its decisions. groups: mesh axis -> process group
     name used by the collectives. Runs of parameter all_gathers / gradient reduce_scatters are merged into
-    buckets of options.bucket_bytes (bucket.py)."""
+    buckets of options.bucket_bytes (bucket.py). share: what a plan's stages share (StageShare), or None."""
 
     def __init__(self, graph, decisions: Decisions, mesh, captured, groups: dict, options: Options | None = None,
-                 families: dict | None = None, kept: frozenset = frozenset(), pipelined=None):
+                 families: dict | None = None, kept: frozenset = frozenset(), pipelined=None,
+                 share: StageShare | None = None):
         self.g, self.d, self.mesh, self.cap = graph, decisions, mesh, captured
         # pipelined: the PipelineSpec of a program cut into stages after lowering (lower/pipeline.py): no bucket or
         # fused update may mix the values of two stages, so buckets are made per stage (gradient reductions and
@@ -164,7 +216,7 @@ class Lowerer:
         self.new = fx.Graph()
         self.env: dict = {}              # captured node -> lowered node (in the value's recorded layout)
         self.local_shape: dict = {}      # captured node -> local shape under its recorded layout
-        self.layout = [decisions.sharding(v) for v in range(len(graph.values))]
+        self.layout = stage_value_layouts(decisions, share)   # per value: its recorded Sharding
         self.cache: dict = {}            # (node, layout, phase) -> (lowered node, local shape): shared reshards
         self.fwd_uses: dict = {}         # (state key, layout) -> (index of the last forward op reading it, cache key)
         self.tail = None                 # (state key, layout) -> forward cache key, read last (_tail_of_forward)
@@ -173,13 +225,18 @@ class Lowerer:
         self.produced_of: dict = {}      # multi-output node -> result layouts
         self.out_layouts: list = []
         self.op_index = {op.node: i for i, op in enumerate(graph.ops)}
-        self.layouts_of = [op_layouts(decisions, i) for i in range(len(graph.ops))]
+        self.layouts_of = stage_layouts(decisions, share)
         self.wants: dict = {}            # value node -> {layout its consumers need: the first such consumer}
         for i, op in enumerate(graph.ops):
             for vid, want in zip(op.operands, self.layouts_of[i][0]):
                 if want is not None:
                     self.wants.setdefault(graph.values[vid], {}).setdefault(want, op.node)
-        self.causes = Causes(graph, decisions, captured)
+        same = share is not None and share.roles_of is not None and all(
+            a is b for a, b in zip(share.roles_of, (graph, captured)))
+        known = share.roles if same else None
+        self.causes = Causes(graph, decisions, captured, known)
+        if share is not None:
+            share.roles, share.roles_of = self.causes.roles, (graph, captured)
         self.placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
         coords = self._emit_placeholders(groups)
         self.em = Emitter(self.new, mesh, groups, coords, families)   # families: tactic name -> declared family
@@ -262,7 +319,7 @@ class Lowerer:
         self.new.output(tuple(outs))
 
     def _getitem(self, node) -> None:
-        self.env[node] = self.new.call_function(operator.getitem, (self.env[node.args[0]], node.args[1]))
+        self.env[node] = call_function(self.new, operator.getitem, (self.env[node.args[0]], node.args[1]))
         v = self.g.vid.get(node)
         produced = self.produced_of[node.args[0]][node.args[1]]
         if v is not None:
@@ -281,10 +338,11 @@ class Lowerer:
         slot = iter(range(len(op.operands)))
         in_local = []
 
-        padded = self._padded_reductions(i)
+        tiled = self.d.op_factor_axes(i)         # factor -> axes tiling it (read once: both steps below need it)
+        padded = self._padded_reductions(i, tiled) if tiled else {}
 
-        def mapped(a):
-            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) and a in g.vid:
+        def mapped(a):            # a node argument (map_arg passes nodes only)
+            if a in g.vid and isinstance(a.meta.get("val"), torch.Tensor):
                 j = next(slot)
                 x, shp = self.fetch(a, ins[j], node)
                 in_local.append(shp)
@@ -292,9 +350,9 @@ class Lowerer:
                     fill = _fill(node, j, op_, a.meta["val"].dtype)
                     x = fill_padding(self.em, x, shp, d, parent, axis, m, fill, a.meta["val"].dtype)
                 return x
-            return self.env[a] if isinstance(a, fx.Node) else a
+            return self.env[a]
 
-        args, kwargs = map_aggregate(node.args, mapped), map_aggregate(node.kwargs, mapped)
+        args, kwargs = map_arg(node.args, mapped), map_arg(node.kwargs, mapped)
         out_local = [None if o is None else _local(g.shapes[v], o, mesh) if v is not None else None
                      for o, v in zip(outs, op.results)]
         if not isinstance(node.meta.get("val"), torch.Tensor):
@@ -302,8 +360,8 @@ class Lowerer:
                          (out_local[k] if out_local[k] is not None else _local(tuple(t.shape), outs[k], mesh))
                          if outs[k] is not None else tuple(t.shape) for k, t in enumerate(node.meta["val"])]
         args, kwargs = localize_args(node, args, kwargs, in_local, out_local)
-        x = self._indexed(i, args, kwargs) or call_function(self.new, _RESHAPE.get(node.target, node.target), args,
-                                                             kwargs)
+        x = (tiled and self._indexed(i, tiled, args, kwargs)) or call_function(
+            self.new, _RESHAPE.get(node.target, node.target), args, kwargs)
         x.meta[META_SRC] = node.name
         for key in (META_RECOMPUTE, META_SAVED):
             if node.meta.get(key):
@@ -394,14 +452,15 @@ class Lowerer:
     def _tactic_of(self, vid):
         return lambda axis: self.d.tactic_of(vid, axis)
 
-    def _padded_reductions(self, i) -> dict:
+    def _padded_reductions(self, i, tiled: dict) -> dict:
         """operand slot -> {dim: (parent size, axis, block, reduce op)} for the dims op i reduces over (a REDUCE factor of
         its rule) that an axis tiles unevenly: their padding must hold the reduction's identity (lower/uneven.py).
-        An indexed factor (embedding's vocabulary) needs none: no position addresses the padding."""
+        An indexed factor (embedding's vocabulary) needs none: no position addresses the padding. tiled: factor ->
+        axes (Decisions.op_factor_axes(i))."""
         op, g = self.g.ops[i], self.g
         out: dict = {}
         ins = self.layouts_of[i][0]
-        for f, axes in self.d.op_factor_axes(i).items():
+        for f, axes in tiled.items():
             factor = op.rule.factors[f]
             if factor.kind != "reduce" or factor.indexed or not axes:
                 continue
@@ -414,10 +473,11 @@ class Lowerer:
                         out.setdefault(j, {})[d] = (*uneven[d], factor.reduce_op)
         return out
 
-    def _indexed(self, i, args, kwargs):
-        """The local kernel of an op whose indexed factor (vocabulary, classes) is tiled, else None."""
+    def _indexed(self, i, tiled: dict, args, kwargs):
+        """The local kernel of an op whose indexed factor (vocabulary, classes) is tiled (tiled: factor -> axes),
+        else None."""
         op = self.g.ops[i]
-        for f, axes in self.d.op_factor_axes(i).items():
+        for f, axes in tiled.items():
             factor = op.rule.factors[f]
             if factor.indexed and axes:
                 impl = indexed.IMPLS.get(op.node.target)

@@ -16,6 +16,8 @@ def reorder(graph: fx.Graph, prio: dict | None = None) -> None:
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     prio = index if prio is None else prio
+    if _sorted_already(nodes, index, prio):
+        return
     draws = [n for n in nodes if draws_random(n)]
     after = dict(zip(draws, draws[1:]))          # draw -> the next draw, which waits for it
     pending = {n: len(n.all_input_nodes) for n in nodes}
@@ -40,3 +42,10 @@ def reorder(graph: fx.Graph, prio: dict | None = None) -> None:
     for prev, n in zip(order, order[1:]):
         if prev.next is not n:
             prev.append(n)
+
+
+def _sorted_already(nodes, index, prio) -> bool:
+    """Whether reorder would keep the order as it is: every priority is the node's position and every node comes
+    after its inputs (then the ready node of least position is always the next one; random draws are in order)."""
+    return all(prio[n] == i for i, n in enumerate(nodes)) and all(
+        index[a] < i for i, n in enumerate(nodes) for a in n._input_nodes)

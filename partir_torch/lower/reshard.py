@@ -36,12 +36,21 @@ def call_function(graph: fx.Graph, target, args: tuple, kwargs: dict | None = No
     """graph.call_function(target, args, kwargs) without fx's check of every argument for a raw SymInt
     (Graph.create_node walks them with pytree on each call, ~10 us: a tenth of lowering a 32-layer model). The
     per-device program is static: its arguments hold ints, never SymInts. Assigning args and kwargs is the
-    accounting of uses and users that create_node does."""
-    node = graph.call_function(target)
-    node.args = args
+    accounting of uses and users that create_node does; they are assigned through the properties themselves
+    (object.__setattr__): Node.__setattr__ would also take the node out of fx's (op, target) lookup table and put
+    it back, which neither changes. The name fx would derive from the target is derived once per target (the same
+    candidate, so the same unique name)."""
+    name = _NAMES.get(target)
+    if name is None:
+        name = _NAMES[target] = graph._target_to_str(target)
+    node = graph.call_function(target, name=name)
+    object.__setattr__(node, "args", args)
     if kwargs:
-        node.kwargs = kwargs
+        object.__setattr__(node, "kwargs", kwargs)
     return node
+
+
+_NAMES: dict = {}        # target -> fx's name candidate for it (Graph._target_to_str)
 
 
 class Emitter:

@@ -29,12 +29,17 @@ _REDUCTIONS = (ALL_REDUCE, REDUCE_SCATTER)
 class Causes:
     """The why, source and op of each collective lowering emits (records.py states the rule)."""
 
-    def __init__(self, graph, decisions, captured):
+    def __init__(self, graph, decisions, captured, roles: tuple | None = None):
+        """roles: (state nodes, gradient nodes) of this graph from another Causes (Causes.roles), else read here:
+        they depend on the captured graph alone, not on the decisions."""
         self.d = decisions
         self.op_index = {op.node: i for i, op in enumerate(graph.ops)}
         self.conflicts = {(c.node, c.axis) for c in decisions.conflicts}
-        self.state = _state_nodes(graph.gm, captured)
-        self.grads = _gradient_nodes(graph.gm, captured)
+        self.state, self.grads = roles or (_state_nodes(graph.gm, captured), _gradient_nodes(graph.gm, captured))
+
+    @property
+    def roles(self) -> tuple:
+        return self.state, self.grads
 
     def of(self, kind: str, axis: str, value, op) -> tuple:
         """(why, source, op name) of a `kind` collective on `axis` moving captured node `value` for captured op

@@ -178,6 +178,48 @@ class Decisions:
         a = st.assign.get(i) if st is not None else None
         return PARTIAL_OP[a] if a is not None and a < 0 else None
 
+    def ops_differing(self, other: "Decisions") -> set | None:
+        """Indices of the ops whose per-op decisions differ from `other`'s (another stage of the same graph and
+        mesh): the tables lower.op_layouts reads (factor axes, inner splits, uneven blocks, assignments), and every
+        op passing a partial value through in either (its layouts also read its operands' states). An axis one of
+        them has not used yet counts as nothing assigned. None: not comparable (another graph or mesh, or axes
+        first used in another order: lowering orders an op's partial axes so)."""
+        a, b = self._p, other._p
+        n = min(len(a.axis_order), len(b.axis_order))
+        if a.g is not b.g or a.mesh != b.mesh or a.axis_order[:n] != b.axis_order[:n]:
+            return None
+        changed = _keys_differing(a.op_axes, b.op_axes)
+        changed |= {i for i, _ in _keys_differing(a.op_inner, b.op_inner) | _keys_differing(a.op_uneven, b.op_uneven)}
+        for axis in set(a.axis_order) | set(b.axis_order):
+            sa = a.axes[axis].assign if axis in a.axes else {}
+            sb = b.axes[axis].assign if axis in b.axes else {}
+            changed |= _keys_differing(sa, sb)
+            changed |= {i for i, f in sa.items() if f < 0} | {i for i, f in sb.items() if f < 0}
+        return changed
+
+    def values_differing(self, other: "Decisions") -> set | None:
+        """Canonical ids of the values whose Sharding may differ from `other`'s (another stage of the same graph and
+        mesh): a state on some axis (an axis one has not used counts as unknown), the axes of a dim, a strided
+        split or an uneven block. None: not comparable (another graph or mesh, or axes used in another order)."""
+        a, b = self._p, other._p
+        n = min(len(a.axis_order), len(b.axis_order))
+        if a.g is not b.g or a.mesh != b.mesh or a.axis_order[:n] != b.axis_order[:n]:
+            return None
+        changed = {c for c, _ in _keys_differing(a.dim_axes, b.dim_axes)}
+        changed |= {c for c, _ in _keys_differing(a.strides, b.strides) | _keys_differing(a.blocks, b.blocks)}
+        unknown = [UNKNOWN] * len(a.g.values)
+        for axis in set(a.axis_order) | set(b.axis_order):
+            va = a.axes[axis].value if axis in a.axes else unknown
+            vb = b.axes[axis].value if axis in b.axes else unknown
+            changed.update(c for c, (x, y) in enumerate(zip(va, vb)) if x != y)
+        return changed
+
     @property
     def conflicts(self) -> list:
         return self._p.conflicts
+
+
+def _keys_differing(a: dict, b: dict) -> set:
+    """Keys whose entries differ between two dicts (present in one only, or unequal)."""
+    missing = object()
+    return {k for k in a.keys() | b.keys() if a.get(k, missing) != b.get(k, missing)}

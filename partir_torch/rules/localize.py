@@ -41,8 +41,7 @@ class _Call:
     out_local: list     # per result slot: local shape, or None
 
     def names(self) -> list:
-        schema = getattr(self.node.target, "_schema", None)
-        return [a.name for a in schema.arguments] if schema is not None else []
+        return _arg_names(self.node.target)
 
     def get(self, name: str):
         names = self.names()
@@ -58,6 +57,18 @@ class _Call:
             self.kwargs[name] = value
 
 
+def _arg_names(target) -> list:
+    """The schema's argument names of an op (read once per op: localize_args runs on every op lowered)."""
+    names = _ARG_NAMES.get(target)
+    if names is None:
+        schema = getattr(target, "_schema", None)
+        names = _ARG_NAMES[target] = [a.name for a in schema.arguments] if schema is not None else []
+    return names
+
+
+_ARG_NAMES: dict = {}
+
+
 def localize_args(node: fx.Node, args: tuple, kwargs: dict, in_local: list, out_local: list):
     """Rewrite the shape-carrying arguments of `node` for local operand shapes `in_local` and local result shapes
     `out_local` (orders of registry.tensor_operands / result_vals). Tensor operands in `args`/`kwargs` are left as
@@ -66,9 +77,11 @@ def localize_args(node: fx.Node, args: tuple, kwargs: dict, in_local: list, out_
     >>> localize_args(view_node, (x_local, [8, -1, 64]), {}, [(4, 16, 64)], [(4, 16, 64)])
     ((x_local, [4, 16, 64]), {})
     """
+    row = ROWS.get(node.target)
+    if row is None and not any(map(_is_int_list, args)) and not any(map(_is_int_list, kwargs.values())):
+        return tuple(args), dict(kwargs)          # no int list: nothing the generic rule would rewrite
     call = _Call(node, list(args), dict(kwargs), list(in_local), list(out_local))
     _generic(call)
-    row = ROWS.get(node.target)
     if row is not None:
         row(call)
     return tuple(call.args), call.kwargs
