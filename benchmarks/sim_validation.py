@@ -51,24 +51,24 @@ ISSUE = "program"
 
 # Physical knobs the fit may move, each a Hardware field with the grid it searches (multiplicative on the preset
 # value where "scale", absolute otherwise) and the rows that measure it. They act on every chip alike (or, named in
-# partir_torch.sim.hardware.KNOBS, on every chip of one kind): the fit learns physics shared across families, never a per-row constant.
+# hardware.KNOBS, on every chip of one kind): the fit learns physics shared across families, never a per-row constant.
 # Kernel benchmarks measure the kernel knobs (how efficient fused attention is relative to its peak, how much of HBM
 # bandwidth a copy sees, the small-GEMM fall-off, fp8 GEMM efficiency); training runs then measure what only shows
 # in a whole step with those fixed (the clock a GPU sustains through a step, per-launch overhead, how much a
 # collective in flight slows compute, the TPU MXU's best-shape efficiency, for which no MAMF-style measurement is
 # published).
-KNOBS = {
-    "attn_efficiency": ("scale", (0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3), "kernels"),
-    "hbm_efficiency": ("abs", (0.70, 0.75, 0.80, 0.85, 0.90, 0.95), "kernels"),
-    "mm_half_time_s": ("scale", (0.4, 0.5, 0.6, 0.8, 1.0), "kernels"),
-    "fp8_efficiency": ("abs", (0.60, 0.65, 0.70, 0.75, 0.80), "kernels"),
-    "roofline_p": ("abs", (1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 64.0), "kernels"),   # 1: no overlap (sum), 64: max()
-    "sustained_clock": ("abs", (0.75, 0.8, 0.85, 0.9, 0.95, 1.0), "training"),
-    "overlap_slowdown": ("abs", (0.0, 0.1, 0.2, 0.3, 0.4, 0.5), "training"),
-    "kernel_overhead_s": ("abs", (1e-6, 2e-6, 4e-6, 8e-6), "training"),
-    "tpu_mm_efficiency": ("abs", (0.80, 0.85, 0.90, 0.95), "training"),
+KNOBS = {      # knob -> (grid, the rows that measure it); its field, mode (abs / scale) and scope: hardware.KNOBS
+    "attn_efficiency": ((0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3), "kernels"),
+    "hbm_efficiency": ((0.70, 0.75, 0.80, 0.85, 0.90, 0.95), "kernels"),
+    "mm_half_time_s": ((0.4, 0.5, 0.6, 0.8, 1.0), "kernels"),
+    "fp8_efficiency": ((0.60, 0.65, 0.70, 0.75, 0.80), "kernels"),
+    "roofline_p": ((1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 64.0), "kernels"),   # 1: no overlap (sum), 64: max()
+    "sustained_clock": ((0.75, 0.8, 0.85, 0.9, 0.95, 1.0), "training"),
+    "overlap_slowdown": ((0.0, 0.1, 0.2, 0.3, 0.4, 0.5), "training"),
+    "kernel_overhead_s": ((1e-6, 2e-6, 4e-6, 8e-6), "training"),
+    "tpu_mm_efficiency": ((0.80, 0.85, 0.90, 0.95), "training"),
 }
-assert all(KNOBS[k][0] == HW_KNOBS[k][1] for k in KNOBS) and set(KNOBS) == set(HW_KNOBS)   # one definition of each
+assert set(KNOBS) == set(HW_KNOBS)
 TRAINING_KNOBS = ("attn_efficiency", "hbm_efficiency", "kernel_overhead_s", "mm_half_time_s", "overlap_slowdown",
                   "tpu_mm_efficiency", "sustained_clock", "roofline_p")             # what bf16 training runs depend on
 
@@ -292,15 +292,15 @@ def fit(rows, cache, passes: int = 2) -> dict:
     kernel and collective rows of ``rows``, then the training knobs on its training rows."""
     start = {k: getattr(hardware("tpu-v5e" if HW_KNOBS[k][2] == "tpu" else "h100", calibrated=False),
                         HW_KNOBS[k][0]) for k in KNOBS}
-    knobs = {k: (1.0 if mode == "scale" else start[k]) for k, (mode, _, _) in KNOBS.items()}
-    knobs = {k: (v if v in KNOBS[k][1] else KNOBS[k][1][len(KNOBS[k][1]) // 2]) for k, v in knobs.items()}
+    knobs = {k: (1.0 if HW_KNOBS[k][1] == "scale" else start[k]) for k in KNOBS}
+    knobs = {k: (v if v in KNOBS[k][0] else KNOBS[k][0][len(KNOBS[k][0]) // 2]) for k, v in knobs.items()}
     rows = [r for r in rows if r.family not in HELD_OUT_ONLY]
     for stage in ("kernels", "training"):
         part = [r for r in rows if (r.kind == "training") == (stage == "training")]
         if not part:
             continue
         for _ in range(passes):
-            for k, (_, grid, measured_by) in KNOBS.items():
+            for k, (grid, measured_by) in KNOBS.items():
                 if measured_by == stage:
                     knobs[k] = min(grid, key=lambda v: _loss(part, {**knobs, k: v}, cache))
     return knobs

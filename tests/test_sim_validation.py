@@ -40,7 +40,7 @@ def test_kernel_rows_fit_kernel_knobs_only():
     knobs = V.fit(rows, {}, passes=1)
     start = V.fit([], {}, passes=1)
     assert set(knobs) == set(V.KNOBS)
-    assert all(knobs[k] == start[k] for k, (_, _, by) in V.KNOBS.items() if by == "training")
+    assert all(knobs[k] == start[k] for k, (_, by) in V.KNOBS.items() if by == "training")
     assert V._hw({"preset": "tpu-v5e"}, {"tpu_mm_efficiency": 0.9}).mm_efficiency == 0.9
     assert V._hw({"preset": "h100"}, {"tpu_mm_efficiency": 0.9}).mm_efficiency == hardware("h100").mm_efficiency
 

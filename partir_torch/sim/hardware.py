@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import PartitionError, closest
+from .fitted import FITTED
 
 GB = 1e9
 GiB = 2 ** 30
@@ -355,7 +356,5 @@ def hardware(name: str, calibrated: bool = True, **overrides) -> Hardware:
         raise PartitionError(f"hardware({name!r}): nodes/gpus_per_node describe GPU clusters; for TPUs use "
                              f"topology=(x, y[, z]) and slices=.")
     if calibrated:
-        from .fitted import FITTED
-
         base = with_knobs(base, FITTED)
     return dataclasses.replace(base, **overrides)
