@@ -31,7 +31,7 @@ pip_upgrade = $(call retry3,$(1) -m pip install -q --retries 10 --timeout 60 --u
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(call pip_upgrade,$(PY),pip)
-	$(call pip_install,$(PY),"torch==2.13.0" numpy tabulate $(TEST_TOOLS) "transformers==5.24.0")
+	$(call pip_install,$(PY),"torch==2.13.0" numpy tabulate $(TEST_TOOLS) "transformers==5.24.0" "peft==0.21.2")
 	$(call pip_install,$(PY),--no-build-isolation -e .)
 	touch $@
 
