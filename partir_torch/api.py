@@ -8,7 +8,7 @@ from .mesh import Mesh
 from .options import Options
 from .plan import capture_for, plan
 from .program import Program
-from .runtime.owner import check_free
+from .runtime.owner import take_over
 from .tactics.base import CaptureRewrite
 from .tactics.schedule import flatten_schedule
 
@@ -56,8 +56,9 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     strict: refuse a dim a mesh axis does not divide (the divisibility error) instead of tiling it unevenly, with
     torch.chunk sizes as DTensor's Shard does (the default; see sharding.chunk_size).
 
-    A module whose weights a live program has trained since they were last written back (prog.export_to) is
-    refused: the new program would start from its stale weights (runtime/owner.py).
+    A module whose weights a live program holds newer than the module's (real ranks with tiled state) gets them
+    written back first (collective, as partition is), so the new program starts from the newest weights; when the
+    new program takes them, the older program is released (runtime/owner.py).
     """
     if not isinstance(mesh, Mesh):
         raise PartitionError(f"partition: mesh must be a pt.Mesh, got {type(mesh).__name__}.")
@@ -82,7 +83,7 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile, prefetch=prefetch,
                       reduce_in_flight=reduce_in_flight, tp_chunks=tp_chunks, async_tp=async_tp, measure_memory=measure_memory,
                       max_shapes=max_shapes, memory_budget=memory_budget, strict=strict)
-    check_free(model)
+    take_over(model)
     t0 = time.perf_counter()
     captured = capture_for(model, tactics, example_inputs, loss_fn, optimizer, clip_grad_norm=clip_grad_norm,
                            accumulate=accumulate, accumulate_dims=accumulate_dims)

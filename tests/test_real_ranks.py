@@ -130,6 +130,43 @@ def _phase_train(spec, batch, mesh, plans):
             "full_errs": full_errs}
 
 
+def _phase_owner(spec, batch, mesh) -> dict:
+    """One owner of the weights on real ranks (runtime/owner.py): a data-parallel program (its state whole on every
+    rank) writes it through into the module after each step, so a deep copy holds the trained weights; under
+    BP + MP + Z3 (tiled state) the stale module raises at every read instead, and a new partition of it writes the
+    older program's state back first (collective) and releases that program."""
+    import io
+
+    import partir_torch as pt
+
+    def opt_of(m):
+        return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+    model = spec.build()
+    dp = pt.partition(model, mesh, [pt.tactics.data_parallel("batch")], example_inputs=batch,
+                      loss_fn=spec.loss_fn, optimizer=opt_of(model))
+    dp.train_step(*batch)
+    full = dp.gather_parameters()
+    copied = dict(copy.deepcopy(model).named_parameters())
+    out = {"dp_copy_err": max(_max_err(copied[k].detach(), v) for k, v in full.items())}
+    model = spec.build()
+    opt = opt_of(model)
+    z3 = pt.partition(model, mesh, _schedule(), example_inputs=batch, loss_fn=spec.loss_fn, optimizer=opt)
+    z3.train_step(*batch)
+    reads = {"call": lambda: model(batch[0]), "state_dict": model.state_dict, "deepcopy": lambda: copy.deepcopy(model),
+             "torch.save": lambda: torch.save(model, io.BytesIO()), "submodule": lambda: copy.deepcopy(
+                 next(iter(model.children()))), "optimizer": opt.state_dict}
+    out["stale_reads"] = {k: _caught(fn).get("message", "did not raise") for k, fn in reads.items()}
+    trained = z3.gather_parameters()
+    again = pt.partition(model, mesh, [pt.tactics.data_parallel("batch")], example_inputs=batch,
+                         loss_fn=spec.loss_fn, optimizer=opt)
+    again.gather_parameters()                   # its first call takes the module: z3's weights, written back
+    mine = dict(model.named_parameters())
+    out["taken_err"] = max(_max_err(mine[k].detach(), v) for k, v in trained.items())
+    out["released"] = _caught(lambda: z3.train_step(*batch)).get("message", "did not raise")
+    return out
+
+
 def _phase_local(spec, batch, mesh, rank, plans):
     from partir_torch.program import Program
 
@@ -565,6 +602,7 @@ def _worker(rank, port, ckpt, queue):
         plans: dict = {}
         for name, fn in (("train", lambda: _phase_train(spec, batch, mesh, plans)),
                          ("local", lambda: _phase_local(spec, batch, mesh, rank, plans)),
+                         ("owner", lambda: _phase_owner(spec, batch, mesh)),
                          ("moe_ep", lambda: _phase_moe_ep(mesh)),
                          ("dcp", lambda: _phase_dcp(ckpt)),
                          ("uneven", lambda: _phase_uneven(ckpt)),
@@ -639,6 +677,16 @@ def _assert_trained_like_single_device(rank, r, what):
         assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank} step {step}: {got} vs {want}"
     bad = {k: e for k, e in r["param_errs"].items() if e > 0}
     assert not bad, f"rank {rank}: parameters {what} outside tolerance (excess error): {bad}"
+
+
+def test_real_ranks_module_reads_the_program_state_or_raises(ranks):
+    for rank, r in _phase(ranks, "owner").items():
+        assert r["dp_copy_err"] == 0, f"rank {rank}: a deep copy after a DP step is off by {r['dp_copy_err']}"
+        for what, msg in r["stale_reads"].items():
+            assert "tiled over real ranks" in msg and "prog.export_to(model, optimizer)" in msg, \
+                f"rank {rank}, {what} of a stale module: {msg}"
+        assert r["taken_err"] == 0, f"rank {rank}: a new partition started {r['taken_err']} off the trained weights"
+        assert "no longer owns its module" in r["released"], f"rank {rank}: {r['released']}"
 
 
 def test_train_step_local_equals_single_device(ranks):

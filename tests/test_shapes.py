@@ -275,65 +275,101 @@ def _edit(*models):
             m.fc1.weight.mul_(0.5)
 
 
-def test_repartitioning_a_module_a_program_trained_raises_until_written_back():
-    """The issue's silent restart: after train_step, partition(model) again (and model(x), model.state_dict())
-    raises naming export_to; after prog.export_to(model, opt) the new program continues from the trained weights
-    and momentum like eager; the module overwritten by the first program's export_to is refused by the second,
-    which is ahead of it; programs dropped by the user (del) free the module: a new program starts from the
-    module's weights, as eager does."""
+def _max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max((a[k].detach() - b[k].detach()).abs().max().item() for k in a)
+
+
+def test_a_trained_module_reads_as_the_program_holds_it():
+    """The issue's silent restarts: after train_step, the module and its optimizer hold the program's weights and
+    moments (write-through, owner.py): model(x), model.state_dict(), copy.deepcopy(model), torch.save(model),
+    optimizer.state_dict() and a partition of a copy all read eager's trained values, not the initial ones."""
+    import io
+
+    spec, model, ref, opt, prog = _mlp_setup()
+    for seed in (1, 2):
+        _both(prog, ref, spec.batch(4, seed=seed), "first program")
+    x = spec.batch(4, seed=9)[0]
+    want = ref.m.state_dict()
+    torch.testing.assert_close(model(x), ref.m(x), rtol=1e-5, atol=1e-6)
+    assert _max_diff(model.state_dict(), want) < 1e-5
+    assert _max_diff(copy.deepcopy(model).state_dict(), want) < 1e-5
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    assert _max_diff(torch.load(buf, weights_only=False).state_dict(), want) < 1e-5
+    got_opt, want_opt = opt.state_dict()["state"], ref.opt.state_dict()["state"]
+    assert sorted(got_opt) == sorted(want_opt) and got_opt
+    assert _max_diff({k: v["momentum_buffer"] for k, v in got_opt.items()},
+                     {k: v["momentum_buffer"] for k, v in want_opt.items()}) < 1e-5
+    # a copy of the trained module and its optimizer, partitioned: continues where the first program is
+    twin = copy.deepcopy(model)
+    twin_opt = _sgd(twin)
+    twin_opt.load_state_dict(opt.state_dict())
+    ref_twin = copy.deepcopy(ref)
+    prog_twin = pt.partition(twin, pt.Mesh({"batch": 2}), [T.data_parallel("batch")],
+                             example_inputs=spec.batch(4), loss_fn=spec.loss_fn, optimizer=twin_opt)
+    _both(prog_twin, ref_twin, spec.batch(4, seed=3), "a partitioned deep copy")
+    assert_parameters_equal(prog_twin, ref_twin.m, what="a partitioned deep copy")
+
+
+def test_a_program_whose_module_was_taken_raises_until_it_takes_it_back():
+    """partition(model) of a module a program trained starts from the trained weights and momentum (the
+    continuation of eager); the first program is then released: its train_step and export_to raise naming
+    import_from (it would train on a copy nobody follows, or overwrite the newer weights); import_from takes the
+    module back (eager's values, the other program released). export_to into a module of another shape raises
+    before writing anything."""
     spec, model, ref, opt, prog = _mlp_setup()
     _both(prog, ref, spec.batch(4, seed=1), "first program")
-    with pytest.raises(pt.PartitionError, match=r"updated them 1 time\(s\) since they were last written back.*"
-                                                r"prog\.export_to\(model, optimizer\)"):
-        _mlp_prog(model, spec)
-    x = spec.batch(4, seed=9)[0]
-    with pytest.raises(pt.PartitionError, match=r"MLP\(\.\.\.\): this module's weights are held by a live program "
-                                                r"that has updated them 1 time\(s\).*prog\.export_to"):
-        model(x)                                          # the stale module itself
-    with pytest.raises(pt.PartitionError, match=r"MLP\.state_dict\(\): .*would save the older weights.*"
-                                                r"prog\.full_state_dict\(\)"):
-        model.state_dict()
-    prog.export_to(model, opt)
-    torch.testing.assert_close(model(x), ref.m(x), rtol=1e-5, atol=1e-6)
     prog2 = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(4),
                          loss_fn=spec.loss_fn, optimizer=opt)
-    _both(prog2, ref, spec.batch(4, seed=2), "re-partitioned after export_to")
-    assert_parameters_equal(prog2, ref.m, what="re-partitioned after export_to")
-    prog.export_to(model, opt)                            # the first program's (older) weights into the module ...
-    with pytest.raises(pt.PartitionError, match=r"changed after the program took the weights"):
-        prog2.train_step(*spec.batch(4))                  # ... which prog2, ahead of it, does not silently ignore
+    _both(prog2, ref, spec.batch(4, seed=2), "re-partitioned")
+    assert_parameters_equal(prog2, ref.m, what="re-partitioned")
+    for call in (lambda: prog.train_step(*spec.batch(4)), lambda: prog.export_to(model, opt)):
+        with pytest.raises(pt.PartitionError, match=r"no longer owns its module: a newer program took the "
+                                                    r"module's weights.*prog\.import_from\(model, optimizer\)"):
+            call()
+    prog.import_from(model, opt)                          # takes the module back: continues from eager's values
+    _both(prog, ref, spec.batch(4, seed=3), "taken back")
+    with pytest.raises(pt.PartitionError, match=r"no longer owns its module"):
+        prog2.train_step(*spec.batch(4))
+    wrong = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    before = [p.detach().clone() for p in wrong.parameters()]
+    with pytest.raises(pt.PartitionError, match=r"export_to: the Sequential given does not match the program's "
+                                                r"state .*params\.fc1\.weight is missing.*Nothing was written"):
+        prog.export_to(wrong)
+    assert all(torch.equal(a, b) for a, b in zip(before, wrong.parameters()))
     del prog, prog2
     gc.collect()
     fresh = Eager(model, spec.loss_fn)
     prog3 = _mlp_prog(model, spec)
-    _both(prog3, fresh, spec.batch(4, seed=3), "after the old programs were dropped")
+    _both(prog3, fresh, spec.batch(4, seed=4), "after the old programs were dropped")
 
 
-def test_eager_edits_are_taken_before_the_first_step_and_refused_after():
-    """While the program has not moved the state, an eager edit is picked up (also after a call that took the
-    state, like gather_parameters(), and after export_to; state_dict() shows it); after a train_step the next
-    train_step, eval_step or forward raises naming import_from; import_from then continues from the eager module
-    and optimizer as they are, a write-back by hand (load_state_dict(full_state_dict())) is in sync, and export_to
-    drops an edit; each path gives eager's numbers."""
+def test_eager_edits_are_taken_at_the_next_call_as_eager_would_see_them():
+    """The module holds the program's state after every call (write-through, owner.py), so an eager edit, before
+    or after a step (an in-place write, an eager optimizer step, load_state_dict), acts on the current weights and
+    the program takes it at its next call (train_step, eval_step, forward): eager's numbers every time. import_from
+    continues from the module and optimizer as they are, a write-back by hand (load_state_dict(full_state_dict()))
+    changes nothing, and export_to drops an edit."""
     spec, model, ref, opt, prog = _mlp_setup()
     before = prog.gather_parameters()["fc1.weight"]      # the program takes the state ...
     _edit(model, ref.m)                                   # ... and the module is edited before any step
     torch.testing.assert_close(prog.state_dict()["model"]["fc1.weight"], before * 0.5, rtol=0, atol=0)
     _both(prog, ref, spec.batch(4, seed=1), "edit before the first step")
-    _edit(model)                                          # after a step: the program owns the weights
-    for call in (lambda: prog.train_step(*spec.batch(4)), lambda: prog.eval_step(*spec.batch(4)),
-                 lambda: prog.forward(spec.batch(4)[0])):
-        with pytest.raises(pt.PartitionError, match=r"params\.fc1\.weight changed after the program took the "
-                                                    r"weights.*prog\.import_from\(model, optimizer\)"):
-            call()
-    prog.import_from(model, opt)                          # the eager module and optimizer as they are: ...
-    ref.m.load_state_dict(model.state_dict())             # (the module's weights, the optimizer never stepped)
-    ref.opt.state.clear()
-    _both(prog, ref, spec.batch(4, seed=2), "after import_from")
-    prog.export_to(model, opt)                            # in sync again: an edit is the module's to make
-    _edit(model, ref.m)
-    _both(prog, ref, spec.batch(4, seed=3), "edit after export_to")
-    model.load_state_dict(prog.full_state_dict())        # written back by hand: in sync, nothing raises
+    _edit(model, ref.m)                                   # after a step: the module holds the trained weights
+    x = spec.batch(4, seed=8)[0]
+    torch.testing.assert_close(prog.forward(x), ref.m.eval()(x), rtol=1e-5, atol=1e-6)
+    ref.m.train()
+    _both(prog, ref, spec.batch(4, seed=2), "edit after a step")
+    for m, o in ((model, opt), (ref.m, ref.opt)):         # an eager optimizer step on both
+        o.zero_grad()
+        spec.loss_fn(m, *spec.batch(4, seed=6)).backward()
+        o.step()
+    _both(prog, ref, spec.batch(4, seed=7), "after an eager optimizer step")
+    prog.import_from(model, opt)                          # the eager module and optimizer as they are
+    _both(prog, ref, spec.batch(4, seed=3), "after import_from")
+    model.load_state_dict(prog.full_state_dict())         # written back by hand: nothing changes
     _both(prog, ref, spec.batch(4, seed=5), "after load_state_dict(full_state_dict())")
     _edit(model)                                          # an edit dropped by export_to
     prog.export_to(model, opt)
@@ -341,3 +377,43 @@ def test_eager_edits_are_taken_before_the_first_step_and_refused_after():
     torch.testing.assert_close(model.fc1.weight, ref.m.fc1.weight, rtol=1e-5, atol=1e-6)   # ... eager's, unedited
     _both(prog, ref, spec.batch(4, seed=4), "after export_to dropped the edit")
     assert_parameters_equal(prog, ref.m, what="end")
+
+
+def test_a_stale_module_raises_at_every_read_before_writing_anything(monkeypatch, tmp_path):
+    """Where the module cannot be written through (real ranks with tiled state: a gather every rank must join;
+    here the same state forced in emulation), every read of the stale module raises naming export_to: a call of it
+    or of a submodule, state_dict, copy.deepcopy, torch.save, the eager optimizer's state_dict, and Hugging Face's
+    save_pretrained before it writes anything; after prog.export_to every read gives eager's trained values."""
+    import io
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from partir_torch.runtime.state import HeldState
+
+    monkeypatch.setattr(HeldState, "through", lambda self: False)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    ref = copy.deepcopy(model)
+    loss_fn = lambda m, x, y: m(input_ids=x, labels=y).loss
+    x = torch.randint(0, 64, (4, 16))
+    opt, ref_opt = _sgd(model), _sgd(ref)
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}), [T.data_parallel("batch"), T.megatron("model")],
+                        example_inputs=(x, x), loss_fn=loss_fn, optimizer=opt)
+    prog.train_step(x, x)
+    ref_opt.zero_grad()
+    loss_fn(ref, x, x).backward()
+    ref_opt.step()
+    reads = {"call": lambda: model(x), "submodule": lambda: model.transformer.h[0](torch.randn(4, 16, 32)),
+             "state_dict": model.state_dict, "deepcopy": lambda: copy.deepcopy(model),
+             "torch.save": lambda: torch.save(model, io.BytesIO()), "optimizer": opt.state_dict,
+             "save_pretrained": lambda: model.save_pretrained(tmp_path / "ckpt")}
+    for what, read in reads.items():
+        with pytest.raises(pt.PartitionError, match=r"updated them 1 time\(s\).*prog\.export_to\(model, optimizer\)"):
+            read()
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+    prog.export_to(model, opt)
+    model.save_pretrained(tmp_path / "ckpt")
+    saved = GPT2LMHeadModel.from_pretrained(tmp_path / "ckpt")
+    assert _max_diff(saved.state_dict(), ref.state_dict()) < 1e-5
+    assert _max_diff(copy.deepcopy(model).state_dict(), ref.state_dict()) < 1e-5

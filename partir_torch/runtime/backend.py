@@ -43,6 +43,9 @@ class Backend(Protocol):
     def full(self, t, sh: Sharding, shape) -> torch.Tensor:
         """The whole value from its local shards (collective on real ranks)."""
 
+    def full_into(self, dest: torch.Tensor, t, sh: Sharding, shape) -> None:
+        """full(), written into `dest` in place (the held state written through into an eager module)."""
+
     def value(self, t, sh: Sharding, shape):
         """A state value as a user sees it: a DTensor on real ranks, the full tensor in emulation."""
 

@@ -193,6 +193,10 @@ class DistributedRuntime:
     def full(self, t, sh: Sharding, shape) -> torch.Tensor:
         return self.dtensor(t, sh, shape).full_tensor()
 
+    def full_into(self, dest: torch.Tensor, t, sh: Sharding, shape) -> None:
+        """A replicated value is its local tensor (no collective); others are gathered (collective)."""
+        dest.copy_(t if sh.is_replicated() else self.full(t, sh, shape))
+
     def value(self, t, sh: Sharding, shape):
         if self.state_owner is not None:
             raise PartitionError("partir_torch: a state value of a pipelined program is read with value_owned (its "

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ..mesh import Mesh
 from ..sharding import Sharding
-from .layout import assemble, shard_of
+from .layout import assemble, assemble_into, shard_of
 
 
 def _ensure_world(n: int) -> None:
@@ -71,6 +71,9 @@ class EmulatedRuntime:
 
     def full(self, t, sh: Sharding, shape) -> torch.Tensor:
         return assemble(dict(t._local_tensors), sh, self.mesh, shape)
+
+    def full_into(self, dest: torch.Tensor, t, sh: Sharding, shape) -> None:
+        assemble_into(dest, dict(t._local_tensors), sh, self.mesh)
 
     def value(self, t, sh: Sharding, shape) -> torch.Tensor:
         return self.full(t, sh, shape)

@@ -289,10 +289,12 @@ class Executor:
         cap = self.plan.captured
         if cap.mode != TRAIN:
             raise PartitionError("train_step needs partition(..., loss_fn=..., optimizer=...).")
+        self._held.owner.refuse_released("train_step")
         outs = self.run(batch, local, "train_step_local" if local else "train_step")
-        self._keep_state(outs)
+        self._keep_state(outs, moved=False)
         self.paths.count(self._last.plan.captured, self.steps)
         self._held.steps += 1
+        self._held.moved()                       # the module is written through, or stale (owner.py)
         if self.optimizer is not None:   # the update ran: lr schedulers stepped after it do not warn
             self.optimizer._opt_called = True
         if "grad_norm" in cap.output_names:
@@ -303,18 +305,20 @@ class Executor:
         cap = self.plan.captured
         if cap.mode != LOSS_AND_GRADS:
             raise PartitionError("loss_and_grads needs partition(..., loss_fn=...) without an optimizer.")
+        self._held.owner.refuse_released("loss_and_grads")
         outs = self.run(batch, what="loss_and_grads")
         self._keep_state(outs)
         return self.rt.rank0(outs[0]), {n[len("grads."):]: self.rt.rank0(t)
                                         for n, t in zip(cap.output_names[1:], outs[1:]) if n.startswith("grads.")}
 
-    def _keep_state(self, outs):
-        """Updated state outputs (buffers written by the forward: running statistics) replace the state held."""
+    def _keep_state(self, outs, moved=True):
+        """Updated state outputs (buffers written by the forward: running statistics) replace the state held;
+        (moved) the module is then written through, or stale (owner.py)."""
         kept = [(name, t) for name, t in zip(self.plan.captured.output_names, outs) if name in self.state]
         for name, t in kept:
             self.state[name] = t
-        if kept:                                   # the held state moved away from the eager module's (owner.py)
-            self._held.owner.moved()
+        if kept and moved:
+            self._held.moved()
 
     def forward(self, inputs):
         cap = self.plan.captured

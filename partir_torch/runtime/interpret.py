@@ -31,7 +31,7 @@ from ..lower.pipeline import PIPELINE_AXIS, pp_transfer
 from ..lower.ring import RING_SHIFT
 from ..mesh import Mesh
 from ..sharding import Sharding
-from .layout import assemble, shard_of
+from .layout import assemble, assemble_into, shard_of
 
 c10d = torch.ops._c10d_functional
 WAIT = c10d.wait_tensor.default
@@ -238,6 +238,9 @@ class InterpretedRuntime:
 
     def full(self, t: PerRank, sh: Sharding, shape) -> torch.Tensor:
         return assemble(dict(enumerate(t.ts)), sh, self.mesh, shape)
+
+    def full_into(self, dest: torch.Tensor, t: PerRank, sh: Sharding, shape) -> None:
+        assemble_into(dest, dict(enumerate(t.ts)), sh, self.mesh)
 
     def value(self, t, sh: Sharding, shape) -> torch.Tensor:
         return self.full(t, sh, shape)

@@ -30,9 +30,44 @@ def shard_of(full: torch.Tensor, sh: Sharding, mesh: Mesh, coord: dict, fill=0) 
     return out.contiguous().clone()
 
 
+def _plain(sh: Sharding, mesh: Mesh, shape) -> bool:
+    """Each rank's chunk is a block of the full tensor reached by narrowing (no partial, no strided axis, even)."""
+    return not sh.partial and not sh.uneven_dims(shape, mesh) and \
+        all(sh.local_stride(a, mesh) == 1 for a in sh.tiled_axes())
+
+
+def _block(full: torch.Tensor, sh: Sharding, mesh: Mesh, coord: dict) -> torch.Tensor:
+    """The view of `full` that the rank at `coord` holds, for a _plain sharding (shard_of without the copy)."""
+    out = full
+    for d, axes in enumerate(sh.dims):
+        for a in axes:
+            chunk = out.shape[d] // mesh.shape[a]
+            out = out.narrow(d, coord[a] * chunk, chunk)
+    return out
+
+
+def assemble_into(dest: torch.Tensor, locals_by_rank: dict, sh: Sharding, mesh: Mesh) -> None:
+    """Write the full tensor of every rank's chunk into `dest` in place (write-through of the held state into an
+    eager module, runtime/owner.py): each chunk copied into its block, no index tensors."""
+    shape = tuple(dest.shape)
+    if not _plain(sh, mesh, shape):
+        dest.copy_(assemble(locals_by_rank, sh, mesh, shape))
+        return
+    tiled = sh.tiled_axes()
+    with torch.no_grad():
+        for r, t in locals_by_rank.items():
+            coord = mesh.coordinate(r)
+            if all(coord[a] == 0 for a in mesh.axes if a not in tiled):
+                _block(dest, sh, mesh, coord).copy_(t)
+
+
 def assemble(locals_by_rank: dict, sh: Sharding, mesh: Mesh, shape) -> torch.Tensor:
     """The full tensor from every rank's chunk (partial axes combined with their reduce op)."""
     first = next(iter(locals_by_rank.values()))
+    if _plain(sh, mesh, tuple(shape)):
+        out = torch.empty(tuple(shape), dtype=first.dtype, device=first.device)
+        assemble_into(out, locals_by_rank, sh, mesh)
+        return out
     numel = 1
     for n in shape:
         numel *= n

@@ -93,7 +93,8 @@ class HeldState:
         self.steps = 0
         self.param_steps: dict = {}          # fqn -> its own step count, where a step that branches left it behind
         # who holds the newer weights: this state or the eager module (owner.py)
-        self.owner = Owner(model, weakref.WeakMethod(self.state_full))
+        self.owner = Owner(model, weakref.WeakMethod(self.state_full), weakref.WeakMethod(self._write_back),
+                           optimizer)
 
     def attach(self, rt) -> None:
         """Hold the state on backend `rt`: first from the eager model and optimizer, later (a new backend) the
@@ -129,7 +130,7 @@ class HeldState:
         readers of the program's own state (gather_parameters, state_dict) pass refuse=False: the program's state
         is what they ask for."""
         edited = self.owner.edited()
-        if not edited:
+        if not edited or self.owner.released is not None:   # a released program reads its own state
             return
         if self.owner.ahead:
             if refuse and not self.owner.written_back():
@@ -247,7 +248,7 @@ class HeldState:
                                  f"the current ones).")
         self.state.update(new)
         self.steps = steps
-        self.owner.moved()
+        self.moved()
 
     def full_state_dict(self) -> dict:
         """model.state_dict()'s keys -> full tensors (every rank: gathers are collective)."""
@@ -257,41 +258,112 @@ class HeldState:
 
     def export_to(self, model=None, optimizer=None) -> None:
         """Write the current state into an eager module (parameters, buffers) and optimizer (per-parameter state,
-        step, the param groups' hyperparameters), as torch.optim would hold them after the same steps."""
+        step, the param groups' hyperparameters), as torch.optim would hold them after the same steps. Names,
+        shapes and dtypes are checked first: on a mismatch nothing is written."""
         model, optimizer = model or self.model, optimizer or self.optimizer
+        if model is self.model:
+            self.owner.refuse_released("export_to")
+        self._check_target(model, optimizer)
+        self._write(model, optimizer)
+        if model is self.model:
+            self.owner.synced()
+
+    def moved(self) -> None:
+        """The held state changed (a step, a buffer update, a load): the module is written through where that
+        needs no collective (owner.py), else it is stale until export_to."""
+        self.owner.moved()
+        if self.through():
+            self._write(self.model, self.optimizer)
+            self.owner.synced()
+
+    def through(self) -> bool:
+        """Whether the state is written into the eager module after every call that moves it: always in emulation,
+        on real ranks where every state value is whole on each rank (no gather needed; owner.py)."""
+        if self.model is None or self.rt is None or self.owner.released is not None:
+            return False
+        if self.rt.kind == "emulated":
+            return True
+        return self.rt.kind == "distributed" and getattr(self.rt, "state_owner", None) is None and \
+            all(self.layouts[n].is_replicated() for n in self.state)
+
+    def _write_back(self):
+        """For owner.take_over: the state written back into the module it was taken from (collective on real
+        ranks), or None where the state was never taken."""
+        if self.state is None or self.rt is None or self.model is None:
+            return None
+        return lambda: self.export_to(self.model, self.optimizer)
+
+    def _check_target(self, model, optimizer) -> None:
+        """export_to's target holds every state value under its name, shape and dtype (else PartitionError, before
+        anything is written)."""
+        mine = {f"params.{k}": t for k, t in model.named_parameters()}
+        mine.update({f"buffers.{k}": t for k, t in model.named_buffers()})
+        bad = []
+        for n in self.state:
+            if not n.startswith(("params.", "buffers.")):
+                continue
+            t, want = mine.get(n), self.plan.captured.names[n].meta["val"]
+            if t is None:
+                bad.append(f"{n} is missing")
+            elif tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
+                bad.append(f"{n} is {tuple(t.shape)} {t.dtype}, the program holds {tuple(want.shape)} {want.dtype}")
+        if bad:
+            raise PartitionError(
+                f"export_to: the {type(model).__name__} given does not match the program's state ({len(bad)} "
+                f"value(s)): {'; '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}. Nothing was written. Export into "
+                f"the module given to partition() or one built the same way.")
+        if optimizer is not None and self.plan.captured.fopt is not None:
+            optimizer_fqns(model, optimizer)           # its parameters are the module's (else PartitionError)
+            if len(optimizer.param_groups) != len(self.optimizer.param_groups):
+                raise PartitionError(f"export_to: the optimizer has {len(optimizer.param_groups)} param groups, "
+                                     f"the program's {len(self.optimizer.param_groups)}. Nothing was written.")
+
+    def _put(self, n: str, dest: torch.Tensor) -> torch.Tensor:
+        """State value n whole, written into `dest` in place (gathered on real ranks where it is tiled)."""
+        if getattr(self.rt, "state_owner", None) is not None:
+            dest.copy_(self._full(n, self.state[n]))
+        else:
+            self.rt.full_into(dest, self.state[n], self._layout(n), self._shape(n))
+        return dest
+
+    def _write(self, model, optimizer) -> None:
+        """The held state into the module's tensors and the optimizer's state, in place (into the optimizer's
+        tensors where it holds them at the shape, as torch.optim updates them)."""
         cap = self.plan.captured
-        full = self.state_full()
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-        with torch.no_grad():
-            for n, t in full.items():
+        with torch.no_grad(), internal():
+            for n in self.state:
                 if n.startswith("params."):
-                    params[n[len("params."):]].copy_(t)
+                    self._put(n, params[n[len("params."):]])
                 elif n.startswith("buffers."):
-                    buffers[n[len("buffers."):]].copy_(t)
+                    self._put(n, buffers[n[len("buffers."):]])
         if optimizer is None or cap.fopt is None:
-            self._exported(model)
             return
         for gi, (group, names) in enumerate(zip(optimizer.param_groups, optimizer_fqns(model, optimizer))):
             if optimizer is not self.optimizer:
                 group.update(group_hyper(self.optimizer.param_groups[gi]))
             for p, f in zip(group["params"], names):
-                st = {s: full[f"opt.{s}.{f}"].clone() for s in cap.fopt.state_names if f"opt.{s}.{f}" in full}
                 own = self.param_steps.get(f, self.steps)    # a parameter a branching step left behind
                 if own == 0 or f not in cap.trainable:
                     optimizer.state.pop(p, None)
                     continue
+                st = optimizer.state.setdefault(p, {})
+                for s in cap.fopt.state_names:
+                    n = f"opt.{s}.{f}"
+                    if n in self.state:
+                        have, want = st.get(s), self._shape(n)
+                        fits = isinstance(have, torch.Tensor) and tuple(have.shape) == tuple(want) and \
+                            have.dtype == self.plan.captured.names[n].meta["val"].dtype
+                        st[s] = self._put(n, have if fits else p.new_empty(want, dtype=cap.names[n].meta["val"].dtype))
                 if cap.fopt.kind != "sgd":
-                    st["step"] = torch.tensor(float(own), dtype=torch.float32)
-                optimizer.state[p] = st
-        self._exported(model)
-
-    def _exported(self, model) -> None:
-        if model is self.model:
-            self.owner.synced()
+                    _assign(st, "step", torch.tensor(float(own), dtype=torch.float32))
 
     def import_from(self, model=None, optimizer=None) -> None:
         """Take the state from an eager module and optimizer (after editing weights): the inverse of export_to."""
         model, optimizer = model or self.model, optimizer or self.optimizer
+        if self.model is not None and self.state is not None:
+            self.owner.claim("import_from")          # this program takes its module back (owner.py)
+            self.owner.released = None
         if optimizer is not None and optimizer is not self.optimizer and self.optimizer is not None:
             for mine, theirs in zip(self.optimizer.param_groups, optimizer.param_groups):
                 mine.update(group_hyper(theirs))
@@ -301,7 +373,7 @@ class HeldState:
         self.steps = steps
         self.owner.synced()                  # the module's current tensors are what the program holds (or, from
         if model is not self.model:          # another module, what it no longer holds: the program is ahead)
-            self.owner.moved()
+            self.moved()
 
     def _full_from(self, model, optimizer) -> tuple:
         """Full state tensors by name, and the step count, from an eager module and optimizer."""
@@ -338,3 +410,13 @@ class HeldState:
     def state_names(self) -> set:
         cap = self.plan.captured
         return {n for n, r in zip(cap.input_names, cap.input_roles) if r in STATE_ROLES}
+
+
+def _assign(state: dict, key: str, value: torch.Tensor) -> None:
+    """state[key] = value, written into the tensor already there when it has the shape and dtype (write-through
+    keeps the eager optimizer's tensors, as torch.optim updates them in place)."""
+    have = state.get(key)
+    if isinstance(have, torch.Tensor) and have.shape == value.shape and have.dtype == value.dtype:
+        have.copy_(value)
+    else:
+        state[key] = value.detach().clone()
