@@ -412,6 +412,14 @@ def test_a_stale_module_raises_at_every_read_before_writing_anything(monkeypatch
         with pytest.raises(pt.PartitionError, match=r"updated them 1 time\(s\).*prog\.export_to\(model, optimizer\)"):
             read()
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+    short = x[:, :8]                                      # a new shape: captured again while the module is stale
+    with pytest.warns(UserWarning, match="new input shape"):
+        got = prog.train_step(short, short)
+    ref_opt.zero_grad()
+    want = loss_fn(ref, short, short)
+    want.backward()
+    ref_opt.step()
+    torch.testing.assert_close(got, want.detach(), rtol=LOSS_RTOL, atol=0)
     prog.export_to(model, opt)
     model.save_pretrained(tmp_path / "ckpt")
     saved = GPT2LMHeadModel.from_pretrained(tmp_path / "ckpt")

@@ -164,7 +164,8 @@ def take_over(model, what: str = "partition", mine=None) -> None:
         gc.collect()                          # a program dropped by the user may only wait for a collection
         others = [h for h in _holders(model) if h is not mine and h.released is None]
     for h in others:
-        back = h.write_back() if h.write_back is not None else None
+        held = h.write_back() if h.write_back is not None else None     # the HeldState's method, if it lives
+        back = held() if held is not None else None
         if h.ahead and not h.edited() and back is not None:
             back()                            # the module gets the newest weights before anyone takes them
     if mine is None:
@@ -210,19 +211,23 @@ def _watch(model, optimizer=None) -> None:
 _OPT_ROOT = weakref.WeakKeyDictionary()     # optimizer -> weakref to the module it updates
 
 
+def _ahead(module) -> list:
+    """The live, unreleased programs ahead of the module `module` is (part of): cheap, no tensor is read."""
+    if _INTERNAL[0]:
+        return []
+    ref = _ROOT.get(module)
+    root = ref() if ref is not None else None
+    if root is None:
+        return []
+    return [h for h in _holders(root) if h.ahead and h.released is None]
+
+
 def _stale(module) -> int:
     """How many updates a live program holds beyond the weights of `module` (or of the module it is part of),
     where the module certainly holds stale ones: untouched since the program took them (a module written to since,
     e.g. by model.load_state_dict(prog.full_state_dict()), is let through: telling its values apart would need a
-    gather, a collective)."""
-    if _INTERNAL[0]:
-        return 0
-    ref = _ROOT.get(module)
-    root = ref() if ref is not None else None
-    if root is None:
-        return 0
-    stale = [h for h in _holders(root) if h.ahead and h.released is None and not h.edited()]
-    return max((h.moved_steps for h in stale), default=0)
+    gather, a collective). Not during a trace (the module's tensors are fakes then)."""
+    return max((h.moved_steps for h in _ahead(module) if not h.edited()), default=0)
 
 
 def _traced(module, args) -> bool:
@@ -246,15 +251,19 @@ def _refuse(what: str, n: int, would: str) -> None:
 
 def _stale_forward(module, args) -> None:
     """model(...) (or a submodule's call) of a module that holds stale weights. Our own captures pass."""
+    if not _ahead(module) or torch.compiler.is_compiling() or _traced(module, args):
+        return
     n = _stale(module)
-    if n and not torch.compiler.is_compiling() and not _traced(module, args):
+    if n:
         _refuse(f"{type(module).__name__}(...)", n, "the module would compute with the older weights")
 
 
 def _stale_state_dict(module, prefix, keep_vars) -> None:
     """model.state_dict() (a checkpoint, save_pretrained) of a module that holds stale weights."""
+    if not _ahead(module) or torch.compiler.is_compiling() or _traced(module, ()):
+        return
     n = _stale(module)
-    if n and not torch.compiler.is_compiling() and not _traced(module, ()):
+    if n:
         _refuse(f"{type(module).__name__}.state_dict()", n, "this would save the older weights")
 
 
