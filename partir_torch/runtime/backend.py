@@ -43,6 +43,10 @@ class Backend(Protocol):
     def full(self, t, sh: Sharding, shape) -> torch.Tensor:
         """The whole value from its local shards (collective on real ranks)."""
 
+    def local_full(self, sh: Sharding) -> bool:
+        """Whether full() of a value held in layout `sh` is local: no collective, no device transfer (the held
+        state is written through into the eager module only where every value's is; runtime/owner.py)."""
+
     def full_into(self, dest: torch.Tensor, t, sh: Sharding, shape) -> None:
         """full(), written into `dest` in place (the held state written through into an eager module)."""
 

@@ -193,6 +193,9 @@ class DistributedRuntime:
     def full(self, t, sh: Sharding, shape) -> torch.Tensor:
         return self.dtensor(t, sh, shape).full_tensor()
 
+    def local_full(self, sh: Sharding) -> bool:
+        return self.state_owner is None and sh.is_replicated()    # else a gather (a broadcast when pipelined)
+
     def full_into(self, dest: torch.Tensor, t, sh: Sharding, shape) -> None:
         """A replicated value is its local tensor (no collective); others are gathered (collective)."""
         dest.copy_(t if sh.is_replicated() else self.full(t, sh, shape))

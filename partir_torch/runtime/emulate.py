@@ -72,6 +72,9 @@ class EmulatedRuntime:
     def full(self, t, sh: Sharding, shape) -> torch.Tensor:
         return assemble(dict(t._local_tensors), sh, self.mesh, shape)
 
+    def local_full(self, sh: Sharding) -> bool:
+        return True                           # every rank's shard is in this process
+
     def full_into(self, dest: torch.Tensor, t, sh: Sharding, shape) -> None:
         assemble_into(dest, dict(t._local_tensors), sh, self.mesh)
 

@@ -239,6 +239,9 @@ class InterpretedRuntime:
     def full(self, t: PerRank, sh: Sharding, shape) -> torch.Tensor:
         return assemble(dict(enumerate(t.ts)), sh, self.mesh, shape)
 
+    def local_full(self, sh: Sharding) -> bool:
+        return True                           # every rank's shard is in this process
+
     def full_into(self, dest: torch.Tensor, t: PerRank, sh: Sharding, shape) -> None:
         assemble_into(dest, dict(enumerate(t.ts)), sh, self.mesh)
 

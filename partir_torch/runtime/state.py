@@ -281,10 +281,7 @@ class HeldState:
         on real ranks where every state value is whole on each rank (no gather needed; owner.py)."""
         if self.model is None or self.rt is None or self.owner.released is not None:
             return False
-        if self.rt.kind == "emulated":
-            return True
-        return self.rt.kind == "distributed" and getattr(self.rt, "state_owner", None) is None and \
-            all(self.layouts[n].is_replicated() for n in self.state)
+        return all(self.rt.local_full(self.layouts[n]) for n in self.state)
 
     def _write_back(self):
         """For owner.take_over: the state written back into the module it was taken from (collective on real

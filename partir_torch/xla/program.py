@@ -413,6 +413,9 @@ class XlaBackend:
     def full(self, t, sh, shape) -> torch.Tensor:
         return t.cpu().reshape(shape)          # a split view (strided Form) back to the value's shape
 
+    def local_full(self, sh) -> bool:
+        return False                          # a device-to-host transfer (and a sync) per value
+
     def full_into(self, dest: torch.Tensor, t, sh, shape) -> None:
         dest.copy_(self.full(t, sh, shape))
 
