@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 from ..contract import RANDOM_OPS
+from ..rules import tags
 
 aten = torch.ops.aten
 
@@ -61,7 +62,7 @@ def untie_unused_weights(gm: fx.GraphModule) -> int:
     return done
 
 # ops through which an arange's values reach an index unchanged, only its shape gaining dims of size 1
-_SHAPE_ONLY = {aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_SHAPE_ONLY = tags.ops("reshape") | (tags.ops("squeeze") & {aten.unsqueeze.default})
 _ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 _INDEXERS = {aten.index.Tensor: 1, aten.index_put.default: 1, aten.index_put_.default: 1}
 
@@ -122,9 +123,7 @@ def identity_indices(gm: fx.GraphModule) -> int:
 
 
 # views whose result is a function of their operands and arguments alone: two equal calls are one value
-_SHARED_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
-                 aten.transpose.int, aten.permute.default, aten.expand.default, aten.unsqueeze.default,
-                 aten.squeeze.dim, aten.slice.Tensor, aten.select.int, aten.alias.default}
+_SHARED_VIEWS = tags.ops("shareable_view")
 
 
 def share_views(gm: fx.GraphModule, same=()) -> int:

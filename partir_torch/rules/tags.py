@@ -40,7 +40,9 @@ TAGS: dict = {
     "reshape": _RESHAPE,           # view / reshape: the rows a collective moves stay rows (lower/overlap, ring)
     "transpose": _TRANSPOSE,
     "squeeze": _SQUEEZE,           # adds or drops dims of size 1
-    "broadcast": _BROADCAST,       # expand: a view lowering does not hoist (its result is larger than its source)
+    "broadcast": _BROADCAST,
+    # lowering's row-moving ops between an all_gather's result and the matmul reading it (lower/ring.py)
+    "moves_rows": _RESHAPE | {aten.permute.default, aten.clone.default},       # expand: a view lowering does not hoist (its result is larger than its source)
     # the same values in new or aliased storage
     "copy": _COPY,
     # dtype conversions (mixed precision casts every parameter before its use)
