@@ -98,8 +98,7 @@ def opt_name(state: str, fqn: str) -> str:
 # pure views and layout changes (no arithmetic): a replicated copy of the view is the view of a replicated source
 VIEW_OPS = tags.ops("view")
 # random draws: drawn whole from the generator on every rank (rules/pointwise.py), kept by remat
-RANDOM_OPS = frozenset({aten.native_dropout.default, aten.rand.default, aten.randn.default, aten.rand_like.default,
-                        aten.randn_like.default, aten.bernoulli.default, aten.bernoulli.p})
+RANDOM_OPS = tags.ops("random")
 
 
 def draws_random(node) -> bool:

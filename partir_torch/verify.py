@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .lower.indexed import IMPLS
 from .rules.localize import localize_args
 from .rules.factors import BLOCKED, NEED_REP, PASS, REDUCE, OpRule
+from .rules import tags
 from .rules.indexing import structural_zero
 from .rules.registry import RuleRegistry, default_registry, result_vals, tensor_operands
 
@@ -37,9 +38,7 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyz"   # factor names, as OpRule prints them
 
 aten = torch.ops.aten
 # Ops whose values are undefined or random: only the local shapes and dtypes are compared.
-SHAPE_ONLY = {aten.empty_like.default, aten.empty.memory_format, aten.new_empty.default, aten.empty_strided.default,
-              aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default,
-              aten.native_dropout.default}
+SHAPE_ONLY = tags.ops("uninitialised") | tags.ops("random")
 _REDUCERS = {op: functools.partial(functools.reduce, fn)   # elementwise over ranks, dtype kept
              for op, fn in (("sum", torch.add), ("max", torch.maximum), ("min", torch.minimum))}
 

@@ -81,7 +81,7 @@ def test_rows_agree_with_what_torch_and_the_schema_say():
 def test_a_row_prints_on_one_line():
     line = str(R.default_registry().row(aten.embedding.default))
     assert line == ("aten.embedding.default: rule nn.embedding  localize generic  local lower.indexed.embedding  "
-                    "flops none  xla as is")
+                    "flops none  xla as is  tags ends_layer")
 
 
 def test_a_link_to_a_missing_function_fails_at_import(monkeypatch):
