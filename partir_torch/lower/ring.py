@@ -50,7 +50,7 @@ from .records import ALL_GATHER, COLLECTIVE_PERMUTE, REDUCE_SCATTER, TACTIC
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 WAIT = c10d.wait_tensor.default
-_MM = (aten.mm.default, aten.addmm.default)
+_MM = tags.ops("matmul_2d")
 
 
 class _Works(torch._C._distributed_c10d.Work):

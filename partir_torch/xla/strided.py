@@ -90,8 +90,7 @@ def _aligned(shape, split, operand_shape) -> tuple:
 
 
 # natural einsum of the matmul family (capital letters; each is split as the forms around it split its dim)
-MATMUL = {aten.mm.default: ("IK", "KJ", "IJ"), aten.bmm.default: ("BIK", "BKJ", "BIJ"),
-          aten.addmm.default: ("IK", "KJ", "IJ")}
+MATMUL = tags.MATMUL_DIMS
 VIEWS = tags.ops("reshape") | tags.ops("squeeze")
 POINTWISE = frozenset(pointwise_rules()) - frozenset(RANDOM)
 
