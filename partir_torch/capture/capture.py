@@ -222,8 +222,7 @@ def _trace_error(e: BaseException, mode: str, model, example_inputs=()) -> Trace
                       f"traced into one graph: {text}" + (f"\n  at {where}" if where else "") + "\n" + advice)
 
 
-_INDEX_ARGS = {torch.ops.aten.embedding.default: 1, torch.ops.aten.index_select.default: 2,
-               torch.ops.aten.gather.default: 2, torch.ops.aten.embedding_dense_backward.default: 1}
+_INDEX_ARGS = {op: index.arg for op, index in tags.INDEX_ARGS.items()}
 
 
 def _check_indices(gm: fx.GraphModule, model) -> None:
