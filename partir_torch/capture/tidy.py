@@ -60,7 +60,7 @@ def untie_unused_weights(gm: fx.GraphModule) -> int:
     return done
 
 # ops through which an arange's values reach an index unchanged, only its shape gaining dims of size 1
-_SHAPE_ONLY = tags.ops("reshape") | (tags.ops("squeeze") & {aten.unsqueeze.default})
+_SHAPE_ONLY = tags.ops("reshape") | tags.ops("unsqueeze")
 _ARANGES = tags.ops("arange")
 _INDEXERS = tags.INDEX_LIST_ARG
 

@@ -40,6 +40,7 @@ TAGS: dict = {
     "reshape": _RESHAPE,           # view / reshape: the rows a collective moves stay rows (lower/overlap, ring)
     "transpose": _TRANSPOSE,
     "squeeze": _SQUEEZE,           # adds or drops dims of size 1
+    "unsqueeze": frozenset({aten.unsqueeze.default}),   # only adds one
     "broadcast": _BROADCAST,
     # lowering's row-moving ops between an all_gather's result and the matmul reading it (lower/ring.py)
     "moves_rows": _RESHAPE | {aten.permute.default, aten.clone.default},       # expand: a view lowering does not hoist (its result is larger than its source)
@@ -67,6 +68,9 @@ TAGS: dict = {
     "prepares_gather": _RESHAPE | _TRANSPOSE | {aten.slice.Tensor, aten.cat.default, aten.flatten.using_ints,
                                                  aten._to_copy.default, aten.clone.default, aten.alias.default,
                                                  aten.contiguous.default, aten.detach.default},
+    # ops through which a gradient's sum over ranks is traced back to its terms (lower/pipeline.py)
+    "carries_sum": _RESHAPE | _CAST | {aten.add.Tensor, aten.sub.Tensor, torch.ops._c10d_functional.all_reduce.default,
+                                       torch.ops._c10d_functional.wait_tensor.default},
     # random draws: drawn whole from the generator on every rank (rules/pointwise.py), kept by remat
     # (contract.draws_random adds every op torch tags nondeterministic_seeded)
     "random": _RANDOM,
@@ -154,8 +158,8 @@ class IndexArg:
     """Where an op reads integer indices into another operand, and what bounds their values.
 
     arg: the argument position of the index tensor; slot: its tensor-operand slot (registry.tensor_operands);
-    bound: ("rows", s) dim 0 of tensor slot s, ("last", s) the last dim of slot s, ("dim",) the indexed operand
-    along the op's `dim` argument, ("arg", i, name) an int argument; unique: duplicate indices make the result
+    bound: ("rows", i) dim 0 of argument i, ("last", i) the last dim of argument i, ("dim",) the indexed operand
+    (argument 0) along the op's `dim` argument, ("arg", i, name) an int argument; unique: duplicate indices make the result
     arbitrary (scatter writes one of them)."""
 
     arg: int

@@ -17,10 +17,8 @@ aten = torch.ops.aten
 # them is still that parameter (mixed precision casts every parameter before its use)
 _CASTS = tags.ops("copy") | tags.ops("cast")
 _VIEWS = tags.ops("moves_data")
-_MIXERS = {aten._scaled_dot_product_flash_attention_for_cpu.default, aten.bmm.default, aten._softmax.default,
-           aten._safe_softmax.default, aten.where.self, aten.masked_fill.Scalar, aten.tril.default}
-_STOP = {aten.native_layer_norm.default, aten.sum.dim_IntList, aten.amax.default, aten.mean.dim, aten.sum.default,
-         aten.native_group_norm.default, aten.embedding.default}
+_MIXERS = tags.ops("mixes_positions")
+_STOP = tags.ops("ends_layer")
 
 
 _TRANSPOSES = tags.ops("transpose")
@@ -335,7 +333,7 @@ def forward_uses(node, fwd) -> list:
     return out
 
 
-_EXPERT_USES = {aten.bmm.default, aten.baddbmm.default, aten.index_select.default, aten.index.Tensor}
+_EXPERT_USES = tags.ops("selects_experts")
 
 
 def expert_weights(captured) -> list:
