@@ -14,6 +14,8 @@ from enum import Enum
 
 import torch
 
+from .rules import tags
+
 aten = torch.ops.aten
 
 
@@ -94,12 +96,9 @@ def opt_name(state: str, fqn: str) -> str:
 
 # -- op families ---------------------------------------------------------------------------------------------------
 # pure views and layout changes (no arithmetic): a replicated copy of the view is the view of a replicated source
-VIEW_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
-                      aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
-                      aten.squeeze.dims, aten.expand.default})
+VIEW_OPS = tags.ops("view")
 # random draws: drawn whole from the generator on every rank (rules/pointwise.py), kept by remat
-RANDOM_OPS = frozenset({aten.native_dropout.default, aten.rand.default, aten.randn.default, aten.rand_like.default,
-                        aten.randn_like.default, aten.bernoulli.default, aten.bernoulli.p})
+RANDOM_OPS = tags.ops("random")
 
 
 def draws_random(node) -> bool:

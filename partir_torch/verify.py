@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .lower.indexed import IMPLS
 from .rules.localize import localize_args
 from .rules.factors import BLOCKED, NEED_REP, PASS, REDUCE, OpRule
+from .rules import tags
 from .rules.indexing import structural_zero
 from .rules.registry import RuleRegistry, default_registry, result_vals, tensor_operands
 
@@ -37,9 +38,7 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyz"   # factor names, as OpRule prints them
 
 aten = torch.ops.aten
 # Ops whose values are undefined or random: only the local shapes and dtypes are compared.
-SHAPE_ONLY = {aten.empty_like.default, aten.empty.memory_format, aten.new_empty.default, aten.empty_strided.default,
-              aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default,
-              aten.native_dropout.default}
+SHAPE_ONLY = tags.ops("uninitialised") | tags.ops("random")
 _REDUCERS = {op: functools.partial(functools.reduce, fn)   # elementwise over ranks, dtype kept
              for op, fn in (("sum", torch.add), ("max", torch.maximum), ("min", torch.minimum))}
 
@@ -128,23 +127,21 @@ def _along_dim(node: fx.Node) -> int:
     return x[_arg(node, 1, "dim") % len(x)]
 
 
+def _index_bound(node: fx.Node, bound: tuple) -> int:
+    """The exclusive upper bound of an op's index values (rules/tags.py IndexArg.bound)."""
+    kind, *at = bound
+    if kind == "rows":
+        return _shape(node, at[0])[0]
+    if kind == "last":
+        return _shape(node, at[0])[-1]
+    return _arg(node, *at) if kind == "arg" else _along_dim(node)
+
+
 # op -> (tensor operand slot of the indices, exclusive upper bound of index values, unique along `dim`)
-INDEX_OPERANDS = {
-    aten.embedding.default: (1, lambda n: _shape(n, 0)[0], False),
-    aten.embedding_dense_backward.default: (1, lambda n: _arg(n, 2, "num_weights"), False),
-    aten.index_select.default: (1, _along_dim, False),
-    aten.gather.default: (1, _along_dim, False),
-    aten.scatter.src: (1, _along_dim, True),          # duplicate targets would make the written value arbitrary
-    aten.scatter.value: (1, _along_dim, True),
-    aten.scatter_add.default: (1, _along_dim, False),
-    aten.index_add.default: (1, _along_dim, False),
-    aten.scatter_reduce.two: (1, _along_dim, False),
-    aten.nll_loss_forward.default: (1, lambda n: _shape(n, 0)[-1], False),
-    aten.nll_loss_backward.default: (2, lambda n: _shape(n, 1)[-1], False),
-}
+INDEX_OPERANDS = {op: (index.slot, functools.partial(_index_bound, bound=index.bound), index.unique)
+                  for op, index in tags.INDEX_ARGS.items()}
 # Ops drawn on positive floats, so that random inputs stay in their domain (no NaN hiding a mismatch).
-POSITIVE = {aten.sqrt.default, aten.rsqrt.default, aten.log.default, aten.log2.default, aten.reciprocal.default,
-            aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor}
+POSITIVE = tags.ops("positive_domain")
 
 
 def _indices(node: fx.Node, val: torch.Tensor, bound: int, unique: bool, gen) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils.flop_counter import flop_registry
 
@@ -81,7 +82,7 @@ def test_rows_agree_with_what_torch_and_the_schema_say():
 def test_a_row_prints_on_one_line():
     line = str(R.default_registry().row(aten.embedding.default))
     assert line == ("aten.embedding.default: rule nn.embedding  localize generic  local lower.indexed.embedding  "
-                    "flops none  xla as is")
+                    "flops none  xla as is  tags ends_layer")
 
 
 def test_a_link_to_a_missing_function_fails_at_import(monkeypatch):
@@ -92,3 +93,55 @@ def test_a_link_to_a_missing_function_fails_at_import(monkeypatch):
         assert "lower.indexed.tril, which does not exist" in str(e)
     else:
         raise AssertionError("a dangling link was accepted")
+
+
+# ---- per-op facts live in rules/ (issue 41 item 2) ---------------------------------------------------------------
+
+def _aten_collections(tree) -> list:
+    """Module-level statements of `tree` that build a set/frozenset/tuple/list/dict literal (or a set/frozenset/...
+    call on one) naming an aten op: `aten.view.default`, `torch.ops.aten.mm.default`."""
+    def aten_attr(e):
+        s = ast.unparse(e)
+        return isinstance(e, ast.Attribute) and (s.startswith("aten.") or s.startswith("torch.ops.aten."))
+
+    def elements(c):
+        if isinstance(c, (ast.Set, ast.List, ast.Tuple)):
+            return c.elts
+        if isinstance(c, ast.Dict):
+            return [k for k in c.keys if k is not None] + list(c.values)
+        if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in (
+                "set", "frozenset", "tuple", "list", "dict") and c.args:
+            return elements(c.args[0])
+        return []
+
+    return [stmt for stmt in tree.body if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None
+            and any(aten_attr(e) for c in ast.walk(stmt.value) for e in elements(c))]
+
+
+def test_no_module_outside_rules_lists_aten_ops():
+    import partir_torch
+
+    root = Path(partir_torch.__file__).parent
+    found = [f"{p.relative_to(root)}:{s.lineno}" for p in sorted(root.rglob("*.py")) if p.parent.name != "rules"
+             for s in _aten_collections(ast.parse(p.read_text()))]
+    assert found == [], f"per-op facts belong in rules/tags.py (a tag, or a table there): {found}"
+    bad = ast.parse("X = {torch.ops.aten.mm.default}\nY = frozenset((aten.t.default,))\nZ = {1: aten.mm.default}\n"
+                    "W = (1, 2)\ndef f():\n    return {aten.mm.default}\n")
+    assert [s.lineno for s in _aten_collections(bad)] == [1, 2, 3]      # the scan sees all three forms
+
+
+def test_tags_name_real_ops_and_agree_with_torch():
+    from partir_torch.rules import tags
+
+    for tag, ops in tags.TAGS.items():
+        assert ops and all(isinstance(op, torch._ops.OpOverload) for op in ops), tag
+    for op in tags.ops("view"):            # a view's schema says it aliases its operand (reshape may copy)
+        assert op.is_view or op in tags.ops("aliases"), op
+    for op in tags.ops("random"):
+        assert torch.Tag.nondeterministic_seeded in op.tags, op
+    assert tags.ops("matmul_bias") | tags.ops("matmul_2d") <= tags.ops("matmul")
+    assert tags.ops("unpacks_collective") <= tags.ops("prepares_gather")
+    assert R.default_registry().has_tag(aten.view.default, "view") and "view" in R.default_registry().row(
+        aten.view.default).tags
+    with pytest.raises(KeyError, match="no tag 'veiw'"):
+        tags.has(aten.view.default, "veiw")

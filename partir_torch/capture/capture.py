@@ -25,6 +25,7 @@ from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_m
 from ..contract import (META_ACCUMULATE, META_CLIP, META_MICRO, META_NAME, META_OUTPUT, META_PHASE, META_RECOMPUTE,
                         META_REMAT, META_ROLE, forward_nodes, stamp_phases)
 from ..errors import PartitionError, TraceError, user_stacklevel, warn
+from ..rules import tags
 from .branches import Recorder, add_checks, lift_draws, python_draws
 from . import gates as gating
 from .counts import Padding, Unpadded
@@ -221,8 +222,7 @@ def _trace_error(e: BaseException, mode: str, model, example_inputs=()) -> Trace
                       f"traced into one graph: {text}" + (f"\n  at {where}" if where else "") + "\n" + advice)
 
 
-_INDEX_ARGS = {torch.ops.aten.embedding.default: 1, torch.ops.aten.index_select.default: 2,
-               torch.ops.aten.gather.default: 2, torch.ops.aten.embedding_dense_backward.default: 1}
+_INDEX_ARGS = {op: index.arg for op, index in tags.INDEX_ARGS.items()}
 
 
 def _check_indices(gm: fx.GraphModule, model) -> None:
@@ -829,9 +829,7 @@ def dim_guards(model, example_inputs, loss_fn=None, optimizer=None, options=(), 
     flat = {int(n.split(".")[1]): x for n, x in zip(lay.names, lay.flat) if n.startswith("inputs.")}
     return DimGuards.collect(fake_mode, {(i, d): flat[i].shape[d] for i, d in positions})
 
-_VIEWS = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.permute.default,
-          torch.ops.aten.transpose.int, torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default,
-          torch.ops.aten._to_copy.default}
+_VIEWS = tags.ops("view") | tags.ops("cast")   # a parameter seen through views and casts
 
 
 def _split_param_views(gm) -> None:

@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from ..contract import RANDOM_OPS
+from ..rules import tags
 
 aten = torch.ops.aten
 
 # random draws whose tensor operand is only a template (shape, dtype, device): dropout as nn.Dropout traces it,
 # bernoulli_(empty_like(x), p)
-_TEMPLATE_RANDOM = RANDOM_OPS & {aten.bernoulli.p, aten.rand_like.default, aten.randn_like.default}
+_TEMPLATE_RANDOM = tags.ops("random_from_template")
 # factories shaped like their operand -> the factory with a static shape (value argument index, else None)
-LIKE = {aten.empty_like.default: (aten.empty.memory_format, None), aten.zeros_like.default: (aten.zeros.default, None),
-         aten.ones_like.default: (aten.ones.default, None), aten.full_like.default: (aten.full.default, 1)}
+LIKE = tags.STATIC_FACTORY
 
 
 def untie_random_templates(gm: fx.GraphModule) -> None:
@@ -61,9 +60,9 @@ def untie_unused_weights(gm: fx.GraphModule) -> int:
     return done
 
 # ops through which an arange's values reach an index unchanged, only its shape gaining dims of size 1
-_SHAPE_ONLY = {aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-_ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
-_INDEXERS = {aten.index.Tensor: 1, aten.index_put.default: 1, aten.index_put_.default: 1}
+_SHAPE_ONLY = tags.ops("reshape") | tags.ops("unsqueeze")
+_ARANGES = tags.ops("arange")
+_INDEXERS = tags.INDEX_LIST_ARG
 
 
 def _is_positions(node, n: int) -> bool:
@@ -122,9 +121,7 @@ def identity_indices(gm: fx.GraphModule) -> int:
 
 
 # views whose result is a function of their operands and arguments alone: two equal calls are one value
-_SHARED_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
-                 aten.transpose.int, aten.permute.default, aten.expand.default, aten.unsqueeze.default,
-                 aten.squeeze.dim, aten.slice.Tensor, aten.select.int, aten.alias.default}
+_SHARED_VIEWS = tags.ops("shareable_view")
 
 
 def share_views(gm: fx.GraphModule, same=()) -> int:

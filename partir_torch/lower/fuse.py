@@ -31,16 +31,14 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from ..contract import META_NAME, META_ROLE, META_SRC, Phase, Role, phase_of
+from ..rules import tags
 from .order import reorder
 from .reshard import call_function
 
 aten = torch.ops.aten
 
 # the ops capture/optim.py's Adam/AdamW emits (tensor and float64 scalar math)
-_ADAM_OPS = {aten.mul.Tensor, aten.mul.Scalar, aten.lerp.Tensor, aten.lerp.Scalar, aten.addcmul.default,
-             aten.sqrt.default, aten.div.Tensor, aten.add.Tensor, aten.add.Scalar, aten.rsub.Scalar, aten.neg.default,
-             aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, aten._to_copy.default,
-             aten.maximum.default, aten.sub.Tensor, aten.sub.Scalar}
+_ADAM_OPS = tags.ops("adam_math")
 
 
 def adam_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],

@@ -18,12 +18,13 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.node import map_arg
 
 from ..contract import META_NAME, META_OUTPUT, META_RECOMPUTE, META_ROLE, META_SAVED, META_SRC, STATE_PREFIXES, \
-    VIEW_OPS, Role, phase_of
+    Role, phase_of
 from ..errors import PartitionError, internal_error
 from ..options import Options
 from ..propagate.decisions import Decisions
 from ..propagate.engine import place_axis
 from ..rules.factors import minor_of, stride_of
+from ..rules import tags
 from ..rules.localize import localize_args
 from ..sharding import Sharding, chunk_size
 from . import indexed
@@ -516,11 +517,10 @@ def bind(lowered: "Lowered", groups: dict) -> "Lowered":
 # A local shard's strides can differ from the traced tensor's (an operand arrives gathered, a kernel lays out its
 # output after its inputs): views are emitted as reshape, which is the same view when the strides allow it and a
 # copy otherwise. The graph is functional, so nothing observes the difference.
-_RESHAPE = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
-            torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
+_RESHAPE = tags.EMITTED_AS
 
 # pure views with static arguments: a replicated copy of the view is the view of a replicated source
-_HOISTABLE = VIEW_OPS - {torch.ops.aten.expand.default}
+_HOISTABLE = tags.ops("view") - tags.ops("broadcast")
 
 
 def _state_key(node):

@@ -20,11 +20,12 @@ import torch
 import torch.fx as fx
 
 from ..contract import META_COLLECTIVE, META_LOCAL_SHAPE
+from ..rules import tags
 from .records import ALL_REDUCE, TACTIC
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-_VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+_VIEWS = tags.ops("reshape")
 
 
 def chunk_tp(graph: fx.Graph, records: list, chunks: int) -> list:

@@ -35,6 +35,7 @@ import torch
 from ..contract import META_ACTION, META_COLLECTIVE, META_MICRO, META_NAME, META_SRC, META_STAGE, Phase, \
     phase_of
 from ..errors import InternalError, PartitionError
+from ..rules import tags
 from .ppaxis import END, NORM, TIED, clip_norm, norm_actions, pp_select, tied_weights  # noqa: F401 (pp_select: API)
 from .records import GRADIENT, STATE
 
@@ -260,9 +261,7 @@ def _reads_tied(n, spec) -> bool:
     return False
 
 
-_SUM_OPS = (torch.ops.aten.add.Tensor, torch.ops.aten._to_copy.default, torch.ops.aten.view.default,
-            torch.ops.aten.reshape.default, torch.ops._c10d_functional.all_reduce.default,
-            torch.ops._c10d_functional.wait_tensor.default)
+_SUM_OPS = tags.ops("carries_sum")
 
 
 def _term_ranks(x, stage, spec) -> set:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ..contract import META_COLLECTIVE, META_IN_SHAPE, META_LOCAL_SHAPE
+from ..rules import tags
 from .order import reorder
 from .overlap import _VIEWS     # the row-moving views lowering emits (one table for both overlap passes)
 from .records import ALL_GATHER, COLLECTIVE_PERMUTE, REDUCE_SCATTER, TACTIC
@@ -49,7 +50,7 @@ from .records import ALL_GATHER, COLLECTIVE_PERMUTE, REDUCE_SCATTER, TACTIC
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 WAIT = c10d.wait_tensor.default
-_MM = (aten.mm.default, aten.addmm.default)
+_MM = tags.ops("matmul_2d")
 
 
 class _Works(torch._C._distributed_c10d.Work):
@@ -199,7 +200,7 @@ class _Ring:
         if self.wait is None or len(self.front) < 2:
             return None
         k, chain, r = self.front[-1], [], self.wait
-        while (u := _only_user(r)) is not None and u.target in _VIEWS + (aten.permute.default, aten.clone.default) \
+        while (u := _only_user(r)) is not None and tags.has(u.target, "moves_rows") \
                 and _keeps_rows(u, k):
             chain.append(u)
             r = u
@@ -256,7 +257,7 @@ class _Ring:
         if self.wait is None or len(self.front) < 2:
             return None
         chain, x = [], self.c.args[0]
-        while x.target in _VIEWS + (aten.permute.default, aten.clone.default) and len(x.users) == 1 \
+        while tags.has(x.target, "moves_rows") and len(x.users) == 1 \
                 and _keeps_rows(x, self.front[-1]):
             chain.insert(0, x)
             x = x.args[0]

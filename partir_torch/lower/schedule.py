@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from ..contract import META_COLLECTIVE, META_ROLE, STATE_ROLES
+from ..rules import tags
 from .order import reorder
 from .records import ALL_GATHER, ALL_REDUCE, COLLECTIVE_PERMUTE, GRADIENT, REDUCE_SCATTER
 
@@ -40,13 +41,11 @@ aten = torch.ops.aten
 
 # ops that only unpack a collective's result (a bucket's slices and views, a gathered dim moved back): they move
 # down with their wait, so the collective overlaps everything before the first real use of its result
-_UNPACK = {aten.slice.Tensor, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-           aten.permute.default, aten.clone.default}
+_UNPACK = tags.ops("unpacks_collective")
 
 # ops that only prepare a state gather's input from the state itself (a bucket's copy-in, a mixed-precision cast
 # of the shard): they move up with the gather
-_PREPARE = _UNPACK | {aten.cat.default, aten._to_copy.default, aten.contiguous.default, aten.t.default,
-                      aten.transpose.int, aten.flatten.using_ints, aten.detach.default, aten.alias.default}
+_PREPARE = tags.ops("prepares_gather")
 
 
 @dataclass

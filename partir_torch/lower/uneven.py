@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ..rules import tags
 from ..sharding import chunk_size
 
 aten = torch.ops.aten
@@ -82,4 +83,4 @@ def identity(op: str, dtype):
 # ops whose reduced operand needs another filler than the reduction's identity: operand slot -> argument index
 # holding the filler. nll_loss over a padded batch: a padded target is ignore_index, so neither the loss sum nor
 # total_weight counts it.
-FILL_FROM_ARG = {aten.nll_loss_forward.default: {1: 4}}
+FILL_FROM_ARG = tags.FILL_FROM_ARG

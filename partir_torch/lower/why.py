@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from ..contract import META_ROLE, STATE_ROLES, VIEW_OPS, Phase, phase_of
+from ..contract import META_ROLE, STATE_ROLES, Phase, phase_of
 from ..errors import source_location
+from ..rules import tags
 from .records import ALL_REDUCE, GRADIENT, REDUCE_SCATTER, RESHARD, STATE, TACTIC
 
 aten = torch.ops.aten
 
 # ops through which a value is still the same tensor, for state and gradients alike: views, copies, dtype casts
-SAME_VALUE = VIEW_OPS | {aten._to_copy.default, aten.clone.default, aten.alias.default, aten.detach.default,
-                    aten.slice.Tensor, aten.select.int, aten.contiguous.default}
+SAME_VALUE = tags.ops("same_value")
 # a gradient is still the gradient when padded back into its parameter's shape (wpe[:T]: the first operand), summed
 # (micro-batches, tied weights: every operand of its shape) or scaled (clipping, loss scaling: the first operand)
-_PADDED = {aten.slice_backward.default, aten.select_backward.default}
-_SUMMED = {aten.add.Tensor, aten.sub.Tensor}
-_SCALED = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
+_PADDED, _SUMMED, _SCALED = tags.ops("pads_back"), tags.ops("adds"), tags.ops("scales")
 _REDUCTIONS = (ALL_REDUCE, REDUCE_SCATTER)
 
 

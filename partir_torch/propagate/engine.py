@@ -17,11 +17,11 @@ from collections import deque
 
 import torch
 
-from .. import contract
 from ..contract import META_NO_PARTIAL_PASS, META_OUTPUT
 from ..errors import ShardingConflictError
 from ..sharding import REPLICATED
 from ..rules.factors import PASS, REDUCE, minor_of, stride_of
+from ..rules import tags
 from . import uneven
 from .graph import no_gc
 from ..mesh import Mesh
@@ -32,7 +32,7 @@ from .state import PARTIAL, PARTIAL_OP, WHOLE, UNKNOWN, AxisState, Conflict, Pro
 
 aten = torch.ops.aten
 # ops that only re-view their operand: where a closed region ends in one, the region is cut back to its source
-VIEW_OPS = contract.VIEW_OPS | {aten.clone.default, aten.alias.default}
+VIEW_OPS = tags.ops("reviews")
 
 
 class Propagator:

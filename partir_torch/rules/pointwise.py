@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .factors import ALL_OPS, SUM, RuleBuilder
-from ..contract import RANDOM_OPS
+from . import tags
 
 aten = torch.ops.aten
 
@@ -86,7 +86,7 @@ LIKE = [aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default
 # Random draws (dropout's mask) stay whole: every rank draws the whole tensor from the same generator state and
 # keeps its slice, so the step equals the single-device one bit for bit and replicated values agree across ranks
 # (a per-shard draw would give each rank of a replicated axis a different mask).
-RANDOM = sorted(RANDOM_OPS - {aten.rand.default, aten.randn.default}, key=str)   # those two are factories (nn.py)
+RANDOM = sorted(tags.ops("random") - tags.ops("random_factory"), key=str)   # factories are nn.py's
 
 
 def whole(ctx):

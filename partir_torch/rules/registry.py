@@ -26,6 +26,7 @@ import torch.fx as fx
 from ..errors import PartitionError, warn
 from .factors import OpRule, einsum
 from .moe import EXPERTS_BACKWARD_OP, EXPERTS_OP
+from . import tags
 from .nodes import result_vals  # noqa: F401 - propagation and verify read it from here
 
 aten = torch.ops.aten
@@ -127,6 +128,10 @@ class RuleRegistry:
             _check_spec(op, rule)
         self._rules[op] = rule
         self._families[op] = family
+
+    def has_tag(self, op, tag: str) -> bool:
+        """Whether `op` has `tag` (rules/tags.py: "view", "random", "matmul", ...); any op, with a rule or not."""
+        return tags.has(op, tag)
 
     def __contains__(self, op) -> bool:
         return op in self._rules
@@ -295,6 +300,7 @@ class OpRow:
     local: str | None
     flops: str | None
     xla: str | None
+    tags: frozenset = frozenset()   # rules/tags.py: the per-op facts other passes ask ("view", "random", ...)
 
     def gaps(self) -> list:
         """The fields nothing declares: ["flops"], ["xla"], ..."""
@@ -303,7 +309,7 @@ class OpRow:
     def __str__(self):
         loc = self.localize if isinstance(self.localize, str) else f"localize.{self.localize.__qualname__}"
         return (f"{self.op}: rule {self.family}.{_rule_name(self.rule)}  localize {loc}  local {self.local}  "
-                f"flops {self.flops}  xla {self.xla}")
+                f"flops {self.flops}  xla {self.xla}" + (f"  tags {','.join(sorted(self.tags))}" if self.tags else ""))
 
 
 def _rule_name(rule) -> str:
@@ -329,7 +335,7 @@ def op_row(op, rule, family: str) -> OpRow:
     if pick["xla"] is None and _view_copy(op) is not None:
         pick["xla"] = VIEW_COPY
     pick = {k: v if v is not None else getattr(default, k) for k, v in pick.items()}
-    return OpRow(op, rule, family, ROWS.get(op, GENERIC), **pick)
+    return OpRow(op, rule, family, ROWS.get(op, GENERIC), **pick, tags=tags.tags_of(op))
 
 
 def _view_copy(op):

@@ -16,12 +16,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..contract import RANDOM_OPS
+from ..contract import draws_random
 
 
 def _has_random(gm: fx.GraphModule) -> bool:
-    return any(n.op == "call_function" and (n.target in RANDOM_OPS or str(n.target).startswith(
-        ("aten.rand", "aten.bernoulli", "aten.normal"))) for n in gm.graph.nodes)
+    return any(draws_random(n) for n in gm.graph.nodes)
 
 
 def _compile(gm: fx.GraphModule, example_args):

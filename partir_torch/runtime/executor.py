@@ -10,7 +10,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
 from ..capture.inputs import conform
-from ..contract import EXC_NODE, META_SRC, STATE_ROLES, Role
+from ..contract import EXC_NODE, META_SRC, STATE_ROLES, Role, draws_random
 from ..errors import PartitionError, internal_error, user_stacklevel, warn
 from ..lower.lower import bind
 from . import faults
@@ -335,8 +335,7 @@ def _plan_text(canonical) -> str:
     """What every rank must agree on: the program's code on canonical group names (each rank numbers its own
     process groups) and, when the step draws random numbers, the generator state."""
     code = canonical.gm.code
-    if any(str(n.target).startswith(("aten.bernoulli", "aten.rand", "aten.native_dropout"))
-           for n in canonical.gm.graph.nodes):
+    if any(draws_random(n) for n in canonical.gm.graph.nodes):
         # random draws must agree on every rank (hashlib: Python's hash() of bytes is salted per process)
         code += f"\n# rng {hashlib.sha256(bytes(torch.get_rng_state().numpy())).hexdigest()}"
     return code

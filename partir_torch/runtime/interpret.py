@@ -26,7 +26,7 @@ import traceback
 import torch
 import torch.fx as fx
 
-from ..contract import EXC_NODE, META_STAGE, RANDOM_OPS
+from ..contract import EXC_NODE, META_STAGE, draws_random
 from ..lower.pipeline import PIPELINE_AXIS, pp_transfer
 from ..lower.ring import RING_SHIFT
 from ..mesh import Mesh
@@ -74,9 +74,7 @@ class _Segment:
         self.gm = fx.GraphModule(torch.nn.Module(), g)
         self.fn = self.gm                # compile_segments replaces it (positional arguments)
         self._boxed = None
-        self.random = any(n.target in RANDOM_OPS or str(n.target).startswith(("aten.rand", "aten.bernoulli",
-                                                                                 "aten.normal"))
-                          for n in nodes)
+        self.random = any(draws_random(n) for n in nodes)
 
 
     @property

@@ -25,6 +25,7 @@ import torch
 from torch.fx import Node
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from ..rules import tags
 from ..rules.registry import linked
 from .hardware import Hardware
 
@@ -38,10 +39,9 @@ COLLECTIVE_NAMES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tens
 COLLECTIVE_KIND = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
                    "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
 # Ops whose schema does not say "alias" but that never copy (functionalization's reshape result, ...).
-_ALIAS_OPS = {"aten::_unsafe_view", "aten::alias", "aten::lift_fresh", "aten::_reshape_alias",
-              "aten::reshape"}   # lowering emits reshape for views: a view whenever the strides allow
+_ALIAS_OPS = tags.schema_names("aliases")   # lowering emits reshape for views: a view whenever the strides allow
 # Ops that allocate without running a kernel: free in time, but they hold memory.
-_ALLOC_OPS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::new_empty_strided"}
+_ALLOC_OPS = tags.schema_names("uninitialised")
 
 
 def cpu_flash_fwd(q, k, v, *args, out_val=None, **kwargs):

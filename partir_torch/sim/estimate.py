@@ -40,6 +40,7 @@ import torch
 
 from ..contract import META_ROLE, STATE_ROLES, Phase, Role, phase_of
 from ..propagate.arrays import partial, partial_code, replicated, replicated_code, tiled, undecided_array, whole
+from ..rules import tags
 from ..rules.factors import REDUCE
 from ..lower.bucket import MIN_BUCKET, UNITS
 from .comm import estimate as comm_estimate
@@ -48,8 +49,7 @@ from .compute import COMPUTE, FREE, WAIT, combine_legs, op_class
 KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 aten = torch.ops.aten
 # ops that make a state gather's input from the state alone (lower/schedule.py moves them up with the gather)
-_PREPARE = {aten._to_copy.default, aten.clone.default, aten.contiguous.default, aten.detach.default,
-            aten.alias.default}
+_PREPARE = tags.ops("prepares_gather")   # what lowering moves up with the gather (cat of state included)
 _SIZES = np.array([0.0] + [2.0 ** i for i in range(6, 42)])      # collective sizes tabulated (bytes)
 
 

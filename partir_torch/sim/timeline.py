@@ -26,6 +26,7 @@ import bisect
 import math
 
 from ..contract import META_COLLECTIVE
+from ..rules import tags
 from .comm import estimate
 from .compute import COLLECTIVE, COMPUTE, FREE, CostModel
 from .report import CollectiveTiming
@@ -33,9 +34,8 @@ from .report import CollectiveTiming
 ISSUE = ("ready", "program", "prefetch")
 
 # ops that only move or cast data into a collective's buffer (aten schema names)
-_PREP_OPS = {"aten::_to_copy", "aten::cat", "aten::clone", "aten::copy", "aten::contiguous", "aten::reshape",
-             "aten::view", "aten::_unsafe_view", "aten::flatten", "aten::t", "aten::transpose", "aten::permute",
-             "aten::slice", "aten::split", "aten::split_with_sizes", "aten::detach", "aten::alias"}
+# (views are FREE ops, counted by their class; these names cover every overload of lowering's list)
+_PREP_OPS = tags.schema_names("prepares_gather")
 
 
 def prep_chains(nodes, classes: dict, inputs: dict) -> tuple:

@@ -20,6 +20,7 @@ from ..capture.graphutil import split_for_backward
 from ..contract import (META_NO_PARTIAL_PASS, META_PHASE, META_RECOMPUTE, META_RECOMPUTE_OF, META_REMAT, META_ROLE,
     META_SAVED, META_TAG, META_TAGS, RANDOM_OPS, Phase, phase_of, traced_forward)
 from ..errors import PartitionError
+from ..rules import tags
 
 aten = torch.ops.aten
 
@@ -246,7 +247,7 @@ class Remat:
 
 
 POLICIES = ("full", "selective")
-_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+_MATMULS = tags.ops("matmul")
 
 
 def _saved_kernels(members: list, inside: set) -> set:

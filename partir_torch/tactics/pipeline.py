@@ -33,6 +33,7 @@ import torch
 
 from ..contract import META_CLIP, META_MICRO, META_MODULE, META_NAME, META_ROLE, RANDOM_OPS, Phase, Role, phase_of
 from ..errors import PartitionError, warn
+from ..rules import tags
 from .base import declare
 from .structure import param_source
 
@@ -403,7 +404,7 @@ def _block_of(mod: str, pre: str):
     return int(head) if head.isdigit() else None
 
 
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+_MATMULS = tags.ops("matmul")
 
 
 def _flops(node) -> float:
@@ -411,7 +412,7 @@ def _flops(node) -> float:
     if not isinstance(v, torch.Tensor):
         return 0.0
     if node.target in _MATMULS:
-        a = node.args[-2] if node.target is torch.ops.aten.addmm.default else node.args[0]
+        a = node.args[1] if tags.has(node.target, "matmul_bias") else node.args[0]   # (bias, m1, m2)
         k = a.meta["val"].shape[-1] if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"),
                                                                                    torch.Tensor) else 1
         return 2.0 * v.numel() * k

@@ -9,24 +9,19 @@ from dataclasses import dataclass
 import torch
 
 from ..contract import META_NAME, META_ROLE, forward_nodes
+from ..rules import tags
 
 aten = torch.ops.aten
 
 # ops that move or cast a value without changing which elements it holds: a parameter seen through any chain of
 # them is still that parameter (mixed precision casts every parameter before its use)
-_CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.clone.default,
-          aten.alias.default, aten.contiguous.default, aten.detach.default, aten.lift_fresh_copy.default}
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
-          aten.transpose.int, aten.t.default, aten.expand.default, aten.clone.default, aten.unsqueeze.default,
-          aten.squeeze.dim, aten.squeeze.dims, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor,
-          aten.cat.default, aten.select.int, aten.unbind.int} | _CASTS
-_MIXERS = {aten._scaled_dot_product_flash_attention_for_cpu.default, aten.bmm.default, aten._softmax.default,
-           aten._safe_softmax.default, aten.where.self, aten.masked_fill.Scalar, aten.tril.default}
-_STOP = {aten.native_layer_norm.default, aten.sum.dim_IntList, aten.amax.default, aten.mean.dim, aten.sum.default,
-         aten.native_group_norm.default, aten.embedding.default}
+_CASTS = tags.ops("copy") | tags.ops("cast")
+_VIEWS = tags.ops("moves_data")
+_MIXERS = tags.ops("mixes_positions")
+_STOP = tags.ops("ends_layer")
 
 
-_TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
+_TRANSPOSES = tags.ops("transpose")
 
 
 def source(node, through=_CASTS):
@@ -80,10 +75,9 @@ def linear_weight(node, graph=None):
     return found[0] if found else None
 
 
-_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_RESHAPES = tags.ops("reshape")
 # ops that move a value's dims without touching its elements (between a fused projection's reshape and its select)
-_MOVES = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.transpose.int, aten.permute.default} \
-    | _CASTS
+_MOVES = tags.ops("squeeze") | tags.ops("transpose") | _CASTS
 
 
 def _fused_chunks(node) -> int:
@@ -339,7 +333,7 @@ def forward_uses(node, fwd) -> list:
     return out
 
 
-_EXPERT_USES = {aten.bmm.default, aten.baddbmm.default, aten.index_select.default, aten.index.Tensor}
+_EXPERT_USES = tags.ops("selects_experts")
 
 
 def expert_weights(captured) -> list:

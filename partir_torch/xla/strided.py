@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from ..rules.pointwise import RANDOM, rules as pointwise_rules
+from ..rules import tags
 
 aten = torch.ops.aten
 
@@ -89,10 +90,8 @@ def _aligned(shape, split, operand_shape) -> tuple:
 
 
 # natural einsum of the matmul family (capital letters; each is split as the forms around it split its dim)
-MATMUL = {aten.mm.default: ("IK", "KJ", "IJ"), aten.bmm.default: ("BIK", "BKJ", "BIJ"),
-          aten.addmm.default: ("IK", "KJ", "IJ")}
-VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.squeeze.dim,
-         aten.squeeze.dims, aten.unsqueeze.default}
+MATMUL = tags.MATMUL_DIMS
+VIEWS = tags.ops("reshape") | tags.ops("squeeze")
 POINTWISE = frozenset(pointwise_rules()) - frozenset(RANDOM)
 
 
