@@ -63,6 +63,7 @@ META_RECOMPUTE = "partir_recompute"        # remat: on a recomputed copy, the mo
 META_SAVED = "partir_saved"                # selective remat: on a kept op output (a matmul's, attention's), the FQN
 META_RECOMPUTE_OF = "partir_recompute_of"  # remat: on a recomputed copy, the name of the node it recomputes
 META_NO_PARTIAL_PASS = "partir_no_partial_pass"   # mixed precision: a partial value is reduced before this node
+META_PARTIAL_FANOUT = "partir_partial_fanout"    # LoRA: a partial value passes to each of its users linear in it
 META_ACCUMULATE = "partir_accumulate"      # fx custom meta: the node belongs to one micro-batch (accumulate=k)
 META_MODULE = "partir_module"              # pipeline capture: FQN of the module whose forward (or backward) made it
 META_MICRO = "partir_micro"                # pipeline capture: index of the micro-batch the node computes for

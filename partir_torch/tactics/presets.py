@@ -127,7 +127,39 @@ class Megatron(SeedTactic):
             if bias in names:
                 seeds.append((bias, 0, lin.chunks))
         seeds += [(w, 1 - lay.get(w, Linear(w, 0)).out_dim) for w in row] + [(w, 0) for w in vocab]
-        return seeds + [(w, REPLICATED) for w in kept]
+        return seeds + [(w, REPLICATED) for w in kept] + self._adapter_seeds(ctx, lay, col, row, names)
+
+    def _adapter_seeds(self, ctx, lay, col, row, names) -> list:
+        """A LoRA wrapper takes its base linear's role (tactics/lora.py): a column-parallel base's lora_B is tiled
+        on its output features as the base weight (in the same q/k/v chunks), its lora_A whole; a row-parallel
+        base's lora_A is tiled on its input features, its lora_B whole; a base left whole keeps both adapters
+        whole. explain() names the wrapper and the role its base took."""
+        from .lora import lora_adapters, mark_rank_values
+
+        seeds, col, row = [], set(col), set(row)
+        adapters = lora_adapters(ctx.captured)
+        mark_rank_values(ctx.captured, adapters)
+        for ad in adapters:
+            a, b, base = lay[ad.a], lay[ad.b], lay.get(ad.base, Linear(ad.base, 0))
+            bias = ad.b[:-len("weight")] + "bias"
+            bias = [bias] if ad.b.endswith("weight") and bias in names else []
+            where = f"the LoRA wrapper '{ad.wrapper}' (rank {ad.rank})"
+            if ad.base in col:
+                seeds += [(ad.b, b.out_dim, base.chunks), (ad.a, REPLICATED)] + [(x, 0, base.chunks) for x in bias]
+                role = ("column-parallel", "lora_B tiled on its output features as the base weight, lora_A whole: "
+                        "each rank adds its slice of the wrapper's output features")
+            elif ad.base in row:
+                seeds += [(ad.a, 1 - a.out_dim), (ad.b, REPLICATED)] + [(x, REPLICATED) for x in bias]
+                role = ("row-parallel", "lora_A tiled on its input features as the base weight, lora_B whole: the "
+                        "adapter's partial output is summed with the base's by the same all_reduce")
+            else:
+                seeds += [(ad.a, REPLICATED), (ad.b, REPLICATED)] + [(x, REPLICATED) for x in bias]
+                role = ("left whole", "both adapters whole, as their base")
+            ctx.note(ad.base, f"{self.name}: {role[0]} on axis '{self.axis}' as the base linear of {where}; {role[1]}")
+            for w in (ad.a, ad.b):
+                ctx.note(w, f"{self.name}: adapter of {where}, whose base linear {_short(ad.base)} is {role[0]} on "
+                            f"axis '{self.axis}': {role[1]}")
+        return seeds
 
     def _found(self, ctx, lay) -> tuple:
         """(column-parallel, row-parallel, kept whole, {weight: why}, blocked) from the structure search: in each region, a
@@ -181,8 +213,11 @@ class Megatron(SeedTactic):
         """One warning and one summary() remark naming the linears left replicated on the axis, with the reason;
         explain(weight) shows it too."""
         why = dict(why)
+        from .lora import lora_adapters
+
+        adapters = {w for ad in lora_adapters(ctx.captured) for w in (ad.a, ad.b)}   # they follow their base
         for w in lay:
-            if w not in why and w not in tiled and ctx.is_unknown(self.axis, w):
+            if w not in why and w not in tiled and w not in adapters and ctx.is_unknown(self.axis, w):
                 why[w] = ("not in a column/row-parallel pair: its output reaches no other linear through "
                           "activations or attention (an output head, a router, an encoder's last layer)")
         if not why:
