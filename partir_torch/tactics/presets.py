@@ -134,7 +134,7 @@ class Megatron(SeedTactic):
         on its output features as the base weight (in the same q/k/v chunks), its lora_A whole; a row-parallel
         base's lora_A is tiled on its input features, its lora_B whole; a base left whole keeps both adapters
         whole. explain() names the wrapper and the role its base took."""
-        from .lora import lora_adapters, mark_rank_values
+        from ..capture.lora import lora_adapters, mark_rank_values
 
         seeds, col, row = [], set(col), set(row)
         adapters = lora_adapters(ctx.captured)
@@ -213,7 +213,7 @@ class Megatron(SeedTactic):
         """One warning and one summary() remark naming the linears left replicated on the axis, with the reason;
         explain(weight) shows it too."""
         why = dict(why)
-        from .lora import lora_adapters
+        from ..capture.lora import lora_adapters
 
         adapters = {w for ad in lora_adapters(ctx.captured) for w in (ad.a, ad.b)}   # they follow their base
         for w in lay:

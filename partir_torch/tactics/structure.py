@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from ..contract import META_NAME, META_ROLE, forward_nodes
-from .linears import _CASTS, _RESHAPES, _linear, is_param_cast, linear_weight, param_source, source  # noqa: F401
-from .lora import adapter_ends, lora_adapters
+from ..capture.linears import _CASTS, _RESHAPES, _linear, is_param_cast, linear_weight, param_source, source  # noqa: F401
+from ..capture.lora import adapter_ends, lora_adapters
 
 aten = torch.ops.aten
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..contract import META_NAME, META_PARTIAL_FANOUT
+from ..contract import META_NAME, META_PARTIAL_FANOUT, forward_nodes
 from .linears import _CASTS, _RESHAPES, _linear, param_source, source
 
 aten = torch.ops.aten
@@ -45,21 +45,19 @@ class Adapter:
 def lora_adapters(captured) -> list:
     """Every LoRA adapter of the forward (Adapter), in graph order; a base with several active adapters (peft sums
     them one after another) has one Adapter each."""
-    return [ad for ad, _ in _found(captured)]
+    return [ad for ad, _ in _found(captured.gm)]
 
 
 def adapter_ends(captured) -> dict:
     """{node: base weight}: where each adapter branch joins its base's output (the scaled lora_B output the sum
     reads). linear_regions counts it inside its base linear's region, so the sum does not end that region."""
-    return {end: ad.base for ad, end in _found(captured)}
+    return {end: ad.base for ad, end in _found(captured.gm)}
 
 
-def _found(captured) -> list:
-    from ..contract import forward_nodes
-
-    fwd = forward_nodes(captured.gm)
+def _found(gm) -> list:
+    fwd = forward_nodes(gm)
     out, seen = [], set()
-    for n in captured.gm.graph.nodes:
+    for n in gm.graph.nodes:
         found = _adapter_at(n) if n in fwd else None
         if found is not None and found[0].b not in seen:
             seen.add(found[0].b)
@@ -184,3 +182,38 @@ def mark_rank_values(captured, adapters: list) -> None:
             if len(users) != 1 or users[0].target not in _PASS:
                 break
             x = users[0]
+
+
+def bias_last(gm) -> None:
+    """(base(x) + bias) + s * B(A(x)) -> (base(x) + s * B(A(x))) + bias, for each LoRA wrapper whose base linear has
+    a bias (HF Conv1D's addmm, nn.Linear's): a row-parallel base's output and its adapter's are both partial sums,
+    and summed before the bias they are reduced by one all_reduce, as the base linear alone is; with the bias
+    between them, each would be reduced on its own. The reshape between the bias add and the sum (Conv1D's view
+    back to (B, T, out)) moves onto the matmul. The same sum, in another order (fp32 rounding only)."""
+    changed = False
+    for ad, end in _found(gm):
+        total = next(iter(end.users))
+        base_side = next(x for x in total.args if x is not end)
+        view = base_side if base_side.target in _RESHAPES else None
+        biased = view.args[0] if view is not None else base_side
+        if biased.target is not aten.add.Tensor or len(biased.users) != 1 or (view and len(view.users) != 1):
+            continue
+        mm, bias = biased.args
+        if not isinstance(mm, torch.fx.Node) or mm.target is not aten.mm.default or param_source(bias) is None \
+                or bias.meta["val"].dim() != 1 or bias.meta["val"].shape[0] != total.meta["val"].shape[-1]:
+            continue
+        with gm.graph.inserting_before(total):
+            shaped = mm
+            if view is not None:
+                shaped = gm.graph.call_function(view.target, (mm, *view.args[1:]), dict(view.kwargs))
+                shaped.meta.update(view.meta)
+            summed = gm.graph.call_function(aten.add.Tensor, (shaped, end))
+            summed.meta.update(total.meta)
+        total.args = (summed, bias)
+        for dead in (view, biased):
+            if dead is not None and not dead.users:
+                gm.graph.erase_node(dead)
+        changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
