@@ -58,14 +58,14 @@ def _found(gm) -> list:
     fwd = forward_nodes(gm)
     out, seen = [], set()
     for n in gm.graph.nodes:
-        found = _adapter_at(n) if n in fwd else None
+        found = _adapter_at(n, fwd) if n in fwd else None
         if found is not None and found[0].b not in seen:
             seen.add(found[0].b)
             out.append(found)
     return out
 
 
-def _adapter_at(nb) -> tuple | None:
+def _adapter_at(nb, fwd) -> tuple | None:
     """The Adapter whose lora_B matmul is `nb`: its input is a linear's output (lora_A), its output (past views and
     a scaling) is added to another linear's output (the base, past its bias add), and lora_A reads the base's input
     (past views and a dropout mask). Returns (Adapter, the branch's last node before the sum)."""
@@ -74,7 +74,7 @@ def _adapter_at(nb) -> tuple | None:
         return None
     na = source(nb.args[0], _PASS)
     a = _linear(na) if isinstance(na, torch.fx.Node) else None
-    if a is None or len(na.users) != 1:
+    if a is None or sum(u in fwd for u in na.users) != 1:     # x A^T feeds lora_B only (the backward reads it too)
         return None
     end, total = _branch_end(nb)
     if total is None:
