@@ -132,3 +132,16 @@ def test_zero3_shards_the_lora_base_under_megatron():
     assert "row-parallel on axis 'model' as the base linear of the LoRA wrapper" in text
     assert "frozen (requires_grad=False): stored tiled" in text
     assert not any(n.startswith("opt.") and "base_layer" in n for n in prog.executor.state)
+
+
+def test_megatron_plan_naming_a_wrapper_tiles_its_adapters_as_its_base():
+    """A plan whose globs match a wrapper's adapters too ('*.q_proj.*weight'): the adapters follow their base."""
+    build, targets, layer, _ = MODELS["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    model = get_peft_model(build(), LoraConfig(r=R, target_modules=targets))
+    plan = {"*.q_proj.*weight": "colwise", "*.o_proj.*weight": "rowwise"}
+    prog, _ = _partition(model, [T.data_parallel("batch"), T.megatron("model", plan=plan)], torch.randint(0, 64, (4, 16)))
+    pre = f"params.base_model.model.{layer}.self_attn."
+    want = {"q_proj.base_layer": {"model": 0}, "q_proj.lora_B.default": {"model": 0}, "q_proj.lora_A.default": {},
+            "o_proj.base_layer": {"model": 1}, "o_proj.lora_A.default": {"model": 1}, "o_proj.lora_B.default": {}}
+    assert {k: prog.sharding(f"{pre}{k}.weight").tiled_axes() for k in want} == want

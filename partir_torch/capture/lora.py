@@ -1,6 +1,6 @@
 """LoRA adapters found by structure: a linear whose output is summed with a low-rank branch of the same input,
 base(x) + s * B(A(dropout(x))) (peft's `lora.Linear` wrapping `base_layer` with `lora_A` and `lora_B`, or any
-module written that way). The wrapper takes its base linear's role in a Megatron pair (structure.linear_regions
+module written that way). The wrapper takes its base linear's role in a Megatron pair (tactics/structure.py
 reads the adapters' matmuls as part of the base linear, not as a column/row pair of their own), and its adapters
 are split the way that keeps the pair's activations as the base pair has them:
 

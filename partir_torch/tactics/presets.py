@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..capture.lora import lora_adapters, mark_rank_values
 from ..contract import Role, forward_nodes
 from ..errors import PartitionError, closest, warn
 from ..sharding import REPLICATED
@@ -98,8 +99,11 @@ class Megatron(SeedTactic):
         names = set(ctx.value_names())
         vocab, kept, why = [], [], {}
         lay = linear_layout(ctx.captured)
-        if self.plan:
+        adapters = lora_adapters(ctx.captured)
+        if self.plan:     # a LoRA adapter the plan's globs also match follows its base (_adapter_seeds)
             col, row, vocab = self._planned(names)
+            ab = {w for ad in adapters for w in (ad.a, ad.b)}
+            col, row = [w for w in col if w not in ab], [w for w in row if w not in ab]
             if not col:
                 raise PartitionError(f"{self.name}: plan={self.plan!r} names no 'colwise' weight; Megatron tiles a "
                                      f"column-parallel linear's output features and the row-parallel linear it "
@@ -127,17 +131,14 @@ class Megatron(SeedTactic):
             if bias in names:
                 seeds.append((bias, 0, lin.chunks))
         seeds += [(w, 1 - lay.get(w, Linear(w, 0)).out_dim) for w in row] + [(w, 0) for w in vocab]
-        return seeds + [(w, REPLICATED) for w in kept] + self._adapter_seeds(ctx, lay, col, row, names)
+        return seeds + [(w, REPLICATED) for w in kept] + self._adapter_seeds(ctx, lay, adapters, col, row, names)
 
-    def _adapter_seeds(self, ctx, lay, col, row, names) -> list:
-        """A LoRA wrapper takes its base linear's role (tactics/lora.py): a column-parallel base's lora_B is tiled
+    def _adapter_seeds(self, ctx, lay, adapters, col, row, names) -> list:
+        """A LoRA wrapper takes its base linear's role (capture/lora.py): a column-parallel base's lora_B is tiled
         on its output features as the base weight (in the same q/k/v chunks), its lora_A whole; a row-parallel
         base's lora_A is tiled on its input features, its lora_B whole; a base left whole keeps both adapters
         whole. explain() names the wrapper and the role its base took."""
-        from ..capture.lora import lora_adapters, mark_rank_values
-
         seeds, col, row = [], set(col), set(row)
-        adapters = lora_adapters(ctx.captured)
         mark_rank_values(ctx.captured, adapters)
         for ad in adapters:
             a, b, base = lay[ad.a], lay[ad.b], lay.get(ad.base, Linear(ad.base, 0))
@@ -213,8 +214,6 @@ class Megatron(SeedTactic):
         """One warning and one summary() remark naming the linears left replicated on the axis, with the reason;
         explain(weight) shows it too."""
         why = dict(why)
-        from ..capture.lora import lora_adapters
-
         adapters = {w for ad in lora_adapters(ctx.captured) for w in (ad.a, ad.b)}   # they follow their base
         for w in lay:
             if w not in why and w not in tiled and w not in adapters and ctx.is_unknown(self.axis, w):
