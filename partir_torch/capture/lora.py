@@ -160,21 +160,22 @@ def _common(*names: str) -> str:
     return ".".join(common)
 
 
-def mark_rank_values(captured, adapters: list) -> None:
+def mark_rank_values(gm) -> None:
     """Mark each adapter's rank-r activation x A^T (forward) and its gradient dout B (backward) META_PARTIAL_FANOUT:
     where the tensor-parallel axis leaves them partial (a row wrapper's x A^T, a column wrapper's dout B), the
     partial passes to both of their users (the next matmul and the adapter's weight gradient) instead of being
     reduced where it is made: the next matmul's partial joins the base linear's reduction (the all_reduce of the
-    pair), and the weight gradient is reduced as a gradient, r-wide."""
-    ab = {w: ad for ad in adapters for w in (ad.a, ad.b)}
-    for n in captured.gm.graph.nodes:
+    pair), and the weight gradient is reduced as a gradient, r-wide. Capture marks them (a mark changes nothing
+    where no axis leaves them partial)."""
+    ab = {w: ad for ad, _ in _found(gm) for w in (ad.a, ad.b)}
+    for n in gm.graph.nodes:
         if n.target is not aten.mm.default:
             continue
         found = param_source(n.args[1])
         name = found[0].meta.get(META_NAME) if found else None
         ad = ab.get(name)
-        if ad is None or (name == ad.a) != found[1] or (name == ad.b) == found[1]:
-            continue      # x A^T: lora_A transposed; dout B: lora_B as stored
+        if ad is None or found[1] != (name == ad.a):
+            continue      # x A^T reads lora_A transposed; dout B reads lora_B as stored
         x = n
         while True:
             x.meta[META_PARTIAL_FANOUT] = True

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capture.lora import lora_adapters, mark_rank_values
+from ..capture.lora import lora_adapters
 from ..contract import Role, forward_nodes
 from ..errors import PartitionError, closest, warn
 from ..sharding import REPLICATED
@@ -139,7 +139,6 @@ class Megatron(SeedTactic):
         base's lora_A is tiled on its input features, its lora_B whole; a base left whole keeps both adapters
         whole. explain() names the wrapper and the role its base took."""
         seeds, col, row = [], set(col), set(row)
-        mark_rank_values(ctx.captured, adapters)
         for ad in adapters:
             a, b, base = lay[ad.a], lay[ad.b], lay.get(ad.base, Linear(ad.base, 0))
             bias = ad.b[:-len("weight")] + "bias"
