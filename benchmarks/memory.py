@@ -19,6 +19,9 @@ blocks, vocab 4096, seq 16, global batch `batch`; AdamW (foreach), fp32.
 3. (unless --no-ratios) The simulator's peak_memory_bytes over the measured peak (max over the 4 emulated ranks),
    for every zoo model (batch 4) and Hugging Face GPT-2 and Llama (2 layers, d=64, vocab 128, batch 4 x 16) under
    BP {batch: 4}, BP+Z3 {batch: 4} and BP+MP+Z3 {batch: 2, model: 2}; AdamW; two steps, the second measured.
+4. LoRA (issue 37): an HF Llama (d=128) with peft adapters on every block linear, AdamW over the adapters; the
+   measured and simulated peak and the collective bytes per step under BP {batch: 4} (nothing sharded), BP+MP
+   and BP+MP+Z3 {batch: 2, model: 2} (default buckets, and bucket_bytes=0). `--lora-only` runs this part alone.
 """
 from __future__ import annotations
 
@@ -191,14 +194,79 @@ def ratios() -> list:
     return rows
 
 
+LORA_SCHEDULES = ("BP", "BP+MP", "BP+MP+Z3", "BP+MP+Z3, bucket_bytes=0")
+
+
+def lora_llama():
+    """HF LlamaForCausalLM (2 layers, d=128, SwiGLU 256, 4 heads / 2 KV heads, vocab 256) with peft LoRA r=8 on
+    every block linear: everything but the adapters frozen."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, bos_token_id=0,
+                      eos_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=8, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+
+
+def lora_rows() -> list:
+    """(schedule, measured max bytes over ranks, simulated bytes, {axis: collective bytes per step}) of lora_llama
+    under each LORA_SCHEDULES entry, AdamW over the adapters only, the second of two steps."""
+    import partir_torch as pt
+
+    T = pt.tactics
+    tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    mp = [T.data_parallel("batch"), T.megatron("model")]
+    schedules = {"BP": ({"batch": WORLD}, [T.data_parallel("batch")], {}), "BP+MP": ({"batch": 2, "model": 2}, mp, {}),
+                 "BP+MP+Z3": ({"batch": 2, "model": 2}, mp + [T.zero(3, "batch")], {}),
+                 "BP+MP+Z3, bucket_bytes=0": ({"batch": 2, "model": 2}, mp + [T.zero(3, "batch")], {"bucket_bytes": 0})}
+    rows = []
+    for label in LORA_SCHEDULES:
+        mesh, tactics, kw = schedules[label]
+        model = lora_llama()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        prog = pt.partition(model, pt.Mesh(mesh), tactics, example_inputs=(tokens, tokens),
+                            loss_fn=lambda m, x, y: m(input_ids=x, labels=y).loss, optimizer=opt,
+                            measure_memory=True, **kw)
+        prog.train_step(tokens, tokens)
+        prog.train_step(tokens, tokens)
+        comm: dict = {}
+        for r in prog.collectives():
+            comm[r.axis] = comm.get(r.axis, 0) + r.nbytes
+        sim = prog.simulate(pt.sim.hardware("h100", gpus_per_node=WORLD)).peak_memory_bytes
+        rows.append((label, max(prog.peak_memory().values()), sim, comm))
+    return rows
+
+
+def print_lora() -> None:
+    import partir_torch
+
+    model = lora_llama()
+    frozen = sum(p.numel() * 4 for p in model.parameters() if not p.requires_grad)
+    trained = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    print(f"4. LoRA r=8 on every block linear of HF LlamaForCausalLM (2 layers, d=128, vocab 256): frozen {frozen / 2 ** 20:.3f} MiB, adapters "
+          f"{trained / 2 ** 20:.3f} MiB; batch 4 x 16, AdamW over the adapters; {WORLD} emulated ranks, second "
+          f"step (partir_torch from {partir_torch.__file__}):")
+    for label, m, sim, comm in lora_rows():
+        per_axis = ", ".join(f"{a} {b / 2 ** 20:.3f} MiB" for a, b in sorted(comm.items()))
+        print(f"   {label:25s} measured peak {m / 2 ** 20:7.3f} MiB   simulated {sim / 2 ** 20:7.3f} MiB   "
+              f"collective bytes per step: {per_axis}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--no-ratios", dest="ratios", action="store_false")
+    ap.add_argument("--lora-only", action="store_true", help="part 4 only")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.lora_only:
+        return print_lora()
     spec = spec_of(args)
     n = sum(p.numel() for p in spec.build().parameters())
     pgo = n * 4 * (1 + 1 + 2)                        # fp32 parameters, gradients, AdamW's two moments
@@ -234,6 +302,8 @@ def main(argv=None):
         worst = max(worst, abs(sim / m - 1))
         print(f"   {name:22s} {label:9s} measured {m:>10d} B   simulated {sim:>10d} B   ratio {sim / m:.5f}")
     print(f"   largest |ratio - 1|: {100 * worst:.3f}% (goal: within 5%)")
+    print()
+    print_lora()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from enum import Enum
 
 import torch
 
-from .rules import tags
 
 aten = torch.ops.aten
 
@@ -65,6 +64,7 @@ META_RECOMPUTE = "partir_recompute"        # remat: on a recomputed copy, the mo
 META_SAVED = "partir_saved"                # selective remat: on a kept op output (a matmul's, attention's), the FQN
 META_RECOMPUTE_OF = "partir_recompute_of"  # remat: on a recomputed copy, the name of the node it recomputes
 META_NO_PARTIAL_PASS = "partir_no_partial_pass"   # mixed precision: a partial value is reduced before this node
+META_PARTIAL_FANOUT = "partir_partial_fanout"    # LoRA: a partial value passes to each of its users linear in it
 META_ACCUMULATE = "partir_accumulate"      # fx custom meta: the node belongs to one micro-batch (accumulate=k)
 META_MODULE = "partir_module"              # pipeline capture: FQN of the module whose forward (or backward) made it
 META_MICRO = "partir_micro"                # pipeline capture: index of the micro-batch the node computes for
@@ -92,41 +92,6 @@ def param_name(fqn: str) -> str:
 
 def opt_name(state: str, fqn: str) -> str:
     return f"{OPT}{state}.{fqn}"
-
-
-# -- op families ---------------------------------------------------------------------------------------------------
-# pure views and layout changes (no arithmetic): a replicated copy of the view is the view of a replicated source
-VIEW_OPS = tags.ops("view")
-# random draws: drawn whole from the generator on every rank (rules/pointwise.py), kept by remat
-RANDOM_OPS = tags.ops("random")
-
-
-def draws_random(node) -> bool:
-    """Whether fx node `node` draws from the generator: a seeded op (RANDOM_OPS and every op tagged
-    nondeterministic_seeded; attention kernels only with dropout_p > 0)."""
-    if node.op != "call_function":
-        return False
-    seeded = _SEEDED.get(node.target)
-    if seeded is None:
-        seeded = _SEEDED[node.target] = _seeded(node.target)
-    if seeded == "dropout_p":
-        p = node.kwargs.get("dropout_p", node.args[3] if len(node.args) > 3 else 0.0)
-        return not (isinstance(p, (int, float)) and p == 0)
-    return seeded
-
-
-def _seeded(t):
-    """draws_random's answer for an op whatever its arguments (True / False), or "dropout_p" for an attention
-    kernel, which draws only with dropout (read once per op: reordering a graph asks it of every node)."""
-    if t in RANDOM_OPS:
-        return True
-    if not (isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
-            and "empty" not in t.name()):
-        return False
-    return "dropout_p" if "scaled_dot_product" in t.name() else True
-
-
-_SEEDED: dict = {}
 
 
 # -- phases --------------------------------------------------------------------------------------------------------

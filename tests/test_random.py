@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import partir_torch as pt
-from partir_torch.contract import draws_random
+from partir_torch.rules.tags import draws_random
 
 from harness import train_next_to_eager
 

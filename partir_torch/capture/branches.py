@@ -40,7 +40,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_slot
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from ..contract import draws_random
+from ..rules.tags import draws_random
 from ..errors import TraceError
 from .tidy import LIKE
 

@@ -33,6 +33,7 @@ from .decompositions import capture_decompositions
 from .dims import DimGuards, fake_mode_for, symbolic_decompositions, symbolic_input
 from .framestack import call_in_fresh_chunk
 from .inputs import as_batch, check_leaves, forward_kwargs
+from .lora import bias_last, mark_rank_values
 from .sources import recording_sources
 from .stages import recording_modules
 from .graphutil import no_gc, source_line, split_for_backward
@@ -857,7 +858,9 @@ def _annotate(gm, mode, names, roles, out_names, out_spec, fopt, param_fqns, tra
     stamp_phases(gm, forward_only=mode in (FORWARD, EVAL))     # the rewrites below stamp the nodes they add
     if mode != FORWARD:
         _split_param_views(gm)
+    bias_last(gm)
     share_views(gm, same=(META_PHASE, META_MICRO, META_REMAT, META_RECOMPUTE, META_CLIP, "custom"))
+    mark_rank_values(gm)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outs = list(out_node.args[0])
     for node in outs:

@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..contract import draws_random
+from ..rules.tags import draws_random
 from .branches import _SCALAR, _factory, _frames, assert_expect, traced_node
 
 

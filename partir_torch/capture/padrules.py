@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..contract import draws_random
+from ..rules.tags import draws_random
 from .ctc import ctc_loss_static
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..contract import draws_random
+from ..rules.tags import draws_random
 from ..errors import PartitionError, source_line
 from .tidy import LIKE
 

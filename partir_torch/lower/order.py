@@ -5,7 +5,7 @@ import heapq
 
 import torch.fx as fx
 
-from ..contract import draws_random
+from ..rules.tags import draws_random
 
 
 def reorder(graph: fx.Graph, prio: dict | None = None) -> None:

@@ -17,7 +17,8 @@ from collections import deque
 
 import torch
 
-from ..contract import META_NO_PARTIAL_PASS, META_OUTPUT
+from .. import contract
+from ..contract import META_NO_PARTIAL_PASS, META_OUTPUT, META_PARTIAL_FANOUT
 from ..errors import ShardingConflictError
 from ..sharding import REPLICATED
 from ..rules.factors import PASS, REDUCE, minor_of, stride_of
@@ -293,7 +294,9 @@ class Propagator:
 
     def _pass_partial(self, st, i, partial_ops, tactic) -> list:
         """A partial operand flows through a linear op, if that op is its only consumer (otherwise it is reduced
-        once where it is produced, and every consumer reads the reduced value)."""
+        once where it is produced, and every consumer reads the reduced value), or if it is marked
+        META_PARTIAL_FANOUT and every consumer is linear in it (a LoRA adapter's rank-r gradient, tactics/lora.py:
+        each consumer's result is reduced where it joins a reduction that happens anyway)."""
         g, op = self.g, self.g.ops[i]
         pslots = {j for j, _, _ in partial_ops}
         kinds = {s for _, _, s in partial_ops}
@@ -303,7 +306,7 @@ class Propagator:
         if op.node.meta.get(META_NO_PARTIAL_PASS):
             return []
         for j, vid, _ in partial_ops:
-            if len(g.users[vid]) != 1 or g.values[vid].meta.get(META_OUTPUT):
+            if g.values[vid].meta.get(META_OUTPUT) or len(g.users[vid]) != 1 and not _fans_out(g, vid, p):
                 return []
         if any(vid is not None and len(g.tied[g.canon[vid]]) > 1 for vid in op.results):
             return []     # state (a running statistic and its update) keeps one layout: it is never partial
@@ -329,6 +332,19 @@ class Propagator:
             states.append((g.name(v), state_str(st.value[c]), prov.tactic if prov else "-"))
         node = g.ops[i].node
         self.rec._conflicts[(i, st.axis)] = Conflict(node.name, str(node.target), st.axis, tactic, tuple(states), reason)
+
+
+def _fans_out(g, vid: int, p: int) -> bool:
+    """Is `vid` marked META_PARTIAL_FANOUT, and is each op using it linear in it (partial `p` passes)?"""
+    if not g.values[vid].meta.get(META_PARTIAL_FANOUT):
+        return False
+    for u in g.users[vid]:
+        op = g.ops[u]
+        slots = {j for j, v in enumerate(op.operands) if v == vid}
+        if op.rule is None or op.node.meta.get(META_NO_PARTIAL_PASS) or not any(
+                s == slots and PARTIAL_OP[p] in ops for s, ops in op.rule.linear):
+            return False
+    return True
 
 
 def _factor_at(rule, fs, stride: int) -> tuple:

@@ -200,3 +200,32 @@ FILL_FROM_ARG = {aten.nll_loss_forward.default: {1: 4}}
 # the natural einsum of the matmul family for xla/strided.py (capital letters; the bias of addmm is left aside)
 MATMUL_DIMS = {aten.mm.default: ("IK", "KJ", "IJ"), aten.bmm.default: ("BIK", "BKJ", "BIJ"),
                aten.addmm.default: ("IK", "KJ", "IJ")}
+
+
+# -- drawing from the generator (read by the runtimes, lowering's order, remat, the pipeline) --------------------
+def draws_random(node) -> bool:
+    """Whether fx node `node` draws from the generator: a seeded op (TAGS["random"] and every op tagged
+    nondeterministic_seeded; attention kernels only with dropout_p > 0)."""
+    if node.op != "call_function":
+        return False
+    seeded = _SEEDED.get(node.target)
+    if seeded is None:
+        seeded = _SEEDED[node.target] = _seeded(node.target)
+    if seeded == "dropout_p":
+        p = node.kwargs.get("dropout_p", node.args[3] if len(node.args) > 3 else 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
+    return seeded
+
+
+def _seeded(t):
+    """draws_random's answer for an op whatever its arguments (True / False), or "dropout_p" for an attention
+    kernel, which draws only with dropout (read once per op: reordering a graph asks it of every node)."""
+    if t in TAGS["random"]:
+        return True
+    if not (isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+            and "empty" not in t.name()):
+        return False
+    return "dropout_p" if "scaled_dot_product" in t.name() else True
+
+
+_SEEDED: dict = {}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..contract import draws_random
+from ..rules.tags import draws_random
 
 
 def _has_random(gm: fx.GraphModule) -> bool:

@@ -10,7 +10,8 @@ from torch.utils._pytree import tree_flatten
 
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
 from ..capture.inputs import conform
-from ..contract import EXC_NODE, META_SRC, STATE_ROLES, Role, draws_random
+from ..contract import EXC_NODE, META_SRC, STATE_ROLES, Role
+from ..rules.tags import draws_random
 from ..errors import PartitionError, internal_error, user_stacklevel, warn
 from ..lower.lower import bind
 from . import faults
@@ -289,12 +290,9 @@ class Executor:
         cap = self.plan.captured
         if cap.mode != TRAIN:
             raise PartitionError("train_step needs partition(..., loss_fn=..., optimizer=...).")
-        self._held.owner.refuse_released("train_step")
         outs = self.run(batch, local, "train_step_local" if local else "train_step")
-        self._keep_state(outs, moved=False)
         self.paths.count(self._last.plan.captured, self.steps)
-        self._held.steps += 1
-        self._held.moved()                       # the module is written through, or stale (owner.py)
+        self._keep_state(outs, step=True)
         if self.optimizer is not None:   # the update ran: lr schedulers stepped after it do not warn
             self.optimizer._opt_called = True
         if "grad_norm" in cap.output_names:
@@ -305,19 +303,17 @@ class Executor:
         cap = self.plan.captured
         if cap.mode != LOSS_AND_GRADS:
             raise PartitionError("loss_and_grads needs partition(..., loss_fn=...) without an optimizer.")
-        self._held.owner.refuse_released("loss_and_grads")
         outs = self.run(batch, what="loss_and_grads")
         self._keep_state(outs)
         return self.rt.rank0(outs[0]), {n[len("grads."):]: self.rt.rank0(t)
                                         for n, t in zip(cap.output_names[1:], outs[1:]) if n.startswith("grads.")}
 
-    def _keep_state(self, outs, moved=True):
-        """Updated state outputs (buffers written by the forward: running statistics) replace the state held;
-        (moved) the module is then written through, or stale (owner.py)."""
-        kept = [(name, t) for name, t in zip(self.plan.captured.output_names, outs) if name in self.state]
-        for name, t in kept:
-            self.state[name] = t
-        if kept and moved:
+    def _keep_state(self, outs, step=False):
+        """Updated state outputs (running statistics) replace the state held, (step) an update ran (owner.py)."""
+        kept = {name: t for name, t in zip(self.plan.captured.output_names, outs) if name in self.state}
+        self.state.update(kept)
+        self._held.steps += step
+        if kept or step:
             self._held.moved()
 
     def forward(self, inputs):

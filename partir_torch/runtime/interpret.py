@@ -26,7 +26,8 @@ import traceback
 import torch
 import torch.fx as fx
 
-from ..contract import EXC_NODE, META_STAGE, draws_random
+from ..contract import EXC_NODE, META_STAGE
+from ..rules.tags import draws_random
 from ..lower.pipeline import PIPELINE_AXIS, pp_transfer
 from ..lower.ring import RING_SHIFT
 from ..mesh import Mesh

@@ -23,8 +23,8 @@ An eager edit of the module (an in-place write, nn.init, load_state_dict, an eag
 program's next call when the module held the program's state before the edit (always, under write-through); an
 edit of a stale module raises at the next call (naming prog.import_from to take it, prog.export_to to drop it).
 
-When a second program takes the module's state, the first one is *released*: its train_step, loss_and_grads and
-export_to raise naming the program that took it (it would otherwise train on, or overwrite the newer weights);
+When a second program takes the module's state, the first one is *released*: its steps and evaluations (train_step,
+eval_step, forward) and export_to raise naming the program that took it (it would otherwise train on, or overwrite the newer weights);
 prog.import_from(model, optimizer) takes the module back (and releases the other).
 
 Edits are found by each tensor's autograd version counter, identity and storage (cheap: no data is read). Writes

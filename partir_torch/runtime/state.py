@@ -22,8 +22,8 @@ from ..contract import STATE_ROLES
 from ..errors import PartitionError
 from .layout import padded, same_layout
 from .owner import Owner, internal
+from .writeback import check_target, group_hyper, optimizer_fqns, write_into
 
-GROUP_SKIP = ("params",)
 
 
 def model_keys(model: torch.nn.Module, state_names) -> dict:
@@ -39,23 +39,6 @@ def model_keys(model: torch.nn.Module, state_names) -> dict:
         if name is not None and name in state_names:
             out[k] = name
     return out
-
-
-def optimizer_fqns(model: torch.nn.Module, optimizer) -> list:
-    """Per param group, the FQNs of its parameters (the optimizer's own order)."""
-    names = {id(p): k for k, p in model.named_parameters()}
-    out = []
-    for gi, group in enumerate(optimizer.param_groups):
-        missing = [tuple(p.shape) for p in group["params"] if id(p) not in names]
-        if missing:
-            raise PartitionError(f"param group {gi} of the optimizer holds parameters of shapes {missing} that are "
-                                 f"not parameters of the model given. Pass the model the optimizer was built on.")
-        out.append([names[id(p)] for p in group["params"]])
-    return out
-
-
-def group_hyper(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k not in GROUP_SKIP}
 
 
 def to_global(value, name: str, shape, rt, sh):
@@ -129,6 +112,8 @@ class HeldState:
         taken again while the program has not moved the state, and (refuse) refused once it has (owner.py); the
         readers of the program's own state (gather_parameters, state_dict) pass refuse=False: the program's state
         is what they ask for."""
+        if refuse:
+            self.owner.refuse_released(what)  # a program whose module a newer one took: no step, no evaluation
         edited = self.owner.edited()
         if not edited or self.owner.released is not None:   # a released program reads its own state
             return
@@ -263,8 +248,8 @@ class HeldState:
         model, optimizer = model or self.model, optimizer or self.optimizer
         if model is self.model:
             self.owner.refuse_released("export_to")
-        self._check_target(model, optimizer)
-        self._write(model, optimizer)
+        check_target(self, model, optimizer)
+        write_into(self, model, optimizer)
         if model is self.model:
             self.owner.synced()
 
@@ -273,7 +258,7 @@ class HeldState:
         needs no collective (owner.py), else it is stale until export_to."""
         self.owner.moved()
         if self.through():
-            self._write(self.model, self.optimizer)
+            write_into(self, self.model, self.optimizer)
             self.owner.synced()
 
     def through(self) -> bool:
@@ -290,31 +275,6 @@ class HeldState:
             return None
         return lambda: self.export_to(self.model, self.optimizer)
 
-    def _check_target(self, model, optimizer) -> None:
-        """export_to's target holds every state value under its name, shape and dtype (else PartitionError, before
-        anything is written)."""
-        mine = {f"params.{k}": t for k, t in model.named_parameters()}
-        mine.update({f"buffers.{k}": t for k, t in model.named_buffers()})
-        bad = []
-        for n in self.state:
-            if not n.startswith(("params.", "buffers.")):
-                continue
-            t, want = mine.get(n), self.plan.captured.names[n].meta["val"]
-            if t is None:
-                bad.append(f"{n} is missing")
-            elif tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
-                bad.append(f"{n} is {tuple(t.shape)} {t.dtype}, the program holds {tuple(want.shape)} {want.dtype}")
-        if bad:
-            raise PartitionError(
-                f"export_to: the {type(model).__name__} given does not match the program's state ({len(bad)} "
-                f"value(s)): {'; '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}. Nothing was written. Export into "
-                f"the module given to partition() or one built the same way.")
-        if optimizer is not None and self.plan.captured.fopt is not None:
-            optimizer_fqns(model, optimizer)           # its parameters are the module's (else PartitionError)
-            if len(optimizer.param_groups) != len(self.optimizer.param_groups):
-                raise PartitionError(f"export_to: the optimizer has {len(optimizer.param_groups)} param groups, "
-                                     f"the program's {len(self.optimizer.param_groups)}. Nothing was written.")
-
     def _put(self, n: str, dest: torch.Tensor) -> torch.Tensor:
         """State value n whole, written into `dest` in place (gathered on real ranks where it is tiled)."""
         if getattr(self.rt, "state_owner", None) is not None:
@@ -322,38 +282,6 @@ class HeldState:
         else:
             self.rt.full_into(dest, self.state[n], self._layout(n), self._shape(n))
         return dest
-
-    def _write(self, model, optimizer) -> None:
-        """The held state into the module's tensors and the optimizer's state, in place (into the optimizer's
-        tensors where it holds them at the shape, as torch.optim updates them)."""
-        cap = self.plan.captured
-        params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-        with torch.no_grad(), internal():
-            for n in self.state:
-                if n.startswith("params."):
-                    self._put(n, params[n[len("params."):]])
-                elif n.startswith("buffers."):
-                    self._put(n, buffers[n[len("buffers."):]])
-        if optimizer is None or cap.fopt is None:
-            return
-        for gi, (group, names) in enumerate(zip(optimizer.param_groups, optimizer_fqns(model, optimizer))):
-            if optimizer is not self.optimizer:
-                group.update(group_hyper(self.optimizer.param_groups[gi]))
-            for p, f in zip(group["params"], names):
-                own = self.param_steps.get(f, self.steps)    # a parameter a branching step left behind
-                if own == 0 or f not in cap.trainable:
-                    optimizer.state.pop(p, None)
-                    continue
-                st = optimizer.state.setdefault(p, {})
-                for s in cap.fopt.state_names:
-                    n = f"opt.{s}.{f}"
-                    if n in self.state:
-                        have, want = st.get(s), self._shape(n)
-                        fits = isinstance(have, torch.Tensor) and tuple(have.shape) == tuple(want) and \
-                            have.dtype == self.plan.captured.names[n].meta["val"].dtype
-                        st[s] = self._put(n, have if fits else p.new_empty(want, dtype=cap.names[n].meta["val"].dtype))
-                if cap.fopt.kind != "sgd":
-                    _assign(st, "step", torch.tensor(float(own), dtype=torch.float32))
 
     def import_from(self, model=None, optimizer=None) -> None:
         """Take the state from an eager module and optimizer (after editing weights): the inverse of export_to."""
@@ -408,12 +336,3 @@ class HeldState:
         cap = self.plan.captured
         return {n for n, r in zip(cap.input_names, cap.input_roles) if r in STATE_ROLES}
 
-
-def _assign(state: dict, key: str, value: torch.Tensor) -> None:
-    """state[key] = value, written into the tensor already there when it has the shape and dtype (write-through
-    keeps the eager optimizer's tensors, as torch.optim updates them in place)."""
-    have = state.get(key)
-    if isinstance(have, torch.Tensor) and have.shape == value.shape and have.dtype == value.dtype:
-        have.copy_(value)
-    else:
-        state[key] = value.detach().clone()

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from ..capture.graphutil import split_for_backward
 from ..contract import (META_NO_PARTIAL_PASS, META_PHASE, META_RECOMPUTE, META_RECOMPUTE_OF, META_REMAT, META_ROLE,
-    META_SAVED, META_TAG, META_TAGS, RANDOM_OPS, Phase, phase_of, traced_forward)
+    META_SAVED, META_TAG, META_TAGS, Phase, phase_of, traced_forward)
 from ..errors import PartitionError
 from ..rules import tags
 
@@ -139,7 +139,7 @@ def _follow_sum(cast, index) -> bool:
     return True
 
 
-_RANDOM = RANDOM_OPS
+_RANDOM = tags.ops("random")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from types import MappingProxyType
 
 import torch
 
-from ..contract import META_CLIP, META_MICRO, META_MODULE, META_NAME, META_ROLE, RANDOM_OPS, Phase, Role, phase_of
+from ..rules.tags import draws_random
+from ..contract import META_CLIP, META_MICRO, META_MODULE, META_NAME, META_ROLE, Phase, Role, phase_of
 from ..errors import PartitionError, warn
 from ..rules import tags
 from .base import declare
@@ -163,7 +164,7 @@ class Pipeline:
         globs = self.stages if not isinstance(self.stages, int) else balanced_cut(cap, self.stages)
         spec = assign_stages(cap, globs, self, ranks)
         ctx.planning.pipeline = spec
-        drawn = sorted({str(n.target) for n in cap.gm.graph.nodes if n.target in RANDOM_OPS})
+        drawn = sorted({str(n.target) for n in cap.gm.graph.nodes if draws_random(n)})
         if drawn:
             warn(f"{self.name}: the step draws random numbers ({', '.join(drawn[:3])}); the pipeline runs the "
                  f"micro-batches' forwards in the {self.schedule} order, so the draws (dropout masks) differ from one "

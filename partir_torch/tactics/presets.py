@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..capture.lora import lora_adapters
 from ..contract import Role, forward_nodes
 from ..errors import PartitionError, closest, warn
 from ..sharding import REPLICATED
@@ -98,8 +99,11 @@ class Megatron(SeedTactic):
         names = set(ctx.value_names())
         vocab, kept, why = [], [], {}
         lay = linear_layout(ctx.captured)
-        if self.plan:
+        adapters = lora_adapters(ctx.captured)
+        if self.plan:     # a LoRA adapter the plan's globs also match follows its base (_adapter_seeds)
             col, row, vocab = self._planned(names)
+            ab = {w for ad in adapters for w in (ad.a, ad.b)}
+            col, row = [w for w in col if w not in ab], [w for w in row if w not in ab]
             if not col:
                 raise PartitionError(f"{self.name}: plan={self.plan!r} names no 'colwise' weight; Megatron tiles a "
                                      f"column-parallel linear's output features and the row-parallel linear it "
@@ -127,7 +131,35 @@ class Megatron(SeedTactic):
             if bias in names:
                 seeds.append((bias, 0, lin.chunks))
         seeds += [(w, 1 - lay.get(w, Linear(w, 0)).out_dim) for w in row] + [(w, 0) for w in vocab]
-        return seeds + [(w, REPLICATED) for w in kept]
+        return seeds + [(w, REPLICATED) for w in kept] + self._adapter_seeds(ctx, lay, adapters, col, row, names)
+
+    def _adapter_seeds(self, ctx, lay, adapters, col, row, names) -> list:
+        """A LoRA wrapper takes its base linear's role (capture/lora.py): a column-parallel base's lora_B is tiled
+        on its output features as the base weight (in the same q/k/v chunks), its lora_A whole; a row-parallel
+        base's lora_A is tiled on its input features, its lora_B whole; a base left whole keeps both adapters
+        whole. explain() names the wrapper and the role its base took."""
+        seeds, col, row = [], set(col), set(row)
+        for ad in adapters:
+            a, b, base = lay[ad.a], lay[ad.b], lay.get(ad.base, Linear(ad.base, 0))
+            bias = ad.b[:-len("weight")] + "bias"
+            bias = [bias] if ad.b.endswith("weight") and bias in names else []
+            where = f"the LoRA wrapper '{ad.wrapper}' (rank {ad.rank})"
+            if ad.base in col:
+                seeds += [(ad.b, b.out_dim, base.chunks), (ad.a, REPLICATED)] + [(x, 0, base.chunks) for x in bias]
+                role = ("column-parallel", "lora_B tiled on its output features as the base weight, lora_A whole: "
+                        "each rank adds its slice of the wrapper's output features")
+            elif ad.base in row:
+                seeds += [(ad.a, 1 - a.out_dim), (ad.b, REPLICATED)] + [(x, REPLICATED) for x in bias]
+                role = ("row-parallel", "lora_A tiled on its input features as the base weight, lora_B whole: the "
+                        "adapter's partial output is summed with the base's by the same all_reduce")
+            else:
+                seeds += [(ad.a, REPLICATED), (ad.b, REPLICATED)] + [(x, REPLICATED) for x in bias]
+                role = ("left whole", "both adapters whole, as their base")
+            ctx.note(ad.base, f"{self.name}: {role[0]} on axis '{self.axis}' as the base linear of {where}; {role[1]}")
+            for w in (ad.a, ad.b):
+                ctx.note(w, f"{self.name}: adapter of {where}, whose base linear {_short(ad.base)} is {role[0]} on "
+                            f"axis '{self.axis}': {role[1]}")
+        return seeds
 
     def _found(self, ctx, lay) -> tuple:
         """(column-parallel, row-parallel, kept whole, {weight: why}, blocked) from the structure search: in each region, a
@@ -181,8 +213,9 @@ class Megatron(SeedTactic):
         """One warning and one summary() remark naming the linears left replicated on the axis, with the reason;
         explain(weight) shows it too."""
         why = dict(why)
+        adapters = {w for ad in lora_adapters(ctx.captured) for w in (ad.a, ad.b)}   # they follow their base
         for w in lay:
-            if w not in why and w not in tiled and ctx.is_unknown(self.axis, w):
+            if w not in why and w not in tiled and w not in adapters and ctx.is_unknown(self.axis, w):
                 why[w] = ("not in a column/row-parallel pair: its output reaches no other linear through "
                           "activations or attention (an output head, a router, an encoder's last layer)")
         if not why:

@@ -188,7 +188,7 @@ class XlaBackend:
     def _check_draws(self) -> None:
         """Random draws without a host form in kernels.py (torch's generator, as one device draws) come from XLA's
         own generator: say once which, since the step then differs from one device's."""
-        from ..contract import draws_random
+        from ..rules.tags import draws_random
         from .kernels import OVERRIDES
 
         ops = sorted({str(n.target) for n in self.cap.gm.graph.nodes if draws_random(n) and n.target not in OVERRIDES})
