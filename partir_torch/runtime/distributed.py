@@ -3,6 +3,7 @@ program's timeout, and a CPU group for the checks of faults.py (start-up plan ch
 from __future__ import annotations
 
 import hashlib
+import weakref
 from datetime import timedelta
 
 import torch
@@ -15,9 +16,6 @@ from ..sharding import Sharding
 from . import faults, restart
 from .layout import shard_of, unpadded
 from .liveness import Liveness
-
-
-REPORT_WAIT_S = faults.REPORT_WAIT_S
 
 
 def real_ranks_active() -> bool:
@@ -57,7 +55,7 @@ class DistributedRuntime:
         self.failed = False
         # who is alive after a failure: answered by a thread of every rank (liveness.py); group names agree
         self.liveness = Liveness(f"partir_live/{restart.attempt()}/{self.check_group.group_name}", self.rank,
-                                 mesh.size, lambda: self.failed)
+                                 mesh.size, lambda me=weakref.ref(self): me() is None or me().failed)
         self.compile = compile
         self._compiled: dict = {}
         self.measure_memory = False      # the Executor sets it from Options.measure_memory
@@ -129,15 +127,16 @@ class DistributedRuntime:
         last reference to a group closes its connections (a pending collective's work object, held by torch's
         functional-collective registry, keeps them open): the groups' sockets are shut down first (shutdown(2):
         the peer reads end-of-file; gloo still owns and closes the descriptors), then the finished frames of
-        `exc`'s traceback are cleared (its lines stay) and the groups destroyed. The default group is the user's and is left alone. With roll_call, returns the other ranks' answers
-        to the roll call (liveness.py: "failed", "running" or None for no answer; None: the store is gone)."""
+        `exc`'s traceback are cleared (its lines stay) and the groups destroyed. The default group is the user's and
+        is left alone. With roll_call, returns the other ranks' answers to the roll call (liveness.py: "failed", "running" or None for no answer; None: the store is gone)."""
         import gc
         import traceback
 
         if self.check_group is None:
             return None
         self.failed = True
-        faults.shut_sockets(self.sockets)       # the peers see "connection closed" now, whoever holds the groups
+        if self.check_group in dist.distributed_c10d._world.pg_map:    # not destroyed already: the fds are its own
+            faults.shut_sockets(self.sockets)   # the peers see "connection closed" now, whoever holds the groups
         if exc is not None:
             traceback.clear_frames(exc.__traceback__)
         pgs = []

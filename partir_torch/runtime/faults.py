@@ -121,10 +121,12 @@ def step_failure(what: str, rank: int, mesh, rec, exc: BaseException, timeout_s:
 
 
 def blame(answers: dict | None, wait_s: float, kind: str) -> str:
-    """The roll call's verdict for the message: the ranks with no live process (dead), and in a timeout the live
-    ranks whose step had not failed (stuck or slow). "silent": no answer where only failing ranks answer (no
-    TCPStore for the answering threads)."""
-    if answers is None:
+    """The roll call's verdict for the message: the ranks with no live process (dead), and in a timeout or when none
+    died the live ranks whose step had not failed (stuck, slow, or still to notice). "silent": no answer where only failing ranks answer (no
+    TCPStore for the answering threads); "unknown": the store could not be reached; None or {}: not asked."""
+    if not answers:
+        return ""
+    if "unknown" in answers.values():
         return ". The roll call could not reach the store (its host, rank 0 or torchrun's agent, is gone)"
     dead = [r for r, a in sorted(answers.items()) if a is None]
     running = [r for r, a in sorted(answers.items()) if a == "running"]
@@ -133,9 +135,9 @@ def blame(answers: dict | None, wait_s: float, kind: str) -> str:
     if dead:
         out += (f". Dead: rank{s(dead)} {', '.join(map(str, dead))} (no answer to the roll call {wait_s:g} s after "
                 f"the failure: no live process; see {'their logs' if len(dead) > 1 else 'its log'})")
-    if running and kind == "timeout":
-        out += (f". Alive but not failing: rank{s(running)} {', '.join(map(str, running))} (stuck or much slower: "
-                f"see {'their logs' if len(running) > 1 else 'its log'})")
+    if running and (kind == "timeout" or not dead):     # a death explains a closed connection: no live rank named
+        out += (f". Alive but not failing: rank{s(running)} {', '.join(map(str, running))} (stuck, much slower, or "
+                f"still to notice the failure: see {'their logs' if len(running) > 1 else 'its log'})")
     silent = [r for r, a in sorted(answers.items()) if a == "silent"]
     if silent:
         out += (f". Rank{s(silent)} {', '.join(map(str, silent))} did not answer the roll call {wait_s:g} s after "

@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-WAIT_S = 1.5        # how long a failing rank waits for the answers (a live rank's thread answers in milliseconds)
+from .faults import REPORT_WAIT_S as WAIT_S     # how long a failing rank waits (a live rank answers in milliseconds)
 
 
 def tcp_store():
@@ -62,10 +62,10 @@ class Liveness:
                 pass
             return
 
-    def roll_call(self, wait_s: float = WAIT_S) -> dict | None:
+    def roll_call(self, wait_s: float = WAIT_S) -> dict:
         """Announce the fault, answer for this rank ("failed"), wait up to wait_s for the others: {rank: "failed" |
         "running" | None (no answer: dead) | "silent" (no
-        answer where only failing ranks answer)} for the other ranks; None when the store cannot be reached."""
+        answer where only failing ranks answer) | "unknown" (the store cannot be reached)} for the other ranks."""
         try:
             self.store.set(f"{self.key}/alive/{self.rank}", "failed")
             self.store.set(f"{self.key}/fault", "1")
@@ -76,5 +76,5 @@ class Liveness:
             none = None if self.answered_by_thread else "silent"
             return {r: (self.store.get(k).decode() if self.store.check([k]) else none)
                     for r, k in enumerate(keys) if r != self.rank}
-        except Exception:  # noqa: BLE001 - the store is on a rank or agent that is gone: say nothing
-            return None
+        except Exception:  # noqa: BLE001 - the store is on a rank or agent that is gone
+            return {r: "unknown" for r in range(self.world) if r != self.rank}
