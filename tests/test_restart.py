@@ -27,6 +27,8 @@ import torch
 from examples.models import get
 from tests import restart_worker as W
 
+pytestmark = pytest.mark.xdist_group("real_ranks")     # under pytest-xdist, the torchrun job shares their worker
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -15,7 +15,7 @@ from ..mesh import Mesh
 from ..sharding import Sharding
 from . import faults, restart
 from .layout import shard_of, unpadded
-from .liveness import Liveness
+from .liveness import Liveness, tcp_store
 
 
 def real_ranks_active() -> bool:
@@ -44,14 +44,16 @@ class DistributedRuntime:
         # every group with the program's timeout (DeviceMesh would give its groups torch's 30-minute default,
         # whatever init_process_group was given): a peer that does not answer fails the collective (faults.py)
         opts = self._group_options(dev)
-        before = faults.socket_fds()
+        store = tcp_store()
+        port = store.port if store is not None else None
+        before = faults.socket_fds(port)
         with restart.program_groups_store():    # a torchrun restart: keys of this attempt (restart.py)
             self.device_mesh = init_device_mesh(dev, tuple(mesh.shape.values()), mesh_dim_names=mesh.axes,
                                                 backend_override={a: opts for a in mesh.axes})
             # the checks' group: CPU tensors on every backend (no device sync), the same timeout
             self.check_group = dist.new_group(timeout=self.timeout, backend="gloo", group_desc="partir_check")
         self.groups = {a: self.device_mesh.get_group(a).group_name for a in mesh.axes}
-        self.sockets = faults.socket_fds() - before     # the groups' gloo connections (release shuts them)
+        self.sockets = faults.socket_fds(port) - before     # the groups' gloo connections (release shuts them)
         self.failed = False
         # who is alive after a failure: answered by a thread of every rank (liveness.py); group names agree
         self.liveness = Liveness(f"partir_live/{restart.attempt()}/{self.check_group.group_name}", self.rank,

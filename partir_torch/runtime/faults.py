@@ -148,10 +148,12 @@ def blame(answers: dict | None, wait_s: float, kind: str) -> str:
     return out
 
 
-def socket_fds() -> set[int]:
-    """This process's open socket descriptors (Linux /proc; empty elsewhere): taken before and after a runtime
-    creates its process groups, the difference is their gloo connections and listeners."""
+def socket_fds(store_port: int | None = None) -> set[int]:
+    """This process's open socket descriptors (Linux /proc; empty elsewhere), but a TCPStore server's (local port
+    `store_port`: the rank hosting the store accepts other ranks' connections at any time): taken before and after a
+    runtime creates its process groups, the difference is their gloo connections and listeners."""
     import os
+    import socket
 
     try:
         names = os.listdir("/proc/self/fd")
@@ -164,7 +166,23 @@ def socket_fds() -> set[int]:
                 out.add(int(n))
         except OSError:
             pass
+    if store_port is not None:
+        out = {fd for fd in out if _local_port(socket, fd) != store_port}
     return out
+
+
+def _local_port(socket, fd: int) -> int | None:
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        addr = s.getsockname()
+        return addr[1] if isinstance(addr, tuple) and len(addr) > 1 else None
+    except OSError:
+        return None
+    finally:
+        s.detach()
 
 
 def shut_sockets(fds) -> None:
