@@ -130,7 +130,7 @@ class DistributedRuntime:
         functional-collective registry, keeps them open): the groups' sockets are shut down first (shutdown(2):
         the peer reads end-of-file; gloo still owns and closes the descriptors), then the finished frames of
         `exc`'s traceback are cleared (its lines stay) and the groups destroyed. The default group is the user's and
-        is left alone. With roll_call, returns the other ranks' answers to the roll call (liveness.py: "failed", "running" or None for no answer; None: the store is gone)."""
+        is left alone. With roll_call, returns the other ranks' answers to the roll call (Liveness.roll_call)."""
         import gc
         import traceback
 

@@ -122,8 +122,9 @@ def step_failure(what: str, rank: int, mesh, rec, exc: BaseException, timeout_s:
 
 def blame(answers: dict | None, wait_s: float, kind: str) -> str:
     """The roll call's verdict for the message: the ranks with no live process (dead), and in a timeout or when none
-    died the live ranks whose step had not failed (stuck, slow, or still to notice). "silent": no answer where only failing ranks answer (no
-    TCPStore for the answering threads); "unknown": the store could not be reached; None or {}: not asked."""
+    died the live ranks whose step had not failed (stuck, slow, or still to notice). "silent": no answer where only
+    failing ranks answer (no TCPStore for the answering threads); "unknown": the store could not be reached; None or
+    {}: not asked."""
     if not answers:
         return ""
     if "unknown" in answers.values():
