@@ -36,6 +36,8 @@ def trial() -> tuple[int, dict]:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": ROOT}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
         files = {os.path.basename(p)[:-5]: json.load(open(p)) for p in glob.glob(os.path.join(out, "*.json"))}
+    if proc.returncode != 0:
+        print(proc.stderr[-6000:])
     return proc.returncode, files
 
 

@@ -5,7 +5,8 @@ under BP + MP on {batch: 2, model: 2}, a DCP checkpoint after every step, and on
 
 Attempt a applies fault a of the list to rank 3 in step FAULT_STEP, just before its FAULT_AT-th collective (the
 first: every survivor then waits on it inside the step, none has finished the step and gone on to the checkpoint):
-"dead": it writes the time and exits 0 (torchrun waits for the others); "hang": it writes the time and sleeps.
+"dead": it writes the time and exits 0 (torchrun waits for the others); "hang": it writes the time and sleeps
+(timeout_s=TIMEOUT_S in that attempt, 60 s otherwise).
 The survivors' RankFailureError (type, time, message) goes to OUT/fault_<attempt>_<rank>.json and they exit 1, so
 torchrun restarts the job; every attempt resumes from the newest checkpoint. Rank 0 writes each attempt's losses to
 OUT/losses_<attempt>.json.
@@ -64,7 +65,8 @@ def main(out: str, faults: list[str]):
     model = spec.build()
     prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}), schedule(), example_inputs=spec.batch(8),
                         loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
-                        timeout_s=TIMEOUT_S)
+                        timeout_s=TIMEOUT_S if fault == "hang" else 60.0)
+    dist.barrier()      # the ranks leave partition() apart under load: the start-up check is not what times out
     done = sorted(int(d.split("_")[1]) for d in os.listdir(out) if d.startswith("step_"))
     start = done[-1] if done else 0
     if start:
