@@ -44,6 +44,8 @@ def install() -> None:
     prefixed by the attempt. Anything else (another scheme, an explicit store=, no agent store) is untouched."""
     import importlib
 
+    if not dist.is_available():
+        return
     rdzv = importlib.import_module("torch.distributed.rendezvous")      # the module (dist.rendezvous: a function)
     handler = rdzv._rendezvous_handlers.get("env")
     if handler is None or getattr(handler, "_partir_per_attempt", False):
