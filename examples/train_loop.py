@@ -99,24 +99,6 @@ def load_checkpoint(path: str, prog, sched, real: bool) -> int:
     return trainer["step"]
 
 
-def init_distributed() -> None:
-    """init_process_group("gloo") under torchrun. With --max-restarts, torchrun (2.13) hands every attempt the same
-    agent store, which still holds the previous attempt's gloo addresses: a rank that reads one before its peer
-    rewrites it fails to connect ("Gloo connectFullMesh failed ... Connection refused"; pytorch/pytorch#135712).
-    The keys of each attempt therefore get a prefix of their own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in
-    torchrun's environment does the same from outside)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group("gloo")
-        return
-    from datetime import timedelta
-
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=300))
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt_{attempt}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", required=True, help="checkpoint directory (resumes from its newest checkpoint)")
@@ -142,7 +124,8 @@ def main(argv=None):
     torch.set_num_threads(1)
     real = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if real and not dist.is_initialized():
-        init_distributed()
+        # partir_torch imported first: under torchrun --max-restarts every attempt gets store keys of its own
+        dist.init_process_group("gloo")
     rank = dist.get_rank() if real else 0
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))     # torchrun --max-restarts: 0, 1, ...
     say = print if rank == 0 else (lambda *a, **k: None)

@@ -6,6 +6,9 @@ from .mesh import Mesh
 from .rules.registry import register_rule
 from .sharding import REPLICATED, Sharding
 from .tactics.manual import ManualPartition
+from .runtime import restart as _restart
+
+_restart.install()      # torchrun --max-restarts: every attempt's store keys of its own (runtime/restart.py)
 
 __all__ = ["Mesh", "Sharding", "REPLICATED", "ManualPartition", "partition", "tactics", "register_rule",
            "PartitionError", "sim"]

@@ -60,6 +60,30 @@ def test_rank_failure_names_step_collective_value_source_group_and_cause(lowered
     assert "internal error" not in msg + hung
 
 
+def test_roll_call_names_the_dead_and_in_a_timeout_the_live_ranks_that_did_not_fail(lowered):
+    """answers: None (no live process), "running" (alive, its step had not failed), "failed", "silent" (no answer
+    where only failing ranks answer)."""
+    rec = next(n.meta[META_COLLECTIVE] for n in lowered.gm.graph.nodes if META_COLLECTIVE in n.meta)
+    mesh = pt.Mesh({"batch": 2, "model": 2})
+    died = str(faults.step_failure("train_step (step 3)", 0, mesh, rec, CLOSED, 30.0,
+                                   answers={1: "running", 2: "failed", 3: None}))
+    assert "Dead: rank 3 (no answer to the roll call 1.5 s after the failure" in died, died
+    assert "rank 1" not in died and "rank 2" not in died, died    # a live rank still to notice is not blamed
+    hung = str(faults.step_failure("train_step (step 3)", 0, mesh, rec, TIMED_OUT, 30.0,
+                                   answers={1: "failed", 2: "running", 3: "running"}))
+    assert "Alive but not failing: ranks 2, 3 (stuck, much slower" in hung and "Dead:" not in hung, hung
+    two = str(faults.step_failure("x", 0, mesh, rec, CLOSED, 30.0, answers={1: None, 2: None, 3: "failed"}))
+    assert "Dead: ranks 1, 2 (" in two, two
+    assert "only failing ranks answer" in str(faults.step_failure("x", 0, mesh, rec, CLOSED, 30.0,
+                                                                  answers={1: "silent", 2: "failed", 3: "failed"}))
+    gone = {1: "unknown", 2: "unknown", 3: "unknown"}
+    assert "could not reach the store" in str(faults.step_failure("x", 0, mesh, rec, CLOSED, 30.0, answers=gone))
+    assert "roll call" not in str(faults.step_failure("x", 0, mesh, rec, CLOSED, 30.0))    # not asked
+    assert "none died" in str(faults.step_failure("x", 0, mesh, rec, CLOSED, 30.0, answers={1: "failed"}))
+    closed = str(faults.step_failure("x", 0, mesh, rec, CLOSED, 30.0, answers={1: "failed", 3: "running"}))
+    assert "Alive but not failing: rank 3 (" in closed and "Dead" not in closed, closed     # no death: a hang
+
+
 def test_a_failing_line_of_the_generated_code_is_mapped_to_its_collective(lowered):
     """node_at reads the traceback's line in the GraphModule's generated code (what a failed wait raises from)."""
     gm = lowered.gm

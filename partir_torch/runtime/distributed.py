@@ -3,6 +3,7 @@ program's timeout, and a CPU group for the checks of faults.py (start-up plan ch
 from __future__ import annotations
 
 import hashlib
+import weakref
 from datetime import timedelta
 
 import torch
@@ -12,11 +13,9 @@ from ..errors import RankFailureError, RuntimeMismatchError
 from ..errors import PartitionError
 from ..mesh import Mesh
 from ..sharding import Sharding
-from . import faults
+from . import faults, restart
 from .layout import shard_of, unpadded
-
-
-REPORT_WAIT_S = faults.REPORT_WAIT_S
+from .liveness import Liveness, tcp_store
 
 
 def real_ranks_active() -> bool:
@@ -45,12 +44,20 @@ class DistributedRuntime:
         # every group with the program's timeout (DeviceMesh would give its groups torch's 30-minute default,
         # whatever init_process_group was given): a peer that does not answer fails the collective (faults.py)
         opts = self._group_options(dev)
-        self.device_mesh = init_device_mesh(dev, tuple(mesh.shape.values()), mesh_dim_names=mesh.axes,
-                                            backend_override={a: opts for a in mesh.axes})
+        store = tcp_store()
+        port = store.port if store is not None else None
+        before = faults.socket_fds(port)
+        with restart.program_groups_store():    # a torchrun restart: keys of this attempt (restart.py)
+            self.device_mesh = init_device_mesh(dev, tuple(mesh.shape.values()), mesh_dim_names=mesh.axes,
+                                                backend_override={a: opts for a in mesh.axes})
+            # the checks' group: CPU tensors on every backend (no device sync), the same timeout
+            self.check_group = dist.new_group(timeout=self.timeout, backend="gloo", group_desc="partir_check")
         self.groups = {a: self.device_mesh.get_group(a).group_name for a in mesh.axes}
-        # the checks' group: CPU tensors on every backend (no device sync), the same timeout
-        self.check_group = dist.new_group(timeout=self.timeout, backend="gloo", group_desc="partir_check")
+        self.sockets = faults.socket_fds(port) - before     # the groups' gloo connections (release shuts them)
         self.failed = False
+        # who is alive after a failure: answered by a thread of every rank (liveness.py); group names agree
+        self.liveness = Liveness(f"partir_live/{restart.attempt()}/{self.check_group.group_name}", self.rank,
+                                 mesh.size, lambda me=weakref.ref(self): me() is None or me().failed)
         self.compile = compile
         self._compiled: dict = {}
         self.measure_memory = False      # the Executor sets it from Options.measure_memory
@@ -110,26 +117,30 @@ class DistributedRuntime:
         except Exception as e:  # noqa: BLE001 - classified below
             if faults.peer_failure_kind(e) is None:
                 raise
-            missing = self.release(roll_call=True)
+            answers = self.release(e, roll_call=True)
             raise faults.step_failure(what, self.rank, self.mesh, None, e, self.timeout_s,
                                       coll=f"the ranks' agreement check before it (an all_gather of 8 bytes on all "
-                                           f"{world} ranks)", missing=missing) from e
+                                           f"{world} ranks)", answers=answers) from e
         raise faults.divergence(everyone, what)
 
-    def release(self, roll_call: bool = False) -> list[int] | None:
+    def release(self, exc: BaseException | None = None, roll_call: bool = False) -> dict | None:
         """Destroy this runtime's process groups after a failed step (faults.py): a peer blocked in a collective
-        with this rank fails at once instead of at its timeout (dropping a gloo group closes its connections; gloo
-        has no abort that wakes a peer). The default group is the user's and is left alone. This rank says it is
-        alive first (faults.roll_call); with roll_call, returns the ranks that did not say so within
-        REPORT_WAIT_S (dead or stuck; None: the store cannot be reached)."""
+        with this rank fails at once instead of at its timeout. gloo has no abort that wakes a peer, and only the
+        last reference to a group closes its connections (a pending collective's work object, held by torch's
+        functional-collective registry, keeps them open): the groups' sockets are shut down first (shutdown(2):
+        the peer reads end-of-file; gloo still owns and closes the descriptors), then the finished frames of
+        `exc`'s traceback are cleared (its lines stay) and the groups destroyed. The default group is the user's and
+        is left alone. With roll_call, returns the other ranks' answers to the roll call (Liveness.roll_call)."""
         import gc
+        import traceback
 
         if self.check_group is None:
             return None
-        world = dist.get_world_size()
-        key = f"partir_fault/{self.check_group.group_name}"   # one per program: group names agree on all ranks
-        faults.roll_call(key, self.rank, world, 0.0)
         self.failed = True
+        if self.check_group in dist.distributed_c10d._world.pg_map:    # not destroyed already: the fds are its own
+            faults.shut_sockets(self.sockets)   # the peers see "connection closed" now, whoever holds the groups
+        if exc is not None:
+            traceback.clear_frames(exc.__traceback__)
         pgs = []
         for name in set(self.groups.values()):
             try:
@@ -145,9 +156,10 @@ class DistributedRuntime:
             except Exception:  # noqa: BLE001 - a group already destroyed or broken: nothing left to release
                 pass
         self.device_mesh = self.check_group = None
+        self._compiled.clear()
         del pgs
         gc.collect()
-        return faults.roll_call(key, self.rank, world, REPORT_WAIT_S) if roll_call else None
+        return self.liveness.roll_call() if roll_call else None
 
     def shard(self, full: torch.Tensor, sh: Sharding):
         return shard_of(full.detach().to(self.device), sh, self.mesh, self.coord).clone(

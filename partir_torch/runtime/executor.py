@@ -255,11 +255,11 @@ class Executor:
         except Exception as e:  # noqa: BLE001 - named below
             if self.rt.kind == "distributed":
                 peer = faults.peer_failure_kind(e) is not None
-                missing = self.rt.release(roll_call=peer)      # first: the peers waiting on this rank fail now
+                rec = faults.collective_of(faults.node_at(gm, e))  # read before release clears the frames
+                answers = self.rt.release(e, roll_call=peer)    # first: the peers waiting on this rank fail now
                 if peer:
-                    err = faults.step_failure(what, self.rt.rank, self.plan.mesh,
-                                              faults.collective_of(faults.node_at(gm, e)), e, self.rt.timeout_s,
-                                              missing=missing)
+                    err = faults.step_failure(what, self.rt.rank, self.plan.mesh, rec, e, self.rt.timeout_s,
+                                              answers=answers)
                 else:
                     err = e if isinstance(e, PartitionError) else internal_error(_failing_node(gm, e, plan),
                                                                                  "running", e)

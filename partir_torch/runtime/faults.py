@@ -7,9 +7,10 @@ Three mechanisms, all on the DistributedRuntime's own process groups (distribute
   timeout) and NCCL (its watchdog). DeviceMesh's groups would otherwise get torch's 30-minute default, whatever
   init_process_group was given.
 - Release. A rank whose step fails destroys its groups (DistributedRuntime.release): gloo has no abort that wakes a
-  peer blocked in a collective, but dropping the group closes its connections, so every peer waiting on this rank
-  fails at once ("connection closed") instead of at its own timeout, and the failure reaches the whole job in a
-  fraction of a second. The program then refuses further steps: the job restarts (torchrun --max-restarts) and
+  peer blocked in a collective, but dropping the last reference to a group closes its connections, so every peer
+  waiting on this rank fails at once ("connection closed") instead of at its own timeout, releases its own groups
+  in turn, and the failure reaches the whole job in a fraction of a second. The program then refuses further
+  steps: the job restarts (torchrun --max-restarts; restart.py gives each attempt store keys of its own) and
   resumes from its last checkpoint.
 - Agreement. Before every call of a step on real ranks, the ranks all-gather one 8-byte digest of what they are
   about to run (the program, the step number, the inputs' shapes and dtypes) on the CPU check group. Equal digests:
@@ -19,8 +20,9 @@ Three mechanisms, all on the DistributedRuntime's own process groups (distribute
 `step_failure` turns the exception of a failed collective into RankFailureError: the step, the collective (kind,
 mesh axis, the value it serves, the user's source line: the CollectiveRecord on the lowered node), the group's ranks
 and the likely cause. Which rank is to blame is not in the backend's error (gloo names a peer's address at most):
-after a failure every rank writes one key of the default store and waits REPORT_WAIT_S (1.5 s) for the others
-(`roll_call`); the ranks that never wrote are named as dead or stuck.
+after a failure a rank calls the roll (liveness.py): every live process answers from a thread of its own within
+milliseconds, so the ranks that do not answer in REPORT_WAIT_S (1.5 s) have died, and the ones that answer
+"running" are alive but their step had not failed (in a timeout: the stuck or slow ones).
 """
 from __future__ import annotations
 
@@ -82,16 +84,15 @@ def group_ranks(mesh, rank: int, axis: str) -> list[int]:
             if all(v == coord[a] for a, v in mesh.coordinate(r).items() if a != axis)]
 
 
-REPORT_WAIT_S = 1.5      # after a failure, how long a rank waits for the others to say they are alive (a survivor
-                         # busy computing learns of it at its next collective: it may be named, as still to notice)
+REPORT_WAIT_S = 1.5      # after a failure, how long a rank waits for the others' answers (liveness.WAIT_S)
 
 
 def step_failure(what: str, rank: int, mesh, rec, exc: BaseException, timeout_s: float,
-                 coll: str | None = None, missing: list | None = None,
+                 coll: str | None = None, answers: dict | None = None,
                  wait_s: float = REPORT_WAIT_S) -> RankFailureError:
     """RankFailureError for the collective `rec` of `what` ("step 3") that failed with `exc`; `coll` describes it
-    when it has no record (the agreement check); neither: "a collective of the step" (a compiled step). `missing`:
-    the ranks that did not answer the roll call within wait_s (None: unknown)."""
+    when it has no record (the agreement check); neither: "a collective of the step" (a compiled step). `answers`:
+    the other ranks' answers to the roll call (liveness.py; None: unknown)."""
     kind = peer_failure_kind(exc) or "closed"
     if rec is not None:
         op = f"({rec.reduce_op})" if rec.reduce_op else ""
@@ -109,36 +110,99 @@ def step_failure(what: str, rank: int, mesh, rec, exc: BaseException, timeout_s:
              if kind == "closed" else
              f"a rank in this group did not answer within timeout_s={timeout_s:g} s: it is stuck or much slower; "
              f"see its log")
-    if missing:
-        cause += (f". Rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} had not reported "
-                  f"{'themselves' if len(missing) > 1 else 'itself'} alive {wait_s:g} s after the failure (dead, "
-                  f"stuck, or still to notice it: see {'their logs' if len(missing) > 1 else 'its log'})")
+    cause += blame(answers, wait_s, kind)
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return RankFailureError(
         f"partir_torch: {what} failed on rank {rank}: {coll}.\n  Likely cause: {cause}.\n"
         f"  The backend said: {type(exc).__name__}: {first[:300]}\n"
-        f"  This program's process groups are released; restart the job (torchrun --max-restarts=N) and resume "
-        f"from the last checkpoint (examples/train_loop.py shows the recipe).")
+        f"  This program's process groups are released; restart the job (torchrun --max-restarts=N, with "
+        f"partir_torch imported before dist.init_process_group so that every attempt gets store keys of its own) "
+        f"and resume from the last checkpoint (examples/train_loop.py shows the recipe).")
 
 
-def roll_call(key: str, rank: int, world: int, wait_s: float) -> list[int] | None:
-    """Say this rank is alive under `key` in the default store, then wait up to wait_s for the others: the ranks
-    that did not say so (dead, or stuck outside the failed step). None when the store cannot be reached."""
-    import time
+def blame(answers: dict | None, wait_s: float, kind: str) -> str:
+    """The roll call's verdict for the message: the ranks with no live process (dead), and in a timeout or when none
+    died the live ranks whose step had not failed (stuck, slow, or still to notice). "silent": no answer where only
+    failing ranks answer (no TCPStore for the answering threads); "unknown": the store could not be reached; None or
+    {}: not asked."""
+    if not answers:
+        return ""
+    if "unknown" in answers.values():
+        return ". The roll call could not reach the store (its host, rank 0 or torchrun's agent, is gone)"
+    dead = [r for r, a in sorted(answers.items()) if a is None]
+    running = [r for r, a in sorted(answers.items()) if a == "running"]
+    s = lambda rs: "s" if len(rs) > 1 else ""
+    out = ""
+    if dead:
+        out += (f". Dead: rank{s(dead)} {', '.join(map(str, dead))} (no answer to the roll call {wait_s:g} s after "
+                f"the failure: no live process; see {'their logs' if len(dead) > 1 else 'its log'})")
+    if running and (kind == "timeout" or not dead):     # a death explains a closed connection: no live rank named
+        out += (f". Alive but not failing: rank{s(running)} {', '.join(map(str, running))} (stuck, much slower, or "
+                f"still to notice the failure: see {'their logs' if len(running) > 1 else 'its log'})")
+    silent = [r for r, a in sorted(answers.items()) if a == "silent"]
+    if silent:
+        out += (f". Rank{s(silent)} {', '.join(map(str, silent))} did not answer the roll call {wait_s:g} s after "
+                f"the failure (dead, stuck, or still to notice it: the default store is not a TCPStore, so only "
+                f"failing ranks answer)")
+    if not dead and not running and not silent:
+        out += ". Every other rank answered the roll call: none died"
+    return out
 
-    import torch.distributed as dist
+
+def socket_fds(store_port: int | None = None) -> set[int]:
+    """This process's open socket descriptors (Linux /proc; empty elsewhere), but a TCPStore server's (local port
+    `store_port`: the rank hosting the store accepts other ranks' connections at any time): taken before and after a
+    runtime creates its process groups, the difference is their gloo connections and listeners."""
+    import os
+    import socket
 
     try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"{key}/{rank}", "alive")
-        deadline = time.monotonic() + wait_s
-        while True:
-            here = [r for r in range(world) if store.check([f"{key}/{r}"])]
-            if len(here) == world or time.monotonic() >= deadline:
-                return [r for r in range(world) if r not in here]
-            time.sleep(0.05)
-    except Exception:  # noqa: BLE001 - the store is on a rank or agent that is gone: say nothing
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return set()
+    out = set()
+    for n in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{n}").startswith("socket:"):
+                out.add(int(n))
+        except OSError:
+            pass
+    if store_port is not None:
+        out = {fd for fd in out if _local_port(socket, fd) != store_port}
+    return out
+
+
+def _local_port(socket, fd: int) -> int | None:
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:
         return None
+    try:
+        addr = s.getsockname()
+        return addr[1] if isinstance(addr, tuple) and len(addr) > 1 else None
+    except OSError:
+        return None
+    finally:
+        s.detach()
+
+
+def shut_sockets(fds) -> None:
+    """shutdown(2) each connected socket of `fds` without closing it: a peer blocked on one reads end-of-file now
+    ("connection closed by peer"), whatever still references the group in this process."""
+    import socket
+
+    for fd in fds:
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            s.getpeername()                 # a connection; a listener's accept() must not fail under gloo
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            s.detach()          # the descriptor stays gloo's
 
 
 def describe_call(what: str, program: str, step: int, flat) -> dict:
