@@ -1,0 +1,127 @@
+"""data_parallel(axis, batchnorm="local"): per-rank batch norm statistics, as DDP (issue 37, item 4).
+
+Checked against DDP's semantics computed eagerly: each rank's slice of the batch through the eager module in train
+mode, the gradients averaged over the ranks, the running statistics rank 0's (DDP broadcasts rank 0's buffers
+before each forward). The default, batchnorm="global", equals one device (tests/test_norms.py).
+"""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import partir_torch as pt
+from partir_torch.errors import PartitionError
+from partir_torch.plan import capture_for, plan
+
+from test_norms import BatchNorms, _batches, _ce, _sgd
+
+# float64: batch norm over 2 samples per rank is numerically chaotic (the backward's dx is a difference of nearly equal
+# terms), and fp32 rounding alone moves the weights by 1e-4 over 3 steps; in float64 a wrong program shows at 1e-3,
+# rounding at 1e-13 (as tests/test_stock.py's float64 model)
+RTOL, ATOL = 1e-10, 1e-10
+RANKS = 4
+LOCAL = [pt.tactics.data_parallel("batch", batchnorm="local")]
+
+
+def _ddp_step(ref, opt, x, y, loss_fn, ranks):
+    """One DDP step, eagerly: every rank from the same buffers on its slice; gradients averaged; rank 0's buffers
+    kept. Returns the mean of the ranks' losses (what the global-batch loss of equal slices is)."""
+    start = copy.deepcopy(dict(ref.named_buffers()))
+    opt.zero_grad()
+    losses, kept = [], None
+    for r, (xr, yr) in enumerate(zip(x.chunk(ranks), y.chunk(ranks))):
+        with torch.no_grad():
+            for k, b in ref.named_buffers():
+                b.copy_(start[k])
+        loss = loss_fn(ref, xr, yr) / ranks
+        loss.backward()                                    # summed over ranks / ranks: DDP's average
+        losses.append(loss.detach() * ranks)
+        if r == 0:
+            kept = copy.deepcopy(dict(ref.named_buffers()))
+    with torch.no_grad():
+        for k, b in ref.named_buffers():
+            b.copy_(kept[k])
+    opt.step()
+    return torch.stack(losses).mean()
+
+
+def _float64(batches):
+    return [(x.double(), y) for x, y in batches]
+
+
+def _train_local(model, batches, steps_loss_fn=_ce, tactics=LOCAL, **kw):
+    model, batches = model.double(), _float64(batches)
+    ref = copy.deepcopy(model)
+    opt = _sgd(ref)
+    prog = pt.partition(model, pt.Mesh({"batch": RANKS}), tactics, example_inputs=batches[0], loss_fn=steps_loss_fn,
+                        optimizer=_sgd(model), **kw)
+    for i, (x, y) in enumerate(batches):
+        got = prog.train_step(x, y)
+        want = _ddp_step(ref, opt, x, y, steps_loss_fn, RANKS)
+        torch.testing.assert_close(got.detach(), want, rtol=RTOL, atol=0, msg=lambda m: f"loss of step {i}: {m}")
+    return prog, ref
+
+
+def _assert_like_ddp(prog, ref):
+    full = prog.full_state_dict()
+    for k, want in ref.state_dict().items():
+        if want.is_floating_point():
+            torch.testing.assert_close(full[k], want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
+        else:
+            assert torch.equal(full[k], want), f"{k}: {full[k]} != {want}"
+
+
+def test_local_batch_norm_trains_as_ddp_with_no_statistics_collective():
+    """4 ranks, 2 samples each, 3 SGD steps on BatchNorm1d/2d/3d: losses, parameters and rank 0's running
+    statistics equal DDP's, computed eagerly (and rank 0's statistics differ from the global batch's, so the
+    comparison tells local from global). No collective for the batch statistics: the forward's one all_reduce is
+    the loss's; rank 0's (2, C) statistics per norm go in one bucket with the gradients at the end of the step."""
+    torch.manual_seed(0)
+    model = BatchNorms()
+    batches = _batches(3, 8, (3, 4, 4), 6)
+    prog, ref = _train_local(model, batches)
+    _assert_like_ddp(prog, ref)
+    one = copy.deepcopy(model)
+    one.double().train()(batches[0][0].double())                    # the global batch's statistics are not rank 0's
+    assert float((one.bn2.running_mean - ref.bn2.running_mean).abs().max()) > 1e-3
+
+    coll = Counter((r.kind, r.phase) for r in prog.collectives())
+    assert set(coll) <= {("all_reduce", "forward"), ("all_reduce", "backward")}, coll
+    sizes = sorted(r.nbytes for r in prog.collectives())
+    grads = 8 * sum(p.numel() for p in model.parameters())
+    assert sizes == [2 * 8, grads + 2 * 8 * (8 + 4 + 2 + 6)], sizes    # (nll sum, weight total); one bucket
+
+
+def test_local_batch_norm_without_running_statistics_and_without_buckets():
+    """track_running_stats=False and bucket_bytes=0: no forward collective but the loss's; the norms' affine
+    weights reduced as gradients, one per parameter; still DDP's numbers."""
+    torch.manual_seed(1)
+    model = BatchNorms(track_running_stats=False)
+    prog, ref = _train_local(model, _batches(2, 8, (3, 4, 4), 6, seed=1), bucket_bytes=0)
+    _assert_like_ddp(prog, ref)
+    fwd = [r.nbytes for r in prog.collectives() if r.phase == "forward"]
+    assert fwd == [8, 8], fwd
+    n_grads = sum(1 for p in model.parameters() if p.requires_grad)
+    assert sum(1 for r in prog.collectives() if r.phase == "backward") == n_grads
+
+
+def test_local_batch_norm_refuses_what_it_cannot_do():
+    """A batch the axis does not divide, an unknown mode, a capture planned on another axis size: each one error
+    naming the fix."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(16, 2))
+    x, y = torch.randn(6, 3, 4, 4), torch.randint(0, 2, (6,))
+    with pytest.raises(PartitionError, match=r"4 does not divide the batch 6.*batchnorm='global'"):
+        pt.partition(model, pt.Mesh({"batch": 4}), LOCAL, example_inputs=(x, y), loss_fn=_ce, optimizer=_sgd(model))
+    with pytest.raises(PartitionError, match=r"batchnorm is 'global'.*or 'local'"):
+        pt.tactics.data_parallel("batch", batchnorm="sync")
+    x = torch.randn(8, 3, 4, 4)
+    cap = capture_for(model, LOCAL, (x,), mesh=pt.Mesh({"batch": 2}))
+    with pytest.raises(PartitionError, match=r"over 4 per-rank batches.*over 2 per-rank batches"):
+        plan(cap, pt.Mesh({"batch": 4}), LOCAL)
+    with pytest.raises(PartitionError, match=r"needs the size of axis 'batch'.*mesh=mesh"):
+        capture_for(model, LOCAL, (x,))
