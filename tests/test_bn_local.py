@@ -133,3 +133,66 @@ def test_group_batch_norm_rules_verify():
     report = verify_graph(cap.gm)
     assert report.nodes > 10 and report.factor_checks > 20, str(report)
     assert not report.wrong and not report.missing and not report.errors, str(report)
+
+
+# ---- real ranks: torch DDP itself as the reference -----------------------------------------------------------------
+def _ddp_worker(rank, port, ckpt, queue):
+    """Each of 4 gloo ranks trains the same BatchNorms with torch's DDP (its defaults) and with partir's
+    batchnorm="local" program, 2 SGD steps on the same global batches; reports both losses, rank 0's DDP state and
+    the program's, and the running statistics this rank holds (every rank must hold rank 0's)."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    out = {"rank": rank}
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=RANKS, timeout=timedelta(seconds=60))
+        torch.manual_seed(0)
+        model = BatchNorms()
+        ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+        opt = _sgd(ddp)
+        prog = pt.partition(model, pt.Mesh({"batch": RANKS}), LOCAL, example_inputs=_batches(1, 8, (3, 4, 4), 6)[0],
+                            loss_fn=_ce, optimizer=_sgd(model))
+        out["losses"], out["ddp_losses"] = [], []
+        for x, y in _batches(2, 8, (3, 4, 4), 6, seed=3):
+            out["losses"].append(float(prog.train_step(x, y)))
+            opt.zero_grad()
+            loss = _ce(ddp, x.chunk(RANKS)[rank], y.chunk(RANKS)[rank])
+            loss.backward()
+            opt.step()
+            dist.all_reduce(loss := loss.detach().clone())
+            out["ddp_losses"].append(float(loss) / RANKS)
+        # plain Python to the parent (a tensor through the queue dies with its process)
+        out["ddp_state"] = {k: v.tolist() for k, v in ddp.module.state_dict().items()}
+        out["state"] = {k: v.tolist() for k, v in prog.full_state_dict().items()}
+        out["held_running_mean"] = prog.executor.state["buffers.bn2.running_mean"].tolist()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the parent
+        import traceback
+        out["fatal"] = traceback.format_exc()
+    queue.put(out)
+
+
+def test_local_batch_norm_on_real_ranks_equals_torch_ddp():
+    from tests.spawn import spawn_ranks
+
+    res = spawn_ranks(_ddp_worker, RANKS, 300, prefix="partir_bn_")
+    for rank, r in sorted(res.items()):
+        assert "fatal" not in r, f"rank {rank}:\n{r['fatal']}"
+        torch.testing.assert_close(r["losses"], r["ddp_losses"], rtol=RTOL, atol=0)
+    # torch's DDP divides each rank's gradient by the world size before its all_reduce: rounding apart, 2e-7 on fc
+    rtol, atol = 1e-5, 1e-6
+    ddp0, state = res[0]["ddp_state"], res[0]["state"]
+    assert set(ddp0) == set(state)
+    for k, want in ddp0.items():
+        torch.testing.assert_close(torch.tensor(state[k]), torch.tensor(want), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{k}: {m}")
+    moved = torch.tensor(ddp0["bn2.running_mean"])
+    assert float(moved.abs().max()) > 1e-2                     # the statistics moved from their zeros
+    for rank, r in res.items():     # rank 0's buffers on every rank, as DDP's broadcast leaves them
+        torch.testing.assert_close(torch.tensor(r["held_running_mean"]), moved, rtol=rtol, atol=atol)
+    assert res[1]["ddp_state"]["bn2.running_mean"] != ddp0["bn2.running_mean"]   # DDP's rank 1 differs till its
+    # next forward's broadcast: the program's state is what DDP checkpoints (rank 0's)
