@@ -105,6 +105,20 @@ def test_local_batch_norm_without_running_statistics_and_without_buckets():
     assert sum(1 for r in prog.collectives() if r.phase == "backward") == n_grads
 
 
+def test_audit_names_what_global_statistics_cost_and_the_local_option():
+    """prog.audit() of the default (global) program counts the norms' statistics all_reduces (4 norms: 4 forward,
+    4 backward; (2, C) float64 forward (160 B), float32 backward (80 B)) and names batchnorm='local'; the local
+    program's audit has none to name."""
+    progs = {}
+    for bn in ("global", "local"):
+        model = BatchNorms()
+        progs[bn] = pt.partition(model, pt.Mesh({"batch": RANKS}), [pt.tactics.data_parallel("batch", batchnorm=bn)],
+                                 example_inputs=_batches(1, 8, (3, 4, 4), 6)[0], loss_fn=_ce, optimizer=_sgd(model))
+    text = progs["global"].audit()
+    assert "8 all_reduces, 480 B per step" in text and "data_parallel(axis, batchnorm='local')" in text, text
+    assert "batch norm" not in progs["local"].audit()
+
+
 def test_local_batch_norm_refuses_what_it_cannot_do():
     """A batch the axis does not divide, an unknown mode, a capture planned on another axis size: each one error
     naming the fix."""
