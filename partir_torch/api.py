@@ -86,7 +86,7 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     take_over(model)
     t0 = time.perf_counter()
     captured = capture_for(model, tactics, example_inputs, loss_fn, optimizer, clip_grad_norm=clip_grad_norm,
-                           accumulate=accumulate, accumulate_dims=accumulate_dims)
+                           accumulate=accumulate, accumulate_dims=accumulate_dims, mesh=mesh)
     t1 = time.perf_counter()
     planned = plan(captured, mesh, tactics, options, registry)
     prog = Program(planned, model, optimizer, loss_fn, costs=(t1 - t0, time.perf_counter() - t1))

@@ -186,15 +186,16 @@ class Plan:
 
 def capture_for(model, schedule, example_inputs, loss_fn=None, optimizer=None, clip_grad_norm=None,
                 accumulate: int = 1, accumulate_dims=None, eval_loss: bool = False, values=None,
-                record_modules: bool = False, dynamic=()):
+                record_modules: bool = False, dynamic=(), mesh: Mesh | None = None):
     """Capture `model`'s step as `schedule` needs it: its capture rewrites (mixed precision, remat) applied and the
     decompositions its tactics ask for. The result can be planned with any schedule of the same capture rewrites.
     A pipeline tactic in the schedule (training) captures its micro-batches unrolled (accumulate) and each op's
     module and micro-batch (capture/stages.py). dynamic: (input index, dim) pairs of one size traced as one symbol;
-    then the guards on it (capture/dims.py DimGuards) instead of a Captured."""
+    then the guards on it (capture/dims.py DimGuards) instead of a Captured. mesh: the mesh the step will be
+    planned on, for tactics whose capture depends on an axis size (data_parallel(batchnorm="local"))."""
     from .tactics.pipeline import Pipeline
 
-    entries = flatten_schedule(schedule)
+    entries = bound_to(flatten_schedule(schedule), mesh)
     rewrites = [t for t in entries if isinstance(t, CaptureRewrite)]
     pipe = next((t for t in entries if isinstance(t, Pipeline)), None)
     if pipe is not None and loss_fn is not None and not eval_loss:
@@ -208,10 +209,16 @@ def capture_for(model, schedule, example_inputs, loss_fn=None, optimizer=None, c
         return dim_guards(model, example_inputs, loss_fn, optimizer, rewrites, _decompositions(entries),
                           clip_grad_norm=clip_grad_norm, accumulate=accumulate, accumulate_dims=accumulate_dims,
                           eval_loss=eval_loss, record_modules=record_modules, positions=dynamic)
-    return capture(model, example_inputs, loss_fn, optimizer, rewrites, _decompositions(entries),
-                   clip_grad_norm=clip_grad_norm,
-                   accumulate=accumulate, accumulate_dims=accumulate_dims, eval_loss=eval_loss, values=values,
-                   record_modules=record_modules)
+    cap = capture(model, example_inputs, loss_fn, optimizer, rewrites, _decompositions(entries),
+                  clip_grad_norm=clip_grad_norm,
+                  accumulate=accumulate, accumulate_dims=accumulate_dims, eval_loss=eval_loss, values=values,
+                  record_modules=record_modules)
+    cap.bn_groups = _bn_groups(entries)
+    if cap.bn_groups:
+        from .capture.bn_local import sink_running_statistics
+
+        sink_running_statistics(cap)
+    return cap
 
 
 def plan(captured, mesh: Mesh, schedule, options: Options | None = None, registry=None) -> Plan:
@@ -219,7 +226,7 @@ def plan(captured, mesh: Mesh, schedule, options: Options | None = None, registr
     after each entry. Capture rewrites in the schedule are recorded (they acted at capture: capture_for)."""
     if not isinstance(mesh, Mesh):
         raise PartitionError(f"partition: mesh must be a pt.Mesh, got {type(mesh).__name__}.")
-    entries = tuple(flatten_schedule(schedule))
+    entries = tuple(bound_to(flatten_schedule(schedule), mesh))
     _check_captured_for(captured, entries)
     options = options or Options()
     registry = registry or default_registry()
@@ -265,6 +272,31 @@ def _check_captured_for(captured, entries) -> None:
         raise PartitionError(f"plan: the schedule's tactics need {', '.join(names[:3])} decomposed at capture, and "
                              f"the step was captured without. Capture it for this schedule: "
                              f"plan.capture_for(model, schedule, example_inputs, ...).")
+    want, have = _bn_groups(entries), captured.bn_groups
+    global_dp = any(getattr(t, "batchnorm", None) == "global" for t in entries)
+    if (want and want != have) or (have and not want and global_dp):
+        say = lambda g: f"{g} per-rank batches" if g else "the whole batch"   # noqa: E731
+        raise PartitionError(f"plan: the schedule takes batch norm statistics over {say(want)}, and the step was "
+                             f"captured with them over {say(have)} (data_parallel(batchnorm='local') on a mesh axis "
+                             f"of that size). Capture it for this schedule and mesh: "
+                             f"plan.capture_for(model, schedule, example_inputs, ..., mesh=mesh).")
+
+
+def bound_to(entries, mesh) -> list:
+    """The schedule's entries with what they need of the mesh at capture (DataParallel.bound); as given when
+    mesh is None."""
+    return list(entries) if mesh is None else [t.bound(mesh) if hasattr(t, "bound") else t for t in entries]
+
+
+def _bn_groups(entries) -> int:
+    """The per-rank batches batch norm takes its statistics over (data_parallel(batchnorm="local")), 0 for the
+    whole batch. One axis at most."""
+    local = [t for t in entries if getattr(t, "batchnorm", "global") == "local"]
+    if len(local) > 1:
+        raise PartitionError(f"partition: batchnorm='local' on axes {[t.axis for t in local]}: per-rank statistics on "
+                             f"more than one axis are not supported yet. Keep batchnorm='local' on one "
+                             f"data_parallel tactic.")
+    return local[0].bn_groups if local else 0
 
 
 def tactic_families(entries) -> dict:

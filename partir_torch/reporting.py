@@ -230,8 +230,11 @@ class Reports:
 
     def audit(self) -> str:
         """The "reshard" collectives of the program (records.py: a layout change no tactic asked for), grouped by
-        the op they serve and its source line, with their bytes per step; the fix for each."""
-        return audit_text(self.plan.lowered().records)
+        the op they serve and its source line, with their bytes per step; the fix for each. Then what batch norm's
+        global statistics cost, if any (batchnorm_text)."""
+        records = self.plan.lowered().records
+        bn = batchnorm_text(records, self.plan.captured.gm.graph)
+        return audit_text(records) + (f"\n{bn}" if bn else "")
 
     def _stage_stats(self, k: int) -> dict:
         low = self.plan.lowered(k)
@@ -331,6 +334,30 @@ def audit_text(records) -> str:
             values = sorted({r.value for r in recs if (r.source or NO_SOURCE) == src})
             lines.append(f"    {src}: {_fmt_bytes(b)}  ({', '.join(values[:4])}{' ...' if len(values) > 4 else ''})")
     return "\n".join(lines)
+
+
+def _bn_moments(node) -> bool:
+    """A batch norm's stacked per-channel sums (capture/decompositions.py: (2, C) = cat of two unsqueezed sums),
+    or a scaling or cast of them (a partial value is reduced after the linear ops it flows through)."""
+    aten = torch.ops.aten
+    while node is not None and node.target in (aten.div.Scalar, aten._to_copy.default, aten.mul.Scalar):
+        node = node.args[0]
+    return node is not None and node.target is torch.ops.aten.cat.default and len(node.args[0]) == 2 and all(
+        a.target is torch.ops.aten.unsqueeze.default and a.args[0].target is torch.ops.aten.sum.dim_IntList
+        for a in node.args[0])
+
+
+def batchnorm_text(records, graph) -> str:
+    """The all_reduces of batch norm's statistics over the whole batch (data_parallel's batchnorm="global"), their
+    count and bytes per step, and how to do without them; "" when there are none."""
+    nodes = {n.name: n for n in graph.nodes}
+    recs = [m for r in records for m in r.parts() if m.kind == "all_reduce" and _bn_moments(nodes.get(m.value))]
+    if not recs:
+        return ""
+    return (f"batch norm statistics over the whole batch (data_parallel(batchnorm='global'), the default: equal to "
+            f"one device): {len(recs)} all_reduces, {_fmt_bytes(sum(r.nbytes for r in recs))} per step (one per "
+            f"norm in forward, one in backward). data_parallel(axis, batchnorm='local') normalises each rank's "
+            f"batch by its own statistics, as DDP does: no collective (running statistics: rank 0's).")
 
 
 def reshard_warnings(records) -> list:

@@ -51,9 +51,9 @@ class BatchNorms(nn.Module):
 
 
 BN_STATS_BYTES = {64, 32, 16, 48}      # backward: one (2, C) stack of per-channel sums per norm (C = 8, 4, 2, 6)
-# forward: the mean, then the centred second moment, (C,) each, in float64 on CPU (eager's CPU kernel
-# accumulates batch statistics in double; float32 on GPUs)
-BN_MEAN_BYTES = {64, 32, 16, 48}
+# forward: one (2, C) stack of the moments E[x], E[x^2] per norm, in float64 (the one-pass variance keeps eager's
+# two-pass precision only in double)
+BN_MOMENTS_BYTES = {128, 64, 32, 96}
 
 
 def _ce(m, x, y):
@@ -103,9 +103,8 @@ def _by_phase(prog) -> Counter:
 @pytest.mark.parametrize("stats", [True, False], ids=["running_stats", "no_running_stats"])
 def test_batch_norm_data_parallel_matches_one_device(stats):
     """4 ranks, 2 samples each; 3 SGD steps: losses, parameters and running statistics (unbiased running_var,
-    num_batches_tracked) equal eager nn.BatchNorm on the whole batch. Two all_reduces of (C,) per norm forward (the
-    mean, then the centred second moment: a one-pass E[x^2] - E[x]^2 loses the variance to cancellation) and one of
-    (2, C) backward; the norms' weight and bias gradients need none of their own; nothing is gathered."""
+    num_batches_tracked) equal eager nn.BatchNorm on the whole batch. One all_reduce of (2, C) per norm forward (the
+    moments E[x], E[x^2], summed in float64) and one of (2, C) backward; the norms' weight and bias gradients need none of their own; nothing is gathered."""
     torch.manual_seed(0)
     model = BatchNorms(track_running_stats=stats)
     prog, ref = _train_both(model, pt.Mesh({"batch": 4}), _batches(3, 8, (3, 4, 4), 6))
@@ -118,7 +117,7 @@ def test_batch_norm_data_parallel_matches_one_device(stats):
     assert all(kind == "all_reduce" for kind, _, _ in coll), coll
     fwd = Counter({b: n for (_, ph, b), n in coll.items() if ph == "forward"})
     bwd = Counter({b: n for (_, ph, b), n in coll.items() if ph == "backward"})
-    assert fwd == Counter({**{b: 2 for b in BN_MEAN_BYTES}, 4: LOSS_REDUCTIONS}), fwd
+    assert fwd == Counter({**{b: 1 for b in BN_MOMENTS_BYTES}, 4: LOSS_REDUCTIONS}), fwd
     # backward: one per norm, plus the gradients of conv.weight (432 B), fc.weight (1536 B) and fc.bias (24 B)
     assert bwd == Counter({**{b: 1 for b in BN_STATS_BYTES}, 432: 1, 1536: 1, 24: 1}), bwd
 
@@ -162,7 +161,7 @@ def test_batch_norm_forward_only_and_eval():
     _assert_state_equal(prog, ref)
     out_gather = ("all_gather", 8 * 6 * 4)
     assert sorted((r.kind, r.nbytes) for r in prog.collectives()) == sorted(
-        [("all_reduce", b) for b in BN_MEAN_BYTES for _ in range(2)] + [out_gather])
+        [("all_reduce", b) for b in BN_MOMENTS_BYTES] + [out_gather])
 
     model.load_state_dict(prog.state_dict()["model"])
     model.eval(), ref.eval()

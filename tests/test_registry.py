@@ -32,6 +32,8 @@ KNOWN_GAPS = {
     "aten._fft_c2r.default": ["xla"],
     "partir.experts_grouped.default": ["xla"],  # HF's grouped-mm experts (rules/moe.py): not traced on XLA yet
     "partir.experts_grouped_backward.default": ["xla"],
+    "partir.group_batch_norm.default": ["xla"],           # batchnorm="local" (rules/group_bn.py): not on XLA yet
+    "partir.group_batch_norm_backward.default": ["xla"],
 }
 
 

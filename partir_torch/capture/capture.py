@@ -71,6 +71,7 @@ class Captured:
     consts: dict = field(default_factory=dict)   # "consts.<i>" -> tensor created inside the step (lifted)
     rewrites: tuple = ()                         # names of the capture rewrites applied (mixed precision, remat)
     decompositions: frozenset = frozenset()      # the extra decompositions tactics asked for (op overloads)
+    bn_groups: int = 0                           # batch norm statistics per this many ranks' batches (bn_local.py)
     in_spec: object = None                       # pytree spec of the inputs (inputs.<i> in its flattening order)
     # what the step was captured with beyond the inputs, so that it can be captured again for other input shapes
     # (runtime/shapes.py): capture()'s keyword arguments, and each module's training flag (model.modules() order)

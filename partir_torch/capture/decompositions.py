@@ -134,22 +134,27 @@ def _stacked_sums(a, b, dims, n):
 
 
 def _bn_train(x, weight, bias, running_mean, running_var, momentum, eps):
-    """Training-mode batch norm in two passes, as eager computes it: the per-channel mean, then the mean of the
-    squared deviations from it. With the batch tiled each pass is a partial sum of C values, all-reduced once
-    (two all_reduces of C floats per norm). The one-pass E[x^2] - E[x]^2 loses the variance to cancellation when
-    the mean is large against the spread (1e-3 relative on MobileNet's activations in fp32).
+    """Training-mode batch norm from one (2, C) tensor of per-channel moments (E[x], E[x^2]): with the batch tiled
+    it is partial(sum), all-reduced once per norm (the count is static: the sums are divided by the global count).
+    The sums are taken in float64 on every device: the one-pass E[x^2] - E[x]^2 in fp32 loses the variance to
+    cancellation when the mean is large against the spread (6e-4 relative at mean 60x the spread); in float64 it
+    keeps eager's two-pass precision.
     Returns (out, save_mean, save_rstd, new_running_mean, new_running_var)."""
     red = [0] + list(range(2, x.dim()))
     n = x.numel() // x.shape[1]
     xa = x.to(_acc_dtype(x.dtype))
     acc = _stat_dtype(xa)
-    # statistics in the accumulation dtype as eager's CPU kernel takes them, and the output centred and scaled
-    # there too before the cast: a channel whose spread is small against its mean (late layers at 1x1 resolution)
-    # loses its variance if the mean is rounded first (spread 0.01 at mean 3, batch 8: out 4e-7 off float64,
-    # eager's fp32 x * alpha + beta 1e-4)
-    mean = aten.div.Scalar(aten.sum.dim_IntList(xa, red, dtype=acc), n)                   # (C,) in acc
+    x64 = xa.to(torch.float64)
+    moments = aten.div.Scalar(aten.cat.default([aten.unsqueeze.default(aten.sum.dim_IntList(x64, red), 0),
+                                                aten.unsqueeze.default(
+                                                    aten.sum.dim_IntList(aten.mul.Tensor(x64, x64), red), 0)]), n)
+    m64 = aten.select.int(moments, 0, 0)                                                  # (C,) E[x]
+    var = aten.clamp_min.default(aten.sub.Tensor(aten.select.int(moments, 0, 1), aten.mul.Tensor(m64, m64)), 0)
+    mean, var = m64.to(acc), var.to(acc)
+    # the output centred and scaled in the accumulation dtype before the cast, as eager's CPU kernel: a channel
+    # whose spread is small against its mean (late layers at 1x1 resolution) loses its variance if the mean is
+    # rounded first (spread 0.01 at mean 3, batch 8: out 4e-7 off float64, eager's fp32 x * alpha + beta 1e-4)
     xc = aten.sub.Tensor(xa.to(acc), _per_channel(mean, x.dim()))                        # (N, C, *) in acc
-    var = aten.div.Scalar(aten.sum.dim_IntList(aten.mul.Tensor(xc, xc), red), n)
     rstd = aten.rsqrt.default(aten.add.Scalar(var, eps))
     out = _affine(aten.mul.Tensor(xc, _per_channel(rstd, x.dim())).to(xa.dtype), weight, bias)
     new_mean = new_var = None

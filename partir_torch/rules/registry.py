@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from ..errors import PartitionError, warn
 from .factors import OpRule, einsum
+from .group_bn import GROUP_BN_BACKWARD_OP, GROUP_BN_OP
 from .moe import EXPERTS_BACKWARD_OP, EXPERTS_OP
 from . import tags
 from .nodes import result_vals  # noqa: F401 - propagation and verify read it from here
@@ -276,6 +277,9 @@ LINKS = {
     # torch-xla would need grouped_mm (or its fallback's per-expert loop) traced on XLA tensors: not declared
     EXPERTS_OP: Links(local=AS_IS, flops="sim.compute.experts_flops"),
     EXPERTS_BACKWARD_OP: Links(local=AS_IS, flops="sim.compute.experts_backward_flops"),
+    # batch norm over groups of the batch (rules/group_bn.py, batchnorm="local"): eager's kernel per group, memory
+    # bound; on XLA it would need its loop traced on XLA tensors: not declared
+    GROUP_BN_OP: Links(local=AS_IS, flops=NONE), GROUP_BN_BACKWARD_OP: Links(local=AS_IS, flops=NONE),
 }
 LINKS.update({op: PLAIN for op in (    # the rest of nn.py: memory-bound kernels torch-xla runs as they are
     aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default, aten._softmax_backward_data.default,

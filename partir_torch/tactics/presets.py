@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,15 +33,44 @@ aten = torch.ops.aten
 class DataParallel(SeedTactic):
     """BP: tile the batch dim of every input on `axis`. By default the batch dim is dim 0 of each input whose
     dim 0 has the batch size (the dim-0 size most inputs share); other inputs (a graph's edge list (2, E), a
-    shared mask) stay whole. dims: {input index: dim or None} overrides per input."""
+    shared mask) stay whole. dims: {input index: dim or None} overrides per input.
+
+    batchnorm: "global" (the default: equals one device) normalises over the whole batch, one all_reduce of (2, C)
+    moments per norm in forward and one in backward; "local" normalises each rank's batch by its own statistics,
+    as DDP does (no collective; running statistics are rank 0's, as DDP keeps them: capture/bn_local.py).
+    bn_groups: the axis size "local" was captured for, set from the mesh by `bound` (pt.partition does it)."""
 
     axis: str = "batch"
     dims: dict | None = None
     name: str = "BP"
+    batchnorm: str = "global"
+    bn_groups: int = 0
+
+    def __post_init__(self):
+        if self.batchnorm not in ("global", "local"):
+            raise PartitionError(f"data_parallel(batchnorm={self.batchnorm!r}): batchnorm is 'global' (statistics "
+                                 f"over the whole batch, as one device) or 'local' (each rank's own, as DDP).")
 
     @classmethod
     def macro_actions(cls, ctx, axis: str, name: str) -> list:
         return [("data_parallel", "preset", (cls(axis, name=name),))]
+
+    def bound(self, mesh) -> "DataParallel":
+        """This tactic with the axis size per-rank batch norm groups by (unchanged for "global")."""
+        if self.batchnorm != "local" or self.axis not in mesh.shape:
+            return self
+        return replace(self, bn_groups=mesh.shape[self.axis])
+
+    def decompositions(self) -> dict:
+        if self.batchnorm != "local":
+            return {}
+        if not self.bn_groups:
+            raise PartitionError(f"{self.name}: data_parallel({self.axis!r}, batchnorm='local') takes each rank's "
+                                 f"statistics, so the capture needs the size of axis '{self.axis}': pass the mesh "
+                                 f"(plan.capture_for(..., mesh=mesh)), or partition with pt.partition.")
+        from ..capture.bn_local import local_decompositions
+
+        return local_decompositions(self.bn_groups)
 
     def seeds(self, ctx) -> list:
         inputs = sorted((n for n in ctx.value_names() if n.startswith("inputs.")), key=lambda n: int(n.split(".")[1]))
@@ -62,9 +91,11 @@ class DataParallel(SeedTactic):
         return out
 
 
-def data_parallel(axis: str = "batch", dims: dict | None = None, name: str = "BP") -> DataParallel:
-    """Tile the batch dim of every input on `axis` (see DataParallel)."""
-    return DataParallel(axis, dims, name)
+def data_parallel(axis: str = "batch", dims: dict | None = None, name: str = "BP",
+                  batchnorm: str = "global") -> DataParallel:
+    """Tile the batch dim of every input on `axis` (see DataParallel). batchnorm="local": per-rank batch norm
+    statistics, as DDP (no collective); "global" (default): over the whole batch, as one device."""
+    return DataParallel(axis, dims, name, batchnorm)
 
 
 # -- Megatron ------------------------------------------------------------------------------------------------------
