@@ -83,7 +83,8 @@ def test_table_with_stages_and_trace(tmp_path):
     total = simulate_graph(gm, MESH, HW, stage_name="BP+Z3")
     total.stages = [simulate_graph(gm, MESH, HW, stage_name=s) for s in ("BP", "BP+Z3")]
     text = total.table()
-    assert text.splitlines()[0].split()[:3] == ["stage", "step", "compute"]
+    assert text.splitlines()[0] == f"simulated on {HW.describe()}"
+    assert text.splitlines()[1].split()[:3] == ["stage", "step", "compute"]
     assert sum(1 for line in text.splitlines() if line.startswith("BP")) == 2
     assert "ARx1 32.00 MiB" in text and "MFU" in text
     path = total.to_chrome_trace(str(tmp_path / "step.json"))

@@ -155,8 +155,7 @@ class AutomaticPartition:
         from ..sim.comm import check_mesh
         from ..sim.estimate import ProgramFacts
 
-        check_mesh(self.hardware, ctx.mesh)
-        hw = self.hardware
+        hw = check_mesh(self.hardware, ctx.mesh)
         limit = float(self.memory_limit if self.memory_limit is not None else hw.hbm_bytes)
         t_start = time.perf_counter()
         report = SearchReport(self.name, self.axes, limit, hw.describe())
