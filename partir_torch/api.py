@@ -10,6 +10,7 @@ from .plan import capture_for, plan
 from .program import Program
 from .runtime.owner import check_free
 from .tactics.base import CaptureRewrite
+from .tactics.recompute import recompute_to_fit
 from .tactics.schedule import flatten_schedule
 
 
@@ -83,12 +84,20 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
                       reduce_in_flight=reduce_in_flight, tp_chunks=tp_chunks, async_tp=async_tp, measure_memory=measure_memory,
                       max_shapes=max_shapes, memory_budget=memory_budget, strict=strict)
     check_free(model)
-    t0 = time.perf_counter()
-    captured = capture_for(model, tactics, example_inputs, loss_fn, optimizer, clip_grad_norm=clip_grad_norm,
-                           accumulate=accumulate, accumulate_dims=accumulate_dims)
-    t1 = time.perf_counter()
-    planned = plan(captured, mesh, tactics, options, registry)
-    prog = Program(planned, model, optimizer, loss_fn, costs=(t1 - t0, time.perf_counter() - t1))
+    costs = [0.0, 0.0]
+
+    def replan(entries):
+        t0 = time.perf_counter()
+        captured = capture_for(model, entries, example_inputs, loss_fn, optimizer, clip_grad_norm=clip_grad_norm,
+                               accumulate=accumulate, accumulate_dims=accumulate_dims)
+        t1 = time.perf_counter()
+        planned = plan(captured, mesh, entries, options, registry)
+        costs[0], costs[1] = costs[0] + t1 - t0, costs[1] + time.perf_counter() - t1
+        return planned
+
+    # an automatic search that found no plan within its memory limit: the step again with recomputation
+    planned = recompute_to_fit(replan(tactics), tactics, model, replan, can_rewrite=loss_fn is not None)
+    prog = Program(planned, model, optimizer, loss_fn, costs=tuple(costs))
     if simulate is not None:
         print(prog.simulate(simulate).table())
     return prog
