@@ -16,8 +16,8 @@ captured once and partitioned with:
   the searches alike);
 
 each automatic schedule at memory limits of 80 GB and 40 GB. ``--partition NAME``: instead, pt.partition() of the
-model with [mixed_precision, automatic(["batch", "model"])] at 80 GB and nothing else (no remat from the user: the
-search recomputes where no plan fits, tactics/recompute.py), printing its search report. Printed per case: simulated step time of auto and of
+model with [mixed_precision, automatic(["batch", "model"])] at 80 GB and nothing else (no remat from the
+user: partition() recomputes where no plan fits, tactics/recompute.py), printing its search report. Printed per case: simulated step time of auto and of
 the expert and their ratio, peak memory against the limit, search wall time, candidates estimated and lowered, the
 rank correlation of the fast estimate with the simulator over the lowered candidates, and the plan chosen.
 """

@@ -68,7 +68,8 @@ def test_a_smaller_mesh_runs_on_that_many_gpus_of_one_node():
     prog = gpt_program({"batch": 2, "model": 2}, [T.data_parallel("batch"), T.megatron("model")])
     part = prog.simulate(pt.sim.hardware("h100"), stages=False)           # 4 GPUs of an 8-GPU node
     whole = prog.simulate(pt.sim.hardware("h100", gpus_per_node=4), stages=False)
-    assert part.hardware == "h100 (4 of 1 node(s) x 8 GPUs; on 1 node(s))" and part.table().startswith(f"simulated on {part.hardware}\n")
+    assert part.hardware == "h100 (4 of 1 node(s) x 8 GPUs; on 1 node(s))"
+    assert part.table().startswith(f"simulated on {part.hardware}\n")
     assert part.step_time_s == whole.step_time_s and part.peak_memory_bytes == whole.peak_memory_bytes
     assert kinds(part) == {("all_reduce", "batch"), ("all_reduce", "model")}
 
