@@ -99,8 +99,9 @@ def test_notes_and_errors():
     gm = _overlap_graph(wait_early=True, matmuls=1)
     rep = simulate_graph(gm, MESH, hardware("h100", hbm_bytes=1e6))
     assert any("exceeds" in n and "HBM" in n for n in rep.notes)
-    with pytest.raises(PartitionError, match="16"):
-        simulate_graph(gm, MESH, hardware("h100", nodes=2))
+    with pytest.raises(PartitionError, match=r"has 4\. Simulate on hardware\('h100', nodes=2\)"):
+        simulate_graph(gm, MESH, hardware("h100", gpus_per_node=4))
+    assert simulate_graph(gm, MESH, hardware("h100", nodes=2)).hardware == "h100 (8 of 2 node(s) x 8 GPUs; on 1 node(s))"
 
 
 def test_collective_without_record_on_single_axis_mesh():
