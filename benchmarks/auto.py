@@ -15,7 +15,9 @@ captured once and partitioned with:
 - llama3-70b+remat: Llama3-70B again with every layer checkpointed (remat("layers.*"), at capture, for the expert and
   the searches alike);
 
-each automatic schedule at memory limits of 80 GB and 40 GB. Printed per case: simulated step time of auto and of
+each automatic schedule at memory limits of 80 GB and 40 GB. ``--partition NAME``: instead, pt.partition() of the
+model with [mixed_precision, automatic(["batch", "model"])] at 80 GB and nothing else (no remat from the
+user: partition() recomputes where no plan fits, tactics/recompute.py), printing its search report. Printed per case: simulated step time of auto and of
 the expert and their ratio, peak memory against the limit, search wall time, candidates estimated and lowered, the
 rank correlation of the fast estimate with the simulator over the lowered candidates, and the plan chosen.
 """
@@ -178,5 +180,28 @@ def main(names) -> None:
           f"{'met' if ok_mem else 'missed'}; search <= 60 s: {'met' if ok_time else 'missed'}")
 
 
+def no_help(name: str, limit: float = 80e9) -> None:
+    """pt.partition() as a user calls it: the automatic tactic over both axes, recomputation left to it."""
+    warnings.simplefilter("ignore")
+    build, batch, seq = models()[name]
+    model = build()
+    tokens = torch.zeros(batch, seq, dtype=torch.int64, device="meta")
+    hw = pt.sim.hardware("h100", nodes=8)
+    t0 = time.perf_counter()
+    prog = partition(model, pt.Mesh(MESH), [T.mixed_precision(torch.bfloat16),
+                                            T.automatic(["batch", "model"], hardware=hw, memory_limit=limit,
+                                                        progress=False)],
+                     example_inputs=(tokens, tokens), loss_fn=M.loss_fn,
+                     optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
+    rep = prog.search_reports[-1]
+    print(f"{name}: partition() in {time.perf_counter() - t0:.1f} s; chose {rep.chosen.label()}: step "
+          f"{rep.chosen.sim.step_time_s * 1e3:.1f} ms, peak {rep.chosen.sim.peak_memory_bytes / 1e9:.1f} GB of "
+          f"{limit / 1e9:.0f} GB ({'fits' if rep.within_limit else 'DOES NOT FIT'})")
+    print(rep.table(top=4))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--partition"]:
+        no_help(sys.argv[2])
+    else:
+        main(sys.argv[1:])

@@ -10,6 +10,7 @@ from .plan import capture_for, plan
 from .program import Program
 from .runtime.owner import take_over
 from .tactics.base import CaptureRewrite
+from .tactics.recompute import recompute_to_fit
 from .tactics.schedule import flatten_schedule
 
 
@@ -30,7 +31,8 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     of the ranks, every collective of a step: its process groups are created with it) before the ranks still
     waiting raise (RankFailureError, runtime/faults.py). Default 300 s.
     bucket_bytes: parameter gathers and gradient reduce-scatters are merged into buckets of up to this many bytes
-    (one collective each, as DDP/FSDP do; the bytes are unchanged); 0 keeps one collective per parameter.
+    (one collective each, as DDP/FSDP do; the bytes are unchanged), at most 1/8 of what one kind of collective moves
+    on one axis in one phase, so buckets scale down with a small model; 0 keeps one collective per parameter.
     clip_grad_norm: clip the gradients by their global norm before the update, as torch.nn.utils.clip_grad_norm_
     (the norm over all shards; prog.last_grad_norm holds the norm before clipping).
     accumulate: micro-batches per optimizer step. train_step takes the batch of one step (as example_inputs) and
@@ -60,11 +62,38 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     written back first (collective, as partition is), so the new program starts from the newest weights; when the
     new program takes them, the older program is released (runtime/owner.py).
     """
+    tactics = flatten_schedule(schedule)
+    _check_args(mesh, tactics, loss_fn, optimizer, clip_grad_norm, accumulate)
+    _check_pipeline(tactics, loss_fn, compile, measure_memory, async_tp, reduce_in_flight)
+    options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile, prefetch=prefetch,
+                      reduce_in_flight=reduce_in_flight, tp_chunks=tp_chunks, async_tp=async_tp, measure_memory=measure_memory,
+                      max_shapes=max_shapes, memory_budget=memory_budget, strict=strict)
+    take_over(model)
+    costs = [0.0, 0.0]
+
+    def replan(entries):
+        t0 = time.perf_counter()
+        captured = capture_for(model, entries, example_inputs, loss_fn, optimizer, clip_grad_norm=clip_grad_norm,
+                               accumulate=accumulate, accumulate_dims=accumulate_dims, mesh=mesh)
+        t1 = time.perf_counter()
+        planned = plan(captured, mesh, entries, options, registry)
+        costs[0], costs[1] = costs[0] + t1 - t0, costs[1] + time.perf_counter() - t1
+        return planned
+
+    # an automatic search that found no plan within its memory limit: the step again with recomputation
+    planned = recompute_to_fit(replan(tactics), tactics, model, replan, can_rewrite=loss_fn is not None)
+    prog = Program(planned, model, optimizer, loss_fn, costs=tuple(costs))
+    if simulate is not None:
+        print(prog.simulate(simulate).table())
+    return prog
+
+
+def _check_args(mesh, tactics, loss_fn, optimizer, clip_grad_norm, accumulate) -> None:
+    """partition()'s arguments that do not go together, each named with the fix."""
     if not isinstance(mesh, Mesh):
         raise PartitionError(f"partition: mesh must be a pt.Mesh, got {type(mesh).__name__}.")
     if optimizer is not None and loss_fn is None:
         raise PartitionError("partition: an optimizer needs a loss_fn (the step it updates from).")
-    tactics = flatten_schedule(schedule)
     rewrites = [t for t in tactics if isinstance(t, CaptureRewrite)]
     if rewrites and loss_fn is None:
         raise PartitionError(f"partition: {', '.join(t.name for t in rewrites)} change the training step; "
@@ -79,20 +108,6 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
                              f"{accumulate!r}.")
     if accumulate > 1 and loss_fn is None:
         raise PartitionError("partition: accumulate sums the gradients of micro-batches; pass loss_fn=.")
-    _check_pipeline(tactics, loss_fn, compile, measure_memory, async_tp, reduce_in_flight)
-    options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile, prefetch=prefetch,
-                      reduce_in_flight=reduce_in_flight, tp_chunks=tp_chunks, async_tp=async_tp, measure_memory=measure_memory,
-                      max_shapes=max_shapes, memory_budget=memory_budget, strict=strict)
-    take_over(model)
-    t0 = time.perf_counter()
-    captured = capture_for(model, tactics, example_inputs, loss_fn, optimizer, clip_grad_norm=clip_grad_norm,
-                           accumulate=accumulate, accumulate_dims=accumulate_dims, mesh=mesh)
-    t1 = time.perf_counter()
-    planned = plan(captured, mesh, tactics, options, registry)
-    prog = Program(planned, model, optimizer, loss_fn, costs=(t1 - t0, time.perf_counter() - t1))
-    if simulate is not None:
-        print(prog.simulate(simulate).table())
-    return prog
 
 
 def _check_pipeline(tactics, loss_fn, compile: bool, measure_memory: bool, async_tp: bool = False,

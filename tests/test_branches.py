@@ -244,3 +244,35 @@ def test_a_python_random_draw_is_said_not_hidden():
                                          r"random.uniform"):
         pt.partition(PythonLayerdrop(), pt.Mesh({"batch": 2}), [T.data_parallel("batch")],
                      example_inputs=(torch.randn(4, 4),), loss_fn=lambda m, x: m(x))
+
+
+_EXEC_SOURCE = '''
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        h = self.lin(x)
+        if h.sum() > 0:
+            h = h * 2
+        return h.pow(2).mean()
+'''
+
+
+def test_a_branch_in_code_defined_through_exec_is_a_path_named_by_its_function():
+    """Code compiled from a string has no source lines: its guard is named by file, line and function, and both
+    sides of the branch train like eager."""
+    ns = {"torch": torch}
+    exec(compile(_EXEC_SOURCE, "<string>", "exec"), ns)
+    torch.manual_seed(0)
+    model = ns["Scaled"]()
+    ref = copy.deepcopy(model)
+    mask = torch.zeros(4, 6, dtype=torch.bool)
+    batches = [(torch.randn(4, 6, 4) + s, mask) for s in (3.0, -3.0, 3.0)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = _partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], batches[0])
+        train_next_to_eager(prog, ref, batches, _loss, adamw())
+    assert [g.where for g in prog.captured.guards] == ["<string>:9: in forward (no source: code defined through exec)"]
+    assert len(_paths(prog)) == 2

@@ -356,3 +356,33 @@ def test_a_cat_of_some_chunks_of_a_split_by_counts_stays_a_guard():
     torch.manual_seed(0)
     prog = _train_split(FirstTwo(), 2)
     assert prog.captured.guards and prog.captured.unpadded, prog.captured.unpadded
+
+
+class NonzeroIndex(torch.nn.Module):
+    """The selected positions as an index vector: `idx = torch.nonzero(mask).squeeze(1)`, then `logits[idx]`."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 6)
+
+    def forward(self, x, labels, mask):
+        logits = self.lin(x).flatten(0, 1)                   # (B*T, V)
+        idx = torch.nonzero(mask.flatten()).squeeze(1)       # (n,)
+        return F.cross_entropy(logits[idx], labels.flatten()[idx])
+
+
+def test_nonzero_squeezed_to_an_index_is_one_program():
+    prog = _train(NonzeroIndex(), *DP, _batches(3))
+    assert prog.captured.guards == () and [n for _, n in prog.captured.padded] == [24]
+    assert len(prog.shapes()) == 1
+
+
+def test_a_reshaped_nonzero_matrix_stays_a_guard():
+    class Reshaped(NonzeroIndex):
+        def forward(self, x, labels, mask):
+            logits = self.lin(x).flatten(0, 1)
+            idx = torch.nonzero(mask).flatten()              # (n * 2,): row and column interleaved
+            return logits[idx].sum()
+
+    prog = _train(Reshaped(), *DP, _batches(2))
+    assert len(prog.captured.guards) == 1 and "reshapes the nonzero matrix" in prog.captured.unpadded[0][1]

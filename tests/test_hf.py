@@ -60,6 +60,25 @@ def test_bp_mp_z3_on_2x2x2_matches_single_device(build):
     assert prog.conflicts == []
 
 
+def test_megatron_vocab_tiles_an_untied_lm_head_and_the_loss_runs_vocabulary_parallel():
+    """HF Llama with tie_word_embeddings=False: megatron(vocab=True) tiles lm_head on the vocabulary too, so no rank
+    holds the whole logits, and training matches one device; without vocab=True the warning names the head."""
+    torch.manual_seed(0)
+    model = llama()                                  # LlamaConfig's default: tie_word_embeddings=False
+    assert not model.config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight
+    ref, tokens = copy.deepcopy(model), torch.randint(0, 64, (4, 16))
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}),
+                        [T.data_parallel("batch"), T.megatron("model", vocab=True)], example_inputs=(tokens,),
+                        loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5))
+    train_next_to_eager(prog, ref, [(tokens,)] * 3, loss_fn, make_opt=adamw(eps=1e-5))
+    assert prog.sharding("params.lm_head.weight").dims[0] == ("model",)
+    assert prog.sharding("params.model.embed_tokens.weight").dims[0] == ("model",)
+    with pytest.warns(UserWarning, match=r"lm_head.weight: the output head: every rank computes the whole "
+                                         r"vocabulary's logits .* megatron\('model', vocab=True\)"):
+        pt.partition(copy.deepcopy(ref), pt.Mesh({"model": 2}), [T.megatron("model")], example_inputs=(tokens,),
+                     loss_fn=loss_fn)
+
+
 def test_sequence_parallel_gathers_each_norm_output_once():
     """Data parallel + Megatron + sequence parallelism on HF Llama: q_proj, k_proj and v_proj each view the attention
     norm's output as (B*T, d), gate_proj and up_proj the MLP norm's, and with the batch and the sequence both tiled

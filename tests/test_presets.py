@@ -64,7 +64,12 @@ def test_vocabulary_parallel_embedding_and_cross_entropy():
 
 
 def test_megatron_with_vocabulary_parallel_head_on_llama():
-    run("llama", [T.data_parallel("batch"), T.megatron("model", vocab=True)], {"batch": 2, "model": 2})
+    # llama's head is untied: vocab=True tiles it on its output features (the vocabulary) as well as the embedding
+    prog = run("llama", [T.data_parallel("batch"), T.megatron("model", vocab=True)], {"batch": 2, "model": 2})
+    assert prog.sharding("params.output.weight").dims[0] == ("model",)
+    assert prog.sharding("params.tok_embeddings.weight").dims[0] == ("model",)
+    # the log-softmax max runs over the tiled vocabulary: one all_reduce(max) in the forward
+    assert Counter((r.kind, r.reduce_op, r.phase) for r in prog.collectives())[("all_reduce", "max", "forward")] == 1
 
 
 def test_expert_parallel_tiles_experts_and_reduces_the_combine_once_per_layer():

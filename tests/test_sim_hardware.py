@@ -94,10 +94,15 @@ def test_wraparound_rules():
     assert hardware("tpu-v5e", topology=(16, 16), wraparound=(False, True)).torus_wraparound == (False, True)
 
 
-def test_mesh_size_mismatch_names_both_numbers():
+def test_mesh_size_mismatch_names_both_numbers_and_the_fix():
     with pytest.raises(PartitionError) as e:
-        collective_time(hardware("h100", nodes=2), "all_reduce", 1 << 20, Mesh({"dp": 8}), "dp")
-    assert "8" in str(e.value) and "16" in str(e.value)
+        collective_time(hardware("h100", nodes=2), "all_reduce", 1 << 20, Mesh({"dp": 24}), "dp")
+    assert "24 devices" in str(e.value) and "has 16" in str(e.value) and "nodes=3" in str(e.value)
+    with pytest.raises(PartitionError, match=r"topology=\(16, 16\), slices=2"):
+        collective_time(hardware("tpu-v5e", topology=(16, 16)), "all_reduce", 1 << 20, Mesh({"dp": 512}), "dp")
+    # a smaller mesh: its groups lie on the first GPUs, as on a machine of exactly that size
+    small = collective_time(hardware("h100", nodes=2), "all_reduce", 1 << 20, Mesh({"dp": 8}), "dp")
+    assert small == collective_time(hardware("h100"), "all_reduce", 1 << 20, Mesh({"dp": 8}), "dp")
 
 
 def test_presets_carry_the_fit_whose_held_out_error_the_confidence_column_reports():

@@ -64,10 +64,22 @@ def test_partition_with_simulate_prints_one_row_per_stage(capsys):
     assert "replicated" in out and "BP" in out and "ARx" in out
 
 
-def test_mesh_and_hardware_sizes_must_agree():
-    prog = gpt_program({"batch": 2}, [T.data_parallel("batch")])
-    with pytest.raises(pt.PartitionError, match="2 devices"):
-        prog.simulate(pt.sim.hardware("h100"))
+def test_a_smaller_mesh_runs_on_that_many_gpus_of_one_node():
+    prog = gpt_program({"batch": 2, "model": 2}, [T.data_parallel("batch"), T.megatron("model")])
+    part = prog.simulate(pt.sim.hardware("h100"), stages=False)           # 4 GPUs of an 8-GPU node
+    whole = prog.simulate(pt.sim.hardware("h100", gpus_per_node=4), stages=False)
+    assert part.hardware == "h100 (4 of 1 node(s) x 8 GPUs; on 1 node(s))"
+    assert part.table().startswith(f"simulated on {part.hardware}\n")
+    assert part.step_time_s == whole.step_time_s and part.peak_memory_bytes == whole.peak_memory_bytes
+    assert kinds(part) == {("all_reduce", "batch"), ("all_reduce", "model")}
+
+
+def test_a_mesh_the_hardware_cannot_hold_names_the_fix():
+    prog = gpt_program({"batch": 4, "model": 4}, [T.data_parallel("batch")])
+    with pytest.raises(pt.PartitionError, match=r"16 devices .* has 8\. Simulate on hardware\('h100', nodes=2\)"):
+        prog.simulate(pt.sim.hardware("h100"), stages=False)
+    with pytest.raises(pt.PartitionError, match=r"Simulate on hardware\('tpu-v5e', topology=\(4, 4\)\)"):
+        prog.simulate(pt.sim.hardware("tpu-v5e"), stages=False)
 
 
 def test_chrome_trace_has_compute_and_comm_tracks(tmp_path):

@@ -83,7 +83,8 @@ def test_table_with_stages_and_trace(tmp_path):
     total = simulate_graph(gm, MESH, HW, stage_name="BP+Z3")
     total.stages = [simulate_graph(gm, MESH, HW, stage_name=s) for s in ("BP", "BP+Z3")]
     text = total.table()
-    assert text.splitlines()[0].split()[:3] == ["stage", "step", "compute"]
+    assert text.splitlines()[0] == f"simulated on {HW.describe()}"
+    assert text.splitlines()[1].split()[:3] == ["stage", "step", "compute"]
     assert sum(1 for line in text.splitlines() if line.startswith("BP")) == 2
     assert "ARx1 32.00 MiB" in text and "MFU" in text
     path = total.to_chrome_trace(str(tmp_path / "step.json"))
@@ -98,8 +99,9 @@ def test_notes_and_errors():
     gm = _overlap_graph(wait_early=True, matmuls=1)
     rep = simulate_graph(gm, MESH, hardware("h100", hbm_bytes=1e6))
     assert any("exceeds" in n and "HBM" in n for n in rep.notes)
-    with pytest.raises(PartitionError, match="16"):
-        simulate_graph(gm, MESH, hardware("h100", nodes=2))
+    with pytest.raises(PartitionError, match=r"has 4\. Simulate on hardware\('h100', nodes=2\)"):
+        simulate_graph(gm, MESH, hardware("h100", gpus_per_node=4))
+    assert simulate_graph(gm, MESH, hardware("h100", nodes=2)).hardware == "h100 (8 of 2 node(s) x 8 GPUs; on 1 node(s))"
 
 
 def test_collective_without_record_on_single_axis_mesh():

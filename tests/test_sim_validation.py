@@ -124,7 +124,7 @@ def test_table_shows_the_closest_family_error():
     rep = simulate_graph(synthetic_train_step(mesh, layers=2), mesh, hardware("h100"))
     fam, e = C.closest_family("h100", "tp")                 # MP on "model" and BP on "batch": tensor parallel
     assert fam and rep.confidence_family == fam and rep.confidence == e == C.FAMILY_ERROR[fam]
-    head, row = rep.table().splitlines()[0], rep.table().splitlines()[2]
+    head, row = rep.table().splitlines()[1], rep.table().splitlines()[3]
     assert "confidence" in head and f"±{100 * e:.0f}% ({fam})" in row
 
 

@@ -123,16 +123,26 @@ def _frames():
         internal = inside or (fn.startswith(_TORCH) and not fn.endswith(os.path.join("torch", "__init__.py")))
         if code_frame is None and not internal:
             code_frame = f
-        if user is None and not fn.startswith(_TORCH) and not fn.startswith(_OURS) and not fn.startswith("<"):
+        if user is None and not fn.startswith(_TORCH) and not fn.startswith(_OURS) and not fn.startswith(_NOT_USER):
             user = f
         if code_frame is not None and user is not None:
             break
         f = f.f_back
-    where = ""
-    if user is not None:
-        text = linecache.getline(user.f_code.co_filename, user.f_lineno).strip()
-        where = f"{os.path.basename(user.f_code.co_filename)}:{user.f_lineno}: {text}"
-    return code_frame, where
+    return code_frame, "" if user is None else _line(user)
+
+
+# generated code that is not the user's: Python's frozen modules, fx GraphModules' forward
+_NOT_USER = ("<frozen", "<eval_with_key")
+
+
+def _line(frame) -> str:
+    """file:line: text of a frame; code defined through exec/compile ("<string>") has no source to read, so its
+    function is named instead."""
+    code = frame.f_code
+    text = linecache.getline(code.co_filename, frame.f_lineno).strip()
+    if not text:
+        text = f"in {code.co_name} (no source: code defined through exec)"
+    return f"{os.path.basename(code.co_filename)}:{frame.f_lineno}: {text}"
 
 
 def assert_expect(frame):

@@ -82,10 +82,15 @@ class Rules:
         return self._pointwise(func, name, args, kwargs, tracked, group, fail)
 
     def _view(self, func, name, args, kwargs, tracked, group, fail):
-        (t, _, _, d, fresh, kept), = tracked
+        (t, kind, _, d, fresh, kept), = tracked
         if args[0] is not t:
             fail("reads it")
         out = func(*args, **kwargs)
+        if kind == "coords":
+            # nonzero of a 1-D mask is (N, 1): `.squeeze(1)`, `.view(-1)`, `.flatten()` give its one coordinate
+            if t.shape[1] != 1 or out.dim() != 1:
+                fail("reshapes the nonzero matrix (index with its columns, nonzero(m)[:, j], or torch.where(m))")
+            return self._track(out, "index", group, 0)
         pre, post = math.prod(t.shape[:d]), math.prod(t.shape[d + 1:])
         rows = group.rows(kept)
         for e in range(out.dim()):

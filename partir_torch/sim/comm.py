@@ -12,6 +12,7 @@ all_reduce buffer, the all_gather output, the reduce_scatter input, the per-rank
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -58,7 +59,7 @@ def estimate(hw: Hardware, kind: str, nbytes: float, mesh, axis: str, axis_map=N
     does), or forcing one with ``algorithm=`` ("ring", "tree", "nvls", "nvls_tree", "hierarchical", "direct")."""
     if kind not in KINDS:
         raise PartitionError(f"collective_time: unknown collective kind {kind!r}; use one of {', '.join(KINDS)}.")
-    check_mesh(hw, mesh)
+    hw = check_mesh(hw, mesh)
     mesh.check_axis(axis, "collective_time")
     amap = _freeze_map(axis_map)
     if hw.kind == "gpu":
@@ -80,11 +81,45 @@ def estimate(hw: Hardware, kind: str, nbytes: float, mesh, axis: str, axis_map=N
     return min(cands, key=lambda c: c.time_s)
 
 
-def check_mesh(hw: Hardware, mesh) -> None:
-    if mesh.size != hw.num_devices:
-        raise PartitionError(f"sim: the mesh {mesh} has {mesh.size} devices but the hardware "
-                             f"{hw.describe()} has {hw.num_devices}. Make them equal (e.g. hardware(..., "
-                             + ("nodes=...)" if hw.kind == "gpu" else "topology=..., slices=...)") + ").")
+def check_mesh(hw: Hardware, mesh) -> Hardware:
+    """The hardware ``mesh`` runs on: ``hw`` itself, or on GPUs, for a smaller mesh, its first ``mesh.size`` GPUs
+    (filling nodes in order; ``describe()`` says how many of the machine's). A mesh the machine cannot hold, or one
+    that does not fill a TPU slice, raises naming the ``hardware(...)`` argument that fits it."""
+    n, have = mesh.size, hw.nodes * hw.gpus_per_node if hw.kind == "gpu" else hw.num_devices
+    if n == hw.num_devices:
+        return hw
+    if hw.kind == "gpu" and n < have:
+        return dataclasses.replace(hw, devices=n)
+    if hw.kind == "gpu":
+        nodes = -(-n // hw.gpus_per_node)
+        fix = f"hardware({hw.name!r}, nodes={nodes})" + (f", which runs it on {n} of its {nodes * hw.gpus_per_node} "
+                                                         f"GPUs" if n % hw.gpus_per_node else "")
+    else:
+        fix = _tpu_fix(hw, n)
+    raise PartitionError(f"sim: the mesh {mesh} has {n} devices but the hardware {hw.describe()} has {have}. "
+                         f"Simulate on {fix}.")
+
+
+def _tpu_fix(hw: Hardware, n: int) -> str:
+    """The hardware(...) call that holds ``n`` chips: one slice shaped for them (near-cubic), else more slices."""
+    per_slice, shape = math.prod(hw.topology), [1] * len(hw.topology)
+    for f in _prime_factors(n):                       # deal the factors to the smallest dim: a near-cube shape
+        shape[shape.index(min(shape))] *= f
+    if max(shape) <= (16 if hw.generation in ("v5e", "v6e") else 64):
+        return f"hardware({hw.name!r}, topology={tuple(sorted(shape))})"
+    if n % per_slice == 0:
+        return f"hardware({hw.name!r}, topology={hw.topology}, slices={n // per_slice})"
+    return f"a mesh of a multiple of {per_slice} chips on hardware({hw.name!r}, slices=...)"
+
+
+def _prime_factors(n: int) -> list:
+    out, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return sorted(out, reverse=True)
 
 
 def _freeze_map(axis_map):

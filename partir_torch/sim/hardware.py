@@ -98,6 +98,9 @@ class Hardware:
     nic_bw: float = 0.0                # per GPU (one NIC per GPU), one direction
     nic_efficiency: float = 0.94       # NCCL reaches ~46-48 of 50 GB/s per NDR NIC (nccl-tests #290)
     ib_sharp: bool = False             # in-network reduction on the IB fabric (SHARP), used by NVLS-tree
+    # the GPUs a smaller mesh runs on: the first `devices` of the machine, filling nodes in order (0 = all of them;
+    # set by sim.comm.check_mesh, which the simulator calls)
+    devices: int = 0
     # --- TPU system ---------------------------------------------------------------------------------------------
     topology: tuple = ()               # torus dims (x, y[, z]) of one slice
     slices: int = 1                    # slices joined by DCN
@@ -118,6 +121,10 @@ class Hardware:
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
                 raise PartitionError(f"hardware {self.name!r}: {f} must be a positive int, got {v!r}.")
+        whole = self.nodes * self.gpus_per_node
+        if not isinstance(self.devices, int) or not 0 <= self.devices <= whole or (self.devices and self.kind != "gpu"):
+            raise PartitionError(f"hardware {self.name!r}: devices (the GPUs a smaller mesh uses) must be an int in "
+                                 f"0..{whole} on a GPU machine, got {self.devices!r}.")
         if self.kind == "tpu":
             object.__setattr__(self, "topology", tuple(self.topology))
             ranks = (2, 3) if self.generation in ("v4", "v5p") else (2,)     # 3D tori may be given as (x, y)
@@ -136,7 +143,7 @@ class Hardware:
     @property
     def num_devices(self) -> int:
         if self.kind == "gpu":
-            return self.nodes * self.gpus_per_node
+            return self.devices or self.nodes * self.gpus_per_node
         return math.prod(self.topology) * self.slices
 
     @property
@@ -173,7 +180,11 @@ class Hardware:
 
     def describe(self) -> str:
         if self.kind == "gpu":
-            return f"{self.name} ({self.nodes} node(s) x {self.gpus_per_node} GPUs = {self.num_devices})"
+            whole = f"{self.nodes} node(s) x {self.gpus_per_node} GPUs"
+            if self.devices and self.devices < self.nodes * self.gpus_per_node:
+                used = -(-self.devices // self.gpus_per_node)
+                return f"{self.name} ({self.devices} of {whole}; on {used} node(s))"
+            return f"{self.name} ({whole} = {self.num_devices})"
         topo = "x".join(map(str, self.topology))
         return f"{self.name} ({self.slices} slice(s) x {topo} = {self.num_devices} chips)"
 

@@ -88,7 +88,7 @@ def p2p_time(hw: Hardware, mesh, axis: str, nbytes: float) -> float:
 def simulate_pipeline(gm, mesh, hw: Hardware, pipelined, axis_map=None, stage_name: str = "",
                       exclude_flops=None) -> SimReport:
     """SimReport of a pipelined per-device program; report.pipeline holds the PipelineSim (see the module doc)."""
-    check_mesh(hw, mesh)
+    hw = check_mesh(hw, mesh)
     spec = pipelined.spec
     p = spec.ranks
     nodes = list(gm.graph.nodes)

@@ -111,11 +111,13 @@ class SimReport:
         chip's HBM per device. MFU: the model's FLOPs (the same for every plan) per step time and peak FLOP/s.
 
         ``confidence``: how far the simulator was off, median |error| on published runs it was not fitted on, for
-        the validated family (chip/strategy) closest to this one (benchmarks/sim_validation.py)."""
+        the validated family (chip/strategy) closest to this one (benchmarks/sim_validation.py). The first line
+        names the hardware, and how many of its devices the mesh runs on where it is smaller than the machine."""
         headers = ["stage", "step", "compute", "comm", "exposed comm", "peak mem/device", "MFU", "confidence",
                    "collectives"]
         rows = [s._row() for s in self.stages] if self.stages else [self._row()]
-        text = tabulate(rows, headers=headers, tablefmt="simple")
+        text = f"simulated on {self.hardware or 'unnamed hardware'}\n" + tabulate(rows, headers=headers,
+                                                                                  tablefmt="simple")
         last = self.stages[-1] if self.stages else self
         mem = ", ".join(f"{k} {_bytes(v)}" for k, v in last.memory_breakdown.items() if v)
         if mem:

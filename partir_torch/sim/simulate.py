@@ -47,7 +47,7 @@ def simulate_graph(gm, mesh, hw: Hardware, axis_map=None, stage_name: str = "", 
     if not isinstance(prefetch, int) or prefetch < 1:
         raise PartitionError(f"simulate_graph: prefetch must be an int >= 1 (gathers in flight ahead of the one "
                              f"in use), got {prefetch!r}.")
-    check_mesh(hw, mesh)
+    hw = check_mesh(hw, mesh)
     enabled = gc.isenabled()
     gc.disable()                          # the passes allocate many small objects; collector passes cost ~2x
     try:

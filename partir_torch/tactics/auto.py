@@ -75,6 +75,7 @@ class SearchReport:
     seconds: dict = field(default_factory=dict)      # phase -> seconds
     within_limit: bool = True
     cut_by_time: bool = False   # a safety cap on wall time cut the estimates or the lowerings (load-dependent)
+    recompute: str = ""         # what partition() chose when no plan fit without recomputation (recompute.py)
 
     def table(self, top: int = 8) -> str:
         from tabulate import tabulate
@@ -104,6 +105,8 @@ class SearchReport:
                          "short (this plan may differ from an unloaded run with the same seed)")
         if not self.within_limit:
             lines.append(f"no candidate within the memory limit: chose the one with the least peak memory")
+        if self.recompute:
+            lines.append(f"recomputation: {self.recompute}")
         for axis, cls in self.classes.items():
             shown = "; ".join(f"{label} [{len(members)} tied{f', {c} conflicts' if c else ''}]"
                               for label, members, c in cls[:10])
@@ -155,8 +158,7 @@ class AutomaticPartition:
         from ..sim.comm import check_mesh
         from ..sim.estimate import ProgramFacts
 
-        check_mesh(self.hardware, ctx.mesh)
-        hw = self.hardware
+        hw = check_mesh(self.hardware, ctx.mesh)
         limit = float(self.memory_limit if self.memory_limit is not None else hw.hbm_bytes)
         t_start = time.perf_counter()
         report = SearchReport(self.name, self.axes, limit, hw.describe())

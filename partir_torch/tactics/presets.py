@@ -23,7 +23,7 @@ from ..sharding import REPLICATED
 from .manual import ManualPartition
 from .base import SeedTactic, declare
 from .structure import (Linear, embedding_tables, find_linear_pairs, is_param_cast, linear_layout,
-                        linear_regions, linear_weight, source)
+                        linear_regions, linear_weight, output_heads, source)
 
 aten = torch.ops.aten
 
@@ -103,8 +103,9 @@ def data_parallel(axis: str = "batch", dims: dict | None = None, name: str = "BP
 @dataclass(frozen=True)
 class Megatron(SeedTactic):
     """Megatron tensor parallelism on `axis`. plan: {FQN glob: "colwise" | "rowwise" | "vocab"} overrides
-    detection. vocab=True also tiles the embedding tables on the vocabulary (a tied output projection then
-    produces vocabulary-tiled logits and the cross-entropy runs vocabulary-parallel)."""
+    detection. vocab=True also tiles the embedding tables on the vocabulary, and an untied output head (a linear
+    whose output features number the table's rows) on its output features: the logits are vocabulary-tiled, tied
+    head or not, and the cross-entropy runs vocabulary-parallel."""
 
     axis: str = "model"
     plan: dict | None = None
@@ -150,10 +151,13 @@ class Megatron(SeedTactic):
             kept = list(dict.fromkeys(kept + sorted(both)))
             if not col:
                 raise _no_pair_error(self.name, self.axis, ctx.mesh.shape[self.axis], blocked)
+        tables = embedding_tables(ctx.captured)
+        paired = set(col + row + kept) | {w for ad in adapters for w in (ad.a, ad.b)}     # adapters follow their base
+        heads = [w for w in output_heads(ctx.captured, lay, tables) if w not in paired]
         if self.vocab and not self.plan:
-            vocab = embedding_tables(ctx.captured)
+            vocab = tables + heads
         if not self.plan:
-            self._report(ctx, lay, col + row + vocab, why)
+            self._report(ctx, lay, col + row + vocab, why, heads)
         seeds = []
         for w in col:   # output features; a fused q/k/v output is tiled strided, so each chunk keeps its heads
             lin = lay.get(w, Linear(w, 0))
@@ -161,7 +165,8 @@ class Megatron(SeedTactic):
             bias = w[:-len("weight")] + "bias"
             if bias in names:
                 seeds.append((bias, 0, lin.chunks))
-        seeds += [(w, 1 - lay.get(w, Linear(w, 0)).out_dim) for w in row] + [(w, 0) for w in vocab]
+        seeds += [(w, 1 - lay.get(w, Linear(w, 0)).out_dim) for w in row]
+        seeds += [(w, lay[w].out_dim if w in lay else 0) for w in vocab]     # a table's rows, a head's outputs
         return seeds + [(w, REPLICATED) for w in kept] + self._adapter_seeds(ctx, lay, adapters, col, row, names)
 
     def _adapter_seeds(self, ctx, lay, adapters, col, row, names) -> list:
@@ -240,11 +245,16 @@ class Megatron(SeedTactic):
             {"colwise": col, "rowwise": row, "vocab": vocab}[kind].extend(f"params.{h}" for h in hits)
         return col, row, vocab
 
-    def _report(self, ctx, lay, tiled, why) -> None:
+    def _report(self, ctx, lay, tiled, why, heads=()) -> None:
         """One warning and one summary() remark naming the linears left replicated on the axis, with the reason;
-        explain(weight) shows it too."""
+        explain(weight) shows it too. An output head left whole says what it costs and the fix."""
         why = dict(why)
         adapters = {w for ad in lora_adapters(ctx.captured) for w in (ad.a, ad.b)}   # they follow their base
+        for w in heads:
+            if w not in why and w not in tiled and ctx.is_unknown(self.axis, w):
+                why[w] = (f"the output head: every rank computes the whole vocabulary's logits (and their "
+                          f"gradient), often the largest activation of a language model; megatron('{self.axis}', "
+                          f"vocab=True) tiles it and the embedding on the vocabulary")
         for w in lay:
             if w not in why and w not in tiled and w not in adapters and ctx.is_unknown(self.axis, w):
                 why[w] = ("not in a column/row-parallel pair: its output reaches no other linear through "

@@ -270,6 +270,15 @@ def embedding_tables(captured) -> list:
     return out
 
 
+def output_heads(captured, lay: dict, tables: list) -> list:
+    """Linear weights whose output features number the rows of an embedding table in ``tables`` (an untied output
+    head: its logits span the vocabulary), in layout order. ``lay``: linear_layout(captured)."""
+    shape = {n.meta[META_NAME]: tuple(n.meta["val"].shape) for n in captured.gm.graph.nodes
+             if n.op == "placeholder" and META_NAME in n.meta and "val" in n.meta}
+    vocab = {shape[t][0] for t in tables if t in shape}
+    return [w for w, lin in lay.items() if w not in tables and w in shape and shape[w][lin.out_dim] in vocab]
+
+
 def forward_uses(node, fwd) -> list:
     """The forward ops that use `node`'s value past views of it (the ops that compute with a parameter)."""
     stack, seen, out = [node], set(), []
