@@ -28,7 +28,7 @@ import fnmatch
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from ..contract import META_CLIP, META_MODULE, META_NAME, META_ROLE, RANDOM_OPS, Phase, Role, phase_of
+from ..contract import META_CLIP, META_MODULE, META_NAME, META_ROLE, Phase, Role, draws_random, phase_of
 from ..errors import PartitionError, warn
 from .base import declare
 from .cut import balanced_cut
@@ -160,11 +160,7 @@ class Pipeline:
         globs = self.stages if not isinstance(self.stages, int) else balanced_cut(cap, self.stages, self.name)
         spec = assign_stages(cap, globs, self, ranks)
         ctx.planning.pipeline = spec
-        drawn = sorted({str(n.target) for n in cap.gm.graph.nodes if n.target in RANDOM_OPS})
-        if drawn:
-            warn(f"{self.name}: the step draws random numbers ({', '.join(drawn[:3])}); the pipeline runs the "
-                 f"micro-batches' forwards in the {self.schedule} order, so the draws (dropout masks) differ from one "
-                 f"device's (same distribution, another order). Train with dropout 0 to compare with one device.")
+        self._warn_draws(cap)
         for name, st in spec.tied.items():
             ranks_ = spec.holders(name)
             how = (f"its gradient is summed over them (all_reduce on '{self.axis}', why 'tied weight') and each "
@@ -174,6 +170,25 @@ class Pipeline:
         sizes = ", ".join(f"{len(p)}" for p in spec.params)
         ctx.remark(self.name, f"{n} stages on axis '{self.axis}' ({self.schedule}, {spec.microbatches} micro-batches); "
                               f"parameters per stage: {sizes}")
+
+
+    def _warn_draws(self, cap) -> None:
+        """Say where the step's random draws differ from one device's. Dropout masks drawn from shape templates
+        are one device's whole-batch draws (capture/microdraws.py), made on the stage that reads them in forward
+        order: one process (emulated ranks) draws them as one device does. Other draws are per micro-batch."""
+        from ..capture.microdraws import WHOLE_DRAW
+        from ..runtime.distributed import real_ranks_active
+
+        draws = [n for n in cap.gm.graph.nodes if draws_random(n)]
+        own = sorted({str(n.target) for n in draws if not n.meta.get(WHOLE_DRAW)})
+        if own:
+            warn(f"{self.name}: the step draws random numbers per micro-batch ({', '.join(own[:3])}): the draws "
+                 f"differ from one device's (same distribution, other numbers; dropout masks of a batch-major "
+                 f"activation are one device's). Train with that randomness off to compare with one device.")
+        elif draws and real_ranks_active():
+            warn(f"{self.name}: on real ranks each stage's processes draw only their own stage's dropout masks, "
+                 f"from the generator state they start the step with, so the masks differ from one device's (same "
+                 f"distribution); emulated ranks draw them as one device does.")
 
 
 def pipeline(axis: str, stages=2, schedule: str = "1F1B", microbatches: int | None = None,
