@@ -550,6 +550,32 @@ def test_draws_of_another_kind_warn_that_they_differ_from_one_device():
                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def test_automatic_cut_refusal_names_what_the_user_gave():
+    """A module outside the blocks that runs between them (`mix`, after block 0) joins the last stage, and the
+    balanced cut puts block 1 on stage 0 (blocks 2 and 3 are heavy), which would read stage 1: the message says the
+    cut was automatic and proposes the stages it chose to start from, instead of asking to reorder globs the user
+    never wrote."""
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            heavy = [nn.Sequential(nn.Linear(8, 256), nn.Linear(256, 8)) for _ in range(2)]
+            self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)] + heavy)
+            self.mix = nn.Linear(8, 8)
+
+        def forward(self, x):
+            x = self.mix(self.blocks[0](x))
+            for b in self.blocks[1:]:
+                x = b(x)
+            return x
+    model, x = Mixed(), torch.randn(8, 8)
+    with pytest.raises(PartitionError, match=r"stage 0\) reads .* later stage 1.*stages=2 cut the model "
+                                             r"automatically.*stages=\[\['blocks.0', 'blocks.1', 'blocks.2'\], "
+                                             r"\['blocks.3', 'mix'\]\]") as e:
+        pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", 2, "1F1B", 4)], example_inputs=(x, x),
+                     loss_fn=lambda m, x, y: F.mse_loss(m(x), y), optimizer=torch.optim.SGD(model.parameters(), 0.1))
+    assert "Reorder" not in str(e.value)
+
+
 def test_unknown_schedule():
     with pytest.raises(PartitionError, match="GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble"):
         T.pipeline("pp", 2, "ZeroBubble")

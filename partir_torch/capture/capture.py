@@ -330,8 +330,10 @@ def _micro_batches(batch, k: int, dims=None) -> list:
                                  f"{tuple(x.shape)}) into {k} micro-batches; {k} does not divide it. Use a batch "
                                  f"size divisible by {k}, or name the batch dim with accumulate_dims={{{i}: dim}} "
                                  f"(None: the input is shared by every micro-batch).")
+    # contiguous, as a batch the user passes is (BART's labels.view(-1) needs it)
     return [tree_unflatten([x if dims[i] is None else x.unflatten(dims[i], (x.shape[dims[i]] // k, k))
-                            .select(dims[i] + 1, j) for i, x in enumerate(flat)], spec) for j in range(k)]
+                            .select(dims[i] + 1, j).contiguous() for i, x in enumerate(flat)], spec)
+            for j in range(k)]
 
 
 def _accumulate_early(gm: fx.GraphModule) -> None:
