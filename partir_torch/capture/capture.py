@@ -87,7 +87,6 @@ class Captured:
     # a model that changed itself on its first call (settle.py): the step is the changed model's; first_call (a
     # settle.FirstCall) makes the random draws eager's first call made beyond it, None when there are none
     first_call: object = None
-    micro_draws_left: int = 0     # accumulate > 1: draws micro-batches make of their own, not one device's (microdraws)
 
 
 def _trace_device(model, inputs) -> torch.device:
@@ -716,8 +715,7 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     cap.settings = dict(clip_grad_norm=clip_grad_norm, accumulate=accumulate, accumulate_dims=accumulate_dims,
                         eval_loss=eval_loss, record_modules=record_modules)
     if accumulate > 1:      # one device's dropout masks, each micro-batch reading its samples of them
-        cap.micro_draws_left = whole_batch_draws(gm, accumulate, micro_size(example_inputs, accumulate,
-                                                                            accumulate_dims))
+        whole_batch_draws(gm, accumulate, micro_size(example_inputs, accumulate, accumulate_dims))
     cap.modes = tuple(m.training for m in model.modules())
     if recorder is not None:
         cap.guards, cap.checks = tuple(recorder.guards), tuple(checks)

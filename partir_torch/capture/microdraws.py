@@ -10,8 +10,9 @@ reads its samples of it, as _micro_batches gives it its samples of the inputs (j
     mask_j = mask.view(b, k, r, ...).select(1, j)  (.reshape(b * r, ...) where r > 1: (B*T, d) and (B*H, T, T))
 
 The batch is taken to be the major dim of each mask (dim 0 of (B, T, d), (B, H, T, T), and of the folded (B*T, d)
-and (B*H, T, T)), as in the layouts of every Hugging Face model; a mask whose dim 0 is not a multiple of b, or sites
-whose k draws differ in shape, keep their per-micro-batch draws (`whole_batch_draws` returns how many draws it left).
+and (B*H, T, T)), as in the Hugging Face models of the coverage sweep; a mask whose dim 0 is not a multiple of b, or sites
+whose k draws differ in shape, keep their per-micro-batch draws (the pipeline tactic warns of draws without the
+WHOLE_DRAW mark).
 """
 from __future__ import annotations
 
