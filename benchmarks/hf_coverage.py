@@ -1030,6 +1030,13 @@ def summary(rows: list) -> str:
                          f"({100.0 * clean / len(measured):.1f}%); the others: "
                          + (", ".join(f"{r['arch']} ({', '.join(sorted(r.get('reshard_ops') or {}))})"
                                       for r in measured if r["reshard_bytes"]) or "-"))
+    few = [r for r in rows if r["result"] == "fail" and "repeated blocks" in (r.get("reason") or "")]
+    if few or any(r.get("sched") == "PP+BP" for r in rows):     # --schedule pp: rows with >= 2 repeated blocks
+        ran = [r for r in rows if r["result"] != "skip" and r not in few]
+        ok = sum(1 for r in ran if r["result"] == "pass")
+        lines.append(f"{'pipeline':8s} {len(few)} run eagerly with fewer than 2 repeated blocks (refused: "
+                     f"{', '.join(r['arch'] for r in few) or '-'}); of the {len(ran)} others {ok} pass: coverage "
+                     f"{100.0 * ok / max(len(ran), 1):5.1f}%")
     ran = sum(tot.values()) - tot["skip"]
     lines.append(f"{'all':8s} {sum(tot.values()):4d} archs, {tot['skip']:3d} skipped, {ran:4d} run: "
                  f"{tot['pass']:4d} pass; coverage {100.0 * tot['pass'] / max(ran, 1):5.1f}%")
