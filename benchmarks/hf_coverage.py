@@ -20,6 +20,7 @@ and records a timeout. Rows are appended to a JSON-lines file as they finish (a 
     .venv/bin/python benchmarks/hf_coverage.py --mapping causal --limit 20                               # quick
     .venv/bin/python benchmarks/hf_coverage.py --only gpt2,llama,bert
     .venv/bin/python benchmarks/hf_coverage.py --schedule dp --out benchmarks/results/hf_dp.jsonl  # reshard bytes, DP
+    .venv/bin/python benchmarks/hf_coverage.py --schedule pp --mapping causal --out benchmarks/results/hf_pp.jsonl
     .venv-timm/bin/python benchmarks/hf_coverage.py --suite timm
     .venv/bin/python benchmarks/hf_coverage.py --report benchmarks/results/hf_coverage.jsonl             # table
 """
@@ -57,7 +58,8 @@ BATCH, SEQ, IMAGE = 8, 16, 32
 STEPS = 2
 RTOL, ATOL = 1e-5, 1e-5          # loss and parameters (fp32; DESIGN §5.2's rtol 1e-5)
 MESH = {"dp": 2, "tp": 2, "zero": 2}
-SCHEDULE_ENV = "PARTIR_SWEEP_SCHEDULE"      # "dp": data_parallel alone on 2 ranks (--schedule dp)
+SCHEDULE_ENV = "PARTIR_SWEEP_SCHEDULE"      # "dp": data_parallel alone on 2 ranks (--schedule dp); "pp": PP_MESH
+PP_MESH = {"pp": 2, "dp": 2}                # --schedule pp: pipeline("pp", stages=2) + data_parallel("dp")
 
 # Architectures that cannot run here (CPU eager, no downloads), each with its reason. Everything else is attempted;
 # an eager failure of the tiny model is recorded as "skip" with the exception, so nothing is dropped silently.
@@ -497,6 +499,12 @@ def partition_and_compare(model, batch, loss_fn, megatron: bool, reorder: bool =
                             loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
         row["sched"] = "BP"
         megatron = False
+    if os.environ.get(SCHEDULE_ENV) == "pp":           # --schedule pp: 2 pipeline stages (the automatic cut) x dp 2
+        prog = pt.partition(model, pt.Mesh(PP_MESH), [T.pipeline("pp", stages=2), T.data_parallel("dp")],
+                            example_inputs=(batch,), loss_fn=loss_fn,
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+        row["sched"], row["stages"] = "PP+BP", [list(g) for g in prog.plan.pipeline.modules]
+        megatron = False
     mesh = pt.Mesh(MESH)
     base = [T.data_parallel("dp"), T.data_parallel("zero", name="BP-zero")]
     if megatron:
@@ -683,12 +691,15 @@ def _float64_check(model, batch, loss_fn, row: dict, make_opt=None) -> dict:
     pristine = copy.deepcopy(m64)
     base = [T.data_parallel("dp"), T.data_parallel("zero", name="BP-zero")]
     schedule = base + ([T.megatron("tp")] if row.get("sched") == "BP+MP+Z3" else []) + [T.zero(3, "zero")]
+    mesh = MESH
+    if row.get("sched") == "PP+BP":
+        mesh, schedule = PP_MESH, [T.pipeline("pp", stages=2), T.data_parallel("dp")]
     floor64 = 0.0
     if row.get("reorder_err") is not None:   # how far one device in float64 moves from itself on a reordered batch
         floor64, _ = _reorder_floor(ref, b64, loss_fn, STEPS, 1e-8,
                                     {n: torch.zeros_like(p, dtype=torch.bool) for n, p in ref.named_parameters()})
     make_opt = make_opt or (lambda params: torch.optim.AdamW(params, lr=1e-3))
-    prog = pt.partition(m64, pt.Mesh(MESH), schedule, example_inputs=(b64,), loss_fn=loss_fn,
+    prog = pt.partition(m64, pt.Mesh(mesh), schedule, example_inputs=(b64,), loss_fn=loss_fn,
                         optimizer=make_opt(m64.parameters()))
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     loss_err, loss_tol, first64 = 0.0, F64_TOL, None
@@ -1019,6 +1030,13 @@ def summary(rows: list) -> str:
                          f"({100.0 * clean / len(measured):.1f}%); the others: "
                          + (", ".join(f"{r['arch']} ({', '.join(sorted(r.get('reshard_ops') or {}))})"
                                       for r in measured if r["reshard_bytes"]) or "-"))
+    few = [r for r in rows if r["result"] == "fail" and "repeated blocks" in (r.get("reason") or "")]
+    if few or any(r.get("sched") == "PP+BP" for r in rows):     # --schedule pp: rows with >= 2 repeated blocks
+        ran = [r for r in rows if r["result"] != "skip" and r not in few]
+        ok = sum(1 for r in ran if r["result"] == "pass")
+        lines.append(f"{'pipeline':8s} {len(few)} run eagerly with fewer than 2 repeated blocks (refused: "
+                     f"{', '.join(r['arch'] for r in few) or '-'}); of the {len(ran)} others {ok} pass: coverage "
+                     f"{100.0 * ok / max(len(ran), 1):5.1f}%")
     ran = sum(tot.values()) - tot["skip"]
     lines.append(f"{'all':8s} {sum(tot.values()):4d} archs, {tot['skip']:3d} skipped, {ran:4d} run: "
                  f"{tot['pass']:4d} pass; coverage {100.0 * tot['pass'] / max(ran, 1):5.1f}%")
@@ -1036,8 +1054,9 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true", help="skip architectures already in --out")
     ap.add_argument("--shard", default="", help="i/n: every n-th architecture from the i-th (parallel sweeps)")
     ap.add_argument("--report", default="", help="print the table of a JSON-lines file and exit")
-    ap.add_argument("--schedule", choices=["bp_mp_z3", "dp"], default="bp_mp_z3",
-                    help="dp: data_parallel alone on 2 ranks (issue 20's reshard goal)")
+    ap.add_argument("--schedule", choices=["bp_mp_z3", "dp", "pp"], default="bp_mp_z3",
+                    help="dp: data_parallel alone on 2 ranks (issue 20's reshard goal); pp: pipeline('pp', stages=2) "
+                         "+ data_parallel('dp') on {pp: 2, dp: 2}, the automatic cut (issue 37)")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:

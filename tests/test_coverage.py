@@ -39,6 +39,31 @@ def test_hf_stock_call_matches_single_device(mapping, arch):
         assert row["reshard_bytes"] == 0, row
 
 
+# the sweep's pipeline column (--schedule pp: pipeline("pp", stages=2) + data_parallel("dp") on {pp: 2, dp: 2}):
+# gpt2 (dropout, tied embeddings across the stages), llama (the final norm and head after the layers), bart (its
+# decoder under the causal LM; labels.view(-1) on a micro-batch)
+HF_PP_SAMPLE = {
+    "gpt2": [["transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0"],
+             ["transformer.h.1", "transformer.ln_f", "lm_head"]],
+    "llama": [["model.embed_tokens", "model.rotary_emb", "model.layers.0"],
+              ["model.layers.1", "model.norm", "lm_head"]],
+    "bart": None,
+}
+
+
+@pytest.mark.parametrize("arch", list(HF_PP_SAMPLE))
+def test_hf_pipeline_stages_by_themselves_match_single_device(arch, monkeypatch):
+    """issue 37: T.pipeline("pp", stages=2) on a stock causal LM called `model(**batch).loss` cuts at its decoder
+    layers (embeddings first, norm and head last) and trains 2 AdamW steps like one device, dropout included."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv(H.SCHEDULE_ENV, "pp")
+    row = H.run_hf("causal", arch)
+    check(row)
+    assert row["sched"] == "PP+BP", row
+    if HF_PP_SAMPLE[arch] is not None:
+        assert row["stages"] == HF_PP_SAMPLE[arch], row["stages"]
+
+
 def test_a_looped_model_whose_sections_sum_to_its_layers_matches_single_device():
     """Dory: input, recurrent (run twice) and output sections; the tiny config's sections must sum to its layers
     (OVERRIDES), else a layer runs in two sections and its cache doubles the keys (a trace error, while eager

@@ -508,13 +508,72 @@ def test_refused_with_the_cause(schedule, kw, match):
         _partition({"pp": 2}, schedule, **kw)
 
 
-def test_random_draws_warn_that_masks_differ_from_one_device():
-    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 8), nn.Dropout(0.1))
-    x = torch.randn(8, 8)
-    with pytest.warns(UserWarning, match="draws random numbers"):
-        pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", [["0", "1"], ["2", "3"]], "1F1B", 4)],
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_dropout_masks_are_one_devices_under_pipelining(schedule, recwarn):
+    """Each dropout site draws one whole-batch mask, as one device does (capture/microdraws.py), each micro-batch
+    reading its samples of it: a pipelined step with dropout trains like one device, with no warning. The (B*T, d)
+    activation's mask is batch-major too (folded: r = T rows per sample)."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3)) for _ in range(4))
+
+        def forward(self, x):                      # x: (B, T, d); blocks 1 and 3 run on (B*T, d)
+            for i, b in enumerate(self.blocks):
+                x = b(x.flatten(0, 1)).view(x.shape) if i % 2 else b(x)
+            return x
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 3, 8), torch.randn(8, 3, 8)
+    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)
+    prog = pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", 2 if schedule == "1F1B" else 4, schedule)],
+                        example_inputs=(x, y), loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters()))
+    assert not [w for w in recwarn if "random" in str(w.message)], [str(w.message) for w in recwarn]
+    train_next_to_eager(prog, ref, [(x, y)] * 2, loss_fn, adamw(1e-3), what=schedule)
+
+
+def test_draws_of_another_kind_warn_that_they_differ_from_one_device():
+    """A draw that is not a mask of a batch-major activation (here a factory, torch.randn) stays per micro-batch,
+    and the pipeline says so."""
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x):
+            return self.blocks[1](self.blocks[0](x) + torch.randn(8))
+    model, x = Noisy(), torch.randn(8, 8)
+    with pytest.warns(UserWarning, match=r"draws random numbers per micro-batch \(aten.randn"):
+        pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", 2, "1F1B", 4)],
                      example_inputs=(x, x), loss_fn=lambda m, x, y: F.mse_loss(m(x), y),
                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_automatic_cut_refusal_names_what_the_user_gave():
+    """A module outside the blocks that runs between them (`mix`, after block 0) joins the last stage, and the
+    balanced cut puts block 1 on stage 0 (blocks 2 and 3 are heavy), which would read stage 1: the message says the
+    cut was automatic and proposes the stages it chose to start from, instead of asking to reorder globs the user
+    never wrote."""
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            heavy = [nn.Sequential(nn.Linear(8, 256), nn.Linear(256, 8)) for _ in range(2)]
+            self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)] + heavy)
+            self.mix = nn.Linear(8, 8)
+
+        def forward(self, x):
+            x = self.mix(self.blocks[0](x))
+            for b in self.blocks[1:]:
+                x = b(x)
+            return x
+    model, x = Mixed(), torch.randn(8, 8)
+    with pytest.raises(PartitionError, match=r"stage 0\) reads .* later stage 1.*stages=2 cut the model "
+                                             r"automatically.*stages=\[\['blocks.0', 'blocks.1', 'blocks.2'\], "
+                                             r"\['blocks.3', 'mix'\]\]") as e:
+        pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", 2, "1F1B", 4)], example_inputs=(x, x),
+                     loss_fn=lambda m, x, y: F.mse_loss(m(x), y), optimizer=torch.optim.SGD(model.parameters(), 0.1))
+    assert "Reorder" not in str(e.value)
 
 
 def test_unknown_schedule():

@@ -43,6 +43,7 @@ from .outputs import flatten_outputs
 from .replicate import splice_update
 from .tags import tracing_graph, collect_tags, install_hooks
 from .moe import hf_experts
+from .microdraws import micro_size, whole_batch_draws
 from .tidy import identity_indices, share_views, untie_random_templates, untie_unused_weights
 
 FORWARD, LOSS_AND_GRADS, TRAIN, EVAL = "forward", "loss_and_grads", "train", "eval"
@@ -330,8 +331,10 @@ def _micro_batches(batch, k: int, dims=None) -> list:
                                  f"{tuple(x.shape)}) into {k} micro-batches; {k} does not divide it. Use a batch "
                                  f"size divisible by {k}, or name the batch dim with accumulate_dims={{{i}: dim}} "
                                  f"(None: the input is shared by every micro-batch).")
+    # contiguous, as a batch the user passes is (BART's labels.view(-1) needs it)
     return [tree_unflatten([x if dims[i] is None else x.unflatten(dims[i], (x.shape[dims[i]] // k, k))
-                            .select(dims[i] + 1, j) for i, x in enumerate(flat)], spec) for j in range(k)]
+                            .select(dims[i] + 1, j).contiguous() for i, x in enumerate(flat)], spec)
+            for j in range(k)]
 
 
 def _accumulate_early(gm: fx.GraphModule) -> None:
@@ -713,6 +716,8 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     cap.in_spec = lay.in_spec
     cap.settings = dict(clip_grad_norm=clip_grad_norm, accumulate=accumulate, accumulate_dims=accumulate_dims,
                         eval_loss=eval_loss, record_modules=record_modules)
+    if accumulate > 1:      # one device's dropout masks, each micro-batch reading its samples of them
+        whole_batch_draws(gm, accumulate, micro_size(example_inputs, accumulate, accumulate_dims))
     cap.modes = tuple(m.training for m in model.modules())
     if recorder is not None:
         cap.guards, cap.checks = tuple(recorder.guards), tuple(checks)

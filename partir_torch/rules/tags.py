@@ -77,6 +77,9 @@ TAGS: dict = {
     "random_factory": frozenset({aten.rand.default, aten.randn.default}),   # shaped by arguments (rules/nn.py)
     # draws whose tensor operand is only a template (shape, dtype, device): bernoulli_(empty_like(x), p)
     "random_from_template": frozenset({aten.bernoulli.p, aten.rand_like.default, aten.randn_like.default}),
+    # factories shaped by their arguments that a draw's template may be (capture/microdraws.py)
+    "template_factory": frozenset({aten.empty.memory_format, aten.zeros.default, aten.ones.default,
+                                   aten.full.default}),
     # factories whose values are undefined: compared by shape and dtype only
     "uninitialised": frozenset({aten.empty_like.default, aten.empty.memory_format, aten.new_empty.default,
                                 aten.empty_strided.default, aten.new_empty_strided.default}),

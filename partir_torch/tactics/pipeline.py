@@ -25,17 +25,14 @@ on the axis. The tactics on the other axes partition every stage's ops as they w
 from __future__ import annotations
 
 import fnmatch
-import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-import torch
-
-from ..rules.tags import draws_random
-from ..contract import META_CLIP, META_MICRO, META_MODULE, META_NAME, META_ROLE, Phase, Role, phase_of
+from ..contract import META_CLIP, META_MODULE, META_NAME, META_ROLE, Phase, Role, phase_of
 from ..errors import PartitionError, warn
-from ..rules import tags
+from ..rules.tags import draws_random
 from .base import declare
+from .cut import balanced_cut
 from .structure import param_source
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
@@ -161,14 +158,10 @@ class Pipeline:
             raise PartitionError(f"{self.name}: the step was captured with {s.get('accumulate', 1)} micro-batches and "
                                  f"the pipeline runs {self.n_microbatches}; pt.partition(..., accumulate=) must be "
                                  f"{self.n_microbatches} or left at 1 (the pipeline sets it).")
-        globs = self.stages if not isinstance(self.stages, int) else balanced_cut(cap, self.stages)
+        globs = self.stages if not isinstance(self.stages, int) else balanced_cut(cap, self.stages, self.name)
         spec = assign_stages(cap, globs, self, ranks)
         ctx.planning.pipeline = spec
-        drawn = sorted({str(n.target) for n in cap.gm.graph.nodes if draws_random(n)})
-        if drawn:
-            warn(f"{self.name}: the step draws random numbers ({', '.join(drawn[:3])}); the pipeline runs the "
-                 f"micro-batches' forwards in the {self.schedule} order, so the draws (dropout masks) differ from one "
-                 f"device's (same distribution, another order). Train with dropout 0 to compare with one device.")
+        self._warn_draws(cap)
         for name, st in spec.tied.items():
             ranks_ = spec.holders(name)
             how = (f"its gradient is summed over them (all_reduce on '{self.axis}', why 'tied weight') and each "
@@ -178,6 +171,26 @@ class Pipeline:
         sizes = ", ".join(f"{len(p)}" for p in spec.params)
         ctx.remark(self.name, f"{n} stages on axis '{self.axis}' ({self.schedule}, {spec.microbatches} micro-batches); "
                               f"parameters per stage: {sizes}")
+
+
+    def _warn_draws(self, cap) -> None:
+        """Say where the step's random draws differ from one device's. Dropout masks drawn from shape templates
+        are one device's whole-batch draws (capture/microdraws.py), made on the stage that reads them in forward
+        order: one process (emulated ranks) draws them as one device does. Other draws are per micro-batch."""
+        import torch.distributed as dist
+
+        from ..capture.microdraws import WHOLE_DRAW
+
+        draws = [n for n in cap.gm.graph.nodes if draws_random(n)]
+        own = sorted({str(n.target) for n in draws if not n.meta.get(WHOLE_DRAW)})
+        if own:
+            warn(f"{self.name}: the step draws random numbers per micro-batch ({', '.join(own[:3])}): the draws "
+                 f"differ from one device's (same distribution, other numbers; dropout masks of a batch-major "
+                 f"activation are one device's). Train with that randomness off to compare with one device.")
+        elif draws and dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake":
+            warn(f"{self.name}: on real ranks each stage's processes draw only their own stage's dropout masks, "
+                 f"from the generator state they start the step with, so the masks differ from one device's (same "
+                 f"distribution); emulated ranks draw them as one device does.")
 
 
 def pipeline(axis: str, stages=2, schedule: str = "1F1B", microbatches: int | None = None,
@@ -261,8 +274,8 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
         elif phase_of(n) == Phase.FORWARD and ins and max(ins) > s:
             late = next(a for a in n.all_input_nodes if stage.get(a) == max(ins))
             raise PartitionError(f"{tactic.name}: {n.format_node()} of module '{n.meta.get(META_MODULE)}' (stage {s}) "
-                                 f"reads {late.name}, computed on the later stage {max(ins)}; stages must follow "
-                                 f"the forward's order. Reorder the stages' module globs.")
+                                 f"reads {late.name}, computed on the later stage "
+                                 f"{max(ins)}; stages must follow the forward's order. {_fix(tactic, globs)}")
         if s is not None:
             stage[n] = s
         for a in n.all_input_nodes:
@@ -276,16 +289,27 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
                 continue         # a tied weight's update: lowering runs it on every stage that holds the weight
             raise PartitionError(f"{tactic.name}: {src.meta.get(META_NAME)} (stage {stage[src]}) is read by "
                                  f"{n.format_node()} on stage {s}; a value of the step's state other than a "
-                                 f"parameter must live on one stage. Put both uses in one stage.")
+                                 f"parameter must live on one stage. {_fix(tactic, globs, 'Put both uses in one stage.')}")
+    auto = isinstance(tactic.stages, int)
     for i, p in enumerate(params):
         if not p and not any(s == i for s in stage.values()):
-            raise PartitionError(f"{tactic.name}: stage {i} ({list(globs[i])}) holds no op of the step; every stage "
-                                 f"needs some of the model.")
+            raise PartitionError(f"{tactic.name}: stage {i}{'' if auto else f' ({list(globs[i])})'} holds no op of the "
+                                 f"step; every stage needs some of the model. {_fix(tactic, globs)}")
     tied, views = _tied(cap, readers, stage)
     return PipelineSpec(tactic.axis, tactic.schedule, len(globs), ranks, tactic.n_microbatches,
                         MappingProxyType({n.name: s for n, s in stage.items() if n.name not in views}),
                         tuple(tuple(g) for g in globs), tuple(tuple(p) for p in params), tactic.name,
                         MappingProxyType(tied), frozenset(views))
+
+
+def _fix(tactic: Pipeline, globs, own: str = "Reorder the stages' module globs.") -> str:
+    """The fix a message proposes: `own` where the user gave the globs; where the cut was automatic (the user wrote
+    no glob), the stages to give explicitly, starting from the cut it chose."""
+    if not isinstance(tactic.stages, int):
+        return own
+    return (f"stages={tactic.stages} cut the model automatically at its repeated blocks; give the stages yourself, "
+            f"one list of module FQN globs per stage, starting from the cut it chose: "
+            f"stages={[list(g) for g in globs]}.")
 
 
 def _param_fqn(node) -> str | None:
@@ -324,97 +348,3 @@ def _first_reader(node, stage_of_module, last: int) -> int:
         else:
             todo.extend(u.users)
     return min(found) if found else last
-
-
-def balanced_cut(cap, n: int) -> tuple:
-    """Globs for `n` stages cut between the model's repeated blocks (the longest run `<prefix>.<i>` of module FQNs),
-    contiguous, minimising the largest stage's forward FLOPs (matmul FLOPs, plus one per element of every other
-    op's result): the modules before the blocks join the first stage, those after them the last."""
-    fwd = [x for x in cap.gm.graph.nodes if x.op == "call_function" and phase_of(x) == Phase.FORWARD
-           and x.meta.get(META_MICRO, 0) == 0]
-    runs: dict = {}
-    for x in fwd:
-        for m in re.finditer(r"(?:^|\.)(\d+)(?=\.|$)", x.meta.get(META_MODULE) or ""):
-            prefix = x.meta[META_MODULE][:m.start(1)].rstrip(".")
-            runs.setdefault(prefix, set()).add(int(m.group(1)))
-            break
-    if not runs:
-        raise PartitionError(f"pipeline: stages={n} cuts between repeated blocks (modules '<name>.<i>'), and the model "
-                             f"has none; give the stages as lists of module globs.")
-    prefix = max(runs, key=lambda p: len(runs[p]))
-    blocks = sorted(runs[prefix])
-    if len(blocks) < n:
-        raise PartitionError(f"pipeline: {n} stages need at least {n} repeated blocks; '{prefix}' has {len(blocks)}.")
-    pre = f"{prefix}." if prefix else ""
-    cost = {b: 0.0 for b in blocks}
-    before, after, started = 0.0, 0.0, False
-    tops: list = []              # top-level modules outside the blocks, in forward order
-    for x in fwd:
-        mod = x.meta.get(META_MODULE) or ""
-        c = _flops(x)
-        b = _block_of(mod, pre)
-        if b is not None and b in cost:
-            cost[b] += c
-            started = True
-        else:
-            if mod and mod.split(".")[0] not in [t for t, _ in tops]:
-                tops.append((mod.split(".")[0], started))
-            if started:
-                after += c
-            else:
-                before += c
-    # contiguous split of the blocks minimising the largest stage (n and the block count are small: exhaustive DP)
-    k = len(blocks)
-    costs = [cost[b] for b in blocks]
-    best = {}
-
-    def solve(i, s):     # blocks i.. over stages s..n-1 -> (max cost, cuts)
-        if (i, s) in best:
-            return best[(i, s)]
-        if s == n - 1:
-            r = (sum(costs[i:]) + after, (k,))
-        else:
-            r = None
-            for j in range(i + 1, k - (n - 1 - s) + 1):
-                head = sum(costs[i:j]) + (before if s == 0 else 0.0)
-                sub = solve(j, s + 1)
-                cand = (max(head, sub[0]), (j,) + sub[1])
-                if r is None or cand[0] < r[0]:
-                    r = cand
-        best[(i, s)] = r
-        return r
-
-    cuts = (0,) + solve(0, 0)[1]
-    firsts = [t for t, late in tops if not late]
-    lasts = [t for t, late in tops if late]
-    globs = []
-    for s in range(n):
-        g = [f"{pre}{blocks[i]}" for i in range(cuts[s], cuts[s + 1])]
-        if s == 0:
-            g = firsts + g
-        if s == n - 1:
-            g = g + lasts
-        globs.append(tuple(g))
-    return tuple(globs)
-
-
-def _block_of(mod: str, pre: str):
-    if not mod.startswith(pre):
-        return None
-    head = mod[len(pre):].split(".")[0]
-    return int(head) if head.isdigit() else None
-
-
-_MATMULS = tags.ops("matmul")
-
-
-def _flops(node) -> float:
-    v = node.meta.get("val")
-    if not isinstance(v, torch.Tensor):
-        return 0.0
-    if node.target in _MATMULS:
-        a = node.args[1] if tags.has(node.target, "matmul_bias") else node.args[0]   # (bias, m1, m2)
-        k = a.meta["val"].shape[-1] if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"),
-                                                                                   torch.Tensor) else 1
-        return 2.0 * v.numel() * k
-    return float(v.numel())
