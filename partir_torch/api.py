@@ -31,8 +31,9 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     of the ranks, every collective of a step: its process groups are created with it) before the ranks still
     waiting raise (RankFailureError, runtime/faults.py). Default 300 s.
     bucket_bytes: parameter gathers and gradient reduce-scatters are merged into buckets of up to this many bytes
-    (one collective each, as DDP/FSDP do; the bytes are unchanged), at most 1/8 of what one kind of collective moves
-    on one axis in one phase, so buckets scale down with a small model; 0 keeps one collective per parameter.
+    (one collective each, as DDP/FSDP do; the bytes are unchanged), at most 1/8 (64 KiB at least) of what one kind
+    of collective moves on one axis in one phase, so buckets scale down with a small model; 0 keeps one collective
+    per parameter.
     clip_grad_norm: clip the gradients by their global norm before the update, as torch.nn.utils.clip_grad_norm_
     (the norm over all shards; prog.last_grad_norm holds the norm before clipping).
     accumulate: micro-batches per optimizer step. train_step takes the batch of one step (as example_inputs) and

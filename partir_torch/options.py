@@ -10,9 +10,9 @@ from .errors import PartitionError
 class Options:
     """bucket_bytes: parameter gathers and gradient reduce-scatters / all-reduces are merged into buckets of up to
     this many bytes (one collective each, as DDP/FSDP do; the bytes are unchanged), and never more than 1/8 of what
-    one kind of collective moves on one axis in one phase (lower/bucket.py): the buckets scale with the model, so
-    on a model smaller than the 64 MiB default ZeRO still gathers and frees a part at a time; 0 keeps one
-    collective per value.
+    one kind of collective moves on one axis in one phase, 64 KiB at least (lower/bucket.py): buckets scale with
+    the model, so on a model smaller than the 64 MiB default ZeRO still gathers and frees a part at a time; 0 keeps
+    one collective per value.
     timeout_s: on real ranks, how long any wait lasts (start-up check, the per-call agreement of the ranks,
     every collective of a step: the program's process groups are created with it) before the waiting ranks raise
     RankFailureError (runtime/faults.py). compile: the per-device program runs compiled by TorchInductor

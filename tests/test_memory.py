@@ -177,8 +177,11 @@ def test_zero1_notes_frozen_parameters():
 
 def test_zero_buckets_scale_with_a_small_model():
     """The whole gpt is 0.4 MB, under the 64 MiB default bucket (and the 1 MiB floor buckets once had): buckets of
-    1/8 of what each collective kind moves keep ZeRO's measured peak at the unbucketed one's, below data
-    parallelism's, with fewer collectives than one per parameter."""
+    1/8 of what each collective kind moves (64 KiB at least) keep ZeRO's measured peak within two buckets of the
+    unbucketed one's (one gathered in use, one prefetched), well below data parallelism's, with fewer collectives
+    than one per parameter."""
+    from partir_torch.lower.bucket import MIN_BUCKET
+
     peaks, calls = {}, {}
     for key, tactics, kw in (("BP", [T.data_parallel("batch")], {}),
                              ("Z3", [T.data_parallel("batch"), T.zero(3, "batch")], {}),
@@ -187,5 +190,5 @@ def test_zero_buckets_scale_with_a_small_model():
         prog.train_step(*data)
         prog.train_step(*data)
         peaks[key], calls[key] = max(prog.peak_memory().values()), len(prog.collectives())
-    assert peaks["Z3"] <= 1.02 * peaks["Z3 unbucketed"] and peaks["Z3"] < 0.5 * peaks["BP"], peaks
+    assert peaks["Z3"] <= peaks["Z3 unbucketed"] + 2 * MIN_BUCKET and peaks["Z3"] < 0.7 * peaks["BP"], peaks
     assert calls["Z3"] < calls["Z3 unbucketed"] / 2, calls

@@ -8,10 +8,11 @@ collective is paid once per bucket instead of once per parameter. Bytes are unch
   where the last input is ready, when every member's result is first read after that point.
 
 A bucket flattens its members' shards into one buffer, runs one collective and slices each member back out. A
-bucket holds at most `cap` bytes and at most 1/8 of what its kind moves on its axis in its phase, however small
-that is: on a small model one 64 MiB bucket (or a 1 MiB floor, as this once had) would be the whole model, gathered
+bucket holds at most `cap` bytes and at most 1/8 of what its kind moves on its axis in its phase (64 KiB at
+least): on a small model one 64 MiB bucket (or a 1 MiB floor, as this once had) would be the whole model, gathered
 at once and its gradients all held until the last one is produced, and ZeRO would raise the measured peak it is
-meant to lower.
+meant to lower; below 64 KiB merging holds next to nothing more and saves a launch per value (the loss's two
+scalars, a toy model's biases).
 
 A pipelined program (lower/pipeline.py) buckets only what `parts` names (collective node -> its stage): the gradient
 reductions and state gathers of one stage, keyed by the stage, so that no bucket mixes two stages.
@@ -27,6 +28,7 @@ from ..contract import META_COLLECTIVE, META_IN_SHAPE, META_LOCAL_SHAPE
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 UNITS = 8                   # a bucket holds at most this fraction (1/UNITS) of its kind's bytes on its axis and phase
+MIN_BUCKET = 64 * 2 ** 10   # ... unless that is under 64 KiB: a few KiB more held costs nothing, a launch per value does
 
 
 def bucket_collectives(graph: fx.Graph, records: list, cap: int, parts: dict | None = None) -> list:
@@ -51,7 +53,7 @@ def bucket_collectives(graph: fx.Graph, records: list, cap: int, parts: dict | N
         # at most 1/UNITS of what this kind moves on this axis in this phase: on a model whose whole state fits
         # one bucket, buckets stay about a block's size (FSDP2's unit), so prefetching one ahead and bounding the
         # reductions in flight (schedule.py) keep their meaning
-        limit = min(cap, max(total[key] // UNITS, 1))
+        limit = min(cap, max(total[key] // UNITS, MIN_BUCKET))
         run = runs.get(key)
         if run is None or sum(m[1].nbytes for m in run) + rec.nbytes > limit or not _fits(run, node, rec, order):
             run = []

@@ -42,7 +42,7 @@ from ..contract import META_ROLE, STATE_ROLES, Phase, Role, phase_of
 from ..propagate.arrays import partial, partial_code, replicated, replicated_code, tiled, undecided_array, whole
 from ..rules import tags
 from ..rules.factors import REDUCE
-from ..lower.bucket import UNITS
+from ..lower.bucket import MIN_BUCKET, UNITS
 from .comm import estimate as comm_estimate
 from .compute import COMPUTE, FREE, WAIT, combine_legs, op_class
 
@@ -431,7 +431,7 @@ def _gradient_transients(facts: ProgramFacts, grad: np.ndarray, whole: np.ndarra
     born, b = facts.val_node[c], whole[c]
     if not len(c):
         return born, born, b
-    limit = min(facts.bucket_bytes, max(b.sum() / UNITS, 1)) if facts.bucket_bytes else 0
+    limit = min(facts.bucket_bytes, max(b.sum() / UNITS, MIN_BUCKET)) if facts.bucket_bytes else 0
     if limit:
         # a gradient over the limit is a bucket alone; between two such, each bucket holds what ends in its
         # limit-sized stretch of the running total (no more than the limit, as lowering's greedy fill)
