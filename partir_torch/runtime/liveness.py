@@ -13,6 +13,7 @@ answer, and a live rank still to notice the failure is named as not answering (t
 """
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from datetime import timedelta
@@ -30,6 +31,20 @@ def tcp_store():
     return store if isinstance(store, dist.TCPStore) else None
 
 
+POLL_MS = 500          # the answering thread's wait, so that it notices the process exiting (_stop_threads)
+_STOP = threading.Event()
+_THREADS: list = []
+
+
+@atexit.register
+def _stop_threads() -> None:
+    """At exit, before the interpreter finalises: end the answering threads. A daemon thread still blocked in the
+    store's C++ wait when the interpreter finalises is killed inside it, which aborts the process (SIGABRT)."""
+    _STOP.set()
+    for t in _THREADS:
+        t.join(timeout=2 * POLL_MS / 1000)
+
+
 class Liveness:
     """The roll call of one program on rank `rank` of `world`; `failed()` says whether this rank's step failed."""
 
@@ -39,8 +54,10 @@ class Liveness:
         self.store = dist.distributed_c10d._get_default_store()
         if base is not None:        # own connections: a blocking wait would hold a shared client's lock
             self.store = self._client(base)
-            threading.Thread(target=self._answer, args=(self._client(base),), daemon=True,
-                             name=f"partir-liveness-{key}").start()
+            t = threading.Thread(target=self._answer, args=(self._client(base),), daemon=True,
+                                 name=f"partir-liveness-{key}")
+            t.start()
+            _THREADS.append(t)
         self.answered_by_thread = base is not None
 
     @staticmethod
@@ -49,9 +66,9 @@ class Liveness:
                              wait_for_workers=False)
 
     def _answer(self, client) -> None:
-        while True:
+        while not _STOP.is_set():
             try:
-                client.wait([f"{self.key}/fault"], timedelta(hours=1))
+                client.wait([f"{self.key}/fault"], timedelta(milliseconds=POLL_MS))
             except Exception as e:  # noqa: BLE001 - a wait that timed out waits again; a lost store ends the thread
                 if "timeout" in str(e).lower():
                     continue
