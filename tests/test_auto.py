@@ -215,8 +215,8 @@ def test_chosen_program_matches_one_device():
 
 def test_search_recomputes_the_layers_when_no_plan_fits_without():
     """Activations dominate (seq 512, d 64): no plan of "batch" fits 55 MB (the least peak is 82 MiB); selective
-    recomputation of the layers peaks at 59-60 MiB (the 1 s search picks by time), full at 46 MiB. partition() captures the step again with each,
-    keeps the first that fits, and the search report and one warning say so."""
+    recomputation of the layers peaks at 59-60 MiB (the 1 s search picks by time), full at 46 MiB. partition()
+    captures the step again with each, keeps the first that fits, and the search report and one warning say so."""
     spec, model, batch = meta_gpt(32, d=64, heads=2, layers=2, seq=512, vocab=128)
     with pytest.warns(UserWarning, match=r"chose remat\('layers\.\*', policy='full'\) \(peak per device with none: "
                                          r"8\d\.\d\d MiB, selective: [56]\d\.\d\d MiB, full: 4\d\.\d\d MiB\)"):
