@@ -116,5 +116,7 @@ def test_the_registry_rows_say_how_torch_xla_runs_each_op():
         "aten.linalg_solve_triangular.default", "aten.unfold_backward.default", "aten._fft_c2c.default",
         "aten._fft_r2c.default", "aten._fft_c2r.default",
         # partir's own op: its composite kernel is HF's grouped-mm function, not run on XLA tensors here
-        "partir.experts_grouped.default", "partir.experts_grouped_backward.default"])
+        "partir.experts_grouped.default", "partir.experts_grouped_backward.default",
+        # batchnorm="local"'s per-rank kernels (rules/group_bn.py): no XLA form yet (tests/test_registry.py KNOWN_GAPS)
+        "partir.group_batch_norm.default", "partir.group_batch_norm_backward.default"])
     assert not any(runs_on_xla(op) for op in lacking if op.namespace == "aten")
