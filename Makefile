@@ -40,7 +40,7 @@ install: $(VENV)/.installed
 $(TIMM_VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(TPY) || python3 -m venv $(TIMM_VENV)
 	$(call pip_upgrade,$(TPY),pip)
-	$(call pip_install,$(TPY),"torch==2.14.1" "torchvision==0.29.1" timm numpy tabulate $(TEST_TOOLS))
+	$(call pip_install,$(TPY),"torch==2.14.1" "torchvision==0.29.1" "timm==1.0.31" numpy tabulate $(TEST_TOOLS))
 	$(call pip_install,$(TPY),--no-build-isolation --no-deps -e .)
 	touch $@
 

@@ -180,7 +180,7 @@ TIMM_DEPTHWISE = [("efficientnet_b0", "float64"), ("convnext_atto", "float32")]
 @pytest.mark.parametrize("name,dtype", TIMM_DEPTHWISE, ids=[n for n, _ in TIMM_DEPTHWISE])
 def test_timm_depthwise_data_parallel_gathers_no_activation(name, dtype):
     """Data parallelism alone on depthwise-convolution nets: every op has a rule (no barrier warning), the
-    program has no all_gather or all_to_all (only the gradients' and batch norms' all_reduces), and 2 AdamW steps
+    program has no all_gather or all_to_all (only the gradients' and batch norms' all_reduces), and 2 SGD steps
     (batch norm buffers included) equal one device."""
     timm = pytest.importorskip("timm")
     import copy
@@ -191,9 +191,10 @@ def test_timm_depthwise_data_parallel_gathers_no_activation(name, dtype):
 
     import partir_torch as pt
     from partir_torch import tactics as T
-    from tests.harness import adamw, train_next_to_eager
+    from tests.harness import train_next_to_eager
 
     dt = getattr(torch, dtype)
+    sgd = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)  # noqa: E731
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, num_classes=10).to(dt).train()
     g = torch.Generator().manual_seed(1)
@@ -206,7 +207,10 @@ def test_timm_depthwise_data_parallel_gathers_no_activation(name, dtype):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*no sharding rule.*")
         prog = pt.partition(model, pt.Mesh({"b": 2}), [T.data_parallel("b")], example_inputs=(x, y),
-                            loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+                            loss_fn=loss_fn, optimizer=sgd(model.parameters()))
     recs = prog.collectives()
     assert recs and all(r.kind == "all_reduce" for r in recs), [str(r) for r in recs if r.kind != "all_reduce"]
-    train_next_to_eager(prog, ref, [(x, y)] * 2, loss_fn, adamw(), buffers=True, what=name)
+    # parameters judged after SGD steps: with timm 1.0.31, AdamW (eps 1e-8 or 1e-5) turns the rounding of a few
+    # near-zero convnext gradients (the partitioned sum of two ranks' halves against one device's sum) into
+    # relative parameter differences of 1e-3; the code before this session did the same
+    train_next_to_eager(prog, ref, [(x, y)] * 2, loss_fn, sgd, buffers=True, what=name)
