@@ -31,7 +31,8 @@ def tcp_store():
     return store if isinstance(store, dist.TCPStore) else None
 
 
-POLL_MS = 500          # the answering thread's wait, so that it notices the process exiting (_stop_threads)
+POLL_S = 0.2           # the answering thread checks the store this often (a non-blocking check: a blocking wait that
+                       # times out logs a c10d warning each time, and one still blocked at exit aborts the process)
 _STOP = threading.Event()
 _THREADS: list = []
 
@@ -42,7 +43,7 @@ def _stop_threads() -> None:
     store's C++ wait when the interpreter finalises is killed inside it, which aborts the process (SIGABRT)."""
     _STOP.set()
     for t in _THREADS:
-        t.join(timeout=2 * POLL_MS / 1000)
+        t.join(timeout=2 * POLL_S)
 
 
 class Liveness:
@@ -66,17 +67,12 @@ class Liveness:
                              wait_for_workers=False)
 
     def _answer(self, client) -> None:
-        while not _STOP.is_set():
-            try:
-                client.wait([f"{self.key}/fault"], timedelta(milliseconds=POLL_MS))
-            except Exception as e:  # noqa: BLE001 - a wait that timed out waits again; a lost store ends the thread
-                if "timeout" in str(e).lower():
-                    continue
-                return
-            try:
-                client.set(f"{self.key}/alive/{self.rank}", "failed" if self.failed() else "running")
-            except Exception:  # noqa: BLE001 - the store is gone: nobody is asking any more
-                pass
+        try:
+            while not client.check([f"{self.key}/fault"]):
+                if _STOP.wait(POLL_S):
+                    return                       # the process is exiting
+            client.set(f"{self.key}/alive/{self.rank}", "failed" if self.failed() else "running")
+        except Exception:  # noqa: BLE001 - the store is gone: nobody is asking any more
             return
 
     def roll_call(self, wait_s: float = WAIT_S) -> dict:
