@@ -55,3 +55,24 @@ def assert_parameters_equal(prog, ref, rtol=PARAM_RTOL, atol=PARAM_ATOL, what=""
     assert set(got) == set(want), f"{what}: parameter names differ: {sorted(set(got) ^ set(want))}"
     for k, w in want.items():
         torch.testing.assert_close(got[k], w.detach(), rtol=rtol, atol=atol, msg=lambda m: f"{what} {k}: {m}")
+
+
+def hf_gpt2():
+    """A tiny stock GPT-2 (eager attention: heads folded into (B*H)), dropout off."""
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "eager"          # attention written with matmuls: heads folded into (B*H)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def hf_llama():
+    """A tiny stock Llama (SDPA attention, grouped-query heads)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                   bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(cfg)

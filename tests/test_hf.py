@@ -9,28 +9,14 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import partir_torch as pt
 from partir_torch import tactics as T
 
-from harness import adamw, train_next_to_eager
+from harness import adamw, hf_gpt2 as gpt2, hf_llama as llama, train_next_to_eager
 
 
 
-def gpt2():
-    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    cfg._attn_implementation = "eager"          # attention written with matmuls: heads folded into (B*H)
-    return GPT2LMHeadModel(cfg)
-
-
-def llama():
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                      bos_token_id=0, eos_token_id=0)
-    cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg)
 
 
 def loss_fn(m, x):
