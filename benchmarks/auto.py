@@ -43,7 +43,7 @@ from partir_torch.program import Program                              # noqa: E4
 from partir_torch.propagate.graph import PartGraph                    # noqa: E402
 from partir_torch.rules.registry import default_registry              # noqa: E402
 
-import sim_models as M                                                # noqa: E402
+from examples.zoo import sim_decoder as M                                             # noqa: E402
 
 MESH = {"batch": 8, "model": 8}
 LIMITS = (80e9, 40e9)

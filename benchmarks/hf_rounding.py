@@ -23,9 +23,9 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.simplefilter("ignore")
-import hf_coverage as H  # noqa: E402
+from examples.zoo import hf as H  # noqa: E402
 
 import partir_torch as pt  # noqa: E402
 from partir_torch import tactics as T  # noqa: E402

@@ -49,7 +49,7 @@ from partir_torch.plan import plan  # noqa: E402
 from partir_torch.program import Program  # noqa: E402
 from examples.models import get  # noqa: E402
 from partir_torch.capture import capture  # noqa: E402
-from benchmarks.meta_capture import meta_capture  # noqa: E402
+from examples.zoo.meta_capture import meta_capture  # noqa: E402
 
 MESH = {"replica": 2, "batch": 2, "model": 2}
 WIDTH = dict(d=768, heads=12, seq=1024, vocab=50304, attention="sdpa")

@@ -30,7 +30,7 @@ from partir_torch.plan import plan                              # noqa: E402
 from partir_torch.sim import simulate_graph                     # noqa: E402
 
 import auto as A                                                # noqa: E402
-import sim_models as M                                          # noqa: E402
+from examples.zoo import sim_decoder as M                                       # noqa: E402
 
 VARIANTS = ((0, 0), (1, 0), (0, 1), (1, 1), (2, 2))
 

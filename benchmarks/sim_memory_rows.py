@@ -1,6 +1,6 @@
 """Where the simulated peak of the rows that publish peak memory goes, next to what torchtitan's run holds there.
 
-The rows (benchmarks/sim_reference.py, ``mem_gib``): torchtitan Llama-3.1-8B FSDP on 8 and 128 H100s, local batch 2,
+The rows (examples/zoo/sim_reference.py, ``mem_gib``): torchtitan Llama-3.1-8B FSDP on 8 and 128 H100s, local batch 2,
 seq 8192, selective (per-op) activation checkpointing, bf16 parameters, fp32 reduction, AdamW; the published figure
 is torch.cuda.max_memory_reserved. For each row, the simulated program at the run's depth (the one
 ``sim_validation.py --memory`` predicts) is split at its peak into categories by the node that allocates each live
@@ -39,8 +39,8 @@ from tabulate import tabulate
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks import sim_validation as V                               # noqa: E402
-from benchmarks.sim_reference import ROWS                                 # noqa: E402
+from examples.zoo import sim_validation as V                               # noqa: E402
+from examples.zoo.sim_reference import ROWS                                 # noqa: E402
 from partir_torch.contract import META_ROLE, META_SAVED, Role                        # noqa: E402
 
 GIB = 2 ** 30

@@ -17,8 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks import sim_validation as V                                 # noqa: E402
-from benchmarks.sim_reference import ROWS, SPLIT                         # noqa: E402
+from examples.zoo import sim_validation as V                                 # noqa: E402
+from examples.zoo.sim_reference import ROWS, SPLIT                         # noqa: E402
 
 
 def kind_of(node) -> str:

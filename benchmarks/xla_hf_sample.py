@@ -25,7 +25,7 @@ from tabulate import tabulate  # noqa: E402
 
 import partir_torch as pt  # noqa: E402
 import partir_torch.xla  # noqa: E402,F401  (before the first XLA tensor)
-from benchmarks import hf_coverage as H  # noqa: E402
+from examples.zoo import hf as H  # noqa: E402
 from tests.test_coverage import HF_SAMPLE  # noqa: E402
 
 T = pt.tactics

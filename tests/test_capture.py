@@ -14,7 +14,7 @@ import partir_torch as pt
 from examples.models import get
 from partir_torch.capture import FORWARD, LOSS_AND_GRADS, TRAIN, capture
 from partir_torch.errors import TraceError
-from benchmarks.meta_capture import meta_capture
+from examples.zoo.meta_capture import meta_capture
 
 
 

@@ -20,7 +20,7 @@ import partir_torch as pt
 from partir_torch import tactics as T
 
 from examples.models import get
-from harness import train_next_to_eager
+from tests.harness import train_next_to_eager
 
 MESH = {"model": 2}
 STEPS, LR = 2, 0.1

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 
-from benchmarks import hf_coverage as H
+from examples.zoo import hf as H
 
 # (mapping, model type): architectures the sweep lists as passing, a few of each mapping, chosen fast
 HF_SAMPLE = [

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import partir_torch as pt
 from partir_torch import tactics as T
 
-from harness import adamw, hf_gpt2 as gpt2, hf_llama as llama, train_next_to_eager
+from tests.harness import adamw, hf_gpt2 as gpt2, hf_llama as llama, train_next_to_eager
 
 
 

@@ -276,3 +276,29 @@ def test_the_module_walk_finds_planted_cycles(tmp_path):
     every = module_graph(str(pkg), module_level_only=False)
     assert every["pkg.a"] == {"pkg.sub.b", "pkg.c"}
     assert module_cycles(every) == [["pkg.a", "pkg.c", "pkg.a"]]
+
+
+def _imports_benchmarks(path: str) -> list:
+    """The lines of `path` that import a benchmarks/ module (any import form, also inside functions)."""
+    tree = ast.parse(open(path).read(), path)
+    hits = []
+    for node in ast.walk(tree):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
+            hits.append(node.lineno)
+    return sorted(hits)
+
+
+def test_no_test_imports_a_benchmark_script():
+    # code shared by tests and benchmarks lives in examples/zoo/ (a benchmark script is a command, not a library)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    bad = [f"{os.path.relpath(os.path.join(d, f), tests)}:{line}" for d, _, files in os.walk(tests)
+           for f in files if f.endswith(".py") for line in _imports_benchmarks(os.path.join(d, f))]
+    assert not bad, f"tests import benchmark scripts: {bad}"
+
+
+def test_the_benchmark_import_walk_finds_a_planted_import(tmp_path):
+    p = tmp_path / "t.py"
+    p.write_text("def f():\n    from benchmarks import x\nimport benchmarks.y as z\nimport benchmarksx\n")
+    assert _imports_benchmarks(str(p)) == [2, 3]

@@ -21,7 +21,7 @@ from peft import LoraConfig, get_peft_model
 import partir_torch as pt
 from partir_torch import tactics as T
 
-from harness import hf_gpt2 as gpt2, hf_llama as llama, train_next_to_eager
+from tests.harness import hf_gpt2 as gpt2, hf_llama as llama, train_next_to_eager
 
 R = 4
 

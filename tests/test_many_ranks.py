@@ -9,7 +9,7 @@ import torch
 import partir_torch as pt
 from partir_torch import tactics as T
 from examples.models import get
-from harness import adamw, train_next_to_eager
+from tests.harness import adamw, train_next_to_eager
 
 
 def train_like_single_device(spec, mesh, schedule, batch, eps=1e-8):

@@ -22,7 +22,7 @@ from partir_torch.errors import PartitionError
 from partir_torch.runtime.memtrack import MemoryTracker
 
 from examples.models import get
-from harness import train_next_to_eager
+from tests.harness import train_next_to_eager
 
 T = pt.tactics
 HW4 = pt.sim.hardware("h100", gpus_per_node=4)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import partir_torch as pt
 from examples.models import ZOO, get
-from harness import train_next_to_eager
+from tests.harness import train_next_to_eager
 
 T = pt.tactics
 

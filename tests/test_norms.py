@@ -22,7 +22,7 @@ from partir_torch.capture import capture
 from partir_torch.rules import default_registry
 from partir_torch.verify import verify_graph
 
-from harness import train_next_to_eager
+from tests.harness import train_next_to_eager
 
 RTOL, ATOL = 1e-5, 1e-6
 DP = [pt.tactics.data_parallel("batch")]

@@ -11,8 +11,8 @@ import partir_torch as pt
 from partir_torch.plan import capture_for, plan
 from partir_torch.program import Program
 
-import harness
-from harness import train_next_to_eager
+from tests import harness
+from tests.harness import train_next_to_eager
 from examples.models import get
 
 T = pt.tactics

@@ -12,7 +12,7 @@ import torch
 import partir_torch as pt
 from partir_torch import tactics as T
 from examples.models import get
-from harness import adamw, train_next_to_eager
+from tests.harness import adamw, train_next_to_eager
 
 STEPS = 3
 

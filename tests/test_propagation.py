@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import partir_torch as pt
 from examples.models import get
-from harness import train_next_to_eager
+from tests.harness import train_next_to_eager
 from partir_torch.capture import capture
 
 aten = torch.ops.aten

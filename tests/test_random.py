@@ -13,7 +13,7 @@ import torch.nn as nn
 import partir_torch as pt
 from partir_torch.rules.tags import draws_random
 
-from harness import train_next_to_eager
+from tests.harness import train_next_to_eager
 
 
 class Drop(nn.Module):

@@ -61,6 +61,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.harness import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL
 from tests.spawn import spawn_ranks
 
 pytestmark = pytest.mark.xdist_group("real_ranks")     # under pytest-xdist, one worker runs the one spawn
@@ -71,8 +72,6 @@ LR, EPS = 1e-3, 1e-5   # AdamW; eps as in test_parity.py (bounds AdamW's amplifi
 SPAWN_TIMEOUT_S = 1200     # the spawn alone: about 120 s on 2 shared cores
 GLOO_TIMEOUT_S = 60
 HANG_TIMEOUT_S, HANG_S = 5, 10    # the "hang" phase's timeout_s; rank 3 sleeps past the others' roll call
-LOSS_RTOL = 1e-5
-PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-6   # fp32; see test_parity.py for why an atol is needed with AdamW
 
 
 def _max_err(got: torch.Tensor, want: torch.Tensor) -> float:

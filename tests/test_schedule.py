@@ -15,10 +15,10 @@ import math
 import pytest
 import torch
 
-import harness
+from tests import harness
 import partir_torch as pt
 from examples.models import get
-from harness import train_next_to_eager
+from tests.harness import train_next_to_eager
 from partir_torch.lower.fuse import FUSED_UPDATE
 from partir_torch.lower.ring import RING_SHIFT
 

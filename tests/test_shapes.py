@@ -13,10 +13,9 @@ import torch
 
 import partir_torch as pt
 from examples.models import get
-from tests.harness import assert_parameters_equal
+from tests.harness import LOSS_RTOL, assert_parameters_equal
 
 T = pt.tactics
-LOSS_RTOL = 1e-5
 
 
 def _sgd(m):

@@ -173,7 +173,7 @@ def test_eager_runtime_holds_what_selective_checkpointing_saves_until_the_recomp
     saved by the every-other-matmul policy) only feeds the residual add: partir frees it in the forward, eager
     PyTorch holds it until the block's recomputation in the backward."""
     import partir_torch as pt
-    from benchmarks import sim_models as M
+    from examples.zoo import sim_decoder as M
     from partir_torch.contract import META_RECOMPUTE, META_SAVED
     from partir_torch.sim.allocator import eager_buffers
 
@@ -206,7 +206,7 @@ def test_eager_runtime_keeps_the_modules_fsdp2_does_not_reshard_gathered_to_the_
     the end of the backward. partir frees the embedding's gathered copy after the embedding's forward (its backward
     does not read the weight); held=("emb.*",) keeps it to the update."""
     import partir_torch as pt
-    from benchmarks import sim_models as M
+    from examples.zoo import sim_decoder as M
     from partir_torch.contract import META_NAME
     from partir_torch.errors import PartitionError
     from partir_torch.sim.allocator import eager_buffers

@@ -1,11 +1,11 @@
-"""The simulator's reference decoder (benchmarks/sim_models.py): its fused q/k/v projection."""
+"""The simulator's reference decoder (examples/zoo/sim_decoder.py): its fused q/k/v projection."""
 import collections
 
 import pytest
 import torch
 
-from benchmarks import sim_models as M
-from benchmarks import sim_validation as V
+from examples.zoo import sim_decoder as M
+from examples.zoo import sim_validation as V
 
 SMALL = dict(vocab=96, seq=16, d=32, heads=4, layers=2)
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from benchmarks import sim_reference as R
-from benchmarks import sim_validation as V
+from examples.zoo import sim_reference as R
+from examples.zoo import sim_validation as V
 from partir_torch.mesh import Mesh
 from partir_torch.sim import collective_time, hardware, simulate_graph
 from partir_torch.sim import confidence as C

@@ -17,7 +17,7 @@ import partir_torch as pt
 from partir_torch import tactics as T
 from partir_torch.errors import TraceError
 
-from harness import adamw, train_next_to_eager
+from tests.harness import adamw, train_next_to_eager
 
 
 def hf_loss(m, x, y):

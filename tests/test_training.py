@@ -22,11 +22,11 @@ import torch.nn as nn
 import partir_torch as pt
 from examples.models import get
 from partir_torch.capture.optim import functional_optimizer
+from tests.harness import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL
 from tests.test_parity import MODELS, NO_LINEAR_PAIR, SCHEDULES
 
 T = pt.tactics
 LR, EPS = 1e-3, 1e-5
-LOSS_RTOL, PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-5, 1e-6
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import partir_torch as pt
 from examples.models import get
-from harness import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL, adamw, assert_parameters_equal, train_next_to_eager
+from tests.harness import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL, adamw, assert_parameters_equal, train_next_to_eager
 from partir_torch.errors import ShardingConflictError
 from partir_torch.sharding import Sharding, chunk_extent, chunk_size
 

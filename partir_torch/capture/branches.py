@@ -42,13 +42,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ..rules.tags import draws_random
 from ..errors import TraceError
+from . import sources
 from .tidy import LIKE
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _NONZERO = torch.ops.aten.nonzero.default
 _MASKED_SELECT = torch.ops.aten.masked_select.default
-_TORCH = os.path.dirname(torch.__file__)
-_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH, _OURS = sources._TORCH, sources._OURS
 _JUMPS = {"POP_JUMP_FORWARD_IF_TRUE": True, "POP_JUMP_IF_TRUE": True, "POP_JUMP_BACKWARD_IF_TRUE": True,
           "POP_JUMP_FORWARD_IF_FALSE": False, "POP_JUMP_IF_FALSE": False, "POP_JUMP_BACKWARD_IF_FALSE": False,
           "JUMP_IF_TRUE_OR_POP": True, "JUMP_IF_FALSE_OR_POP": False}
@@ -118,7 +118,7 @@ def _frames():
     """The frame that read the scalar (its bytecode), and the user's line (file:line: text) for messages."""
     f, code_frame, user = sys._getframe(2), None, None
     while f is not None:
-        fn = f.f_code.co_filename
+        fn = sources.real_path(f.f_code.co_filename)
         inside = fn.startswith(os.path.join(_OURS, "capture")) or fn.startswith(os.path.join(_OURS, "runtime"))
         internal = inside or (fn.startswith(_TORCH) and not fn.endswith(os.path.join("torch", "__init__.py")))
         if code_frame is None and not internal:
@@ -406,8 +406,7 @@ def python_draws(found: list):
         orig = getattr(mod, fn_name)
 
         def wrapped(*a, _orig=orig, **k):
-            caller = sys._getframe(1).f_code.co_filename
-            if not caller.startswith((_TORCH, _OURS)):       # the model's draw, not a library's own use
+            if not sources.library_code(sys._getframe(1).f_code.co_filename):   # the model's draw, not a library's
                 where = _frames()[1]
                 if where and where not in found:
                     found.append(where)

@@ -34,7 +34,7 @@ from .dims import DimGuards, fake_mode_for, symbolic_decompositions, symbolic_in
 from .framestack import call_in_fresh_chunk
 from .inputs import as_batch, check_leaves, forward_kwargs
 from .lora import bias_last, mark_rank_values
-from .sources import recording_sources
+from .sources import library_code, recording_sources
 from .stages import recording_modules
 from .graphutil import no_gc, source_line, split_for_backward
 from .optim import functional_optimizer
@@ -116,11 +116,9 @@ def _tracing_session():
 
 def _user_frame(exc: BaseException) -> str:
     """The innermost frame of user code (not torch, not partir_torch) in the traceback."""
-    torch_dir = os.path.dirname(torch.__file__)
-    our_dir = os.path.dirname(os.path.dirname(__file__))
     found = ""
     for fr in traceback.extract_tb(exc.__traceback__):
-        if not fr.filename.startswith(torch_dir) and not fr.filename.startswith(our_dir) and not fr.filename.startswith("<"):
+        if not library_code(fr.filename) and not fr.filename.startswith("<"):
             found = f"{fr.filename}:{fr.lineno} in {fr.name}: {fr.line}"
     return found
 

@@ -48,7 +48,8 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .branches import _OURS, _TORCH, _frames
+from .branches import _frames
+from .sources import library_code
 from .padrules import HANDLERS, POINTWISE, SEVERAL, Rules, _same_node
 
 ENABLED = True            # tests switch it off to see the count guards come back
@@ -187,8 +188,7 @@ def _user(frame) -> bool:
         frame = frame.f_back
     if frame is None:
         return False
-    fn = frame.f_code.co_filename
-    return not (fn.startswith(_TORCH) or fn.startswith(_OURS))
+    return not library_code(frame.f_code.co_filename)
 
 
 class Padding(Rules, TorchFunctionMode):

@@ -10,6 +10,7 @@ stack traces, so errors.source_location reads it either way.
 from __future__ import annotations
 
 import contextlib
+import functools
 import linecache
 import os
 import sys
@@ -17,19 +18,32 @@ import sys
 import torch
 import torch.fx as fx
 
-_TORCH = os.path.dirname(torch.__file__)
-_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH = os.path.realpath(os.path.dirname(torch.__file__))
+_OURS = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _STOP = os.path.join(_OURS, "capture", "capture.py")   # capture's step frames: the user's code runs above them
+
+
+@functools.lru_cache(maxsize=None)
+def real_path(path: str) -> str:
+    """A code object's file as one spelling: a module imported through "dir/.." (or a link) on sys.path keeps that
+    spelling in co_filename, and would not start with the library's own directory."""
+    return path if path.startswith("<") else os.path.realpath(path)
+
+
+def library_code(path: str) -> bool:
+    """Whether a code object's file is torch's or partir_torch's (not the user's)."""
+    path = real_path(path)
+    return path.startswith(_TORCH) or path.startswith(_OURS)
 
 
 def _user_forward(frame):
     """The innermost frame of a `forward` outside torch and partir_torch, or None (stop at capture's frames)."""
     while frame is not None:
         code = frame.f_code
-        path = code.co_filename
+        path = real_path(code.co_filename)
         if path == _STOP:
             return None
-        if code.co_name == "forward" and not path.startswith(_TORCH) and not path.startswith(_OURS):
+        if code.co_name == "forward" and not library_code(path):
             return frame
         frame = frame.f_back
     return None

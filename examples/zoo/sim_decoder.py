@@ -1,4 +1,4 @@
-"""The decoder-only LM that the simulator's reference runs are rebuilt as (benchmarks/sim_reference.py).
+"""The decoder-only LM that the simulator's reference runs are rebuilt as (examples/zoo/sim_reference.py).
 
 One module covers the published configurations: GPT/MPT (LayerNorm, GELU MLP, tied head) and Llama/MaxText
 (RMSNorm, SwiGLU MLP, untied head, grouped-query attention, a head_dim that need not be d / heads, as in MaxText's
