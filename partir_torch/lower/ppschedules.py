@@ -220,6 +220,7 @@ def zbv_order(r: int, p: int, m: int) -> list:
 GPIPE, INTERLEAVED = GPipe(), Interleaved1F1B()
 # the table: a schedule's name (as pt.tactics.pipeline takes it) -> its class's one instance
 SCHEDULES = {s.name: s for s in (GPIPE, OneFOneB(), INTERLEAVED, ZBVZeroBubble())}
+DEFAULT_SCHEDULE = OneFOneB.name     # pt.tactics.pipeline's default
 
 
 def schedule_of(schedule) -> Schedule:
@@ -229,6 +230,3 @@ def schedule_of(schedule) -> Schedule:
     if isinstance(schedule, str) and schedule in SCHEDULES:
         return SCHEDULES[schedule]
     raise PartitionError(f"pipeline: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}.")
-
-
-DEFAULT_SCHEDULE = "1F1B"        # pt.tactics.pipeline's default
