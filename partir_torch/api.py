@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import time
 
-from .errors import PartitionError, warn
+from .errors import PartitionError
 from .mesh import Mesh
 from .options import Options
 from .plan import capture_for, plan
 from .program import Program
 from .runtime.owner import take_over
 from .tactics.base import CaptureRewrite
+from .tactics.pipeline import Pipeline
 from .tactics.recompute import recompute_to_fit
 from .tactics.schedule import flatten_schedule
 
@@ -65,10 +66,12 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     """
     tactics = flatten_schedule(schedule)
     _check_args(mesh, tactics, loss_fn, optimizer, clip_grad_norm, accumulate)
-    _check_pipeline(tactics, loss_fn, compile, measure_memory, async_tp, reduce_in_flight)
     options = Options(bucket_bytes=bucket_bytes, timeout_s=timeout_s, compile=compile, prefetch=prefetch,
                       reduce_in_flight=reduce_in_flight, tp_chunks=tp_chunks, async_tp=async_tp, measure_memory=measure_memory,
                       max_shapes=max_shapes, memory_budget=memory_budget, strict=strict)
+    for t in tactics:       # a pipeline's schedule says which options it runs with (lower/ppschedules.py)
+        if isinstance(t, Pipeline):
+            t.check_runs_with(options, training=loss_fn is not None)
     take_over(model)
     costs = [0.0, 0.0]
 
@@ -109,28 +112,3 @@ def _check_args(mesh, tactics, loss_fn, optimizer, clip_grad_norm, accumulate) -
                              f"{accumulate!r}.")
     if accumulate > 1 and loss_fn is None:
         raise PartitionError("partition: accumulate sums the gradients of micro-batches; pass loss_fn=.")
-
-
-def _check_pipeline(tactics, loss_fn, compile: bool, measure_memory: bool, async_tp: bool = False,
-                    reduce_in_flight: int = Options.reduce_in_flight) -> None:
-    """What a pipeline tactic (tactics/pipeline.py) does not run with yet: each named, with the fix."""
-    pipe = [t for t in tactics if getattr(t, "family", None) == "pipeline"]
-    if not pipe:
-        return
-    name = pipe[0].name
-    if loss_fn is None:
-        raise PartitionError(f"partition: {name} pipelines a training step (forward and backward per micro-batch); "
-                             f"pass loss_fn= (and optimizer=).")
-    if compile:
-        raise PartitionError(f"partition: compile=True with a pipeline tactic ({name}) is not supported yet; leave "
-                             f"compile=False.")
-    if reduce_in_flight != Options.reduce_in_flight:
-        warn(f"partition: reduce_in_flight={reduce_in_flight} does not apply to a pipelined program ({name}): a "
-             f"stage's gradient reductions start inside its last backward and are waited for where its optimizer "
-             f"update reads them, as Megatron's finalize_model_grads does (lower/pipeline.py).", stacklevel=3)
-    if async_tp:
-        raise PartitionError(f"partition: async_tp=True with a pipeline tactic ({name}) is not supported yet (its ring "
-                             f"steps are not cut into stages); leave async_tp=False.")
-    if measure_memory:
-        raise PartitionError(f"partition: measure_memory=True with a pipeline tactic ({name}) is not supported yet; "
-                             f"prog.simulate(hw).pipeline.peak_bytes predicts each stage's peak.")

@@ -20,6 +20,7 @@ from types import MappingProxyType
 from .capture import capture
 from .capture.capture import dim_guards
 from .errors import PartitionError, user_stacklevel, warn
+from .lower.ppspec import NO_PIPELINE, NoPipeline, PipelineSpec
 from .mesh import Mesh
 from .options import Options
 from .propagate.decisions import Decisions
@@ -29,6 +30,7 @@ from .propagate.graph import PartGraph, no_gc
 from .rules.registry import default_registry
 from .tactics.base import CaptureRewrite, Tactic, decompositions_of
 from .tactics.context import Planning, TacticContext
+from .tactics.pipeline import Pipeline
 from .tactics.schedule import flatten_schedule
 
 
@@ -66,7 +68,7 @@ class Plan:
     remarks: MappingProxyType            # tactic name -> (text, ...) for summary()
     searches: tuple = ()                 # the automatic tactics' SearchReports
     actions: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))   # (canon vid, axis) -> label
-    pipeline: object = None              # tactics.pipeline.PipelineSpec when the schedule has a pipeline tactic
+    pipeline: PipelineSpec | NoPipeline = NO_PIPELINE    # what the pipeline tactic decided (lower/ppspec.py)
     pipeline_at: int = -1                # the index of the pipeline tactic in `tactics`
     _lowered: dict = field(default_factory=dict, repr=False)   # stage index -> lower.Lowered (memo)
 
@@ -110,11 +112,11 @@ class Plan:
     def _lower(self, k: int, options: Options):
         from .lower.lower import Lowerer, canonical_groups
 
-        piped = self.pipeline is not None and 0 <= self.pipeline_at <= k
+        staged = self.pipeline.staged and self.pipeline_at <= k      # the stages exist from the pipeline tactic on
         low = Lowerer(self.graph, self.stage_decisions(k), self.mesh, self.captured, canonical_groups(self.mesh),
                       options, self.families, self.kept_gathered,
-                      pipelined=self.pipeline if piped else None, share=self.share).run()
-        if piped:
+                      pipelined=self.pipeline if staged else None, share=self.share).run()
+        if staged:
             from .lower.pipeline import pipeline_program
 
             low = pipeline_program(low, self.pipeline, self.captured)
@@ -193,8 +195,6 @@ def capture_for(model, schedule, example_inputs, loss_fn=None, optimizer=None, c
     module and micro-batch (capture/stages.py). dynamic: (input index, dim) pairs of one size traced as one symbol;
     then the guards on it (capture/dims.py DimGuards) instead of a Captured. mesh: the mesh the step will be
     planned on, for tactics whose capture depends on an axis size (data_parallel(batchnorm="local"))."""
-    from .tactics.pipeline import Pipeline
-
     entries = bound_to(flatten_schedule(schedule), mesh)
     rewrites = [t for t in entries if isinstance(t, CaptureRewrite)]
     pipe = next((t for t in entries if isinstance(t, Pipeline)), None)
@@ -244,14 +244,14 @@ def plan(captured, mesh: Mesh, schedule, options: Options | None = None, registr
             axis = t.axis if isinstance(t, Tactic) else ""      # a capture rewrite decides no axis
             stages.append(Stage(t.name, axis, Decisions(prop.rec), tuple(prop.rec.conflicts), decided))
         spec = planning.pipeline
-        if spec is not None and ctx.axis_in_use(spec.axis):
+        if spec.staged and ctx.axis_in_use(spec.axis):
             raise PartitionError(f"plan: a tactic after the pipeline decided values on its axis '{spec.axis}'; the "
                                  f"pipeline axis runs stages, every value stays whole on it. Give the other tactics "
                                  f"the other axes.")
     frozen = lambda d: MappingProxyType({k: tuple(v) for k, v in d.items()})   # noqa: E731
-    at = next((k for k, t in enumerate(entries) if getattr(t, "family", None) == "pipeline"), -1)
+    at = next((k for k, t in enumerate(entries) if isinstance(t, Pipeline)), -1)
     # a tactic's own lowering (the automatic search's winner) is not pipelined: lower again
-    lowered = {} if spec is not None else dict(planning.lowered)
+    lowered = {} if spec.staged else dict(planning.lowered)
     return Plan(captured, graph, mesh, entries, tuple(stages), options, registry, frozen(planning.notes),
                 frozen(planning.remarks), tuple(planning.searches), MappingProxyType(dict(planning.actions)),
                 spec, at, lowered)

@@ -216,7 +216,7 @@ class Reports:
         table = tabulate(rows, headers=["tactic", "axis", "decisions", "conflicts", "collectives added",
                                         "comm bytes/step", "params/device", "opt state/device"], tablefmt="simple")
         notes = [why_line(self.plan.lowered().records)]
-        if self.plan.pipeline is not None:
+        if self.plan.pipeline.staged:
             notes.append(self.pipeline_table())
         notes += [text for s in self.stages for text in self.plan.remarks.get(s.tactic, ())]
         conflicts = self.plan.conflicts
@@ -243,16 +243,15 @@ class Reports:
             by[(r.kind, r.axis)] = by.get((r.kind, r.axis), 0) + 1
         sent = sum(r.nbytes for r in low.records)
         cap = self.plan.captured
-        spec = low.pipeline.spec if low.pipeline is not None else None
-        ranks = spec.ranks if spec is not None else 1
-        param, opt = [0] * ranks, [0] * ranks      # a pipelined device holds its stages' state only
+        spec = low.pipeline_spec
+        param, opt = [0] * spec.ranks, [0] * spec.ranks      # a pipelined device holds its stages' state only
         for role, shape, n in zip(cap.input_roles, low.local_shapes,
                                   [n for n in cap.gm.graph.nodes if n.op == "placeholder"]):
             if role in (Role.PARAM, Role.OPT_STATE) and shape is not None:
                 b = math.prod(shape) * n.meta["val"].element_size()
-                held = () if spec is None else spec.holders(n.meta.get(META_NAME)) or \
+                held = spec.holders(n.meta.get(META_NAME)) or \
                     (spec.rank_of(spec.stage_of.get(n.name, 0)),)     # a tied weight: on each rank holding it
-                for r in held or (0,):
+                for r in held:
                     if role == Role.PARAM:
                         param[r] += b
                     else:

@@ -302,3 +302,55 @@ def test_the_benchmark_import_walk_finds_a_planted_import(tmp_path):
     p = tmp_path / "t.py"
     p.write_text("def f():\n    from benchmarks import x\nimport benchmarks.y as z\nimport benchmarksx\n")
     assert _imports_benchmarks(str(p)) == [2, 3]
+
+
+# -- pipeline schedules are types: their names live in one table ---------------------------------------------------
+SCHEDULE_TABLE = os.path.join(ROOT, "lower", "ppschedules.py")
+SCHEDULE_ALIASES = {"interleaved", "zb", "zbv", "zbh1", "zero_bubble", "zerobubble", "dualpipe", "1f1b_interleaved",
+                    "pipedream", "looped_bfs"}      # names other libraries use: no module may branch on them either
+
+
+def schedule_strings(root: str = ROOT, table: str = SCHEDULE_TABLE, names=None) -> list:
+    """Every string literal outside the table module that names a pipeline schedule (a name of
+    lower/ppschedules.SCHEDULES or an alias, any case; docstrings excepted): code that compares or picks a schedule
+    by its name instead of asking the schedule object."""
+    if names is None:
+        from partir_torch.lower.ppschedules import SCHEDULES
+        names = set(SCHEDULES)
+    wanted = {n.lower() for n in names} | SCHEDULE_ALIASES
+    out = []
+    for dirpath, dirs, files in os.walk(root):
+        dirs.sort()
+        for f in sorted(files):
+            path = os.path.join(dirpath, f)
+            if not f.endswith(".py") or os.path.abspath(path) == os.path.abspath(table):
+                continue
+            tree = ast.parse(open(path).read())
+            docs = {id(b[0].value) for b in [tree.body] + [n.body for n in ast.walk(tree) if isinstance(
+                n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+                if b and isinstance(b[0], ast.Expr) and isinstance(b[0].value, ast.Constant)}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs \
+                        and node.value.strip().lower() in wanted:
+                    out.append(f"{os.path.relpath(path, os.path.dirname(root))}:{node.lineno} {node.value!r}")
+    return out
+
+
+def test_schedule_names_only_in_the_schedule_table():
+    from partir_torch.lower.ppschedules import SCHEDULES
+
+    assert set(SCHEDULES) >= {"GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"}, set(SCHEDULES)
+    found = schedule_strings()
+    assert found == [], ("schedule names outside lower/ppschedules.py (ask the Schedule: PipelineSpec.schedule, "
+                         "Pipeline.kind):\n" + "\n".join(found))
+
+
+def test_the_schedule_walk_finds_planted_names(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "table.py").write_text('NAMES = ("GPipe", "1F1B")\n')
+    (pkg / "user.py").write_text('"""Runs "GPipe" or "1F1B"."""\n\ndef f(spec):\n    """"1F1B"."""\n'
+                                 '    if spec.schedule == "GPipe":\n        return 1\n'
+                                 '    return spec.schedule in ("1f1b", "Interleaved")\n')
+    assert schedule_strings(str(pkg), str(pkg / "table.py"), {"GPipe", "1F1B"}) == [
+        "pkg/user.py:5 'GPipe'", "pkg/user.py:7 '1f1b'", "pkg/user.py:7 'Interleaved'"]

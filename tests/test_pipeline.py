@@ -20,6 +20,8 @@ import partir_torch as pt
 from partir_torch.contract import META_ACTION, META_COLLECTIVE, META_MODULE, META_STAGE, Phase, phase_of
 from partir_torch.errors import PartitionError
 from partir_torch.lower.pipeline import pp_transfer, rank_orders
+from partir_torch.lower.ppschedules import SCHEDULES, schedule_of
+from partir_torch.lower.ppspec import PipelineSpec
 from examples.models import get
 from tests.harness import LOSS_RTOL, PARAM_ATOL, PARAM_RTOL, adamw, assert_parameters_equal, train_next_to_eager
 
@@ -486,6 +488,37 @@ def test_schedule_orders():
     # ends with stage 0's backwards, its W's filling what would be the bubble
     assert o[0][:6] == [(0, "F", 0), (0, "F", 1), (0, "F", 2), (3, "F", 0), (3, "B", 0), (3, "W", 0)]
     assert o[0][-6:-2] == [(0, "B", 2), (0, "W", 2), (0, "B", 3), (0, "W", 3)]
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_each_schedule_runs_every_action_of_the_stages_it_places(name):
+    """Every schedule of the table (lower/ppschedules.py): for each stage count it accepts on p ranks, each rank's
+    order runs every F and B (W: split backwards) of every micro-batch of exactly the stages rank_of puts on it,
+    once each; PipelineSpec.stages_on and the eval step's schedule agree with the table; the textbook bubble is in
+    [0, 1)."""
+    sched = SCHEDULES[name]
+    assert schedule_of(name) is sched and str(sched) == name and sched.eval_schedule in SCHEDULES.values()
+    kinds = "FBW" if sched.split_backward else "FB"
+    accepted = 0
+    for p, n, m in [(2, 2, 4), (2, 4, 4), (4, 4, 8), (4, 8, 8), (2, 6, 4)]:
+        try:
+            sched.check_stages(n, p, m, "pp", "PP")
+        except PartitionError:
+            continue
+        accepted += 1
+        v = n // p
+        spec = PipelineSpec("pp", sched, n, p, m, {}, ((),) * n, ((),) * n)
+        for r in range(p):
+            mine = [s for s in range(n) if sched.rank_of(s, p) == r]
+            assert list(spec.stages_on(r)) == mine and mine, (p, n, r)
+            assert sorted(sched.order(r, p, m, v)) == sorted((s, k, j) for s in mine for k in kinds
+                                                             for j in range(m)), (p, n, r)
+        assert sorted(sched.rank_of(s, p) for s in range(n)) == sorted(list(range(p)) * v)
+        assert 0 <= sched.bubble(p, m, v) < 1
+        assert m % sched.eval_group(p) == 0
+    assert accepted >= 2, f"{name} accepted {accepted} of the stage counts tried"
+    with pytest.raises(PartitionError, match="schedule must be one of"):
+        schedule_of(name.lower() + "x")
 
 
 # -- refusals ------------------------------------------------------------------------------------------------------

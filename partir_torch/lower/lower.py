@@ -31,7 +31,8 @@ from . import indexed
 from .bucket import bucket_collectives
 from .overlap import chunk_tp
 from .fakeprop import annotate_graph
-from .pipeline import bucket_parts
+from .pipeline import Pipelined, bucket_parts
+from .ppspec import NO_PIPELINE, NoPipeline, PipelineSpec
 from .ring import async_tp
 from .schedule import Scheduled, schedule
 from .fuse import fuse_optimizer
@@ -52,9 +53,14 @@ class Lowered:
     local_shapes: list = field(default_factory=list)   # per captured placeholder
     annotated: bool = False          # every node's meta["val"] holds its local shape as a meta tensor (fakeprop.py)
     scheduled: Scheduled | None = None   # where collectives are issued and waited for (schedule.py)
-    pipeline: object = None          # pipeline.Pipelined: the stages' actions and transfers (pipelined programs)
+    pipeline: Pipelined | None = None    # pipeline.Pipelined: the stages' actions and transfers (pipelined programs)
     # captured parameter placeholders whose forward gathered copy the backward reads (Lowerer._tail_of_forward)
     kept_to_backward: frozenset = frozenset()
+
+    @property
+    def pipeline_spec(self) -> PipelineSpec | NoPipeline:
+        """The pipeline this program runs (NO_PIPELINE: every rank runs the whole step)."""
+        return self.pipeline.spec if self.pipeline is not None else NO_PIPELINE
 
 
 def _local(shape, sh: Sharding, mesh):

@@ -9,13 +9,14 @@ collectives in every stage's ops). Then:
    and the rank's coordinates is copied into every stage that reads it);
 2. every op gets its action, (stage, "F" | "B", micro-batch) or (stage, "U", 0) for the optimizer update; what
    lowering added follows its latest operand's action in its stage (else its earliest reader's); under
-   ZBVZeroBubble each backward is split into "B" and "W" (split_backward);
+   a schedule with Schedule.split_backward (ZB-V) each backward is split into "B" and "W" (split_backward);
 3. a value read on another rank of the pipeline axis becomes a `pp_transfer` node at the end of its producer's
    action: sent by the ranks at coordinate src to the ranks at dst with the same coordinates on the other axes
    (the value keeps its layout on them);
-4. the program is reordered action by action: each rank's actions in the schedule's order (`rank_orders`: GPipe,
-   1F1B, Interleaved1F1B, ZBVZeroBubble), merged into one order in which every action comes after the actions it receives from
-   (the schedule is run round by round: each round, every rank whose next action has all its inputs runs it).
+4. the program is reordered action by action: each rank's actions in its schedule's order (`rank_orders`; the
+   schedules are lower/ppschedules.py's classes), merged into one order in which every action comes after the
+   actions it receives from (the schedule is run round by round: each round, every rank whose next action has all
+   its inputs runs it).
 
 Between 1 and 2, the sums that span stages become all_reduces on the pipeline axis that every rank runs (nodes with
 META_STAGE None, in the actions TIED, NORM, END that every rank reaches together; lower/ppaxis.py): a tied weight's
@@ -34,8 +35,10 @@ import torch
 
 from ..contract import META_ACTION, META_COLLECTIVE, META_MICRO, META_NAME, META_SRC, META_STAGE, Phase, \
     phase_of
-from ..errors import InternalError, PartitionError
+from ..errors import InternalError
 from ..rules import tags
+from .ppschedules import schedule_of
+from .ppspec import PipelineSpec
 from .ppaxis import END, NORM, TIED, clip_norm, norm_actions, pp_select, tied_weights  # noqa: F401 (pp_select: API)
 from .records import GRADIENT, STATE
 
@@ -53,7 +56,7 @@ def pp_transfer(x: torch.Tensor, src: int, dst: int, group: str) -> torch.Tensor
 class Pipelined:
     """The pipeline part of a pipelined Lowered: the spec, each rank's actions in order, and the transfers."""
 
-    spec: object                  # tactics.pipeline.PipelineSpec
+    spec: PipelineSpec
     orders: tuple                 # per rank (coordinate on the axis): its actions (stage, kind, micro-batch) in order
     transfers: tuple              # transfer node names, program order
 
@@ -63,44 +66,15 @@ class Pipelined:
 
 
 def rank_orders(spec, tokens=()) -> list:
-    """Per rank of the pipeline axis, its actions in the order the schedule runs them, then the optimizer update
-    of each of its stages; `tokens` (of TIED, NORM, END): TIED after the backwards, each stage's "N" action (the
-    squared gradients it contributes to the norm) and NORM before the updates, END after them. GPipe: every forward, then every backward. 1F1B (PipeDream-flush, Narayanan et al.
-    2021): p - 1 - r forwards to warm up, then one forward and one backward in turn, then the remaining backwards.
-    Interleaved1F1B (Megatron-LM's virtual stages, rank r holding stages r, r + p, ...): the same with the
-    micro-batches in groups of p, each group through every chunk in turn, warm-up (p - r - 1) * 2 + (v - 1) * p.
-    ZBVZeroBubble: zbv_order (each backward as "B", the input gradient, and "W", the weight gradients)."""
+    """Per rank of the pipeline axis, its forward/backward actions in the order its schedule runs them
+    (Schedule.order, lower/ppschedules.py), then the optimizer update of each of its stages; `tokens` (of TIED,
+    NORM, END): TIED after the backwards, each stage's "N" action (the squared gradients it contributes to the
+    norm) and NORM before the updates, END after them."""
     p, m, v = spec.ranks, spec.microbatches, spec.chunks
+    schedule = schedule_of(spec.schedule)
     out = []
     for r in range(p):
-        if spec.schedule == "GPipe":
-            acts = [(r, "F", j) for j in range(m)] + [(r, "B", j) for j in range(m)]
-        elif spec.schedule == "1F1B":
-            warm = min(p - 1 - r, m)
-            fs = [(r, "F", j) for j in range(m)]
-            bs = [(r, "B", j) for j in range(m)]
-            acts = fs[:warm]
-            for i in range(m - warm):
-                acts += [fs[warm + i], bs[i]]
-            acts += bs[m - warm:]
-        elif spec.schedule == "ZBVZeroBubble":
-            acts = zbv_order(r, p, m)
-        else:
-            n = v * m
-
-            def fwd(k):
-                chunk = (k // p) % v
-                return (chunk * p + r, "F", (k // (p * v)) * p + k % p)
-
-            def bwd(k):
-                chunk = v - 1 - (k // p) % v
-                return (chunk * p + r, "B", (k // (p * v)) * p + k % p)
-
-            warm = min((p - r - 1) * 2 + (v - 1) * p, n)
-            acts = [fwd(k) for k in range(warm)]
-            for i in range(n - warm):
-                acts += [fwd(warm + i), bwd(i)]
-            acts += [bwd(k) for k in range(n - warm, n)]
+        acts = schedule.order(r, p, m, v)
         if TIED in tokens:
             acts.append(TIED)
         mine = spec.stages_on(r)
@@ -113,53 +87,10 @@ def rank_orders(spec, tokens=()) -> list:
     return out
 
 
-def zbv_order(r: int, p: int, m: int) -> list:
-    """Rank r's actions under ZB-V (Qi et al. 2024, section 6): its stages c0 = r and c1 = 2 p - 1 - r (the V), each
-    backward split into B (the input gradient the previous stage waits for) and W (the weight gradients, which wait
-    for nothing). Warm-up: 2 (p - r) - 1 forwards of c0, r of c1 and c0 in turn, then p - r of c1 each followed by
-    its backward; steady state: one forward and one backward of c0, then of c1; cool-down: the remaining B's of c0
-    and c1, the W's filling the bubble last. Laid out for max(m, 2 p - 1) micro-batches (the V needs 2 p - 1 in
-    flight to fill), the actions of micro-batches >= m dropped."""
-    n, c0, c1 = max(m, 2 * p - 1), r, 2 * p - 1 - r
-    done = {(c, k): 0 for c in (c0, c1) for k in "FBW"}
-    out = []
-
-    def run(c, *kinds):
-        for k in kinds:
-            out.append((c, k, done[(c, k)]))
-            done[(c, k)] += 1
-    for _ in range(2 * (p - r) - 1):
-        run(c0, "F")
-    for _ in range(r):
-        run(c1, "F")
-        run(c0, "F")
-    for _ in range(p - r):
-        run(c1, "F", "B", "W")
-    while done[(c1, "F")] < done[(c0, "F")] or done[(c0, "F")] < n:
-        if done[(c0, "F")] < n:
-            run(c0, "F")
-        run(c0, "B", "W")
-        run(c1, "F", "B", "W")
-    for _ in range(r):
-        run(c0, "B")
-        run(c1, "B")
-    for _ in range(p - r):
-        run(c0, "B", "W")
-    while done[(c1, "W")] < n:
-        run(c1, "W")
-    while done[(c0, "W")] < n:
-        run(c0, "W")
-    if any(v != n for v in done.values()):
-        raise InternalError(f"pipeline: ZB-V laid out {done} actions on rank {r} of {p}, not {n} of each.")
-    return [a for a in out if a[2] < m]
-
-
 def pipeline_program(low, spec, captured):
     """The pipelined form of `low` (a Lowered of the whole step, the pipeline axis replicated): see the module
     docstring. Edits low.gm's graph in place; returns low with `pipeline` set."""
-    if spec.schedule == "Interleaved1F1B" and spec.microbatches % spec.ranks:
-        raise PartitionError(f"pipeline: Interleaved1F1B runs the micro-batches in groups of the axis size "
-                             f"{spec.ranks}; {spec.microbatches} micro-batches is not a multiple of it.")
+    spec.schedule.check_stages(spec.n_stages, spec.ranks, spec.microbatches, spec.axis, "pipeline")
     g = low.gm.graph
     cap_nodes = {n.name: n for n in captured.gm.graph.nodes}
     stage = _stages(g, spec)
@@ -170,7 +101,7 @@ def pipeline_program(low, spec, captured):
     orders = rank_orders(spec, tuple(every))
     pos = {a: i for acts in orders for i, a in enumerate(acts)}
     act = _actions(g, stage, cap_nodes, pos)
-    if spec.schedule == "ZBVZeroBubble":
+    if spec.schedule.split_backward:
         split_backward(g, stage, act)
     norm_actions(act, parts)
     for t, ns in every.items():

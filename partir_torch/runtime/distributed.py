@@ -246,7 +246,7 @@ class DistributedRuntime:
         """The plan's per-device program (lowered once per plan) bound to this runtime's process groups."""
         from ..lower.lower import bind
 
-        if plan.pipeline is not None:    # this rank's stage, its transfers as send/recv (p2p.py)
+        if plan.pipeline.staged:    # this rank's stage, its transfers as send/recv (p2p.py)
             from .p2p import rank_program, state_coords
 
             if self.compile or self.measure_memory:

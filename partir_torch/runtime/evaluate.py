@@ -66,7 +66,7 @@ class Evaluator:
             values, ckey, draws = paths.guard_values(self.paths[key], real)
         entry = self.cache.get(ckey) if ckey is not None else None
         family = (kind, str(spec), id(ex.rt))        # the programs whose sizes may become a symbol (dims.py)
-        symbolic = key not in self.paths and ex.plan.pipeline is None and ex.rt.kind != "xla"
+        symbolic = key not in self.paths and not ex.plan.pipeline.staged and ex.rt.kind != "xla"
         if entry is None and symbolic and family in self.dims:
             entry = self.dims[family].instance(key[2], lambda sig, plan, low, t, s: ShapeProgram(
                 key, plan, None, None, t, lowered=bind(low, ex.rt.groups), rt=ex.rt, canonical=low, dim=s))
@@ -140,12 +140,12 @@ class Evaluator:
         from ..plan import capture_for, plan
 
         train = self.ex.plan
-        piped = train.pipeline is not None and self.ex.rt.kind == "distributed"
-        if piped and kind != "loss":
+        staged = train.pipeline.staged and self.ex.rt.kind == "distributed"
+        if staged and kind != "loss":
             raise PartitionError("forward of a pipelined program on real ranks is not supported yet (each rank holds "
                                  "its stages' state only; eval_step runs through the stages); run it with ranks "
                                  "emulated, or gather the parameters (prog.gather_parameters()).")
-        pipe = _eval_pipeline(train, batch) if piped else None
+        pipe = _eval_pipeline(train, batch) if staged else None
         model = self.ex.model
         was = model.training
         model.eval()
@@ -186,8 +186,8 @@ class Evaluator:
 
 def _eval_pipeline(train, batch):
     """The pipeline of a pipelined program's eval step on real ranks: the training stages (their module globs), the
-    forwards only, over the most micro-batches up to training's that divide the batch (GPipe order; interleaved:
-    a multiple of the axis size, in its order; ZBVZeroBubble: in its order, the stages in their V)."""
+    forwards only, over the most micro-batches up to training's that divide the batch and are a multiple of the
+    schedule's eval_group, in its eval_schedule's order (lower/ppschedules.py)."""
     from ..tactics.pipeline import Pipeline
 
     spec = train.pipeline
@@ -195,7 +195,7 @@ def _eval_pipeline(train, batch):
     flat, _ = tree_flatten(tuple(batch))
     sizes = [x.shape[(dims or {}).get(i, 0)] for i, x in enumerate(flat)
              if isinstance(x, torch.Tensor) and (dims or {}).get(i, 0) is not None and x.dim() > 0]
-    step = spec.ranks if spec.schedule == "Interleaved1F1B" else 1
+    step = spec.schedule.eval_group(spec.ranks)
     m = next((k for k in range(spec.microbatches, 0, -1) if k % step == 0 and all(b % k == 0 for b in sizes)), None)
     if m is None:
         raise PartitionError(f"eval_step: the pipeline on axis '{spec.axis}' (size {spec.ranks}) runs "
@@ -203,9 +203,7 @@ def _eval_pipeline(train, batch):
                              f"batch sizes {sorted(set(sizes))}. Use an eval batch size divisible by {step}.")
     placed = tuple((n.meta[META_NAME], spec.stage_of[n.name]) for n in train.captured.gm.graph.nodes
                    if n.op == "placeholder" and n.name in spec.stage_of)
-    keep = spec.schedule in ("Interleaved1F1B", "ZBVZeroBubble")      # several stages per rank: their placement
-    return Pipeline(spec.axis, [list(g) for g in spec.modules], spec.schedule if keep else "GPipe", m, spec.name,
-                    placed)
+    return Pipeline(spec.axis, [list(g) for g in spec.modules], spec.schedule.eval_schedule, m, spec.name, placed)
 
 
 def _refuse_non_tensors(what, batch) -> None:

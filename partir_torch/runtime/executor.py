@@ -135,7 +135,7 @@ class Executor:
         entry = self.shapes.get(key) if key is not None else None
         # a size may become a symbol (dims.py); torch-xla programs run the shapes they were built for, and
         # train_step_local the programs train_step made
-        symbolic = not self.paths and self.plan.pipeline is None and self.rt.kind != "xla" and not local
+        symbolic = not self.paths and not self.plan.pipeline.staged and self.rt.kind != "xla" and not local
         if entry is None and symbolic:
             entry = self.dims.instance(sig, _instance)
             if entry is not None:

@@ -22,7 +22,7 @@ class LiveLayout:
     axis: str = ""
 
     def apply(self, ctx) -> None:
-        pp = self.train.pipeline.axis if self.train.pipeline is not None else None     # stages, not layouts
+        pp = self.train.pipeline.axis          # stages, not layouts (None: no pipeline)
         stages = [(s.tactic, s.axis) for s in self.train.stages if s.axis in self.train.mesh.axes and s.axis != pp]
         for k, (tactic, axis) in enumerate(stages):
             last = all(a != axis for _, a in stages[k + 1:])

@@ -7,9 +7,9 @@ link (one send at a time), and takes latency + bytes / bandwidth of the link bet
 node, the NIC across nodes, ICI / DCN on TPUs). Then:
 
 - the bubble: 1 - sum over ranks of their forward/backward busy time / (ranks x the span of the forward/backward
-  part; the zero-bubble schedule's W actions count as backward); with equal stages and free transfers this is
-  (p - 1) / (m + p - 1) for GPipe and 1F1B and (p - 1) / (v m + p - 1) for Interleaved1F1B (Narayanan et al. 2021,
-  section 2.2), close to 0 for ZBVZeroBubble when F = B = W (Qi et al. 2024, section 6);
+  part; the zero-bubble schedule's W actions count as backward); with equal stages and free transfers this is the
+  schedule's textbook bubble (Schedule.bubble, lower/ppschedules.py: (p - 1) / (v m + p - 1) after Narayanan et al.
+  2021, section 2.2; close to 0 for ZB-V when F = B = W, Qi et al. 2024, section 6);
 - the slowest stage (the most busy time), each rank's peak memory (the liveness of its own nodes), the transfers;
 - the nodes every rank runs (META_STAGE None: the all_reduces on the pipeline axis of clip_grad_norm and tied
   weights) start when the last rank reaches them, then each rank costs them as the SPMD timeline costs a collective.
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ..contract import META_ACTION, META_STAGE
 from ..lower.pipeline import pp_transfer
+from ..lower.ppschedules import Schedule
 from .comm import check_mesh, gpu_group
 from .confidence import closest_family, pipelined, strategy_of
 from .hardware import Hardware
@@ -33,12 +34,12 @@ from .timeline import Timeline
 class PipelineSim:
     """What the pipeline simulation adds to a SimReport (report.pipeline)."""
 
-    schedule: str
+    schedule: Schedule               # lower/ppschedules.py (str(): its name)
     ranks: int
     microbatches: int
     chunks: int
     bubble: float                    # fraction of the forward/backward span the ranks sit idle
-    formula: float                   # the textbook bubble (p - 1) / (v m + p - 1); ZB-V's: 0 (F = B = W)
+    formula: float                   # the schedule's textbook bubble (Schedule.bubble)
     busy_s: list                     # per rank: seconds of forward/backward work
     step_s: list                     # per rank: when its step ends (update included)
     peak_bytes: list                 # per rank: peak live bytes of its own program
@@ -59,7 +60,7 @@ class PipelineSim:
     def lines(self) -> list:
         per = ", ".join(f"{r}: {t * 1e3:.3f} ms" for r, t in enumerate(self.busy_s))
         mem = ", ".join(f"{r}: {b / 2**20:.1f} MiB" for r, b in enumerate(self.peak_bytes))
-        book = "ZB-V with F = B = W" if self.schedule == "ZBVZeroBubble" else "(p-1)/(v m+p-1)"
+        book = self.schedule.bubble_text
         return [f"pipeline {self.schedule}: {self.ranks} ranks x {self.chunks} stage(s), {self.microbatches} "
                 f"micro-batches; bubble {100 * self.bubble:.1f}% (textbook {book} = "
                 f"{100 * self.formula:.1f}%); slowest stage rank {self.slowest}",
@@ -163,7 +164,7 @@ def _report(lines, spans, spec, nodes, facts, hw, sent: int, n_sent: int, stage_
     v, m = spec.chunks, spec.microbatches
     peaks = [_rank_peak(nodes, r, facts) for r in range(p)]
     ends = [max(line.t_c, max(line.t_m.values(), default=0.0)) for line in lines]
-    textbook = 0.0 if spec.schedule == "ZBVZeroBubble" else (p - 1) / (v * m + p - 1)
+    textbook = spec.schedule.bubble(p, m, v)
     sim = PipelineSim(spec.schedule, p, m, v, bubble, textbook, busy, ends, peaks, sent, n_sent,
                       spans, [line.compute_s for line in lines], [line.contention_s for line in lines],
                       [line.exposed for line in lines])

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..contract import META_ROLE, Role
+from ..lower.ppspec import NO_PIPELINE, NoPipeline, PipelineSpec
 from ..propagate.arrays import undecided
 from ..propagate.decisions import Decisions
 
@@ -28,7 +29,7 @@ class Planning:
     lowered: dict = field(default_factory=dict)          # stage index -> lower.Lowered
     stage: int = 0                                       # index of the stage being planned
     families: dict = field(default_factory=dict)         # tactic name -> declared family (collective records)
-    pipeline: object = None                              # tactics.pipeline.PipelineSpec, set by the pipeline tactic
+    pipeline: PipelineSpec | NoPipeline = NO_PIPELINE    # set by the pipeline tactic
 
 
 class TacticContext:

@@ -25,81 +25,39 @@ on the axis. The tactics on the other axes partition every stage's ops as they w
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 
 from ..contract import META_CLIP, META_MODULE, META_NAME, META_ROLE, Phase, Role, phase_of
 from ..errors import PartitionError, warn
+from ..lower.ppschedules import DEFAULT_SCHEDULE, Schedule, schedule_of
+from ..lower.ppspec import PipelineSpec
+from ..options import Options
 from ..rules.tags import draws_random
 from .base import declare
 from .cut import balanced_cut
 from .structure import param_source
-
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
-ZBV = "ZBVZeroBubble"
-
-
-@dataclass(frozen=True)
-class PipelineSpec:
-    """What the pipeline tactic decided (Plan.pipeline): read by lowering, the runtime, summary and simulate."""
-
-    axis: str
-    schedule: str
-    n_stages: int                 # stages in all (ranks x chunks per rank)
-    ranks: int                    # the axis size
-    microbatches: int
-    stage_of: MappingProxyType    # captured node name -> stage (absent: the node belongs to no stage)
-    modules: tuple                # per stage: the module FQN globs (as given, or as the balanced cut chose)
-    params: tuple                 # per stage: the parameter FQNs it owns
-    name: str = "PP"              # the tactic's name (the pipeline axis's collectives record it)
-    # tied weights: a parameter read by several stages (and its optimizer state) -> the stages that hold it, the
-    # first its owner (stage_of); views of it that read nothing else (views), made on each stage that reads them
-    tied: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
-    views: frozenset = frozenset()
-
-    def holders(self, name: str) -> tuple:
-        """The coordinates on the axis that hold state value `name` (tied weights: several)."""
-        if name in self.tied:
-            return tuple(sorted({self.rank_of(s) for s in self.tied[name]}))
-        return ()
-
-    def rank_of(self, stage: int) -> int:
-        """The coordinate on the axis that runs `stage`: stage s on rank s % ranks (interleaved: rank r runs
-        stages r, r + ranks, ... as Megatron-LM's virtual stages); ZBVZeroBubble places the 2 p stages in a V, rank r
-        running stages r and 2 p - 1 - r (the first and the last on rank 0: Qi et al. 2024, section 6)."""
-        if self.schedule == ZBV:
-            return stage if stage < self.ranks else 2 * self.ranks - 1 - stage
-        return stage % self.ranks
-
-    def stages_on(self, rank: int) -> tuple:
-        """The stages `rank` runs, in increasing order."""
-        return tuple(s for s in range(self.n_stages) if self.rank_of(s) == rank)
-
-    @property
-    def chunks(self) -> int:
-        return self.n_stages // self.ranks
-
 
 @declare("pipeline")
 @dataclass(frozen=True)
 class Pipeline:
     """PP: the stages of the step on the ranks of `axis` (see the module docstring). stages: an int (that many
     stages, cut between the model's repeated blocks so that their forward FLOPs are balanced) or one list of module
-    FQN globs per stage. schedule: "GPipe", "1F1B", "Interleaved1F1B" (several stages per rank) or "ZBVZeroBubble"
-    (2 stages per rank in a V, each backward split into its input gradient and its weight gradients). microbatches:
-    per step (default 2 x stages); partition captures the step with that many (accumulate)."""
+    FQN globs per stage. schedule: a name of lower/ppschedules.SCHEDULES (GPipe, 1F1B, Interleaved1F1B: several
+    stages per rank, ZBVZeroBubble: 2 stages per rank in a V, each backward split into its input gradient and its
+    weight gradients) or a Schedule. microbatches: per step (default 2 x stages); partition captures the step with
+    that many (accumulate)."""
 
     axis: str
     stages: object = 2
-    schedule: str = "1F1B"
+    schedule: str | Schedule = DEFAULT_SCHEDULE
     microbatches: int | None = None
     name: str = "PP"
     placed: tuple = ()           # ((state value name, stage), ...): where a training plan put its state (the eval
     #                              step of a pipelined program, runtime/evaluate.py, runs on the training stages)
 
     def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise PartitionError(f"pipeline: schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}.")
+        schedule_of(self.schedule)            # a name the table does not know is refused here
         st = self.stages
         if isinstance(st, bool) or not (isinstance(st, int) and st >= 1 or isinstance(st, (list, tuple)) and st
                                         and all(isinstance(g, (list, tuple)) and g for g in st)):
@@ -119,11 +77,20 @@ class Pipeline:
     def n_microbatches(self) -> int:
         return self.microbatches if self.microbatches is not None else 2 * self.n_stages
 
+    @property
+    def kind(self) -> Schedule:
+        """The schedule (lower/ppschedules.py) this tactic runs."""
+        return schedule_of(self.schedule)
+
+    def check_runs_with(self, options: Options, training: bool) -> None:
+        """Refuse partition's options this tactic's schedule does not run with (Schedule.check_options)."""
+        self.kind.check_options(options, training, self.name)
+
     def apply(self, ctx) -> None:
         cap, mesh = ctx.captured, ctx.mesh
         if self.axis not in mesh.axes:
             raise PartitionError(f"{self.name}: axis '{self.axis}' is not an axis of the mesh {dict(mesh.shape)}.")
-        if getattr(ctx.planning, "pipeline", None) is not None:
+        if ctx.planning.pipeline.staged:
             raise PartitionError(f"{self.name}: the schedule has two pipeline tactics; one pipeline axis per program.")
         if ctx.axis_in_use(self.axis):
             raise PartitionError(f"{self.name}: axis '{self.axis}' already holds decisions of an earlier tactic; the "
@@ -131,23 +98,7 @@ class Pipeline:
                                  f"axis.")
         ranks = mesh.shape[self.axis]
         n = self.n_stages
-        if self.schedule == "Interleaved1F1B":
-            if n % ranks or n < 2 * ranks:
-                raise PartitionError(f"{self.name}: Interleaved1F1B runs v >= 2 stages per rank: {n} stages on axis "
-                                     f"'{self.axis}' (size {ranks}) is not a multiple >= 2 of it. Use stages="
-                                     f"{2 * ranks}.")
-            if self.n_microbatches % ranks:
-                raise PartitionError(f"{self.name}: Interleaved1F1B runs the micro-batches in groups of the axis size "
-                                     f"{ranks}; {self.n_microbatches} micro-batches is not a multiple of it.")
-        elif self.schedule == ZBV:
-            if n != 2 * ranks:
-                raise PartitionError(f"{self.name}: ZBVZeroBubble runs exactly 2 stages per rank, placed in a V (rank r "
-                                     f"runs stages r and {2 * ranks - 1} - r): {n} stages on axis '{self.axis}' (size "
-                                     f"{ranks}). Use stages={2 * ranks}.")
-        elif n != ranks:
-            raise PartitionError(f"{self.name}: {self.schedule} runs one stage per rank: {n} stages on axis "
-                                 f"'{self.axis}' of size {ranks}. Use stages={ranks}, or Interleaved1F1B for "
-                                 f"several stages per rank.")
+        self.kind.check_stages(n, ranks, self.n_microbatches, self.axis, self.name)
         s = cap.settings
         if cap.mode not in ("train", "loss_and_grads", "eval"):      # eval: a pipelined eval_step (evaluate.py)
             raise PartitionError(f"{self.name}: a pipeline runs a training step; pass loss_fn= (and optimizer=).")
@@ -193,7 +144,7 @@ class Pipeline:
                  f"distribution); emulated ranks draw them as one device does.")
 
 
-def pipeline(axis: str, stages=2, schedule: str = "1F1B", microbatches: int | None = None,
+def pipeline(axis: str, stages=2, schedule: str | Schedule = DEFAULT_SCHEDULE, microbatches: int | None = None,
              name: str = "PP") -> Pipeline:
     """The pipeline tactic (see Pipeline)."""
     return Pipeline(axis, stages, schedule, microbatches, name)
@@ -296,7 +247,7 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
             raise PartitionError(f"{tactic.name}: stage {i}{'' if auto else f' ({list(globs[i])})'} holds no op of the "
                                  f"step; every stage needs some of the model. {_fix(tactic, globs)}")
     tied, views = _tied(cap, readers, stage)
-    return PipelineSpec(tactic.axis, tactic.schedule, len(globs), ranks, tactic.n_microbatches,
+    return PipelineSpec(tactic.axis, tactic.kind, len(globs), ranks, tactic.n_microbatches,
                         MappingProxyType({n.name: s for n, s in stage.items() if n.name not in views}),
                         tuple(tuple(g) for g in globs), tuple(tuple(p) for p in params), tactic.name,
                         MappingProxyType(tied), frozenset(views))
