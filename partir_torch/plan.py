@@ -250,11 +250,9 @@ def plan(captured, mesh: Mesh, schedule, options: Options | None = None, registr
                                  f"the other axes.")
     frozen = lambda d: MappingProxyType({k: tuple(v) for k, v in d.items()})   # noqa: E731
     at = next((k for k, t in enumerate(entries) if isinstance(t, Pipeline)), -1)
-    # a tactic's own lowering (the automatic search's winner) is not pipelined: lower again
-    lowered = {} if spec.staged else dict(planning.lowered)
     return Plan(captured, graph, mesh, entries, tuple(stages), options, registry, frozen(planning.notes),
                 frozen(planning.remarks), tuple(planning.searches), MappingProxyType(dict(planning.actions)),
-                spec, at, lowered)
+                spec, at)
 
 
 

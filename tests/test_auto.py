@@ -65,6 +65,18 @@ def test_search_recovers_megatron_when_memory_forbids_replicated_mlp(megatron_pr
 
 
 @SHARED
+def test_the_plan_lowers_the_chosen_stage_its_own_way(megatron_prog):
+    # one lowering per stage: the search's candidate lowerings lack what the whole schedule decides, so the plan's
+    # program is its own lowering (with its memory budget and reshard warnings), equal to a fresh one
+    plan = megatron_prog.plan
+    got = plan.lowered()
+    assert got is plan.lowered()                                          # memoised once
+    fresh = plan._lower(len(plan.stages) - 1, plan.options)
+    assert got.gm.code == fresh.gm.code
+    assert got is not megatron_prog.search_reports[-1].chosen.low
+
+
+@SHARED
 def test_search_respects_earlier_tactics(megatron_prog):
     """Every decision BP made (stage 0) is unchanged after the search, with BP's provenance."""
     prog = megatron_prog

@@ -185,7 +185,7 @@ class AutomaticPartition:
         # 4. the winner, on the real decisions
         self._replay(ctx, chosen.actions, label=True)
         report.seconds["total"] = time.perf_counter() - t_start
-        ctx.record_search(report, lowered=chosen.low)
+        ctx.record_search(report)
         desc = chosen.label()
         ctx.remark(self.name, f"{self.name} chose {desc} (simulated step {chosen.sim.step_time_s * 1e3:.1f} ms, "
                               f"peak {chosen.sim.peak_memory_bytes / 1e9:.1f} GB of {limit / 1e9:.1f} GB); "

@@ -26,7 +26,6 @@ class Planning:
     remarks: dict = field(default_factory=dict)          # tactic name -> [text]
     searches: list = field(default_factory=list)         # tactics.auto.SearchReport
     actions: dict = field(default_factory=dict)          # (canonical vid, axis) -> (tactic, action label)
-    lowered: dict = field(default_factory=dict)          # stage index -> lower.Lowered
     stage: int = 0                                       # index of the stage being planned
     families: dict = field(default_factory=dict)         # tactic name -> declared family (collective records)
     pipeline: PipelineSpec | NoPipeline = NO_PIPELINE    # set by the pipeline tactic
@@ -80,12 +79,12 @@ class TacticContext:
         """A remark shown by summary() under the table (e.g. which linears Megatron left replicated)."""
         self.planning.remarks.setdefault(tactic, []).append(text)
 
-    def record_search(self, report, lowered=None) -> None:
-        """The automatic tactic's search report (prog.search_report()); `lowered`: its lowering of exactly the
-        decisions this stage ends with, kept so the plan does not lower them again."""
+    def record_search(self, report) -> None:
+        """The automatic tactic's search report (prog.search_report()). Its candidates' lowerings are not the
+        plan's: they are built without what the whole schedule decides (gathers kept from forward to backward, the
+        stages' shared layouts) and would skip the memory budget and the reshard warnings; the plan lowers each stage
+        once, its own way (Plan.lowered)."""
         self.planning.searches.append(report)
-        if lowered is not None:
-            self.planning.lowered[self.planning.stage] = lowered
 
     def mark_action(self, canon_vid: int, axis: str, tactic: str, label: str) -> None:
         """explain() says that this decision came from the automatic search's action `label`."""
