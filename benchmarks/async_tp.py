@@ -46,7 +46,8 @@ def _worker(rank, port, args, queue):
         sched = ([T.data_parallel("batch")] if "batch" in mesh else []) + [T.megatron("model"),
                                                                               T.sequence_parallel("model")]
         progs[name] = pt.partition(model, pt.Mesh(mesh), sched, example_inputs=batch, loss_fn=spec.loss_fn,
-                                   optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), async_tp=ring)
+                                   optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                   options=pt.Options(async_tp=ring))
     times = {k: [] for k in progs}
     losses = {k: [] for k in progs}
     for step in range(args.warmup + args.steps):

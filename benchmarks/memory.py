@@ -53,8 +53,8 @@ def partir_peak(spec, batch, mesh, tactics, bucket_bytes=64 * 2 ** 20):
 
     model = spec.build()
     prog = pt.partition(model, pt.Mesh(mesh), tactics, example_inputs=batch, loss_fn=spec.loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), measure_memory=True,
-                        bucket_bytes=bucket_bytes)
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        options=pt.Options(measure_memory=True, bucket_bytes=bucket_bytes))
     prog.train_step(*batch)
     prog.train_step(*batch)
     sim = prog.simulate(pt.sim.hardware("h100", gpus_per_node=WORLD)).peak_memory_bytes
@@ -230,7 +230,7 @@ def lora_rows() -> list:
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         prog = pt.partition(model, pt.Mesh(mesh), tactics, example_inputs=(tokens, tokens),
                             loss_fn=lambda m, x, y: m(input_ids=x, labels=y).loss, optimizer=opt,
-                            measure_memory=True, **kw)
+                            options=pt.Options(measure_memory=True, **kw))
         prog.train_step(tokens, tokens)
         prog.train_step(tokens, tokens)
         comm: dict = {}

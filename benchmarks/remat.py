@@ -39,8 +39,9 @@ def main(argv=None):
                         ("full", [T.remat("layers.*")])]:
         model = spec.build()
         progs[name] = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")] + extra,
-                                   example_inputs=batch, loss_fn=spec.loss_fn, measure_memory=True,
-                                   optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+                                   example_inputs=batch, loss_fn=spec.loss_fn,
+                                   optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                   options=pt.Options(measure_memory=True))
     times = {n: [] for n in progs}
     losses = {n: [] for n in progs}
     for _ in range(a.steps):

@@ -178,7 +178,7 @@ def make_partir(spec, batch, compile_: bool):
     prog = pt.partition(model, pt.Mesh({"batch": DP, "model": TP}),
                         [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")], example_inputs=batch,
                         loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                        compile=compile_)
+                        options=pt.Options(compile=compile_))
     held = lambda: list(prog.executor.state.values())   # noqa: E731 - this rank's shards of the state
     return (lambda: prog.train_step(*batch)), (lambda loss: loss.item()), held
 

@@ -26,7 +26,8 @@ def peak(name, tactics, n, **kw) -> int:
     torch.manual_seed(0)
     model, data = spec.build(), spec.batch(4)
     prog = pt.partition(model, pt.Mesh({"batch": n}), tactics, example_inputs=data, loss_fn=spec.loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), measure_memory=True, **kw)
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        options=pt.Options(measure_memory=True, **kw))
     prog.train_step(*data)
     prog.train_step(*data)
     return max(prog.peak_memory().values())

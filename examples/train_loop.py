@@ -143,7 +143,9 @@ def main(argv=None):
     mesh = pt.Mesh({"batch": 2, "model": 2})
     schedule = [pt.tactics.data_parallel("batch"), pt.tactics.megatron("model"), pt.tactics.zero(3, "batch")]
     prog = pt.partition(model, mesh, schedule, example_inputs=get_batch(ids, 0, args.batch), loss_fn=spec.loss_fn,
-                        optimizer=opt, clip_grad_norm=args.clip, accumulate=args.accumulate, timeout_s=args.timeout)
+                        optimizer=opt,
+                        step=pt.StepOptions(clip_grad_norm=args.clip, accumulate=args.accumulate),
+                        options=pt.Options(timeout_s=args.timeout))
 
     start = 0
     found = latest_checkpoint(args.ckpt)

@@ -60,7 +60,8 @@ def main():
                     pt.tactics.data_parallel("dp"), pt.tactics.megatron("tp")]
     batch = spec.batch(BATCH)
     prog = pt.partition(model, mesh, schedule, example_inputs=batch, loss_fn=spec.loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR), clip_grad_norm=args.clip)
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+                        step=pt.StepOptions(clip_grad_norm=args.clip))
     say(f"{'real' if real else 'emulated'} ranks, mesh {dict(mesh.shape)}, {args.schedule}, "
         f"{args.microbatches} micro-batches; stages: {prog.plan.pipeline.modules}")
     for step in range(STEPS):

@@ -3,6 +3,7 @@ from . import sim, tactics
 from .api import partition
 from .errors import PartitionError
 from .mesh import Mesh
+from .options import Options, StepOptions
 from .rules.registry import register_rule
 from .sharding import REPLICATED, Sharding
 from .tactics.manual import ManualPartition
@@ -11,4 +12,4 @@ from .runtime import restart as _restart
 _restart.install()      # torchrun --max-restarts: every attempt's store keys of its own (runtime/restart.py)
 
 __all__ = ["Mesh", "Sharding", "REPLICATED", "ManualPartition", "partition", "tactics", "register_rule",
-           "PartitionError", "sim"]
+           "PartitionError", "sim", "Options", "StepOptions"]

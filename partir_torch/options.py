@@ -1,4 +1,7 @@
-"""Options of a partitioned program, set once in partition() and passed to every stage that reads them."""
+"""What partition() takes besides the model, mesh, schedule, inputs, loss and optimizer, in two groups, each
+documented once here: StepOptions (what the captured training step does besides loss, backward and update: the
+capture reads them) and Options (how the program is scheduled and run: lowering, the runtime and the backends read
+them). partition(..., step=StepOptions(...), options=Options(...)); both frozen, checked when built."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -77,3 +80,26 @@ class Options:
                                  f"got {self.memory_budget!r}.")
         if not self.timeout_s > 0:
             raise PartitionError(f"partition: timeout_s must be a positive number of seconds, got {self.timeout_s!r}.")
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """What the captured training step does besides loss_fn, backward and the optimizer's update.
+
+    clip_grad_norm: clip the gradients by their global norm before the update, as torch.nn.utils.clip_grad_norm_
+    (the norm over all shards; prog.last_grad_norm holds the norm before clipping). Needs an optimizer.
+    accumulate: micro-batches per optimizer step. train_step takes the batch of one step (as example_inputs) and
+    runs it as k micro-batches x[j::k] (capture/capture.py's _micro_batches), their gradients summed, the loss
+    their mean: one gradient reduction per step, one micro-batch's activations alive. accumulate_dims: input index
+    -> batch dim (default 0), or None for an input shared by every micro-batch."""
+
+    clip_grad_norm: float | None = None
+    accumulate: int = 1
+    accumulate_dims: dict | None = None
+
+    def __post_init__(self):
+        if self.clip_grad_norm is not None and not float(self.clip_grad_norm) > 0:
+            raise PartitionError(f"partition: clip_grad_norm must be a positive number, got {self.clip_grad_norm!r}.")
+        if not isinstance(self.accumulate, int) or isinstance(self.accumulate, bool) or self.accumulate < 1:
+            raise PartitionError(f"partition: accumulate must be a positive int (micro-batches per step), got "
+                                 f"{self.accumulate!r}.")

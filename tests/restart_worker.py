@@ -65,7 +65,7 @@ def main(out: str, faults: list[str]):
     model = spec.build()
     prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}), schedule(), example_inputs=spec.batch(8),
                         loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
-                        timeout_s=TIMEOUT_S if fault == "hang" else 60.0)
+                        options=pt.Options(timeout_s=TIMEOUT_S if fault == "hang" else 60.0))
     dist.barrier()      # the ranks leave partition() apart under load: the start-up check is not what times out
     done = sorted(int(d.split("_")[1]) for d in os.listdir(out) if d.startswith("step_"))
     start = done[-1] if done else 0

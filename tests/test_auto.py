@@ -140,7 +140,8 @@ def test_fast_estimate_counts_gradients_until_the_update(reduce_in_flight):
     prog = pt.partition(model, pt.Mesh({"batch": 8}),
                         [T.mixed_precision(torch.bfloat16), T.data_parallel("batch"), T.zero(3, "batch")],
                         example_inputs=batch, loss_fn=spec.loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), reduce_in_flight=reduce_in_flight)
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        options=pt.Options(reduce_in_flight=reduce_in_flight))
     facts = ProgramFacts(prog.graph, prog.mesh, HW, prog.captured, reduce_in_flight=reduce_in_flight)
     est = facts.estimate({a: prog.decisions.axis_arrays(a) for a in prog.mesh.axes})
     sim = prog.simulate(HW)

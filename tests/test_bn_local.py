@@ -97,7 +97,7 @@ def test_local_batch_norm_without_running_statistics_and_without_buckets():
     weights reduced as gradients, one per parameter; still DDP's numbers."""
     torch.manual_seed(1)
     model = BatchNorms(track_running_stats=False)
-    prog, ref = _train_local(model, _batches(2, 8, (3, 4, 4), 6, seed=1), bucket_bytes=0)
+    prog, ref = _train_local(model, _batches(2, 8, (3, 4, 4), 6, seed=1), options=pt.Options(bucket_bytes=0))
     _assert_like_ddp(prog, ref)
     fwd = [r.nbytes for r in prog.collectives() if r.phase == "forward"]
     assert fwd == [4, 4], fwd

@@ -140,7 +140,7 @@ def test_an_assert_is_checked_after_the_step_not_a_path():
 def test_paths_share_the_shape_cache_bound():
     """max_shapes bounds paths and shapes together: beyond it the least recently used path is dropped (said once)
     and captured again when it comes back, still like eager."""
-    prog, said, _ = _run_next_to_eager(pt.Mesh({"batch": 2}), [T.data_parallel("batch")], steps=8, max_shapes=2)
+    prog, said, _ = _run_next_to_eager(pt.Mesh({"batch": 2}), [T.data_parallel("batch")], steps=8, options=pt.Options(max_shapes=2))
     assert len(prog.shapes()) <= 2
     assert len(said) >= 2
 

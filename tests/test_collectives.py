@@ -45,7 +45,7 @@ def partition(mesh: dict, tactics, optimizer=True, bucket_bytes=0):
     model = SPEC.build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer else None
     prog = pt.partition(model, pt.Mesh(mesh), tactics, example_inputs=SPEC.batch(B), loss_fn=SPEC.loss_fn,
-                        optimizer=opt, bucket_bytes=bucket_bytes)
+                        optimizer=opt, options=pt.Options(bucket_bytes=bucket_bytes))
     return model, prog
 
 
@@ -217,7 +217,8 @@ def test_zero3_does_not_gather_a_weight_the_backward_reads_only_the_shape_of():
     batch = spec.batch(4)
     prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
                         example_inputs=batch, loss_fn=spec.loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5), bucket_bytes=0)
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5),
+                        options=pt.Options(bucket_bytes=0))
     gathers = select(prog.collectives(), kind="all_gather", value="params.patch_embed.weight")
     assert [r.phase for r in gathers] == ["forward"], [str(r) for r in gathers]
     train_next_to_eager(prog, ref, [batch] * 2, spec.loss_fn, adamw(eps=1e-5))
@@ -246,7 +247,7 @@ def test_a_position_tables_gradient_is_reduced_before_the_scatter_not_as_the_tab
     loss_fn = lambda m, x: torch.nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten())   # noqa: E731
     prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=(x,),
                         loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5),
-                        bucket_bytes=0)
+                        options=pt.Options(bucket_bytes=0))
     sizes = sorted(r.nbytes for r in select(prog.collectives(), kind="all_reduce"))
     assert 8 * 16 * F32 in sizes and 64 * 16 * F32 not in sizes, sizes
     train_next_to_eager(prog, ref, [(x,)] * 2, loss_fn, adamw(eps=1e-5))

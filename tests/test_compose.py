@@ -48,7 +48,8 @@ def _partition(spec, schedule, data):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="partir_torch: MP left")   # asserted in the tests below
         prog = pt.partition(model, pt.Mesh(MESH), schedule, example_inputs=data, loss_fn=spec.loss_fn,
-                            optimizer=torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), bucket_bytes=0)
+                            optimizer=torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+                            options=pt.Options(bucket_bytes=0))
     return model, prog
 
 
@@ -256,7 +257,8 @@ def test_megatron_shards_nn_multihead_attention(dtype):
     with pytest.warns(UserWarning, match=r"MP left 1 linear weight replicated.*\n  head.weight: the output head"):
         model = spec.build()
         prog = pt.partition(model, pt.Mesh(MESH), sched, example_inputs=data, loss_fn=spec.loss_fn,
-                            optimizer=torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), bucket_bytes=0)
+                            optimizer=torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+                            options=pt.Options(bucket_bytes=0))
     layer = "params.enc.layers.0."
     # the packed (3E, E) q/k/v projection is tiled strided: each rank holds its heads of q, of k and of v
     assert str(prog.sharding(layer + "self_attn.in_proj_weight")) == "[{model:s3}, {}]"
@@ -277,7 +279,8 @@ def test_megatron_keeps_one_kv_head_whole_and_says_so():
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         prog = pt.partition(model, pt.Mesh(MESH), [T.megatron("model")], example_inputs=data, loss_fn=spec.loss_fn,
-                            optimizer=torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), bucket_bytes=0)
+                            optimizer=torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+                            options=pt.Options(bucket_bytes=0))
     mine = [str(w.message) for w in seen if "MP left" in str(w.message)]
     assert len(mine) == 1, mine
     assert "layers.0.attention.wk.weight, layers.0.attention.wv.weight, layers.1.attention.wk.weight, " \

@@ -16,7 +16,7 @@ SPEC = get("mlp")
 
 def partition(schedule, mesh=None, batch_size=4, strict=False):
     return pt.partition(SPEC.build(), pt.Mesh(mesh or {"batch": 4}), schedule,
-                        example_inputs=SPEC.batch(batch_size), loss_fn=SPEC.loss_fn, strict=strict)
+                        example_inputs=SPEC.batch(batch_size), loss_fn=SPEC.loss_fn, options=pt.Options(strict=strict))
 
 
 def test_unknown_axis_suggests_the_closest():

@@ -237,7 +237,7 @@ def test_unfused_and_fused_programs_agree_and_the_simulator_costs_one_kernel():
     model, x, y = MLP(), torch.randn(8, 16), torch.randn(8, 8)
     prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
                         example_inputs=(x, y), loss_fn=_loss, optimizer=torch.optim.AdamW(model.parameters()),
-                        compile=True)
+                        options=pt.Options(compile=True))
     groups = {"batch": "g"}
     unfused = Lowerer(prog.graph, prog.decisions, prog.mesh, prog.captured, groups, prog.options).run()
     assert FUSED_UPDATE not in [n.target for n in unfused.gm.graph.nodes]
@@ -263,7 +263,7 @@ def _eager_and_compiled():
         m = copy.deepcopy(model)
         progs[c] = pt.partition(m, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
                                 example_inputs=(x, y), loss_fn=_loss,
-                                optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2), compile=c)
+                                optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2), options=pt.Options(compile=c))
     return progs, x, y
 
 

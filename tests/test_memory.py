@@ -44,12 +44,13 @@ def test_tracker_counts_storages_once_and_frees():
     assert tr.live == {0: 400, 1: 0}
 
 
-def _zoo_prog(name, mesh, tactics, batch=4, **kw):
+def _zoo_prog(name, mesh, tactics, batch=4, **options):
     spec = get(name)
     model = spec.build()
     data = spec.batch(batch)
     prog = pt.partition(model, pt.Mesh(mesh), tactics, example_inputs=data, loss_fn=spec.loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), measure_memory=True, **kw)
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        options=pt.Options(measure_memory=True, **options))
     return prog, data
 
 
@@ -90,7 +91,7 @@ def test_measure_memory_refuses_compiled_cpu_programs():
     model = spec.build()
     prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(4),
                         loss_fn=spec.loss_fn, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                        compile=True, measure_memory=True)
+                        options=pt.Options(compile=True, measure_memory=True))
     with pytest.raises(PartitionError, match="Inductor's kernels"):
         prog.train_step(*spec.batch(4))
 
@@ -131,7 +132,7 @@ def _lora_prog(model, spec, data, tactics):
     # model this small (issue 19 item 1: the scheduling pass frees gathered copies after their last use).
     return pt.partition(model, pt.Mesh({"batch": 4}), tactics, example_inputs=data, loss_fn=spec.loss_fn,
                         optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
-                        measure_memory=True, bucket_bytes=0)
+                        options=pt.Options(measure_memory=True, bucket_bytes=0))
 
 
 def test_zero3_shards_frozen_parameters_lora():

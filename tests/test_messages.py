@@ -38,7 +38,7 @@ def test_megatron_axis_size_that_divides_no_dim_says_so():
     pair was found, the axis size is the cause, and 2 / 4 are sizes that fit."""
     with pytest.raises(pt.PartitionError) as e:
         pt.partition(Wide(), pt.Mesh({"model": 3}), [T.megatron("model")], example_inputs=(torch.randn(8, 256),),
-                     loss_fn=_sum_loss, strict=True)
+                     loss_fn=_sum_loss, options=pt.Options(strict=True))
     msg = str(e.value)
     assert "found column-parallel/row-parallel linear pairs" in msg
     assert "axis 'model' (size 3)" in msg and "3 does not divide" in msg
@@ -51,7 +51,7 @@ def test_megatron_heads_the_axis_does_not_divide_are_named():
     spec = get("gpt_sdpa")     # 4 heads, MLP hidden 128 (tiled unevenly without strict=True)
     with pytest.raises(pt.PartitionError) as e:
         pt.partition(spec.build(), pt.Mesh({"model": 3}), [T.megatron("model")], example_inputs=spec.batch(4),
-                     loss_fn=spec.loss_fn, strict=True)
+                     loss_fn=spec.loss_fn, options=pt.Options(strict=True))
     msg = str(e.value)
     assert "4 attention heads in layers.0.attn.wq.weight and 5 more" in msg
     assert "128 output features in layers.0.mlp.w1.weight and 1 more" in msg
@@ -295,4 +295,5 @@ def test_zero_that_shards_nothing_raises_with_the_sizes():
     with pytest.raises(pt.PartitionError, match=r"axis 'batch' \(size 3\) divides no dim .* zero\(3\) would shard "
                                                 r"nothing"):
         pt.partition(model, pt.Mesh({"batch": 3}), [pt.tactics.zero(3, "batch")], example_inputs=spec.batch(3),
-                     loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), strict=True)
+                     loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                     options=pt.Options(strict=True))

@@ -77,7 +77,7 @@ def _train_both(model, mesh, batches, loss_fn=_ce, tactics=DP):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", "partir_torch: no sharding rule")
         prog = pt.partition(model, mesh, tactics, example_inputs=batches[0], loss_fn=loss_fn, optimizer=_sgd(model),
-                            bucket_bytes=0)
+                            options=pt.Options(bucket_bytes=0))
         train_next_to_eager(prog, ref, batches, loss_fn, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
                             buffers=True, loss_rtol=RTOL, param_rtol=RTOL, param_atol=ATOL,
                             what=type(model).__name__)

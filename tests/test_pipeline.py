@@ -171,7 +171,7 @@ def test_dp_collectives_bucketed_per_stage_and_overlapped():
     gathers (kept for every micro-batch) are bucketed in its first micro-batch's forward; no bucket mixes stages
     (each parameter reduced and gathered once, by its own stage); the step trains like one device."""
     prog = _parity({"pp": 2, "dp": 2}, [T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("dp"),
-                                        T.zero(3, "dp", reshard_after_forward=False)], bucket_bytes=2 ** 14)
+                                        T.zero(3, "dp", reshard_after_forward=False)], options=pt.Options(bucket_bytes=2 ** 14))
     low, spec = prog.plan.lowered(), prog.plan.pipeline
     nodes = list(low.gm.graph.nodes)
     at = {n: i for i, n in enumerate(nodes)}
@@ -210,7 +210,8 @@ def test_mixed_precision_reductions_start_inside_the_last_backward():
     prog = pt.partition(model, pt.Mesh({"pp": 2, "dp": 2}),
                         [T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("dp"), T.mixed_precision(torch.float64),
                          T.zero(3, "dp", reshard_after_forward=False)], example_inputs=batch, loss_fn=loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), bucket_bytes=2 ** 14)
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        options=pt.Options(bucket_bytes=2 ** 14))
     train_next_to_eager(prog, ref, [batch] * 2, loss_fn, adamw(1e-3))
     low = prog.plan.lowered()
     nodes = list(low.gm.graph.nodes)
@@ -276,7 +277,8 @@ def _clip_parity(mesh, schedule, steps=2):
     batch = LLAMA.batch(8)
     max_norm = _max_norm(model, batch, LLAMA.loss_fn)
     prog = pt.partition(model, pt.Mesh(mesh), schedule, example_inputs=batch, loss_fn=LLAMA.loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), clip_grad_norm=max_norm)
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        step=pt.StepOptions(clip_grad_norm=max_norm))
     _train_clipped(prog, ref, batch, LLAMA.loss_fn, max_norm, steps, str(mesh))
     return prog
 
@@ -312,7 +314,8 @@ def test_tied_weights_held_by_every_stage_that_reads_them():
     prog = pt.partition(model, pt.Mesh({"pp": 2, "dp": 2}), [T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("dp"),
                                                              T.zero(2, "dp")],
                         example_inputs=batch, loss_fn=gpt.loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), clip_grad_norm=max_norm)
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        step=pt.StepOptions(clip_grad_norm=max_norm))
     _train_clipped(prog, ref, batch, gpt.loss_fn, max_norm)
     spec = prog.plan.pipeline
     assert spec.tied["params.wte.weight"] == (0, 1) and spec.holders("opt.exp_avg.wte.weight") == (0, 1)
@@ -383,7 +386,8 @@ def _tied_trained(model, ranks: int, schedule: str, microbatches: int):
     prog = pt.partition(model, pt.Mesh({"pp": ranks}), [T.pipeline("pp", [[f"blocks.{i}"] for i in range(4)],
                                                                   schedule, microbatches)],
                         example_inputs=(x, y), loss_fn=loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), clip_grad_norm=max_norm)
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        step=pt.StepOptions(clip_grad_norm=max_norm))
     _train_clipped(prog, ref, (x, y), loss_fn, max_norm)
     return prog
 
@@ -400,7 +404,8 @@ def test_tied_weight_clipped_under_sgd(schedule):
     max_norm = _max_norm(model, batch, gpt.loss_fn)
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)      # noqa: E731
     prog = pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", 2, schedule, 4)], example_inputs=batch,
-                        loss_fn=gpt.loss_fn, optimizer=sgd(model.parameters()), clip_grad_norm=max_norm)
+                        loss_fn=gpt.loss_fn, optimizer=sgd(model.parameters()),
+                        step=pt.StepOptions(clip_grad_norm=max_norm))
     _train_clipped(prog, ref, batch, gpt.loss_fn, max_norm, make_opt=sgd)
     assert [r.why for r in prog.collectives() if r.axis == "pp"] == ["tied weight", "grad norm"]
 
@@ -532,9 +537,9 @@ def test_each_schedule_runs_every_action_of_the_stages_it_places(name):
     ([T.pipeline("pp", [["layers.[2-3]", "norm", "output"], ["tok_embeddings", "layers.[0-1]"]])], {},
      "later stage"),
     ([T.pipeline("pp", 2, "1F1B", 4), T.data_parallel("pp")], {}, "pipeline axis"),
-    ([T.pipeline("pp", 2, "1F1B", 4)], {"compile": True}, "compile=True"),
-    ([T.pipeline("pp", 2, "1F1B", 4)], {"measure_memory": True}, "measure_memory"),
-    ([T.pipeline("pp", 2, "1F1B", 4)], {"accumulate": 2}, "accumulate=2"),
+    ([T.pipeline("pp", 2, "1F1B", 4)], {"options": pt.Options(compile=True)}, "compile=True"),
+    ([T.pipeline("pp", 2, "1F1B", 4)], {"options": pt.Options(measure_memory=True)}, "measure_memory"),
+    ([T.pipeline("pp", 2, "1F1B", 4)], {"step": pt.StepOptions(accumulate=2)}, "accumulate=2"),
 ])
 def test_refused_with_the_cause(schedule, kw, match):
     with pytest.raises(PartitionError, match=match):

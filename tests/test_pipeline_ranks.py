@@ -47,7 +47,8 @@ def _phase_dcp(pt, spec, batch, ckpt, clip=None):
         return pt.partition(model, pt.Mesh({"pp": 2, "dp": 2}),
                             [pt.tactics.pipeline("pp", 2, "1F1B", 4), pt.tactics.data_parallel("dp")],
                             example_inputs=batch, loss_fn=spec.loss_fn,
-                            optimizer=torch.optim.AdamW(model.parameters(), lr=LR), clip_grad_norm=clip)
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+                            step=pt.StepOptions(clip_grad_norm=clip))
     prog = make()
     first = prog.train_step(*batch).item()
     norms = [prog.last_grad_norm.item()] if clip else []

@@ -24,7 +24,8 @@ def run(name, schedule, mesh, batch=4, steps=STEPS, eps=1e-8, **overrides):
     data = spec.batch(batch, **overrides)
     # bucket_bytes=0: one collective per value, so the textbook counts below can be read off directly
     prog = pt.partition(model, pt.Mesh(mesh), schedule, example_inputs=data, loss_fn=spec.loss_fn,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps), bucket_bytes=0)
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps),
+                        options=pt.Options(bucket_bytes=0))
     # AdamW divides by sqrt(v): for an entry whose gradient is ~0, a gradient summed in another order (1e-7
     # relative) can move its update by a few 1e-6 over 3 steps (lr 1e-3; measured 6.8e-6 on one element of
     # gpt_sdpa under SP); 1e-5 absolute is 1% of one step (the tolerance these tests always had)

@@ -437,7 +437,7 @@ def test_closed_region_is_sealed_and_lowered_with_all_to_all():
     ref = __import__("copy").deepcopy(model)
     loss_fn = lambda m, x: m(x).pow(2).mean()   # noqa: E731
     prog = pt.partition(model, pt.Mesh({"a": 2}), [closed, bp("a")], example_inputs=(x,), loss_fn=loss_fn,
-                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), bucket_bytes=0)
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), options=pt.Options(bucket_bytes=0))
     assert prog.conflicts == []
     d, g = prog.decisions, prog.graph
     decided_by_c = {g.ops[i].node.target for i in range(len(g.ops)) if d.op_tactic(i, "a") == "C"}

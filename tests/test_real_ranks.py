@@ -320,8 +320,9 @@ def _phase_async_tp() -> dict:
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     batch = spec.batch(4)
     prog = pt.partition(model, pt.Mesh({"model": WORLD}), [T.megatron("model"), T.sequence_parallel("model")],
-                        example_inputs=batch, loss_fn=spec.loss_fn, async_tp=True,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+                        example_inputs=batch, loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS),
+                        options=pt.Options(async_tp=True))
     kinds = sorted({r.kind for r in prog.collectives() if r.why == "tactic" and r.phase != "optimizer"})
     return {**_next_to_eager(prog, ref, opt, [batch] * 3, spec.loss_fn), "kinds": kinds}
 
@@ -332,8 +333,9 @@ def _phase_memory(spec, batch, rank) -> dict:
     model = spec.build()
     prog = pt.partition(model, pt.Mesh({"batch": WORLD}), [pt.tactics.data_parallel("batch"),
                                                           pt.tactics.zero(3, "batch")],
-                        example_inputs=batch, loss_fn=spec.loss_fn, measure_memory=True, bucket_bytes=0,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+                        example_inputs=batch, loss_fn=spec.loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS),
+                        options=pt.Options(measure_memory=True, bucket_bytes=0))
     for _ in range(STEPS):
         prog.train_step(*batch)
     # gloo's worker thread may release a collective's operand and output a little after its wait returns: at most
@@ -564,7 +566,8 @@ def _phase_clip_accumulate_eval() -> dict:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     prog = pt.partition(m, pt.Mesh({"dp": 2, "tp": 2}), [T.data_parallel("dp"), T.megatron("tp"), T.zero(3, "dp")],
                         example_inputs=batch, loss_fn=spec.loss_fn,
-                        optimizer=torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS), clip_grad_norm=0.5, accumulate=2)
+                        optimizer=torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS),
+                        step=pt.StepOptions(clip_grad_norm=0.5, accumulate=2))
     out = {"losses": [], "norms": []}
     # new sequence lengths (issue 22): 12 and 14 partitioned on every rank, then one symbol s (runtime/dims.py), so
     # 10 is an instance of it on every rank, agreed like any program

@@ -39,7 +39,7 @@ def program(prefetch, reduce_in_flight, bucket_bytes=0, spec=SPEC):
             model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
             example_inputs=spec.batch(2) if spec is not SPEC else BATCH,
             loss_fn=SPEC.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-            bucket_bytes=bucket_bytes, prefetch=prefetch, reduce_in_flight=reduce_in_flight)
+            options=pt.Options(bucket_bytes=bucket_bytes, prefetch=prefetch, reduce_in_flight=reduce_in_flight))
     return _PROGS[key][1]
 
 
@@ -120,7 +120,7 @@ def test_numerics_do_not_depend_on_the_schedule(prefetch, bound, bucket):
     prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}),
                         [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")], example_inputs=BATCH,
                         loss_fn=SPEC.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                        bucket_bytes=bucket, prefetch=prefetch, reduce_in_flight=bound)
+                        options=pt.Options(bucket_bytes=bucket, prefetch=prefetch, reduce_in_flight=bound))
     train_next_to_eager(prog, ref, [BATCH] * 2, SPEC.loss_fn, make_opt=harness.adamw(lr=1e-3))
 
 
@@ -141,7 +141,8 @@ def test_tp_chunks_overlap_megatron_all_reduces_and_keep_the_numbers():
         ref = copy.deepcopy(model)
         prog = pt.partition(model, pt.Mesh({"batch": 2, "model": 2}), [T.data_parallel("batch"), T.megatron("model")],
                             example_inputs=BATCH, loss_fn=SPEC.loss_fn,
-                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), tp_chunks=chunks)
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                            options=pt.Options(tp_chunks=chunks))
         return prog, ref
 
     (plain, _), (chunked, ref) = make(0), make(2)
@@ -178,8 +179,8 @@ def test_async_tp_rings_sequence_parallel_collectives_and_keeps_the_numbers(name
         model = spec.build()
         ref = copy.deepcopy(model)
         prog = pt.partition(model, pt.Mesh(mesh), schedule(), example_inputs=spec.batch(4), loss_fn=spec.loss_fn,
-                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5), bucket_bytes=0,
-                            async_tp=ring)
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5),
+                            options=pt.Options(bucket_bytes=0, async_tp=ring))
         return prog, ref
 
     (plain, _), (ring, ref) = make(False), make(True)
@@ -205,15 +206,15 @@ def test_async_tp_rings_sequence_parallel_collectives_and_keeps_the_numbers(name
 def test_async_tp_is_checked_and_pipelines_refuse_it_and_say_reduce_in_flight_does_not_apply():
     with pytest.raises(pt.PartitionError, match="async_tp"):
         program(1, 1) and pt.partition(torch.nn.Linear(2, 2), pt.Mesh({"batch": 2}), [], example_inputs=(),
-                                       async_tp=1)
+                                       options=pt.Options(async_tp=1))
     model = SPEC.build()
     with pytest.raises(pt.PartitionError, match="async_tp=True with a pipeline"):
         pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", 2)], example_inputs=BATCH, loss_fn=SPEC.loss_fn,
-                     optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), async_tp=True)
+                     optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), options=pt.Options(async_tp=True))
     # a pipelined program waits for its reductions where its update reads them: a bound given is said not to apply
     with pytest.warns(UserWarning, match="reduce_in_flight=2 does not apply to a pipelined program"):
         pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", 2)], example_inputs=BATCH, loss_fn=SPEC.loss_fn,
-                     optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), reduce_in_flight=2)
+                     optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), options=pt.Options(reduce_in_flight=2))
 
 
 def test_zero3_without_reshard_after_forward_gathers_once_per_step():
@@ -226,7 +227,8 @@ def test_zero3_without_reshard_after_forward_gathers_once_per_step():
         prog = pt.partition(model, pt.Mesh({"batch": 2}),
                             [T.data_parallel("batch"), T.zero(3, "batch", reshard_after_forward=reshard)],
                             example_inputs=WIDE.batch(2), loss_fn=WIDE.loss_fn,
-                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), bucket_bytes=0)
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                            options=pt.Options(bucket_bytes=0))
         return prog, ref
 
     (again, _), (kept, ref) = make(True), make(False)
@@ -247,11 +249,12 @@ def test_memory_budget_picks_the_schedule_that_fits():
     nothing fits keeps the smallest and warns."""
     from partir_torch.sim.memory import analyze_memory
 
-    def make(**kw):
+    def make(**options):
         model = WIDE.build()
         return pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
                             example_inputs=WIDE.batch(2), loss_fn=WIDE.loss_fn,
-                            optimizer=torch.optim.SGD(model.parameters(), lr=1e-2), bucket_bytes=0, **kw)
+                            optimizer=torch.optim.SGD(model.parameters(), lr=1e-2),
+                            options=pt.Options(bucket_bytes=0, **options))
 
     def peak(prog):
         return analyze_memory(list(prog.plan.annotated_lowered().gm.graph.nodes)).peak_bytes
@@ -277,7 +280,8 @@ def test_kept_gathers_under_mixed_precision_serve_the_backward():
                             [T.mixed_precision(torch.bfloat16), T.data_parallel("batch"),
                              T.zero(3, "batch", reshard_after_forward=reshard)],
                             example_inputs=WIDE.batch(2), loss_fn=WIDE.loss_fn,
-                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), bucket_bytes=0)
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                            options=pt.Options(bucket_bytes=0))
         recs = [r for r in prog.collectives() if r.kind == "all_gather"]
         return [r for r in recs if r.phase == "forward"], [r for r in recs if r.phase == "backward"]
 

@@ -90,7 +90,7 @@ def test_shape_cache_is_bounded_and_evicts_the_least_recently_used_once():
     model = spec.build()
     ref = Eager(model, spec.loss_fn)
     prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(4),
-                        loss_fn=spec.loss_fn, optimizer=_sgd(model), max_shapes=2)
+                        loss_fn=spec.loss_fn, optimizer=_sgd(model), options=pt.Options(max_shapes=2))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for i, b in enumerate([4, 6, 4, 8, 6, 4]):
@@ -108,7 +108,7 @@ def test_shape_cache_is_bounded_and_evicts_the_least_recently_used_once():
         prog.train_step_local(*spec.batch(5))
     with pytest.raises(pt.PartitionError, match="max_shapes must be an int >= 1"):
         pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(4),
-                     loss_fn=spec.loss_fn, max_shapes=0)
+                     loss_fn=spec.loss_fn, options=pt.Options(max_shapes=0))
 
 
 def test_eval_and_forward_programs_are_listed_with_the_training_ones():

@@ -215,8 +215,8 @@ def test_eager_runtime_keeps_the_modules_fsdp2_does_not_reshard_gathered_to_the_
     model = M.build(cfg)
     tokens = torch.zeros(2, cfg.seq, dtype=torch.int64, device="meta")
     prog = pt.partition(model, pt.Mesh({"dp": 2}), [pt.tactics.data_parallel("dp"), pt.tactics.zero(3, "dp")],
-                        example_inputs=(tokens, tokens), loss_fn=M.loss_fn, bucket_bytes=0,   # a gather per parameter
-                        optimizer=torch.optim.AdamW(model.parameters()))
+                        example_inputs=(tokens, tokens), loss_fn=M.loss_fn,   # a gather per parameter
+                        optimizer=torch.optim.AdamW(model.parameters()), options=pt.Options(bucket_bytes=0))
     mem = prog.simulate(pt.sim.hardware("h100", gpus_per_node=2)).allocator
     nodes = list(mem.owners[0].graph.nodes)
     update = next(i for i, x in enumerate(nodes) if x.op == "call_function" and any(

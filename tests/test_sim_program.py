@@ -16,7 +16,8 @@ def gpt_program(mesh, schedule, layers=2):
     spec = get("gpt_sdpa", layers=layers)
     model = spec.build(device="meta")
     return pt.partition(model, pt.Mesh(mesh), schedule, example_inputs=spec.batch(8, device="meta"),
-                        loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters()), bucket_bytes=0)
+                        loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters()),
+                        options=pt.Options(bucket_bytes=0))
 
 
 def kinds(report):

@@ -230,7 +230,7 @@ def test_a_ragged_batch_is_tiled_unevenly_or_refused_under_strict():
     torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=0)
     for k, p in eager.named_parameters():
         torch.testing.assert_close(grads[k], p.grad, rtol=1e-5, atol=1e-6)
-    strict = _partition(example_inputs=(x,), strict=True)
+    strict = _partition(example_inputs=(x,), options=pt.Options(strict=True))
     with pytest.raises(pt.PartitionError, match=r"inputs\.0 has shape \(3, 5\); the program tiles its dim 0 on 'b' "
                                                 r"\(size 2\), and 2 does not divide 3 \(strict=True.*drop_last=True"):
         strict.loss_and_grads(x[:3])

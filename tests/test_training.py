@@ -166,8 +166,9 @@ def test_clipping_and_accumulation_parity(model, sched):
         (spec.loss_fn(probe, *mb) / k).backward()
     max_norm = 0.25 * sum(p.grad.square().sum() for p in probe.parameters() if p.grad is not None).sqrt().item()
     prog = pt.partition(m, pt.Mesh(s.mesh), s.tactics(spec), example_inputs=batch, loss_fn=spec.loss_fn,
-                        optimizer=torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS), clip_grad_norm=max_norm,
-                        accumulate=k, accumulate_dims=dict(enumerate(spec.batch_dims)))
+                        optimizer=torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS),
+                        step=pt.StepOptions(clip_grad_norm=max_norm, accumulate=k,
+                                            accumulate_dims=dict(enumerate(spec.batch_dims))))
     for step in range(2):
         want, want_norm = _eager_step(ref, ref_opt, spec, batch, k, max_norm)
         got = prog.train_step(*batch)
@@ -182,8 +183,9 @@ def _gpt_prog(mesh, schedule, accumulate=1, clip=None, batch=8, bucket_bytes=0):
     spec = get("gpt")
     m = spec.build()
     return pt.partition(m, pt.Mesh(mesh), schedule, example_inputs=spec.batch(batch), loss_fn=spec.loss_fn,
-                        optimizer=torch.optim.AdamW(m.parameters(), lr=LR), accumulate=accumulate,
-                        clip_grad_norm=clip, bucket_bytes=bucket_bytes)
+                        optimizer=torch.optim.AdamW(m.parameters(), lr=LR),
+                        step=pt.StepOptions(accumulate=accumulate, clip_grad_norm=clip),
+                        options=pt.Options(bucket_bytes=bucket_bytes))
 
 
 def _bytes(prog, kinds) -> int:

@@ -55,7 +55,7 @@ def _gpt(vocab, schedule, mesh, **kw):
     (5, 4, lambda: [T.embedding("model")]),                    # 2 / 2 / 1 / 0: one rank holds no row
 ], ids=["1001-on-2-megatron", "1001-on-3-embedding", "5-on-4-one-rank-empty"])
 def test_vocabulary_tiled_unevenly_trains_like_one_device(vocab, k, schedule):
-    prog, ref, data, spec = _gpt(vocab, schedule(), {"model": k}, bucket_bytes=0)
+    prog, ref, data, spec = _gpt(vocab, schedule(), {"model": k}, options=pt.Options(bucket_bytes=0))
     assert prog.sharding("params.wte.weight").dims[0] == ("model",)
     assert not prog.conflicts
     sizes = [len(c) for c in torch.arange(vocab).chunk(k)]
@@ -70,7 +70,7 @@ def test_uneven_vocabulary_costs_the_collectives_of_an_even_one():
     rows per rank), with the same bytes; the simulator costs the largest shard (the same executed FLOPs per device)
     plus the masks that keep the padding out of the reductions."""
     def records(vocab):
-        prog, *_ = _gpt(vocab, [T.megatron("model", vocab=True)], {"model": 2}, bucket_bytes=0)
+        prog, *_ = _gpt(vocab, [T.megatron("model", vocab=True)], {"model": 2}, options=pt.Options(bucket_bytes=0))
         return prog, Counter((r.kind, r.axis, r.phase, r.nbytes) for r in prog.collectives())
 
     odd, c_odd = records(1001)
@@ -87,7 +87,7 @@ def test_megatron_tiles_mlp_features_unevenly_and_keeps_indivisible_heads_whole(
     """gpt_sdpa on {model: 3}: the MLP's 128 hidden features split 43 / 43 / 42 (the row-parallel matmul's
     contraction reads no padding), the 4 attention heads stay whole (a view folds them with the head dim); Megatron's
     2 all-reduces per layer, one layer's MLP each way."""
-    prog, ref, data, spec = _gpt(64, [T.megatron("model")], {"model": 3}, bucket_bytes=0)
+    prog, ref, data, spec = _gpt(64, [T.megatron("model")], {"model": 3}, options=pt.Options(bucket_bytes=0))
     assert str(prog.sharding("params.layers.0.mlp.w1.weight")) == "[{model}, {}]"
     assert str(prog.sharding("params.layers.0.mlp.w2.weight")) == "[{}, {model}]"
     assert prog.sharding("params.layers.0.attn.wq.weight").replicated == {"model"}
@@ -116,8 +116,9 @@ def test_zero3_shards_indivisible_parameters_unevenly_with_clipping(k):
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     x, y = torch.randn(8, 5), torch.randn(8, 3)
     prog = pt.partition(model, pt.Mesh({"batch": k}), [T.data_parallel("batch"), T.zero(3, "batch")],
-                        example_inputs=(x, y), loss_fn=_mse, clip_grad_norm=0.05,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+                        example_inputs=(x, y), loss_fn=_mse,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                        step=pt.StepOptions(clip_grad_norm=0.05))
     for name in ("0.weight", "0.bias", "2.weight", "3.weight", "3.bias"):
         assert prog.sharding(f"params.{name}").tiled_axes() == {"batch": 1 if name == "3.weight" else 0}, name
     for step in range(3):
@@ -140,8 +141,8 @@ def test_compiled_program_pads_and_masks_like_the_eager_one():
     ref = copy.deepcopy(model)
     x, y = torch.randn(5, 5), torch.randn(5, 3)
     prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
-                        example_inputs=(x, y), loss_fn=_mse, compile=True,
-                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+                        example_inputs=(x, y), loss_fn=_mse,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), options=pt.Options(compile=True))
     assert str(prog.sharding("inputs.0")) == "[{batch}, {}]"
     train_next_to_eager(prog, ref, [(x, y)] * 2, _mse, adamw())
 
@@ -260,7 +261,7 @@ def test_strict_keeps_the_divisibility_error():
     with pytest.raises(ShardingConflictError, match=r"dim 0 of params\.wte\.weight \(size 1001\) cannot be tiled "
                                                     r"on axis 'model' \(size 2\): 2 does not divide 1001 "
                                                     r"\(strict=True asks for divisible dims\)"):
-        _gpt(1001, [T.megatron("model", vocab=True)], {"model": 2}, strict=True)
+        _gpt(1001, [T.megatron("model", vocab=True)], {"model": 2}, options=pt.Options(strict=True))
 
 
 def test_strict_refuses_a_ragged_batch_with_drop_last_and_keeps_the_program():
@@ -268,7 +269,8 @@ def test_strict_refuses_a_ragged_batch_with_drop_last_and_keeps_the_program():
     model = spec.build()
     ref = copy.deepcopy(model)
     prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(8),
-                        loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), strict=True)
+                        loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        options=pt.Options(strict=True))
     with pytest.raises(pt.PartitionError, match=r"inputs\.0 has shape \(5, 16\); the program tiles its dim 0 on "
                                                 r"'batch' \(size 2\), and 2 does not divide 5 \(strict=True.*"
                                                 r"drop_last=True"):
@@ -316,7 +318,8 @@ def test_zero3_buckets_the_gathers_of_uneven_bf16_shards():
     def prog(bucket_bytes):
         model = _tiny()
         return pt.partition(model, pt.Mesh({"batch": 3}), tactics, example_inputs=(x, y), loss_fn=_mse,
-                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), bucket_bytes=bucket_bytes)
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                            options=pt.Options(bucket_bytes=bucket_bytes))
 
     plain, bucketed = prog(0), prog(64 * 2 ** 20)
     gathers = lambda p: [r for r in p.collectives() if r.kind == "all_gather" and r.phase == "forward"]  # noqa: E731

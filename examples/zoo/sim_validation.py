@@ -127,7 +127,8 @@ def program(setup: dict, layers: int):
         tokens = torch.zeros(setup["batch"] * data, cfg.seq, dtype=torch.int64, device="meta")
         prog = pt.partition(model, mesh, _pipeline(setup, layers) + _schedule(setup["schedule"], setup["remat"], cfg),
                             example_inputs=(tokens, tokens), loss_fn=M.loss_fn,
-                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), **setup.get("options", {}))
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                            options=pt.Options(**setup.get("options", {})))
         low = prog.plan.annotated_lowered()
         recompute = {n.name for n in low.gm.graph.nodes if n.meta.get("partir_recompute")}
         _PROGRAMS[key] = (low.gm, mesh, recompute, low.pipeline)

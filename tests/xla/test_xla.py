@@ -521,7 +521,8 @@ def test_overlap_options_of_the_per_device_program_are_said_not_to_apply_to_xla(
     spec = get("mlp")
     model = spec.build()
     prog = pt.partition(model, pt.Mesh({"batch": 8}), [T.data_parallel("batch")], example_inputs=spec.batch(8),
-                        loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), tp_chunks=2)
+                        loss_fn=spec.loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+                        options=pt.Options(tp_chunks=2))
     with pytest.warns(UserWarning, match=r"to_xla: tp_chunks=2 shape partir's per-device program"):
         prog.to_xla()
 
