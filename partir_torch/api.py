@@ -10,6 +10,7 @@ from .plan import capture_for, plan
 from .program import Program
 from .runtime.owner import take_over
 from .tactics.base import CaptureRewrite
+from .tactics.pipeline import Pipeline
 from .tactics.recompute import recompute_to_fit
 from .tactics.schedule import flatten_schedule
 
@@ -114,7 +115,7 @@ def _check_args(mesh, tactics, loss_fn, optimizer, clip_grad_norm, accumulate) -
 def _check_pipeline(tactics, loss_fn, compile: bool, measure_memory: bool, async_tp: bool = False,
                     reduce_in_flight: int = Options.reduce_in_flight) -> None:
     """What a pipeline tactic (tactics/pipeline.py) does not run with yet: each named, with the fix."""
-    pipe = [t for t in tactics if getattr(t, "family", None) == "pipeline"]
+    pipe = [t for t in tactics if isinstance(t, Pipeline)]
     if not pipe:
         return
     name = pipe[0].name
