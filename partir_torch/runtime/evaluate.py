@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from ..capture.inputs import conform
-from ..contract import META_NAME, Role
+from ..contract import META_NAME
 from ..errors import PartitionError, user_stacklevel, warn
 from ..lower.lower import bind
 from .call import Calls, call

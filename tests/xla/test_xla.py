@@ -297,7 +297,7 @@ def test_stock_hf_gpt2_with_packed_qkv_under_bp_mp_equals_one_device_and_xla_car
         held = xprog.state[name]
         spec = torch_xla._XLAC._get_xla_sharding_spec(held)
         assert tuple(held.shape) == (32, 3, 32) and spec.startswith("{devices=[1,1,2,"), (held.shape, spec)
-    assert tuple(xprog.state_dict()["params.transformer.h.0.attn.c_attn.bias"].shape) == (96,)
+    assert tuple(xprog.state_dict()["model"]["transformer.h.0.attn.c_attn.bias"].shape) == (96,)
 
 
 def test_held_out_gqa_decoder_under_bp_mp_z3_equals_one_device_and_xla_carries_out_the_plan():
