@@ -67,7 +67,12 @@ class DistributedRuntime:
         self.last_peak = None            # {this rank: bytes} of the last measured step (runtime/memtrack.py)
         self.state_owner = None          # pipelined programs: (axis, {state name: coordinate that holds it})
         self.state_held = {}             # ... and the tied weights: {state name: every coordinate that holds it}
-        self.ranks = self                # real ranks: agree, check_plan, release (backend.RankControl)
+
+    @property
+    def ranks(self):
+        """backend.RankControl: this runtime (agree, check_plan, release); a property, not a reference to itself, so
+        that dropping the runtime frees it at once (its liveness thread watches a weak reference)."""
+        return self
 
     @property
     def stages(self):

@@ -157,9 +157,8 @@ def _shown(values: list) -> str:
 class XlaBackend(InProcess):
     """The torch-xla SPMD backend (runtime/backend.py's protocol): the captured *global* step runs on XLA tensors,
     state and inputs placed from their partir Sharding, and constraints where partir decided a layout (_Run), so
-    XLA's partitioner carries out partir's plan. A held value is one XLA tensor (XLA holds its shards). Its
-    capabilities: it runs the plan it was built for only (new_programs: its shardings and constraints are that
-    plan's), and reports what XLA compiled (XlaReports)."""
+    XLA's partitioner carries out partir's plan. A held value is one XLA tensor (XLA holds its shards). It runs
+    only the plan it was built for (new_programs: its constraints are that plan's); reports: what XLA compiled."""
 
     new_programs = False
 
@@ -187,7 +186,6 @@ class XlaBackend(InProcess):
             if self.cap.mode != FORWARD else frozenset()
         self.modules: dict = {}       # mode -> dump file of its post-partitioning HLO
         self.host_ops: list = []      # aten ops torch-xla ran on the host (see _check_host_ops)
-        self.reports = XlaReports(self)
         self._check_draws()
 
     def _check_draws(self) -> None:
@@ -356,6 +354,11 @@ class XlaBackend(InProcess):
         return operands, results
 
     # -- the Backend protocol -------------------------------------------------------------------------------------
+    @property
+    def reports(self) -> "XlaReports":
+        """What XLA compiled: prog.hlo(), prog.collectives(), prog.compare()."""
+        return XlaReports(self)
+
     def valid(self) -> bool:
         return True
 
