@@ -401,7 +401,7 @@ def probes(root: str = ROOT) -> list:
 
 def kind_checks(root: str = ROOT) -> list:
     """Backends told apart by a kind string: a comparison of `<x>.kind` where x is a backend (rt, backend,
-    runtime) or the other side a backend's kind name; and a backend class (…Runtime, …Backend) that defines `kind`."""
+    runtime) or the other side a backend's kind name; and a backend class (...Runtime, ...Backend) defining `kind`."""
     out = []
     for rel, tree in _python_files(root):
         for n in ast.walk(tree):

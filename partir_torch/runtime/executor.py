@@ -30,8 +30,8 @@ _KIND = {TRAIN: "train_step", LOSS_AND_GRADS: "loss_and_grads", FORWARD: "prog(.
 class Executor:
     """Runs the plan's lowered program (Plan.lowered, bound to the backend's process groups) on the state it holds:
     set-up (backend, binding, state) and the steps, each through the one call path (call.py) with TrainCalls;
-    eval_step and forward go the same path with the Evaluator's EvalCalls (evaluate.py). Moving the state in and out (state_dict,
-    load_state_dict, export_to, ...) is the HeldState's (state.py)."""
+    eval_step and forward go the same path with the Evaluator's EvalCalls (evaluate.py). Moving the state in and
+    out (state_dict, load_state_dict, export_to, ...) is the HeldState's (state.py)."""
 
     # emulated ranks: plain tensors per rank, collectives computed over them (interpret.py); tests swap in
     # emulate.EmulatedRuntime (LocalTensorMode) as a cross-check
