@@ -101,7 +101,7 @@ def program(ex, calls: Calls, batch, what: str, local: bool = False) -> tuple:
                                  f"({paths.describe(ex.plan.captured.guards, ex.first.path)}); the branch "
                                  f"is decided once per step on the global batch, which per-rank shards do not "
                                  f"give. Call train_step with the global batch.")
-    values, key = calls.paths.select(sig, real, device)
+        values, key = calls.paths.select(sig, real, device)
     entry = calls.cache.get(key) if key is not None else None
     # a size may become a symbol (dims.py); a backend that runs only its plan's program (torch-xla) has none, and
     # train_step_local runs the programs train_step made
