@@ -333,6 +333,7 @@ def emulation_and_bound(name, args) -> dict:
 
     import partir_torch as pt
     from partir_torch.lower.lower import bind
+    from partir_torch.runtime import call
     from partir_torch.runtime.emulate import _ensure_world
 
     T = pt.tactics
@@ -352,8 +353,9 @@ def emulation_and_bound(name, args) -> dict:
     _ensure_world(WORLD)
     dm = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("batch", "model"))
     low = bind(prog.plan.lowered(), {a: dm.get_group(a).group_name for a in ("batch", "model")})
-    entry, flat = ex.program_for(batch, False, "train_step")
-    per_rank = [[a.ts[r] for a in ex._args(entry, flat, False, "train_step")] for r in range(WORLD)]
+    entry, flat = call.program(ex, ex.calls, batch, "train_step")
+    per_rank = [[a.ts[r] for a in call.arguments(ex, entry, flat, ex.paths.draws, False, "train_step")]
+                for r in range(WORLD)]
 
     def one_step():
         one_opt.zero_grad()

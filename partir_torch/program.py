@@ -1,7 +1,9 @@
 """Program: what partition() returns, a thin facade over a Plan (plan.py: what the schedule decided), its Reports
-(reporting.py: what it prints) and an Executor (runtime/: the backend that runs it and the state it holds)."""
+(reporting.py: what it prints) and an Executor (runtime/: the backend that runs it and the state it holds). One
+facade for every backend: prog.to_xla() is a Program too, on the torch-xla backend."""
 from __future__ import annotations
 
+from .capture import FORWARD
 from .capture.counts import describe as describe_counts
 from .errors import PartitionError, warn
 from .propagate.decisions import Decisions
@@ -15,14 +17,17 @@ class Program:
     plan: the frozen decisions (prog.plan.stages, prog.decisions); model, optimizer, loss_fn: what partition was
     given (the state starts from them, eval_step captures with them); the runtime and the state are created on the
     first call that runs something (collectives(), summary() and simulate() never touch parameter memory).
-    costs: (capture seconds, plan seconds) of `plan`, as partition() measured them (prog.shapes())."""
+    costs: (capture seconds, plan seconds) of `plan`, as partition() measured them (prog.shapes()).
+    backend: a fixed backend (runtime/backend.py; prog.to_xla() gives the torch-xla one); None: real ranks when
+    torch.distributed is initialised, else every rank emulated in this process."""
 
-    def __init__(self, plan, model=None, optimizer=None, loss_fn=None, costs=(None, None)):
+    def __init__(self, plan, model=None, optimizer=None, loss_fn=None, costs=(None, None), backend=None):
         self.plan = plan
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.reports = Reports(plan)
         self._executor = None
         self._costs = costs
+        self._backend = backend
 
     # -- the plan ------------------------------------------------------------------------------------------------
     @property
@@ -72,7 +77,11 @@ class Program:
         return self.plan.lowered()
 
     def collectives(self) -> list:
-        """CollectiveRecords of the per-device program: kind, axis, bytes, dtype, tactic, value, FX node."""
+        """CollectiveRecords of the per-device program: kind, axis, bytes, dtype, tactic, value, FX node. On a
+        backend that compiles the step itself (to_xla()): the collectives of its program (XLA's partitioned HLO:
+        XlaCollectives, the same fields), after a step has run."""
+        if self._backend is not None and self._backend.reports is not None:
+            return self._backend.reports.collectives()
         return list(self.plan.lowered().records)
 
     # -- reports (reporting.py) ----------------------------------------------------------------------------------
@@ -147,8 +156,37 @@ class Program:
         if self._executor is None:
             from .runtime import Executor
 
-            self._executor = Executor(self.plan, self.model, self.optimizer, self.loss_fn, costs=self._costs)
+            self._executor = Executor(self.plan, self.model, self.optimizer, self.loss_fn, backend=self._backend,
+                                      costs=self._costs)
         return self._executor
+
+    @property
+    def backend(self):
+        """The backend running this program (runtime/backend.py; started on first use)."""
+        self.executor.ensure()
+        return self.executor.rt
+
+    @property
+    def state(self) -> dict:
+        """Placeholder name -> the local shard the backend holds ("params.<fqn>", "opt.<state>.<fqn>", ...)."""
+        return self.executor.held().state
+
+    def hlo(self) -> str:
+        """The post-partitioning HLO of the step, as the backend compiled it at the first call (to_xla() programs:
+        XLA's SPMD partitioner's); runs nothing itself."""
+        return self._backend_reports("hlo()").hlo()
+
+    def compare(self, tolerance: float = 0.05):
+        """partir's per-device collectives against those of the program the backend compiled (to_xla()), per kind
+        and axis (count and bytes): xla/compare.py."""
+        return self._backend_reports("compare()").compare(tolerance)
+
+    def _backend_reports(self, what: str):
+        if self._backend is None or self._backend.reports is None:
+            raise PartitionError(f"prog.{what} reads the program a backend compiles itself (torch-xla's HLO), and "
+                                 f"this program runs partir's own per-device program: print(prog) shows it, "
+                                 f"prog.collectives() lists its collectives. For XLA's, use prog.to_xla().{what}.")
+        return self._backend.reports
 
     def shapes(self) -> list:
         """The programs kept, one per input signature (runtime/shapes.py): train_step (or loss_and_grads, prog(...))
@@ -186,8 +224,12 @@ class Program:
         return self.executor.evaluator.eval_step(_batch(batch, named, "eval_step"))
 
     def forward(self, *inputs, **named):
-        """The model's outputs on the live state in eval mode, at any batch size (captured once per shape)."""
-        return self.executor.evaluator.forward(_batch(inputs, named, "forward"))
+        """The model's outputs on the live state in eval mode, at any batch size (captured once per shape). On a
+        backend that runs only the program it was built for (to_xla()), a forward-only program runs itself."""
+        batch = _batch(inputs, named, "forward")
+        if self._backend is not None and not self._backend.new_programs and self.plan.captured.mode == FORWARD:
+            return self.executor.forward(batch)
+        return self.executor.evaluator.forward(batch)
 
     def peak_memory(self) -> dict:
         """{rank: bytes}: each rank's peak of live tensor bytes during the last step, measured by the runtime
@@ -235,9 +277,10 @@ class Program:
         return self.executor.last_grad_norm
 
     def to_xla(self):
-        """The same plan as a torch-xla SPMD program (xla.XlaProgram: train_step, forward, state_dict, hlo,
-        collectives, compare); needs torch-xla (the .venv-xla environment)."""
-        from .xla import XlaProgram
+        """The same plan as a torch-xla SPMD program: a Program on xla.XlaBackend (train_step, prog(...), state_dict,
+        hlo, collectives: XLA's, compare), with state of its own taken from the model; needs torch-xla (the .venv-xla
+        environment)."""
+        from .xla import XlaBackend
 
         if self.model is None:
             raise PartitionError("to_xla: this program was built without a model to take the state from.")
@@ -247,7 +290,7 @@ class Program:
             warn(f"to_xla: {', '.join(moved)} shape partir's per-device program (lower/ring.py, lower/overlap.py); "
                  f"the torch-xla program is XLA's SPMD partitioner's from the same plan, so they do not apply to it "
                  f"(XLA's own collective-matmul options do: its windowed einsum flags).", stacklevel=2)
-        return XlaProgram(self.plan, self.model, self.optimizer)
+        return Program(self.plan, self.model, self.optimizer, self.loss_fn, backend=XlaBackend(self.plan))
 
 
 def _batch(args: tuple, named: dict, what: str) -> tuple:

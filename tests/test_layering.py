@@ -354,3 +354,176 @@ def test_the_schedule_walk_finds_planted_names(tmp_path):
                                  '    return spec.schedule in ("1f1b", "Interleaved")\n')
     assert schedule_strings(str(pkg), str(pkg / "table.py"), {"GPipe", "1F1B"}) == [
         "pkg/user.py:5 'GPipe'", "pkg/user.py:7 '1f1b'", "pkg/user.py:7 'Interleaved'"]
+
+
+# -- backends are asked what they can do, objects of ours what their type declares --------------------------------
+# getattr/hasattr probes in partir_torch/ ("file: the call's source" -> why). A probe is hasattr(...), or getattr
+# with a default or a literal name; getattr(obj, name) over a dataclass's fields is plain reflection. A probe of a
+# project object is a member its type should declare (runtime/backend.py's capabilities are the model); the probes
+# of torch, Python, Hugging Face or user objects below stay, each with its reason.
+THIRD_PARTY_PROBES = {
+    "partir_torch/capture/capture.py: getattr(gm, node.target, None)": "a GraphModule's get_attr target (torch)",
+    "partir_torch/capture/capture.py: getattr(torch.compiler, '_compile_session_context', None)":
+        "a private torch API present in some torch versions only",
+    "partir_torch/capture/capture.py: hasattr(loss, 'loss')": "what the user's loss_fn returned (an HF output?)",
+    "partir_torch/capture/counts.py: getattr(func, '__name__', '')": "a torch function under TorchFunctionMode",
+    "partir_torch/capture/counts.py: getattr(func, '__self__', None)": "a torch function under TorchFunctionMode",
+    "partir_torch/capture/counts.py: getattr(getattr(func, '__self__', None), '__name__', '')":
+        "a torch function under TorchFunctionMode",
+    "partir_torch/capture/dims.py: getattr(env, 'backed_var_to_val', None)": "torch's ShapeEnv across versions",
+    "partir_torch/capture/lora.py: getattr(x.args[0], 'target', None)": "an FX argument: a Node or a constant",
+    "partir_torch/capture/moe.py: getattr(module, '_is_expert_parallel', False)": "a Hugging Face experts module",
+    "partir_torch/capture/moe.py: getattr(module, 'has_bias', False)": "a Hugging Face experts module",
+    "partir_torch/capture/moe.py: getattr(module, 'has_post_expert_norm', False)": "a Hugging Face experts module",
+    "partir_torch/capture/moe.py: getattr(moe, 'ALL_EXPERTS_FUNCTIONS', None)": "transformers across versions",
+    "partir_torch/capture/moe.py: getattr(registry, '_global_mapping', None)": "transformers across versions",
+    "partir_torch/capture/moe.py: getattr(type(module), '_apply_gate', None)": "a Hugging Face experts module",
+    "partir_torch/capture/moe.py: hasattr(original, 'partir_original')":
+        "transformers' experts function, marked once wrapped",
+    "partir_torch/capture/outputs.py: getattr(c, '__slots__', ())": "a model's output object (any class)",
+    "partir_torch/capture/outputs.py: hasattr(template.kind, '_fields')": "a model's output type (a namedtuple?)",
+    "partir_torch/capture/outputs.py: hasattr(x, '__dict__')": "a model's output object (any class)",
+    "partir_torch/capture/outputs.py: hasattr(x, '_fields')": "a model's output object (a namedtuple?)",
+    "partir_torch/capture/outputs.py: hasattr(x, s)": "a model's output object's slots",
+    "partir_torch/capture/padrules.py: hasattr(x, 'op')": "an FX argument: a Node or a constant",
+    "partir_torch/capture/padrules.py: hasattr(y, 'op')": "an FX argument: a Node or a constant",
+    "partir_torch/capture/tidy.py: hasattr(val, 'fake_mode')": "a node's meta value: a FakeTensor or another tensor",
+    "partir_torch/lower/fakeprop.py: getattr(target, '_schema', None)": "an FX target: a torch op or a function",
+    "partir_torch/lower/fuse.py: getattr(getattr(target, '_schema', None), 'returns', ())":
+        "an FX target: a torch op or a function",
+    "partir_torch/lower/fuse.py: getattr(target, '_schema', None)": "an FX target: a torch op or a function",
+    "partir_torch/lower/why.py: hasattr(a, 'meta')": "an FX argument: a Node or a constant",
+    "partir_torch/lower/why.py: hasattr(a, 'op')": "an FX argument: a Node or a constant",
+    "partir_torch/lower/why.py: hasattr(n, 'op')": "an FX output argument: a Node or a constant",
+    "partir_torch/reporting.py: getattr(val, 'dtype', '')": "a node's meta value: a tensor, a SymInt or a constant",
+    "partir_torch/reporting.py: hasattr(a, 'name')": "an FX argument: a Node or a constant",
+    "partir_torch/reporting.py: hasattr(val, 'shape')": "a node's meta value: a tensor, a SymInt or a constant",
+    "partir_torch/rules/localize.py: getattr(target, '_schema', None)": "an FX target: a torch op or a function",
+    "partir_torch/rules/registry.py: getattr(aten, op._schema.name.split('::')[1] + '_copy', None)":
+        "a torch op's _copy variant, where torch has one",
+    "partir_torch/rules/registry.py: getattr(op, '_schema', None)": "a torch op or a Python function",
+    "partir_torch/rules/registry.py: getattr(op, 'overloadpacket', None)": "a torch op or a Python function",
+    "partir_torch/rules/registry.py: getattr(packet, op._overloadname, None)": "a torch op's overload, if any",
+    "partir_torch/rules/registry.py: getattr(rule, '__closure__', None)": "a rule: any Python callable",
+    "partir_torch/rules/registry.py: getattr(rule, '__qualname__', repr(rule))": "a rule: any Python callable",
+    "partir_torch/runtime/executor.py: getattr(exc, EXC_NODE, None)":
+        "any exception a step raised (torch's, the model's); the interpreter names its node on those it relays",
+    "partir_torch/runtime/faults.py: getattr(torch.distributed, 'DistError', ())": "torch across versions",
+    "partir_torch/runtime/faults.py: hasattr(a, 'meta')": "an FX argument: a Node or a constant",
+    "partir_torch/runtime/faults.py: hasattr(node, 'meta')": "an FX argument: a Node or a constant",
+    "partir_torch/runtime/owner.py: getattr(fn, '_partir_checked', False)":
+        "the user's optimizer step (any callable), marked once wrapped",
+    "partir_torch/runtime/restart.py: getattr(handler, '_partir_per_attempt', False)":
+        "torchrun's signal handler (any callable), marked once wrapped",
+    "partir_torch/runtime/state.py: hasattr(v, 'full_tensor')": "a loaded step count: a DTensor or a tensor",
+    "partir_torch/sim/allocator.py: getattr(node, 'target', '')": "an FX argument: a Node or a constant",
+    "partir_torch/sim/memory.py: getattr(getattr(target, '_schema', None), 'returns', ())":
+        "an FX target: a torch op or a function",
+    "partir_torch/sim/memory.py: getattr(target, '_schema', None)": "an FX target: a torch op or a function",
+    "partir_torch/sim/simulate.py: getattr(gm, '_partir_sim_facts', None)":
+        "a torch GraphModule, the simulator's facts cached on it",
+    "partir_torch/sim/timeline.py: getattr(n.target, '_schema', None)": "an FX target: a torch op or a function",
+    "partir_torch/tactics/manual.py: getattr(sel, 'pattern', repr(sel))": "a selector: a str or an re.Pattern",
+    "partir_torch/xla/kernels.py: getattr(aten, target._schema.name.split('::')[1] + '_copy', None)":
+        "a torch op's _copy variant, where torch has one",
+    "partir_torch/xla/kernels.py: getattr(packet, target._overloadname, None)": "a torch op's overload, if any",
+}
+# probes of project objects not removed yet, outside the runtime (issue 41 item 1 cleared runtime/, program.py,
+# api.py): listed so that no new one joins them; each goes when its type declares the member
+LEFT_PROBES = {
+    "partir_torch/plan.py: getattr(t, 'batchnorm', 'global')": "schedule entries: optional members of the tactic "
+                                                               "protocol (tactics/base.py)",
+    "partir_torch/plan.py: getattr(t, 'batchnorm', None)": "as above",
+    "partir_torch/plan.py: getattr(t, 'family', None)": "as above (the pipeline's: issue 41 item 3)",
+    "partir_torch/plan.py: getattr(t, 'reshard_after_forward', True)": "as above",
+    "partir_torch/plan.py: hasattr(t, 'bound')": "as above",
+    "partir_torch/reporting.py: getattr(t, 'axis', '?')": "as above (a CaptureRewrite has no axis)",
+    "partir_torch/tactics/base.py: getattr(cls, 'macro_actions', None)": "a tactic class being declared",
+    "partir_torch/tactics/base.py: getattr(cls, 'name', None)": "a tactic class being declared",
+    "partir_torch/tactics/base.py: getattr(type(t), 'decompositions', None)": "as plan.py's",
+    "partir_torch/sim/compute.py: getattr(target, 'partir_kernel', False)": "per-op facts: issue 41 item 2 (tags)",
+    "partir_torch/sim/memory.py: getattr(node.target, 'partir_kernel', False)": "as above",
+    "partir_torch/sim/memory.py: getattr(target, 'partir_donates', None)": "as above",
+    "partir_torch/sim/estimate.py: getattr(captured, 'fopt', None)": "Captured declares fopt (the sim's files)",
+    "partir_torch/sim/estimate.py: getattr(captured, 'ties', ())": "Captured declares ties (the sim's files)",
+    "partir_torch/sim/timeline.py: getattr(rec, 'dtype', '')": "a CollectiveRecord or None (the sim's files)",
+    "partir_torch/sim/timeline.py: getattr(rec, 'family', '')": "as above",
+    "partir_torch/sim/timeline.py: getattr(rec, 'group_size', 0)": "as above",
+    "partir_torch/sim/timeline.py: getattr(rec, 'tactic', '')": "as above",
+    "partir_torch/sim/timeline.py: getattr(rec, 'value', '')": "as above",
+}
+BACKEND_KINDS = {"emulated", "distributed", "xla", "interpreted"}
+
+
+def _python_files(root: str):
+    for dirpath, dirs, files in os.walk(root):
+        dirs.sort()
+        for f in sorted(files):
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                yield os.path.relpath(path, os.path.dirname(root)), ast.parse(open(path).read())
+
+
+def probes(root: str = ROOT) -> list:
+    """"file: source" of every getattr/hasattr probe under root (see THIRD_PARTY_PROBES), sorted, each once."""
+    out = set()
+    for rel, tree in _python_files(root):
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr"):
+                if n.func.id == "hasattr" or len(n.args) >= 3 or \
+                        (len(n.args) == 2 and isinstance(n.args[1], ast.Constant)):
+                    out.add(f"{rel}: {ast.unparse(n)}")
+    return sorted(out)
+
+
+def kind_checks(root: str = ROOT) -> list:
+    """Backends told apart by a kind string: a comparison of `<x>.kind` where x is a backend (rt, backend,
+    runtime) or the other side a backend's kind name; and a backend class (...Runtime, ...Backend) defining `kind`."""
+    out = []
+    for rel, tree in _python_files(root):
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Compare):
+                sides = [n.left, *n.comparators]
+                kinds = [s for s in sides if isinstance(s, ast.Attribute) and s.attr == "kind"]
+                named = any(ast.unparse(k.value).split(".")[-1].lstrip("_") in ("rt", "backend", "runtime")
+                            for k in kinds)
+                consts = {c.value for s in sides for c in ast.walk(s) if isinstance(c, ast.Constant)}
+                if kinds and (named or consts & BACKEND_KINDS):
+                    out.append(f"{rel}:{n.lineno}: {ast.unparse(n)}")
+            elif isinstance(n, ast.ClassDef) and n.name.endswith(("Runtime", "Backend")):
+                for st in n.body:
+                    targets = st.targets if isinstance(st, ast.Assign) else [st.target] \
+                        if isinstance(st, ast.AnnAssign) else []
+                    if any(isinstance(t, ast.Name) and t.id == "kind" for t in targets):
+                        out.append(f"{rel}:{st.lineno}: class {n.name} declares kind")
+    return out
+
+
+def test_backends_are_told_apart_by_capabilities_not_kind_strings():
+    found = kind_checks()
+    assert found == [], "ask the backend's capabilities (runtime/backend.py) instead:\n" + "\n".join(found)
+
+
+def test_no_getattr_probes_of_project_objects():
+    found = [p for p in probes() if p not in THIRD_PARTY_PROBES and p not in LEFT_PROBES]
+    assert found == [], ("declare the member on the object's type (a backend: a capability of runtime/backend.py's "
+                         "protocol); a probe of a third-party object goes in THIRD_PARTY_PROBES with its reason:\n"
+                         + "\n".join(found))
+    gone = [p for p in (*THIRD_PARTY_PROBES, *LEFT_PROBES) if p not in probes()]
+    assert gone == [], "listed probes no longer in the code: drop them from the lists\n" + "\n".join(gone)
+
+
+def test_the_probe_and_kind_walks_find_planted_ones(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "m.py").write_text("class FakeRuntime:\n    kind = 'emulated'\n\n"
+                              "def f(rt, ex, x, fields):\n"
+                              "    a = rt.kind == 'distributed'\n"
+                              "    b = ex.rt.kind in ('xla',)\n"
+                              "    c = x.kind == 'sgd'\n"                        # an optimizer's kind: not a backend
+                              "    d = getattr(rt, 'last_peak', None)\n"
+                              "    e = hasattr(rt, 'agree')\n"
+                              "    return [getattr(x, f) for f in fields]\n")   # reflection, not a probe
+    assert probes(str(pkg)) == ["pkg/m.py: getattr(rt, 'last_peak', None)", "pkg/m.py: hasattr(rt, 'agree')"]
+    assert kind_checks(str(pkg)) == ["pkg/m.py:2: class FakeRuntime declares kind",
+                                     "pkg/m.py:5: rt.kind == 'distributed'", "pkg/m.py:6: ex.rt.kind in ('xla',)"]

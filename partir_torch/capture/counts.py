@@ -84,6 +84,7 @@ class Group:
         self.n = math.prod(self.shape)
         self.valid = mask.permute(self.order).reshape(self.n) if self.order else mask.reshape(1)
         self._count = None
+        self.split = None       # a chunk of x.split(counts): (id of the sizes, chunk index, chunks)
 
     def count(self):
         if self._count is None:
@@ -251,7 +252,7 @@ class Padding(Rules, TorchFunctionMode):
             made = self._create(func, name, args, kwargs)
             return func(*args, **kwargs) if made is None else made
         group = tracked[0][2]
-        if name == "cat" and getattr(group, "split", None) is not None:
+        if name == "cat" and group.split is not None:
             return self._cat_split(args, kwargs, tracked)
         if any(e[2] is not group for e in tracked):
             raise Unpadded(group.where, f"{name} mixes it with another selection")

@@ -128,7 +128,7 @@ FUSED_UPDATE = adam_update
 def fuse_optimizer(graph: fx.Graph, captured) -> int:
     """Replace each Adam/AdamW param group's per-parameter updates in `graph` (a lowered program) with one
     partir::adam_update node. Returns the number of parameters fused."""
-    fopt = getattr(captured, "fopt", None)
+    fopt = captured.fopt
     if fopt is None or fopt.kind not in ("adam", "adamw"):
         return 0
     cap_nodes = {n.name: n for n in captured.gm.graph.nodes}

@@ -23,9 +23,12 @@ def real_ranks_active() -> bool:
 
 
 class DistributedRuntime:
-    """This process is one rank; tensors are plain local shards."""
+    """This process is one rank; tensors are plain local shards. Its capabilities (backend.py): it is its own
+    RankControl (`ranks`), and its StageHolding (`stages`) once it runs a pipelined program."""
 
-    kind = "distributed"
+    new_programs = True
+    measures_memory = True
+    reports = None
 
     def __init__(self, mesh: Mesh, timeout_s: float = 300.0, compile: bool = False):
         from torch.distributed.device_mesh import init_device_mesh
@@ -64,6 +67,17 @@ class DistributedRuntime:
         self.last_peak = None            # {this rank: bytes} of the last measured step (runtime/memtrack.py)
         self.state_owner = None          # pipelined programs: (axis, {state name: coordinate that holds it})
         self.state_held = {}             # ... and the tied weights: {state name: every coordinate that holds it}
+
+    @property
+    def ranks(self):
+        """backend.RankControl: this runtime (agree, check_plan, release); a property, not a reference to itself, so
+        that dropping the runtime frees it at once (its liveness thread watches a weak reference)."""
+        return self
+
+    @property
+    def stages(self):
+        """backend.StageHolding: this runtime, while it runs a pipelined program (state_owner set)."""
+        return self if self.state_owner is not None else None
 
     def _group_options(self, dev: str):
         from torch._C._distributed_c10d import Backend as C10dBackend

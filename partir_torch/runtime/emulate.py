@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ..mesh import Mesh
 from ..sharding import Sharding
+from .backend import InProcess
 from .layout import assemble, assemble_into, shard_of
 
 
@@ -24,10 +25,9 @@ def _ensure_world(n: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
 
 
-class EmulatedRuntime:
-    """All ranks in one process. Tensors the program sees are LocalTensors (one value per rank)."""
-
-    kind = "emulated"
+class EmulatedRuntime(InProcess):
+    """All ranks in one process. Tensors the program sees are LocalTensors (one value per rank); it does not
+    measure memory (measures_memory: the interpreted emulator does)."""
 
     def __init__(self, mesh: Mesh, compile: bool = False):
         from torch.distributed._local_tensor import LocalTensorMode

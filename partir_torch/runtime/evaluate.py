@@ -15,9 +15,10 @@ import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from ..capture.inputs import conform
-from ..contract import META_NAME, Role
+from ..contract import META_NAME
 from ..errors import PartitionError, user_stacklevel, warn
 from ..lower.lower import bind
+from .call import Calls, call
 from .layout import same_layout
 from . import paths
 from .live import LiveLayout
@@ -25,13 +26,18 @@ from .dims import SymbolicDims
 from .shapes import ShapeCache, ShapeInfo, ShapeProgram, signature
 
 class Evaluator:
+    """eval_step and forward: each goes the one call path (call.py) with its EvalCalls; both kinds share one cache
+    of programs (at most Options.max_shapes, least recently used first out: shapes.py), their paths (paths.py) and
+    their symbolic dims (dims.py, one family per kind, input structure and backend)."""
+
     def __init__(self, executor):
         self.ex = executor
-        # (kind, structure, signature, backend) -> ShapeProgram (plan, lowering bound to the backend), at most
-        # Options.max_shapes of them, least recently used first out (shapes.py)
-        self.cache = ShapeCache(executor.plan.options.max_shapes, "eval_step / forward", lambda key: key[0][2])
-        self.paths: dict = {}          # key -> PathTrie, for a step that branches on tensor values (paths.py)
+        # (kind, structure, signature, backend) -> ShapeProgram (plan, lowering bound to the backend)
+        cache = ShapeCache(executor.plan.options.max_shapes, "eval_step / forward", lambda key: key[0][2])
+        self.cache = cache
+        self.paths = paths.StepPaths(None, {})   # per key, for a step that branches on tensor values (paths.py)
         self.dims: dict = {}           # (kind, structure, backend) -> SymbolicDims (dims.py)
+        self.calls = {kind: EvalCalls(self, kind, cache, self.paths) for kind in ("loss", "forward")}
 
     def eval_step(self, batch):
         if self.ex.loss_fn is None:
@@ -46,59 +52,18 @@ class Evaluator:
 
     # -------------------------------------------------------------------------------------------------------------
     def _run(self, kind, batch):
+        what = "eval_step" if kind == "loss" else "forward"
         ex = self.ex
         ex.ensure()
-        batch = conform(tuple(batch), None)           # mappings as dicts (an HF BatchEncoding)
-        flat, spec = tree_flatten(batch)
-        what = "eval_step" if kind == "loss" else "forward"
-        ex.agree(what, flat)                          # real ranks: the same call everywhere (faults.py)
-        ex.first_call()
-        _refuse_non_tensors(what, batch)
-        # the structure too: a dict with its keys in another order is another program's inputs (capture flattens
-        # a dict in its key order)
-        ex.held().guard(what)
-        key = (kind, str(spec), signature(flat), id(ex.rt))
-        # a step that branches on tensor values: its guards select the path's program (paths.py)
-        real = paths.real_values([f"inputs.{i}" for i in range(len(flat))], flat, ex.held())
-        values, ckey, draws = (), (key, ()), {}
-        rng = paths.generator_state(ex.plan.captured.device)
-        if key in self.paths:
-            values, ckey, draws = paths.guard_values(self.paths[key], real)
-        entry = self.cache.get(ckey) if ckey is not None else None
-        family = (kind, str(spec), id(ex.rt))        # the programs whose sizes may become a symbol (dims.py)
-        symbolic = key not in self.paths and not ex.plan.pipeline.staged and ex.rt.kind != "xla"
-        if entry is None and symbolic and family in self.dims:
-            entry = self.dims[family].instance(key[2], lambda sig, plan, low, t, s: ShapeProgram(
-                key, plan, None, None, t, lowered=bind(low, ex.rt.groups), rt=ex.rt, canonical=low, dim=s))
-            if entry is not None:
-                self.cache.add(entry)
-        if entry is None:
-            paths.rewind(rng, ex.plan.captured.device)
-            entry = self._build(kind, tuple(batch), key, real)
-            paths.join(self.paths, key, entry, values)
-            if entry.path:      # capture left the generator where it found it
-                values, ckey, draws = paths.guard_values(self.paths[key], real)
-            elif symbolic:
-                self._built(family, kind, entry, tuple(batch), what)
-            self.cache.add(entry)
-        entry.calls += 1
-        plan, low = entry.plan, entry.lowered
-        cap = plan.captured
-        args, k = [], 0
-        for name, role, sh in zip(cap.input_names, cap.input_roles, low.input_layouts):
-            if role in (Role.PARAM, Role.BUFFER):
-                args.append(self._live(name, sh))
-            elif role == Role.CONST:
-                args.append(ex.rt.shard(cap.consts[name], sh))
-            elif role == Role.DRAW:
-                args.append(ex.rt.shard(draws[name[len("draws."):]], sh))
-            else:
-                args.append(ex.rt.shard(flat[k], sh))
-                k += 1
-        outs = ex.execute(low.gm, args + ex.rt.coords(), what, plan)
-        if cap.checks:
-            paths.verify(cap.checks, cap.output_names, outs, ex.rt.rank0, what)
-        return [ex.rt.rank0(t) for t, n in zip(outs, cap.output_names) if not n.startswith("buffers.")], cap, low
+        if not ex.rt.new_programs:
+            raise PartitionError(f"{what}: this program's backend ({type(ex.rt).__name__}) runs only the program "
+                                 f"it was built for, and {what} captures an eval-mode program of its own. Call "
+                                 f"the program itself (a forward-only partition: prog(*inputs)), or run {what} on "
+                                 f"the partition this one was made from.")
+        outs, entry = call(ex, self.calls[kind], batch, what)
+        cap = entry.plan.captured
+        return [ex.rt.rank0(t) for t, n in zip(outs, cap.output_names) if not n.startswith("buffers.")], cap, \
+            entry.lowered
 
     def _built(self, family, kind, entry, batch, what) -> None:
         """A program partitioned in full: the first of its family, or a point of it (dims.py)."""
@@ -126,21 +91,11 @@ class Evaluator:
         tactics = [t for t in train.tactics if t not in train.capture_rewrites]
         return ([t for t in train.capture_rewrites if t.in_eval] if kind == "loss" else []), tactics
 
-    def _live(self, name, sh):
-        """The training program's local shard of a state value, in the eval program's layout `sh`."""
-        held = self.ex.held()
-        have = held.layouts[name]
-        if same_layout(sh, have):
-            return held.state[name]
-        # the eval program settled on another layout (a conflict): reshard through the full value (correct, slow)
-        full = held.rt.full(held.state[name], have, held._shape(name))
-        return held.rt.shard(full, sh)
-
     def _build(self, kind, batch, key, real=None):
         from ..plan import capture_for, plan
 
         train = self.ex.plan
-        staged = train.pipeline.staged and self.ex.rt.kind == "distributed"
+        staged = train.pipeline.staged and self.ex.rt.ranks is not None    # real ranks hold their stages' state
         if staged and kind != "loss":
             raise PartitionError("forward of a pipelined program on real ranks is not supported yet (each rank holds "
                                  "its stages' state only; eval_step runs through the stages); run it with ranks "
@@ -182,6 +137,53 @@ class Evaluator:
         return [ShapeInfo(kinds[e.signature[0]], e.signature[2], e.capture_s, e.plan_s, e.lower_s, e.calls,
                           paths.describe(e.plan.captured.guards, e.path) if e.path else "", e.dim, e.symbolic_s)
                 for e in self.cache.entries.values()]
+
+
+class EvalCalls(Calls):
+    """eval_step's ("loss") or forward's calls: eval-mode programs on the live state, one per input structure,
+    signature and path, bound to the backend they were built on; the first call's draws are made before the program
+    is chosen (an eval program is never the steady step they were lifted from)."""
+
+    feeds_first_call = False
+
+    def __init__(self, evaluator, kind: str, cache, step_paths):
+        super().__init__(cache, step_paths)
+        self.ev, self.kind = evaluator, kind
+
+    def inputs(self, ex, batch, what: str) -> tuple:
+        batch = conform(tuple(batch), None)           # mappings as dicts (an HF BatchEncoding)
+        _refuse_non_tensors(what, batch)
+        flat, _ = tree_flatten(batch)
+        return flat, [f"inputs.{i}" for i in range(len(flat))]
+
+    def signature(self, ex, batch, flat, local: bool):
+        # the structure too: a dict with its keys in another order is another program's inputs (capture flattens a
+        # dict in its key order)
+        spec = tree_flatten(conform(tuple(batch), None))[1]
+        return (self.kind, str(spec), signature(flat), id(ex.rt))
+
+    def symbolic(self, ex, key, local: bool) -> bool:
+        return key not in self.paths.tries
+
+    def instance(self, ex, key):
+        dims = self.ev.dims.get(_family(key))
+        if dims is None:
+            return None
+        return dims.instance(key[2], lambda sig, plan, low, t, s: ShapeProgram(
+            key, plan, None, None, t, lowered=bind(low, ex.rt.groups), rt=ex.rt, canonical=low, dim=s))
+
+    def build(self, ex, batch, key, real, what: str):
+        return self.ev._build(self.kind, conform(tuple(batch), None), key, real)
+
+    def keep(self, ex, entry, batch, symbolic: bool, what: str) -> None:
+        if symbolic and not entry.path:     # a path's program is no point of a symbolic dim
+            self.ev._built(_family(entry.signature), self.kind, entry, conform(tuple(batch), None), what)
+        self.cache.add(entry)
+
+
+def _family(key) -> tuple:
+    """The programs whose sizes may become one symbol (dims.py): one kind, input structure and backend."""
+    return key[:2] + key[3:]
 
 
 def _eval_pipeline(train, batch):

@@ -10,17 +10,18 @@ from torch.utils._pytree import tree_flatten
 
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
 from ..capture.inputs import conform
-from ..contract import EXC_NODE, META_SRC, STATE_ROLES, Role
+from ..contract import EXC_NODE, META_SRC, Role
 from ..rules.tags import draws_random
-from ..errors import PartitionError, internal_error, user_stacklevel, warn
+from ..errors import PartitionError, internal_error
 from ..lower.lower import bind
 from . import faults
 from .backend import backend_for
+from .call import Calls, call
 from .interpret import InterpretedRuntime
 from . import paths
 from .dims import SymbolicDims
 from .shapes import (ShapeCache, ShapeProgram, build, check_divisible, global_signature, plan_signature, say_new,
-                     show, signature, trace_guards)
+                     signature, trace_guards)
 from .state import HeldState
 
 _KIND = {TRAIN: "train_step", LOSS_AND_GRADS: "loss_and_grads", FORWARD: "prog(...)"}
@@ -28,8 +29,9 @@ _KIND = {TRAIN: "train_step", LOSS_AND_GRADS: "loss_and_grads", FORWARD: "prog(.
 
 class Executor:
     """Runs the plan's lowered program (Plan.lowered, bound to the backend's process groups) on the state it holds:
-    set-up (backend, binding, state), argument assembly and the steps. Moving the state in and out (state_dict,
-    load_state_dict, export_to, ...) is the HeldState's (state.py)."""
+    set-up (backend, binding, state) and the steps, each through the one call path (call.py) with TrainCalls;
+    eval_step and forward go the same path with the Evaluator's EvalCalls (evaluate.py). Moving the state in and
+    out (state_dict, load_state_dict, export_to, ...) is the HeldState's (state.py)."""
 
     # emulated ranks: plain tensors per rank, collectives computed over them (interpret.py); tests swap in
     # emulate.EmulatedRuntime (LocalTensorMode) as a cross-check
@@ -42,7 +44,6 @@ class Executor:
         self.lowered = None                  # the example inputs' program: plan.lowered() bound to self.rt's groups
         self._held = HeldState(plan, model, optimizer)
         self.last_grad_norm = None
-        self._hyper = None                   # this call's optimizer hyperparameters, read from the param groups
         self._evaluator = None
         self.failure = None                  # real ranks: the error of a step that failed (its groups released)
         self._digest = ""                    # real ranks: the plan's digest, part of every call's agreement
@@ -53,6 +54,12 @@ class Executor:
         self._first = self.shapes.add(first, pinned=True)
         self._first_call = plan.captured.first_call is not None     # capture/settle.py: drawn before the first call
         self.dims = SymbolicDims(first, self.shapes.what)    # sizes that become one symbol (dims.py)
+        self.calls = TrainCalls(self.shapes, self.paths)
+
+    @property
+    def first(self):
+        """The example inputs' program (a ShapeProgram, pinned in the cache)."""
+        return self._first
 
     @property
     def steps(self) -> int:
@@ -84,7 +91,7 @@ class Executor:
                                      f"and released its process groups. That error:\n{self.failure}")
         if self.rt is None or not self.rt.valid():
             rt = self._backend or backend_for(self.plan.mesh, self.plan.options, self.emulator)
-            self._bind(self._first, rt)
+            self.bind(self._first, rt)
             if self.plan.options.measure_memory:
                 rt.measure_memory = True         # the backend measures each step (runtime/memtrack.py)
             self.rt = rt
@@ -92,145 +99,30 @@ class Executor:
         self.lowered = self._first.lowered
         return self.lowered
 
-    def _bind(self, entry, rt) -> None:
-        """entry's program bound to rt's process groups (once per backend); on real ranks, every rank checks that
-        all run the same one."""
+    def bind(self, entry, rt=None) -> None:
+        """entry's program bound to the process groups of rt (default: the live backend), once per backend; on real
+        ranks, every rank checks that all run the same one."""
+        rt = rt or self.rt
         if entry.rt is rt:
             return
         t0 = time.perf_counter()
         # an instance of a symbolic dim (dims.py) has its own program; the others are their plan's
         entry.lowered = rt.program(entry.plan) if entry.canonical is None else bind(entry.canonical, rt.groups)
-        if rt.kind == "distributed":
+        if rt.ranks is not None:
             text = _plan_text(entry.canonical or entry.plan.lowered())
-            rt.check_plan(text)
+            rt.ranks.check_plan(text)
             if entry is self._first:
                 self._digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         if entry.lower_s is None:
             entry.lower_s = time.perf_counter() - t0
         entry.rt = rt
 
-    # -- running ---------------------------------------------------------------------------------------------------
-    def program_for(self, batch, local: bool, what: str):
-        """The program of this call's input signature (shapes.py): cached, or captured and planned now; its
-        inputs as a flat list."""
-        cap = self.plan.captured
-        flat, _ = tree_flatten(conform(tuple(batch), cap.in_spec))
-        names = [n for n, r in zip(cap.input_names, cap.input_roles) if r == Role.INPUT]
-        if len(flat) != len(names):
-            raise PartitionError(f"the program was captured with {len(names)} input tensors; got {len(flat)}.")
-        for name, x in zip(names, flat):
-            self._check_input(name, x)
-        sig = signature(flat)
-        if local:
-            sig = global_signature(self.plan, sig)
-        real = paths.real_values(names, flat, self._held)
-        values, key = (), (sig, ())
-        if self.paths:
-            if local:
-                raise PartitionError(f"{what}: this step branches on tensor values "
-                                     f"({paths.describe(self.plan.captured.guards, self._first.path)}); the branch "
-                                     f"is decided once per step on the global batch, which per-rank shards do not "
-                                     f"give. Call train_step with the global batch.")
-            values, key = self.paths.select(sig, real, cap.device)
-        entry = self.shapes.get(key) if key is not None else None
-        # a size may become a symbol (dims.py); torch-xla programs run the shapes they were built for, and
-        # train_step_local the programs train_step made
-        symbolic = not self.paths and not self.plan.pipeline.staged and self.rt.kind != "xla" and not local
-        if entry is None and symbolic:
-            entry = self.dims.instance(sig, _instance)
-            if entry is not None:
-                self.shapes.add(entry)
-        if entry is None:
-            _refuse_new(what, local, self.rt.kind, self._first, cap, names, flat, sig)
-            check_divisible(self.plan, sig, what)
-            entry = self._build(batch, sig, values, real, symbolic, what)
-        self._bind(entry, self.rt)
-        self.paths.gate(entry)      # a gated step's draws (capture/gates.py)
-        entry.calls += 1
-        return entry, flat
-
-    def _build(self, batch, sig, values, real, symbolic: bool, what: str):
-        """The program of a new signature, partitioned in full (shapes.build), bound, cached and said."""
-        self.paths.before_capture(values, self.plan.captured.device)
-        # a step that branches reads its values from this call's batch and the state held (not the module's)
-        entry = build(self.plan, self.model, self.optimizer, self.loss_fn, tuple(batch), sig, values=real, what=what)
-        self.paths.captured(sig, entry, values, real)
-        self._bind(entry, self.rt)
-        if symbolic:
-            self.dims.built(entry, lambda where: trace_guards(self.plan, self.model, self.optimizer, self.loss_fn,
-                                                              tuple(batch), where))
-        self.shapes.add(entry)
-        if entry.path and sig == self._first.signature:
-            paths.say_new(what, entry, len(self.shapes.entries), self.shapes.limit)
-        else:
-            say_new(what, entry, self._first, len(self.shapes.entries), self.shapes.limit)
-        return entry
-
-    def _args(self, entry, flat, local: bool, what: str):
-        cap, low = entry.plan.captured, entry.lowered
-        args, k = [], 0
-        for name, role, sh, shp in zip(cap.input_names, cap.input_roles, low.input_layouts, low.local_shapes):
-            if role in STATE_ROLES:
-                args.append(self.state[name])
-            elif role == Role.LR:   # hparams.<group>.<name>: read from the optimizer's param groups at every step
-                if self._hyper is None:
-                    self._hyper = cap.fopt.hyper_values(self.optimizer)   # this program's optimizer
-                _, g, h = name.split(".")
-                args.append(self.rt.local(torch.tensor(self._hyper[(int(g), h)], dtype=torch.float64)))
-            elif role == Role.CONST:
-                args.append(self.rt.shard(cap.consts[name], sh))
-            elif role == Role.DRAW:   # drawn by the guards before the step (paths.py)
-                args.append(self.rt.shard(self.paths.draw(name), sh))
-            elif role == Role.STEP:   # "step", or "step.<fqn>": a parameter's own count (paths.py)
-                n = self.paths.step_of(name, self.steps)
-                args.append(self.rt.local(torch.tensor(float(n + 1), dtype=torch.float64)))
-            else:
-                x = flat[k]
-                k += 1
-                if local:
-                    if tuple(x.shape) != tuple(shp):
-                        full = tuple(cap.names[name].meta["val"].shape)
-                        raise PartitionError(f"{what}: {name} has shape {tuple(x.shape)}, but each rank's shard must "
-                                             f"have shape {tuple(shp)} (global {full}, {sh}).")
-                    args.append(self.rt.local(x))
-                else:
-                    args.append(self.rt.shard(x, sh))
-        return args + self.rt.coords()
-
-    def _check_input(self, name, x):
-        """The call's input against the captured one: a tensor on the program's device (its shape and dtype select
-        the program: shapes.py)."""
-        val = self._placeholder(name).meta["val"]
-        if not isinstance(x, torch.Tensor):
-            raise PartitionError(f"{name} is a {type(x).__name__}; the program was captured with a tensor "
-                                 f"{tuple(val.shape)} {val.dtype} there.")
-        dev = self.plan.captured.device
-        if x.device.type == "meta" or (x.device.type != dev.type and dev.type != "meta"):
-            raise PartitionError(f"{name} is on {x.device}; the program runs on {dev.type}. Move the batch there "
-                                 f"(x.to('{dev.type}')).")
-
-    def _placeholder(self, name):
-        return self.plan.captured.names[name]
-
     def run(self, batch, local=False, what="train_step"):
         """Random ops (dropout) are drawn whole on every rank from the caller's generator and sliced (their rule
         keeps them whole), so a step equals the single-device step given the same generator state; on real ranks
-        every process must be seeded alike (checked with the plan at start-up)."""
-        self.ensure()
-        self._held.guard(what)
-        self._hyper = None
-        desc = f"{what} (step {self.steps + 1})" if what.startswith("train_step") else what
-        # real ranks agree on the call (program, step, inputs' shapes) before anything that could differ between
-        # them: a new shape's capture, its plan check, the step's collectives
-        self.agree(desc, tree_flatten(tuple(batch))[0])
-        entry, flat = self.program_for(batch, local, what)
-        self.first_call(entry)
-        self._held.relayout(entry.layouts)
-        args = self._args(entry, flat, local, what)
-        outs = self.execute(entry.lowered.gm, args, desc, entry.plan)
-        self._last, cap = entry, entry.plan.captured
-        if cap.checks:     # the model's asserts on tensor values (paths.py)
-            paths.verify(cap.checks, cap.output_names, outs, self.rt.rank0, desc)
+        every process must be seeded alike (checked with the plan at start-up). The step goes the one call path
+        (call.py)."""
+        outs, self._last = call(self, self.calls, batch, what, local)
         return outs
 
     def first_call(self, entry=None) -> None:
@@ -242,8 +134,8 @@ class Executor:
     def agree(self, what: str, flat) -> None:
         """Real ranks: the ranks agree on the program, the step and the inputs' shapes and dtypes before any
         collective of `what` (faults.py); a difference raises on every rank."""
-        if self.rt.kind == "distributed":
-            self.rt.agree(faults.describe_call(what, self._digest, self.steps, flat), what)
+        if self.rt.ranks is not None:
+            self.rt.ranks.agree(faults.describe_call(what, self._digest, self.steps, flat), what)
 
     def execute(self, gm, args, what: str, plan=None) -> list:
         """Run gm (a program of `plan`, default the first); a failure is named: RankFailureError when a peer died or
@@ -253,12 +145,13 @@ class Executor:
         try:
             return list(self.rt.run(gm, args))
         except Exception as e:  # noqa: BLE001 - named below
-            if self.rt.kind == "distributed":
+            ranks = self.rt.ranks
+            if ranks is not None:
                 peer = faults.peer_failure_kind(e) is not None
                 rec = faults.collective_of(faults.node_at(gm, e))  # read before release clears the frames
-                answers = self.rt.release(e, roll_call=peer)    # first: the peers waiting on this rank fail now
+                answers = ranks.release(e, roll_call=peer)    # first: the peers waiting on this rank fail now
                 if peer:
-                    err = faults.step_failure(what, self.rt.rank, self.plan.mesh, rec, e, self.rt.timeout_s,
+                    err = faults.step_failure(what, ranks.rank, self.plan.mesh, rec, e, ranks.timeout_s,
                                               answers=answers)
                 else:
                     err = e if isinstance(e, PartitionError) else internal_error(_failing_node(gm, e, plan),
@@ -277,11 +170,11 @@ class Executor:
             raise PartitionError("prog.peak_memory() returns the peaks measured during the last step, and this "
                                  "program does not measure them. Partition with measure_memory=True (off by "
                                  "default: it costs a Python callback per op).")
-        if self.rt is not None and not hasattr(self.rt, "last_peak"):
+        if self.rt is not None and not self.rt.measures_memory:
             raise PartitionError(f"prog.peak_memory(): the {type(self.rt).__name__} backend does not measure memory; "
                                  f"the interpreted emulator (the default without torch.distributed) and real ranks "
                                  f"do.")
-        peak = getattr(self.rt, "last_peak", None)
+        peak = self.rt.last_peak if self.rt is not None else None
         if peak is None:
             raise PartitionError("prog.peak_memory(): no step has run yet; run prog.train_step(...) first.")
         return dict(peak)
@@ -327,6 +220,71 @@ class Executor:
         return cap.out_spec.unflatten([self.rt.rank0(t) for t in outs[:n]])
 
 
+class TrainCalls(Calls):
+    """The partitioned step's calls (train_step, train_step_local, loss_and_grads, prog(...)): one program per input
+    signature and path (shapes.py, paths.py), all on the state they update, held in the layouts of the program
+    that runs."""
+
+    def describe(self, what: str, steps: int) -> str:
+        return f"{what} (step {steps + 1})" if what.startswith("train_step") else what
+
+    def inputs(self, ex, batch, what: str) -> tuple:
+        cap = ex.plan.captured
+        flat, _ = tree_flatten(conform(tuple(batch), cap.in_spec))
+        names = [n for n, r in zip(cap.input_names, cap.input_roles) if r == Role.INPUT]
+        if len(flat) != len(names):
+            raise PartitionError(f"the program was captured with {len(names)} input tensors; got {len(flat)}.")
+        for name, x in zip(names, flat):
+            _check_input(cap, name, x)
+        return flat, names
+
+    def signature(self, ex, batch, flat, local: bool):
+        sig = signature(flat)
+        return global_signature(ex.plan, sig) if local else sig
+
+    def symbolic(self, ex, sig, local: bool) -> bool:
+        return not self.paths
+
+    def instance(self, ex, sig):
+        return ex.dims.instance(sig, _instance)
+
+    def build(self, ex, batch, sig, real, what: str):
+        check_divisible(ex.plan, sig, what)
+        # a step that branches reads its values from this call's batch and the state held (not the module's)
+        return build(ex.plan, ex.model, ex.optimizer, ex.loss_fn, tuple(batch), sig, values=real, what=what)
+
+    def keep(self, ex, entry, batch, symbolic: bool, what: str) -> None:
+        if symbolic:
+            ex.dims.built(entry, lambda where: trace_guards(ex.plan, ex.model, ex.optimizer, ex.loss_fn,
+                                                            tuple(batch), where))
+        self.cache.add(entry)
+        if entry.path and entry.signature == ex.first.signature:
+            paths.say_new(what, entry, len(self.cache.entries), self.cache.limit)
+        else:
+            say_new(what, entry, ex.first, len(self.cache.entries), self.cache.limit)
+
+    def before_run(self, ex, entry) -> None:
+        ex.held().relayout(entry.layouts)
+
+
+def _check_input(cap, name, x) -> None:
+    """The call's input against the captured one: a tensor on the program's device (its shape and dtype select
+    the program: shapes.py)."""
+    val = cap.names[name].meta["val"]
+    if not isinstance(x, torch.Tensor):
+        raise PartitionError(f"{name} is a {type(x).__name__}; the program was captured with a tensor "
+                             f"{tuple(val.shape)} {val.dtype} there.")
+    dev = cap.device
+    if x.device.type == "meta" or (x.device.type != dev.type and dev.type != "meta"):
+        raise PartitionError(f"{name} is on {x.device}; the program runs on {dev.type}. Move the batch there "
+                             f"(x.to('{dev.type}')).")
+
+
+def _instance(sig, plan, canonical, seconds: float, s: int) -> ShapeProgram:
+    """A program instantiated from a symbolic dim (dims.py): the fitted programs' plan, its own lowering."""
+    return ShapeProgram(sig, plan, None, None, seconds, canonical=canonical, dim=s)
+
+
 def _plan_text(canonical) -> str:
     """What every rank must agree on: the program's code on canonical group names (each rank numbers its own
     process groups) and, when the step draws random numbers, the generator state."""
@@ -346,26 +304,3 @@ def _failing_node(gm, exc, plan):
         return None
     src = node.meta.get(META_SRC)
     return next((n for n in plan.captured.gm.graph.nodes if n.name == src), None) or node
-
-
-def _instance(sig, plan, canonical, seconds: float, s: int) -> ShapeProgram:
-    """A program instantiated from a symbolic dim (dims.py): the fitted programs' plan, its own lowering."""
-    return ShapeProgram(sig, plan, None, None, seconds, canonical=canonical, dim=s)
-
-
-def _refuse_new(what, local, kind, first, cap, names, flat, sig) -> None:
-    """A call that would need a new program where none can be made."""
-    if local:
-        # per-rank shards of a shape no program has: every rank would have to agree on it before capturing,
-        # and a global batch passed by mistake would pass for one; new shapes come through train_step
-        want = [tuple(s) for n, s in zip(cap.input_names, first.lowered.local_shapes) if n in names]
-        raise PartitionError(f"{what}: inputs of shapes {[tuple(x.shape) for x in flat]}; each rank's shard "
-                             f"must have shapes {want} (global [{show(first.signature)}]), or those of "
-                             f"another shape train_step has run. A new shape is partitioned by train_step, "
-                             f"which takes the global batch; or pad every rank's shard to these shapes.")
-    if kind == "xla":
-        # the XLA backend's shardings and constraints are those of the plan it was built for
-        raise PartitionError(f"{what}: inputs [{show(sig)}]; this torch-xla program runs the shapes it was "
-                             f"built for, [{show(first.signature)}] (its shardings are that plan's). "
-                             f"Pad batches to these shapes, or build the XLA program from a partition with "
-                             f"example inputs of the new shape.")

@@ -32,6 +32,7 @@ from ..lower.pipeline import PIPELINE_AXIS, pp_transfer
 from ..lower.ring import RING_SHIFT
 from ..mesh import Mesh
 from ..sharding import Sharding
+from .backend import InProcess
 from .layout import assemble, assemble_into, shard_of
 
 c10d = torch.ops._c10d_functional
@@ -155,7 +156,7 @@ class Plan:
         self.dying = self._dying(steps, owner, wait_at, later)
 
     def _resolve(self, n):
-        while n in getattr(self, "alias", {}):
+        while n in self.alias:
             n = self.alias[n]
         return n
 
@@ -187,11 +188,11 @@ class Plan:
         return [s for kind, s in self.steps if kind == "segment"]
 
 
-class InterpretedRuntime:
+class InterpretedRuntime(InProcess):
     """All ranks in one process, values as PerRank lists of plain tensors. Same interface as the other runtimes
-    (shard, local, coords, run, full, rank0)."""
+    (shard, local, coords, run, full, rank0); it measures each rank's peak memory (memtrack.py)."""
 
-    kind = "emulated"
+    measures_memory = True
 
     def __init__(self, mesh: Mesh, compile: bool = False):
         self.mesh = mesh

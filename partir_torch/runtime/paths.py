@@ -154,12 +154,13 @@ class StepPaths:
     count a step for it, as torch.optim does not)."""
 
     def __init__(self, first, param_steps: dict):
+        """first: the example inputs' program (None: no program yet, an Evaluator's)."""
         self.tries: dict = {}
         self.draws: dict = {}
         self.param_steps = param_steps     # the HeldState's (its state_dict and export_to report them)
         self.nograd = frozenset()          # a gated step (capture/gates.py): the parameters without a gradient
         self._rng = None
-        if first.plan.captured.guards:
+        if first is not None and first.plan.captured.guards:
             first.path = tuple(g.value for g in first.plan.captured.guards)
             self.tries.setdefault(first.signature, PathTrie()).insert(first.plan.captured.guards, first.key)
 

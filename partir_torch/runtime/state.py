@@ -46,7 +46,7 @@ def to_global(value, name: str, shape, rt, sh):
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
-        same = getattr(rt, "device_mesh", None) is value.device_mesh and \
+        same = rt.device_mesh is value.device_mesh and \
             tuple(value.placements) == tuple(sh.placements(rt.mesh))
         if same and tuple(value.shape) == tuple(shape):
             return padded(value.to_local().detach(), sh, rt.mesh, shape).clone()
@@ -145,9 +145,9 @@ class HeldState:
     def _full(self, n, t, layout=None):
         """State value n whole; on real ranks of a pipelined program, read from the stage that holds it."""
         layout = self._layout(n) if layout is None else layout
-        if getattr(self.rt, "state_owner", None) is not None:
+        if self.rt.stages is not None:
             dtype = self.plan.captured.names[n].meta["val"].dtype
-            return self.rt.full_owned(t, layout, self._shape(n), n, dtype)
+            return self.rt.stages.full_owned(t, layout, self._shape(n), n, dtype)
         return self.rt.full(t, layout, self._shape(n))
 
     def state_full(self) -> dict:
@@ -164,14 +164,14 @@ class HeldState:
     def _value(self, n):
         """State value n as a DTensor (real ranks) or full tensor (emulation); on real ranks of a pipelined program,
         None where another stage holds it."""
-        if getattr(self.rt, "state_owner", None) is not None:
-            return self.rt.value_owned(self.state[n], self._layout(n), self._shape(n), n)
+        if self.rt.stages is not None:
+            return self.rt.stages.value_owned(self.state[n], self._layout(n), self._shape(n), n)
         return self.rt.value(self.state[n], self._layout(n), self._shape(n))
 
     def _held_here(self, n) -> bool:
         """Whether this rank holds state value n (all do, but on real ranks of a pipelined program: the ranks of its
         stage, of each stage reading a tied weight)."""
-        return getattr(self.rt, "state_owner", None) is None or self.rt.holds(n)
+        return self.rt.stages is None or self.rt.stages.holds(n)
 
     def state_dict(self) -> dict:
         """{"model": ..., "optimizer": ...} in get_state_dict's layout (see state.py)."""
@@ -277,7 +277,7 @@ class HeldState:
 
     def _put(self, n: str, dest: torch.Tensor) -> torch.Tensor:
         """State value n whole, written into `dest` in place (gathered on real ranks where it is tiled)."""
-        if getattr(self.rt, "state_owner", None) is not None:
+        if self.rt.stages is not None:
             dest.copy_(self._full(n, self.state[n]))
         else:
             self.rt.full_into(dest, self.state[n], self._layout(n), self._shape(n))

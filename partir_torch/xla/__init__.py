@@ -7,8 +7,8 @@ Importing this module turns XLA's SPMD mode and post-partitioning HLO dumps on (
 from . import device as _device
 from .compare import Comparison
 from .hlo import XlaCollective, parse_collectives
-from .program import XlaProgram
+from .program import XlaBackend
 
 _device.enable()
 
-__all__ = ["XlaProgram", "XlaCollective", "Comparison", "parse_collectives"]
+__all__ = ["XlaBackend", "XlaCollective", "Comparison", "parse_collectives"]

@@ -47,9 +47,10 @@ def enable() -> str | None:
 
 def dump_dir() -> str:
     if _dump_dir is None:
-        raise PartitionError("XlaProgram.hlo(): XLA was started without HLO dumps, so the post-partitioning HLO "
-                             "cannot be read. Import partir_torch.xla (or call prog.to_xla()) before the first XLA "
-                             "tensor is created, or start Python with XLA_FLAGS='--xla_dump_to=<dir> "
+        raise PartitionError("prog.hlo() of a to_xla() program: XLA was started without HLO dumps, so the "
+                             "post-partitioning HLO cannot be read. Import partir_torch.xla (or call "
+                             "prog.to_xla()) before the first XLA tensor is created, or start Python with "
+                             "XLA_FLAGS='--xla_dump_to=<dir> "
                              f"--xla_dump_hlo_as_text --xla_dump_hlo_pass_re={DUMP_PASS}'.")
     return _dump_dir
 

@@ -8,7 +8,7 @@ XLA prints a collective as one instruction, e.g.
 Replica groups come either listed ({{0,2},{1,3}}) or in the iota form `[G,S]<=[dims]T(perm)`: the device ids
 0..n-1 laid out as `dims`, transposed by `perm`, read as G groups of S. With `use_global_device_ids` (or a
 channel id under SPMD) the ids are devices of the mesh, which are the mesh's ranks in row-major order here (the
-XlaProgram builds its xs.Mesh over device ids 0..n-1), so a group's axes are the mesh axes its members differ on.
+XlaBackend builds its xs.Mesh over device ids 0..n-1), so a group's axes are the mesh axes its members differ on.
 
 XLA's CPU pipeline has no reduce-scatter creator (GPU and TPU pipelines turn an all-reduce whose result each device
 only dynamic-slices into a reduce-scatter): `parse_collectives` does the same reading, also where the result

@@ -1,4 +1,5 @@
-"""XlaProgram: a partitioned step run by torch-xla's SPMD partitioner under partir's decisions.
+"""XlaBackend: a partitioned step run by torch-xla's SPMD partitioner under partir's decisions (prog.to_xla(): the
+same Program, on this backend).
 
 The captured *global* step graph runs op by op on XLA tensors (lazily traced, compiled once per graph):
 
@@ -20,7 +21,7 @@ it tiled on an axis the plan leaves whole and permuting the tiles (_reduced_at_e
 choose little more than how to reduce the partial values kept partial through sums. State stays on the devices
 between steps.
 
-    xprog = prog.to_xla()                 # PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 for 8 virtual devices
+    xprog = prog.to_xla()                 # a Program on this backend; PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 for 8 devices
     loss = xprog.train_step(tokens, targets)
     print(xprog.compare())                # partir's collectives next to those of XLA's partitioned HLO
 """
@@ -35,6 +36,7 @@ import torch.fx as fx
 from ..capture import FORWARD
 from ..contract import META_ROLE, STATE_ROLES, Role, forward_nodes
 from ..errors import PartitionError, warn
+from ..runtime.backend import InProcess
 from ..sharding import Sharding
 from . import device as xdev
 from .hlo import parse_collectives
@@ -152,12 +154,13 @@ def _shown(values: list) -> str:
     return "; ".join(values[:3]) + (f"; and {len(values) - 3} more" if len(values) > 3 else "")
 
 
-class XlaBackend:
+class XlaBackend(InProcess):
     """The torch-xla SPMD backend (runtime/backend.py's protocol): the captured *global* step runs on XLA tensors,
     state and inputs placed from their partir Sharding, and constraints where partir decided a layout (_Run), so
-    XLA's partitioner carries out partir's plan. A held value is one XLA tensor (XLA holds its shards)."""
+    XLA's partitioner carries out partir's plan. A held value is one XLA tensor (XLA holds its shards). It runs
+    only the plan it was built for (new_programs: its constraints are that plan's); reports: what XLA compiled."""
 
-    kind = "xla"
+    new_programs = False
 
     def __init__(self, plan):
         import torch_xla
@@ -351,6 +354,11 @@ class XlaBackend:
         return operands, results
 
     # -- the Backend protocol -------------------------------------------------------------------------------------
+    @property
+    def reports(self) -> "XlaReports":
+        """What XLA compiled: prog.hlo(), prog.collectives(), prog.compare()."""
+        return XlaReports(self)
+
     def valid(self) -> bool:
         return True
 
@@ -457,66 +465,27 @@ class XlaStep:
     local_shapes: list
 
 
-class XlaProgram:
-    """The same partitioned program on torch-xla SPMD: train_step / forward / loss_and_grads, state_dict, hlo,
-    collectives, compare. Build it with `prog.to_xla()`. It runs through the same Executor and HeldState as the
-    other backends (runtime/), on an XlaBackend."""
+class XlaReports:
+    """What the torch-xla backend compiled (runtime/backend.py's BackendReports), read by the Program that runs on
+    it: prog.hlo(), prog.collectives() (XLA's), prog.compare()."""
 
-    def __init__(self, plan, model, optimizer=None):
-        from ..runtime import Executor
-
-        self.plan, self.cap = plan, plan.captured
-        self.backend = XlaBackend(plan)
-        self.executor = Executor(plan, model, optimizer, backend=self.backend)
-
-    @property
-    def state(self) -> dict:
-        """Placeholder name -> the XLA tensor held (its shards on the devices)."""
-        return self.executor.held().state
-
-    @property
-    def steps(self) -> int:
-        return self.executor.steps
+    def __init__(self, backend: "XlaBackend"):
+        self.backend, self.plan, self.cap = backend, backend.plan, backend.cap
 
     @property
     def host_ops(self) -> list:
         return self.backend.host_ops
 
-    def state_dict(self) -> dict:
-        """Parameters, buffers and optimizer state as full CPU tensors, keyed by named value ("params.<fqn>",
-        "buffers.<fqn>", "opt.<state>.<fqn>")."""
-        g = self.plan.graph        # a value held as a split view (strided.py) back to its own shape
-        return {n: t.cpu().reshape(g.shapes[g.vid[self.cap.names[n]]]) for n, t in self.state.items()}
-
-    def gather_parameters(self) -> dict:
-        """Full parameter tensors on the CPU, keyed by FQN."""
-        return self.executor.held().gather_parameters()
-
-    def train_step(self, *batch) -> torch.Tensor:
-        """One step (forward, backward, optimizer update) on the global batch; returns the loss (CPU tensor)."""
-        return self.executor.train_step(batch)
-
-    def loss_and_grads(self, *batch):
-        return self.executor.loss_and_grads(batch)
-
-    def forward(self, *inputs):
-        """The model's outputs on the live state (programs captured without a loss_fn)."""
-        if self.cap.mode != FORWARD:
-            raise PartitionError("forward needs a program captured without loss_fn (partition(model, mesh, "
-                                 "schedule, example_inputs)); this one has a loss_fn: use train_step.")
-        return self.executor.forward(inputs)
-
-    __call__ = forward
-
-    # -- XLA's program -----------------------------------------------------------------------------------------------
-    def hlo(self) -> str:
+    def hlo(self, mode: str | None = None) -> str:
         """The post-partitioning HLO (after XLA's SPMD partitioner) of the step, as XLA compiled it at the first
         call (train_step, or forward / loss_and_grads); runs nothing itself."""
-        if not self.backend.modules:
-            raise PartitionError("XlaProgram.hlo(): run a step first (train_step / forward / loss_and_grads); the "
-                                 "HLO is the one XLA compiled for it.")
         modules = self.backend.modules
-        return self.backend.hlo_text(self.cap.mode if self.cap.mode in modules else next(iter(modules)))
+        if not modules:
+            raise PartitionError("prog.hlo() of a to_xla() program: run a step first (train_step / prog(...) / "
+                                 "loss_and_grads); the HLO is the one XLA compiled for it.")
+        if mode is None:
+            mode = self.cap.mode if self.cap.mode in modules else next(iter(modules))
+        return self.backend.hlo_text(mode)
 
     def collectives(self) -> list:
         """XlaCollectives of the partitioned HLO: kind, mesh axis, bytes, dtype (fields as prog.collectives())."""

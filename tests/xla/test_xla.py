@@ -39,7 +39,7 @@ PROGRAMS = {
 
 def run(name):
     """Partition, run 3 steps on XLA and on one device (eager AdamW). Returns the losses of both, the parameters
-    of both after the last step, the Program and the XlaProgram."""
+    of both after the last step, the Program and its to_xla() Program."""
     spec, mesh, schedule, batch_size = PROGRAMS[name]
     model = spec.build()
     ref = copy.deepcopy(model)
@@ -193,7 +193,7 @@ def test_a_mesh_of_another_size_than_the_devices_is_refused_by_name():
 
 def _train_on_xla(model, mesh, schedule, batch, loss_fn, seeded=False):
     """3 AdamW steps of `model` on XLA next to one device (losses and parameters compared; `seeded`: each step's
-    generator seeded alike on both sides); returns (XlaProgram, the to_xla warnings the steps gave)."""
+    generator seeded alike on both sides); returns (the to_xla() Program, the to_xla warnings the steps gave)."""
     ref = copy.deepcopy(model)
     with warnings.catch_warnings():   # partir's note on the linears Megatron leaves replicated (the head)
         warnings.filterwarnings("ignore", message=r"partir_torch: MP left .* replicated")
@@ -297,7 +297,7 @@ def test_stock_hf_gpt2_with_packed_qkv_under_bp_mp_equals_one_device_and_xla_car
         held = xprog.state[name]
         spec = torch_xla._XLAC._get_xla_sharding_spec(held)
         assert tuple(held.shape) == (32, 3, 32) and spec.startswith("{devices=[1,1,2,"), (held.shape, spec)
-    assert tuple(xprog.state_dict()["params.transformer.h.0.attn.c_attn.bias"].shape) == (96,)
+    assert tuple(xprog.state_dict()["model"]["transformer.h.0.attn.c_attn.bias"].shape) == (96,)
 
 
 def test_held_out_gqa_decoder_under_bp_mp_z3_equals_one_device_and_xla_carries_out_the_plan():
@@ -528,7 +528,7 @@ def test_overlap_options_of_the_per_device_program_are_said_not_to_apply_to_xla(
 
 
 def _hf_llama_on_dp_tp_zero():
-    """Stock HF Llama under the sweep's schedule on dp 2 x tp 2 x zero 2: (XlaProgram, to_xla warnings)."""
+    """Stock HF Llama under the sweep's schedule on dp 2 x tp 2 x zero 2: (the to_xla() Program, to_xla warnings)."""
     model, loss_fn = _tiny_hf_llama()
     return _train_on_xla(model, {"dp": 2, "tp": 2, "zero": 2},
                          [T.data_parallel("dp"), T.data_parallel("zero", name="BP-zero"), T.megatron("tp"),
