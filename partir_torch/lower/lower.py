@@ -485,7 +485,8 @@ class Lowerer:
                 if impl is None:
                     raise RuntimeError(f"no indexed kernel for {op.node.target}")
                 n = chunk_size(factor.size, [self.mesh.shape[a] for a in axes])
-                return impl(self.em, args, kwargs, indexed.offset(self.em, self.mesh, axes, factor.size), n)
+                size = {"size": factor.size} if impl in indexed.SIZED else {}
+                return impl(self.em, args, kwargs, indexed.offset(self.em, self.mesh, axes, factor.size), n, **size)
         return None
 
 
