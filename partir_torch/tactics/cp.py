@@ -1,0 +1,104 @@
+"""Context parallelism (CP): the sequence dim of every activation tiled on one mesh axis, attention exact.
+
+    schedule = [T.context_parallel("cp"), T.data_parallel("batch")]
+
+The tactic seeds the sequence dim (`seq_dim`) of every input that has the sequence length there (token ids,
+labels, attention and padding masks, position ids) and propagates, with no rule that knows about CP:
+
+- embeddings, norms, the MLP and the loss are per position: they stay local;
+- positions (`arange`, and the rotary cos/sin tables indexed by them) are an indexed factor: each rank computes its
+  own positions [off, off + T/n) (lower/indexed.py);
+- attention tiles the query rows and gathers the keys and values (rules/attention.py: the all_gather of K/V in the
+  forward, the reduce_scatter of dK/dV in the backward, both named CP's by explain and audit); SDPA's is_causal
+  becomes an explicit mask at the rank's offset (lower/cp.py), and the explicit softmax(q k^T / sqrt(d) + mask) v
+  form needs nothing: its mask is built from the rank's positions;
+- the causal-LM loss's one-token label shift (HF pads the labels and slices [1:]) gathers the labels, B x T
+  integers, once per step: exact, and small next to any activation.
+
+attention="allgather" is the only form built (Llama 3's choice: K/V are small with grouped-query heads); "ring"
+(K/V chunks passed around the axis, online softmax) and load_balance=True (chunks i and 2n-1-i per rank) are
+refused with a PartitionError.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import PartitionError, source_location, warn
+from .base import declare
+
+aten = torch.ops.aten
+_ATTENTION = (aten._scaled_dot_product_flash_attention_for_cpu.default,)
+
+
+@declare("context_parallel")
+@dataclass(frozen=True)
+class ContextParallel:
+    """CP on `axis`: the sequence dim `seq_dim` of the inputs tiled (see the module docstring)."""
+
+    axis: str = "cp"
+    seq_dim: int = 1
+    attention: str = "allgather"
+    load_balance: bool = False
+    name: str = "CP"
+
+    def __post_init__(self):
+        if self.attention not in ("allgather", "ring"):
+            raise PartitionError(f"context_parallel(attention={self.attention!r}): attention is 'allgather' (keys "
+                                 f"and values gathered, the query chunk local) or 'ring'.")
+        if self.attention == "ring":
+            raise PartitionError("context_parallel(attention='ring'): ring attention (key/value chunks passed "
+                                 "around the axis with an online-softmax merge) is not built yet. Use "
+                                 "attention='allgather' (exact; keys and values gathered per layer).")
+        if self.load_balance:
+            raise PartitionError("context_parallel(load_balance=True): causal load balancing (rank i holding "
+                                 "sequence chunks i and 2n-1-i) is not built yet: with a causal mask the last "
+                                 "rank's attention does about 2n-1 times the first rank's work. Use "
+                                 "load_balance=False.")
+
+    def seeds(self, ctx) -> list:
+        k = ctx.mesh.shape[self.axis]
+        inputs = sorted((n for n in ctx.value_names() if n.startswith("inputs.")),
+                        key=lambda n: int(n.split(".")[1]))
+        shapes = {n: ctx.value_meta(n)["shape"] for n in inputs}
+        lengths = Counter(s[self.seq_dim] for s in shapes.values() if len(s) > self.seq_dim)
+        if not lengths:
+            raise PartitionError(f"{self.name}: no input has a dim {self.seq_dim} (seq_dim) to tile on axis "
+                                 f"'{self.axis}' (size {k}); inputs: "
+                                 + ", ".join(f"{n} {tuple(s)}" for n, s in shapes.items()) + ". Pass seq_dim=.")
+        length = lengths.most_common(1)[0][0]
+        seq = [n for n, s in shapes.items() if len(s) > self.seq_dim and s[self.seq_dim] == length]
+        if length % k:
+            fit = -(-length // k) * k
+            raise PartitionError(
+                f"{self.name}: the sequence length {length} (dim {self.seq_dim} of {', '.join(seq)}) cannot be tiled "
+                f"on axis '{self.axis}' (size {k}): {k} does not divide {length}. Use a sequence length divisible "
+                f"by {k} (e.g. {fit}, padding with the model's pad token and ignore_index labels).")
+        return [(n, self.seq_dim) for n in seq]
+
+    def apply(self, ctx) -> None:
+        ctx.mesh.check_axis(self.axis, self.name)
+        ctx.seed_and_propagate(self.axis, self.seeds(ctx), self.name)
+        whole = [n for n in _attention_nodes(ctx.captured.gm) if ctx.op_tactic(self.axis, _op_index(ctx, n)) is None]
+        if whole:
+            lines = sorted({source_location(n) or n.name for n in whole})
+            warn(f"{self.name}: {len(whole)} attention op(s) run on the whole sequence on every rank of axis "
+                 f"'{self.axis}' (propagation did not reach their query rows): {'; '.join(lines)}. Their keys, "
+                 f"queries and values are gathered there; prog.explain and prog.audit name the values.")
+
+
+def _attention_nodes(gm) -> list:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _ATTENTION]
+
+
+def _op_index(ctx, node) -> int:
+    return next(i for i, op in enumerate(ctx.graph.ops) if op.node is node)
+
+
+def context_parallel(axis: str = "cp", seq_dim: int = 1, attention: str = "allgather", load_balance: bool = False,
+                     name: str = "CP") -> ContextParallel:
+    """Context parallelism on `axis` (see ContextParallel): the sequence dim of every input tiled, attention's
+    keys and values gathered, the query rows local, causal masks at each rank's offset."""
+    return ContextParallel(axis, seq_dim, attention, load_balance, name)

@@ -1,0 +1,90 @@
+"""Context parallelism (issue 38): T.context_parallel tiles the sequence of a stock HF decoder; loss and every
+gradient equal one device (emulated ranks), alone and with data parallelism or Megatron on another axis."""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+
+import partir_torch as pt
+from partir_torch import tactics as T
+
+from harness import hf_llama
+
+GRAD_RTOL = 1e-5
+
+
+def loss_fn(m, x):
+    """The documented call: the model shifts the labels and computes its own loss."""
+    return m(input_ids=x, labels=x).loss
+
+
+def llama(attn: str):
+    torch.manual_seed(0)
+    model = hf_llama()
+    model.config._attn_implementation = attn        # "sdpa" (is_causal) or "eager" (explicit mask + softmax)
+    return model
+
+
+def assert_grads_match(prog, model, batch, what):
+    """loss and each gradient g vs one device: |g - g_ref| <= 1e-5 * max|g_ref| (+ the same floor from the largest
+    gradient, for tensors whose true gradient is ~0)."""
+    ref = copy.deepcopy(model)
+    ref_loss = loss_fn(ref, *batch)
+    ref_loss.backward()
+    loss, grads = prog.loss_and_grads(*batch)
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=0)
+    want = {k: p.grad for k, p in ref.named_parameters()}
+    assert set(grads) == set(want)
+    floor = GRAD_RTOL * max(g.abs().max().item() for g in want.values())
+    for k, w in want.items():
+        err = (grads[k] - w).abs().max().item()
+        assert err <= GRAD_RTOL * w.abs().max().item() + floor, f"{what}: grad of {k}: max error {err:.3e}"
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_cp_llama_matches_one_device(attn, n):
+    """CP alone: the keys and values are gathered per layer (CP's all_gathers, 2 per layer) and their gradients
+    reduce-scattered back (2 per layer); the query rows, positions, norms, MLP and loss stay local; the only other
+    movement is the labels' gather for the one-token shift (B x T integers)."""
+    model, tokens = llama(attn), torch.randint(0, 64, (2, 16))
+    prog = pt.partition(model, pt.Mesh({"cp": n}), [T.context_parallel("cp")], example_inputs=(tokens,),
+                        loss_fn=loss_fn)
+    assert_grads_match(prog, model, (tokens,), f"{attn} CP={n}")
+    recs = prog.collectives()
+    kv = [r for r in recs if r.why == "tactic" and r.kind in ("all_gather", "reduce_scatter")]
+    layers = model.config.num_hidden_layers
+    assert Counter(r.kind for r in kv) == {"all_gather": 2 * layers, "reduce_scatter": 2 * layers}
+    assert all(r.tactic == "CP" and r.axis == "cp" for r in kv)
+    reshards = [r for r in recs if r.why == "reshard"]
+    assert [(r.kind, r.nbytes) for r in reshards] == [("all_gather", tokens.numel() * 8)]   # the labels, once
+    assert prog.sharding("inputs.0").dims[1] == ("cp",)
+
+
+@pytest.mark.parametrize("other,mesh", [(T.data_parallel("batch"), {"batch": 2, "cp": 2}),
+                                        (T.megatron("model"), {"cp": 2, "model": 2})], ids=["CPxDP", "CPxMP"])
+def test_cp_composes_on_a_2x2_mesh(other, mesh):
+    """CP on one axis, data parallelism or Megatron on the other: equal to one device."""
+    model, tokens = llama("sdpa"), torch.randint(0, 64, (4, 16))
+    prog = pt.partition(model, pt.Mesh(mesh), [T.context_parallel("cp"), other], example_inputs=(tokens,),
+                        loss_fn=loss_fn)
+    assert_grads_match(prog, model, (tokens,), f"CP x {other.name}")
+    kv = Counter(r.kind for r in prog.collectives() if r.tactic == "CP" and r.why == "tactic")
+    assert kv["all_gather"] >= 4 and kv["reduce_scatter"] == 4
+
+
+def test_cp_refuses_a_length_the_axis_does_not_divide():
+    model, tokens = llama("sdpa"), torch.randint(0, 64, (2, 14))
+    with pytest.raises(pt.PartitionError, match=r"sequence length 14 .* axis 'cp' \(size 4\).*e\.g\. 16"):
+        pt.partition(model, pt.Mesh({"cp": 4}), [T.context_parallel("cp")], example_inputs=(tokens,),
+                     loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize("kw,what", [({"attention": "ring"}, "ring attention"),
+                                     ({"load_balance": True}, "causal load balancing")])
+def test_cp_forms_not_built_are_refused(kw, what):
+    with pytest.raises(pt.PartitionError, match=what):
+        T.context_parallel("cp", **kw)
