@@ -24,13 +24,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import PartitionError, source_location, warn
+from ..rules import tags
 from .base import declare
-
-aten = torch.ops.aten
-_ATTENTION = (aten._scaled_dot_product_flash_attention_for_cpu.default,)
 
 
 @declare("context_parallel")
@@ -90,7 +86,7 @@ class ContextParallel:
 
 
 def _attention_nodes(gm) -> list:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _ATTENTION]
+    return [n for n in gm.graph.nodes if n.op == "call_function" and tags.has(n.target, "attention_kernel")]
 
 
 def _op_index(ctx, node) -> int:
