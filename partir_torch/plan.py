@@ -113,7 +113,7 @@ class Plan:
         piped = self.pipeline is not None and 0 <= self.pipeline_at <= k
         low = Lowerer(self.graph, self.stage_decisions(k), self.mesh, self.captured, canonical_groups(self.mesh),
                       options, self.families, self.kept_gathered,
-                      pipelined=self.pipeline if piped else None, share=self.share).run()
+                      pipelined=self.pipeline if piped else None, share=self.share, ring=self.ring_axes).run()
         if piped:
             from .lower.pipeline import pipeline_program
 
@@ -177,6 +177,12 @@ class Plan:
         """Names of the tactics whose gathered state lives from the forward to the backward (zero(3,
         reshard_after_forward=False)): lowering gathers such a value once per step instead of once per phase."""
         return frozenset(t.name for t in self.tactics if getattr(t, "reshard_after_forward", True) is False)
+
+    @property
+    def ring_axes(self) -> frozenset:
+        """Axes whose attention lowering runs as a ring (context_parallel(attention="ring"), lower/cp.py)."""
+        return frozenset(t.axis for t in self.tactics if getattr(t, "family", "") == "context_parallel"
+                         and t.attention == "ring")
 
     @property
     def capture_rewrites(self) -> tuple:

@@ -21,6 +21,7 @@ refused with a PartitionError.
 """
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from dataclasses import dataclass
 
@@ -44,10 +45,6 @@ class ContextParallel:
         if self.attention not in ("allgather", "ring"):
             raise PartitionError(f"context_parallel(attention={self.attention!r}): attention is 'allgather' (keys "
                                  f"and values gathered, the query chunk local) or 'ring'.")
-        if self.attention == "ring":
-            raise PartitionError("context_parallel(attention='ring'): ring attention (key/value chunks passed "
-                                 "around the axis with an online-softmax merge) is not built yet. Use "
-                                 "attention='allgather' (exact; keys and values gathered per layer).")
         if self.load_balance:
             raise PartitionError("context_parallel(load_balance=True): causal load balancing (rank i holding "
                                  "sequence chunks i and 2n-1-i) is not built yet: with a causal mask the last "
@@ -76,7 +73,16 @@ class ContextParallel:
 
     def apply(self, ctx) -> None:
         ctx.mesh.check_axis(self.axis, self.name)
-        ctx.seed_and_propagate(self.axis, self.seeds(ctx), self.name)
+        vids = []
+        for name, dim in self.seeds(ctx):
+            vids.append(ctx.graph.name_to_vid[name])
+            ctx.prop.seed(self.axis, vids[-1], dim, self.name)
+        for node in _key_gradients(ctx.captured.gm):   # dK, dV tiled like K, V: reduced where the kernel makes them
+            vid = ctx.graph.vid[node]
+            if ctx.is_unknown(self.axis, node) and node.meta["val"].shape[2] % ctx.mesh.shape[self.axis] == 0:
+                ctx.prop.seed(self.axis, vid, 2, self.name)
+                vids.append(vid)
+        ctx.prop.run(self.axis, self.name, vids)
         whole = [n for n in _attention_nodes(ctx.captured.gm) if ctx.op_tactic(self.axis, _op_index(ctx, n)) is None]
         if whole:
             lines = sorted({source_location(n) or n.name for n in whole})
@@ -87,6 +93,12 @@ class ContextParallel:
 
 def _attention_nodes(gm) -> list:
     return [n for n in gm.graph.nodes if n.op == "call_function" and tags.has(n.target, "attention_kernel")]
+
+
+def _key_gradients(gm) -> list:
+    """The dK and dV results (getitems 1 and 2) of the attention kernels' backwards."""
+    return [u for n in gm.graph.nodes if n.op == "call_function" and tags.has(n.target, "attention_backward")
+            for u in n.users if u.target is operator.getitem and u.args[1] in (1, 2)]
 
 
 def _op_index(ctx, node) -> int:
