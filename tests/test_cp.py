@@ -83,8 +83,31 @@ def test_cp_refuses_a_length_the_axis_does_not_divide():
                      loss_fn=loss_fn)
 
 
-@pytest.mark.parametrize("kw,what", [({"attention": "ring"}, "ring attention"),
-                                     ({"load_balance": True}, "causal load balancing")])
-def test_cp_forms_not_built_are_refused(kw, what):
-    with pytest.raises(pt.PartitionError, match=what):
-        T.context_parallel("cp", **kw)
+@pytest.mark.parametrize("n", [2, 4])
+def test_cp_ring_attention_matches_one_device(n):
+    """attention="ring": the keys and values stay tiled and travel around the axis (collective_permute steps, online
+    softmax); the backward rotates them again with their gradients: no all_gather or reduce_scatter of K/V. Per layer
+    2 (n - 1) transfers forward, 2 (n - 1) + 2 n backward."""
+    model, tokens = llama("sdpa"), torch.randint(0, 64, (2, 16))
+    prog = pt.partition(model, pt.Mesh({"cp": n}), [T.context_parallel("cp", attention="ring")],
+                        example_inputs=(tokens,), loss_fn=loss_fn)
+    assert_grads_match(prog, model, (tokens,), f"ring CP={n}")
+    recs = [r for r in prog.collectives() if r.why == "tactic" and r.tactic == "CP"]
+    layers = model.config.num_hidden_layers
+    assert Counter(r.kind for r in recs if r.kind != "all_reduce") == {
+        "collective_permute": layers * (4 * (n - 1) + 2 * n)}
+
+
+def test_cp_ring_composes_with_data_parallel():
+    model, tokens = llama("sdpa"), torch.randint(0, 64, (4, 16))
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "cp": 2}),
+                        [T.data_parallel("batch"), T.context_parallel("cp", attention="ring")],
+                        example_inputs=(tokens,), loss_fn=loss_fn)
+    assert_grads_match(prog, model, (tokens,), "ring CP x DP")
+    assert not [r for r in prog.collectives() if r.tactic == "CP" and r.kind in ("all_gather", "reduce_scatter")
+                and r.why == "tactic"]
+
+
+def test_cp_load_balancing_is_refused_by_name():
+    with pytest.raises(pt.PartitionError, match="causal load balancing"):
+        T.context_parallel("cp", load_balance=True)

@@ -1,13 +1,23 @@
-"""Local kernels of causal attention whose query positions are tiled (context parallelism, rules/attention.py).
+"""Attention of a rank's query rows under context parallelism (rules/attention.py, tactics/cp.py), blockwise.
 
-A rank holding query rows [off, off + n) of a causal self-attention over S keys computes its rows against all the
-keys (gathered by lowering: the all_gather of the CP tactic) with row i seeing keys 0..off + i. SDPA's is_causal
-would align the rank's first query with the first key, so it is replaced by an explicit additive mask
-(0 where key <= query position, -inf elsewhere), added to the caller's mask when there is one:
+Rank r holds query rows [r c, (r + 1) c) of a self-attention over S = m c keys. It computes them against the m
+key blocks in ring order, block (r - i) mod m at step i, and merges the partial results with an online softmax
+(Liu et al. 2023, "Ring Attention with Blockwise Transformers"; lse = the kernel's logsumexp per row):
 
-    mask[i, j] = 0 if j <= off + i else -inf          # (n, S), broadcast over batch and heads
+    lse = logaddexp(lse, lse_i);  out = out * exp(lse_old - lse) + out_i * exp(lse_i - lse)
 
-Every row keeps key 0, so no row is all -inf; the kernels are the same aten ops with is_causal=False.
+Under a causal mask no (c, S) mask is ever built: step 0 is the diagonal block (SDPA's is_causal, aligned), and
+every later block is wholly visible (i <= r) or wholly hidden (its lse_i set to -inf; in the backward its dout is
+scaled by 0, so its gradients are 0). A caller's mask (padding) gives each block its columns; a row that sees no
+key of a block gets lse_i = -inf there (the CPU kernel returns 0 for it).
+
+The blocks come from one of two sources:
+- "allgather": the keys and values gathered by lowering (CP's all_gather); block j is an index_select, and the
+  backward assembles dK, dV over the gathered positions (partial sums, reduce-scattered by lowering);
+- "ring": the keys and values stay tiled; each step's block arrives from the rank before (a collective_permute in
+  flight while the step computes), and in the backward each block's dK, dV travel with it, accumulated by every
+  rank it visits, one last step handing them to their owner: no all_gather or reduce_scatter at all.
+The backward runs the same blocks with the forward's out and global lse, so each block's probabilities are exact.
 """
 from __future__ import annotations
 
@@ -17,170 +27,142 @@ import operator
 import torch
 
 aten = torch.ops.aten
-
-
-def causal_mask(em, like, off, n: int, size: int):
-    """(n, size) additive mask in `like`'s dtype: query rows at positions off + [0, n) over keys [0, size)."""
-    rows = em.call(aten.add.Tensor, em.call(aten.arange.default, n, meta_shape=(n,)), off, meta_shape=(n,))
-    keys = em.call(aten.arange.default, size, meta_shape=(size,))
-    seen = em.call(aten.le.Tensor, em.call(aten.unsqueeze.default, keys, 0, meta_shape=(1, size)),
-                   em.call(aten.unsqueeze.default, rows, 1, meta_shape=(n, 1)), meta_shape=(n, size))
-    zero = em.call(aten.new_zeros.default, like, [n, size], meta_shape=(n, size))
-    ninf = em.call(aten.new_full.default, like, [n, size], float("-inf"), meta_shape=(n, size))
-    return em.call(aten.where.self, seen, zero, ninf, meta_shape=(n, size))
-
-
-def _with_mask(em, like, mask, off, n, size):
-    causal = causal_mask(em, like, off, n, size)
-    return causal if mask is None else em.call(aten.add.Tensor, mask, causal)
-
-
-def sdpa_causal(em, args, kwargs, off, n, size):
-    """_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal=True, attn_mask, scale) on this
-    rank's query rows."""
-    q, k, v = args[:3]
-    p = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
-    kw = dict(kwargs)
-    kw["attn_mask"] = _with_mask(em, q, kw.get("attn_mask"), off, n, size)
-    kw.pop("is_causal", None)
-    kw.pop("dropout_p", None)
-    return em.call(aten._scaled_dot_product_flash_attention_for_cpu.default, q, k, v, p, False, kwargs=kw)
-
-
-def sdpa_causal_backward(em, args, kwargs, off, n, size):
-    """Its backward (dout, q, k, v, out, lse, dropout_p, is_causal=True, attn_mask, scale): dq of this rank's rows,
-    dk and dv partial sums over them (lowering reduces them)."""
-    g, q, k, v, out, lse = args[:6]
-    p = args[6] if len(args) > 6 else kwargs.get("dropout_p", 0.0)
-    kw = dict(kwargs)
-    kw["attn_mask"] = _with_mask(em, q, kw.get("attn_mask"), off, n, size)
-    kw.pop("is_causal", None)
-    kw.pop("dropout_p", None)
-    return em.call(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, g, q, k, v, out, lse, p,
-                   False, kwargs=kw)
-
-
-# -- ring attention (attention="ring"): the keys and values stay tiled and travel around the axis ---------------------
-#
-# Rank r of n holds query rows and key/value chunk r (c positions each). Step i (0 <= i < n) computes the query
-# rows against chunk src = (r - i) mod n, received from the rank before while step i - 1 computed, and merges the
-# partial results with an online softmax (Liu et al. 2023, "Ring Attention with Blockwise Transformers"):
-#
-#     lse = logaddexp(lse, lse_i);  out = out * exp(lse_old - lse) + out_i * exp(lse_i - lse)
-#
-# A row that sees no key of a chunk (the chunks after it under a causal mask) gets lse_i = -inf (the CPU kernel
-# returns 0 there). The backward runs the ring again with the forward's out and global lse (each block's
-# probabilities are then exact): dq sums over the steps; each chunk's dk and dv travel with it, accumulated by every
-# rank it visits, and one last step hands them to their owner, so no reduce_scatter is needed.
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
 _BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 RING_OPS = (_FWD, _BWD)
 
 
-class Ring:
-    """Emits one ring attention op into the lowerer's graph (lw: lower.lower.Lowerer)."""
+class Blockwise:
+    """Emits the blockwise attention of one op. rb: this rank's block index (0-d node); m blocks of c rows."""
 
-    def __init__(self, lw, node, axis, n, c, causal, mask, like):
-        self.lw, self.em, self.node, self.axis = lw, lw.em, node, axis
-        self.n, self.c, self.causal, self.mask, self.like = n, c, causal, mask, like
-        self.r = self.em.coords[axis]
+    def __init__(self, em, rb, m: int, c: int, causal: bool, mask, like, kw: dict):
+        self.em, self.rb, self.m, self.c, self.causal, self.mask, self.like = em, rb, m, c, causal, mask, like
+        self.kw = {k: v for k, v in kw.items() if k not in ("attn_mask", "is_causal", "dropout_p")}
 
-    def shift(self, x, shape, dtype, value):
-        """Issue one ring step of x (to the next rank); read it with wait()."""
-        from ..contract import META_COLLECTIVE, META_IN_SHAPE
-        from .records import COLLECTIVE_PERMUTE, CollectiveRecord
-        from .ring import RING_SHIFT
+    def call(self, target, *args, **kwargs):
+        return self.em.call(target, *args, **kwargs)
 
-        em = self.em
-        s = em.call(RING_SHIFT, x, 1, em.groups[self.axis], meta_shape=tuple(shape))
-        s.meta[META_IN_SHAPE] = tuple(shape)
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        why, source, op = em.cause(COLLECTIVE_PERMUTE, self.axis) if em.cause is not None else ("", "", "")
-        tactic = self.lw.d.tactic_of(self.lw.g.vid[value], self.axis) or ""
-        rec = CollectiveRecord(COLLECTIVE_PERMUTE, self.axis, self.n, int(nbytes), str(dtype).replace("torch.", ""),
-                               tactic, self.lw.g.name(self.lw.g.vid[value]), s.name, "", 2, em.phase,
-                               em.families.get(tactic, ""), why, source, op)
-        s.meta[META_COLLECTIVE] = rec
-        em.records.append(rec)
-        return s, tuple(shape)
+    def cols(self, i: int):
+        """Key positions of step i's block: ((rb - i) mod m) c + [0, c)."""
+        src = self.call(aten.remainder.Scalar, self.call(aten.add.Scalar, self.rb, self.m - i), self.m)
+        return self.call(aten.add.Tensor, self.call(aten.arange.default, self.c),
+                         self.call(aten.mul.Scalar, src, self.c))
 
-    def wait(self, sent):
-        s, shape = sent
-        return self.em.call(torch.ops._c10d_functional.wait_tensor.default, s, meta_shape=shape)
+    def _block_mask(self, i: int):
+        """(the additive mask of step i or None, is_causal of its kernel call)."""
+        if self.mask is None:
+            return None, self.causal and i == 0
+        part = self.call(aten.index_select.default, self.mask, -1, self.cols(i))
+        if self.causal and i == 0:      # the caller's mask and the diagonal's causal mask, (c, c) only
+            ar = self.call(aten.arange.default, self.c)
+            seen = self.call(aten.le.Tensor, self.call(aten.unsqueeze.default, ar, 0),
+                             self.call(aten.unsqueeze.default, ar, 1))
+            tri = self.call(aten.where.self, seen, self.call(aten.new_zeros.default, self.like, [self.c, self.c]),
+                            self.call(aten.new_full.default, self.like, [self.c, self.c], float("-inf")))
+            part = self.call(aten.add.Tensor, part, tri)
+        return part, False
 
-    def block_mask(self, i: int):
-        """(c, c) additive mask of step i (None when there is none): causal at the chunks' offsets, plus the
-        caller's mask's columns of chunk src."""
-        em, c = self.em, self.c
-        if not self.causal and self.mask is None:
-            return None
-        src = em.call(aten.remainder.Scalar, em.call(aten.add.Scalar, self.r, self.n - i), self.n, meta_shape=())
-        cols = em.call(aten.add.Tensor, em.call(aten.arange.default, c, meta_shape=(c,)),
-                       em.call(aten.mul.Scalar, src, c, meta_shape=()), meta_shape=(c,))
-        out = None
-        if self.causal:
-            rows = em.call(aten.add.Tensor, em.call(aten.arange.default, c, meta_shape=(c,)),
-                           em.call(aten.mul.Scalar, self.r, c, meta_shape=()), meta_shape=(c,))
-            seen = em.call(aten.le.Tensor, em.call(aten.unsqueeze.default, cols, 0, meta_shape=(1, c)),
-                           em.call(aten.unsqueeze.default, rows, 1, meta_shape=(c, 1)), meta_shape=(c, c))
-            zero = em.call(aten.new_zeros.default, self.like, [c, c], meta_shape=(c, c))
-            ninf = em.call(aten.new_full.default, self.like, [c, c], float("-inf"), meta_shape=(c, c))
-            out = em.call(aten.where.self, seen, zero, ninf, meta_shape=(c, c))
-        if self.mask is not None:
-            part = em.call(aten.index_select.default, self.mask, -1, cols)
-            out = part if out is None else em.call(aten.add.Tensor, part, out)
-        return out
+    def _hidden(self, i: int):
+        """Step i's block is after this rank's rows under the causal mask (a 0-d bool), or None."""
+        return self.call(aten.lt.Scalar, self.rb, i) if self.causal and i > 0 else None
 
-    def forward(self, q, k, v, kv_shape, p, kw, dtype, values):
-        """(out, lse) of this rank's query rows, from n steps."""
-        em = self.em
+    def forward(self, q, block, dtype):
+        """(out, lse) of this rank's rows; block(i) -> (k_i, v_i)."""
         out = lse = None
-        for i in range(self.n):
-            if i < self.n - 1:
-                sk = self.shift(k, kv_shape, dtype, values[0])
-                sv = self.shift(v, kv_shape, dtype, values[1])
-            m = self.block_mask(i)
-            res = em.call(_FWD, q, k, v, p, False, kwargs=dict(kw, attn_mask=m) if m is not None else kw)
-            o_i = em.call(operator.getitem, res, 0)
-            l_i = em.call(operator.getitem, res, 1)
-            if m is not None:     # rows that see no key of this chunk: lse -inf (the kernel says 0)
-                valid = em.call(aten.ne.Scalar, em.call(aten.amax.default, m, [-1]), float("-inf"))
-                l_i = em.call(aten.where.self, valid, l_i, em.call(aten.full_like.default, l_i, float("-inf")))
-            if i == 0:
+        for i in range(self.m):
+            k, v = block(i)
+            mask, causal = self._block_mask(i)
+            kw = dict(self.kw, attn_mask=mask) if mask is not None else self.kw
+            res = self.call(_FWD, q, k, v, 0.0, causal, kwargs=kw)
+            o_i, l_i = self.call(operator.getitem, res, 0), self.call(operator.getitem, res, 1)
+            ninf = self.call(aten.full_like.default, l_i, float("-inf"))
+            if mask is not None:      # rows that see no key of this block: lse -inf (the kernel says 0)
+                l_i = self.call(aten.where.self, self.call(aten.ne.Scalar, self.call(aten.amax.default, mask, [-1]),
+                                                           float("-inf")), l_i, ninf)
+            hidden = self._hidden(i)
+            if hidden is not None:
+                l_i = self.call(aten.where.self, hidden, ninf, l_i)
+            if out is None:
                 out, lse = o_i, l_i
-            else:
-                new = em.call(aten.logaddexp.default, lse, l_i)
-                a = em.call(aten.unsqueeze.default, em.call(aten.exp.default, em.call(aten.sub.Tensor, lse, new)), -1)
-                b = em.call(aten.unsqueeze.default, em.call(aten.exp.default, em.call(aten.sub.Tensor, l_i, new)), -1)
-                out = em.call(aten.add.Tensor, em.call(aten.mul.Tensor, out, a), em.call(aten.mul.Tensor, o_i, b))
-                lse = new
-            if i < self.n - 1:
-                k, v = self.wait(sk), self.wait(sv)
-        if self.n > 1:
-            out = em.call(aten._to_copy.default, out, kwargs={"dtype": dtype})
+                continue
+            new = self.call(aten.logaddexp.default, lse, l_i)
+            a = self.call(aten.unsqueeze.default, self.call(aten.exp.default, self.call(aten.sub.Tensor, lse, new)), -1)
+            b = self.call(aten.unsqueeze.default, self.call(aten.exp.default, self.call(aten.sub.Tensor, l_i, new)), -1)
+            out = self.call(aten.add.Tensor, self.call(aten.mul.Tensor, out, a), self.call(aten.mul.Tensor, o_i, b))
+            lse = new
+        if self.m > 1:
+            out = self.call(aten._to_copy.default, out, kwargs={"dtype": dtype})
         return out, lse
 
-    def backward(self, g, q, k, v, out, lse, kv_shape, p, kw, dtype, values):
-        """(dq, dk, dv): dq of this rank's rows, dk and dv of this rank's key chunk, summed over the ring."""
-        em = self.em
-        dq = ak = av = rk = rv = None
-        for i in range(self.n):
-            if i < self.n - 1:
-                sk = self.shift(k, kv_shape, dtype, values[0])
-                sv = self.shift(v, kv_shape, dtype, values[1])
-            m = self.block_mask(i)
-            res = em.call(_BWD, g, q, k, v, out, lse, p, False, kwargs=dict(kw, attn_mask=m) if m is not None else kw)
-            dq_i, dk_i, dv_i = (em.call(operator.getitem, res, j) for j in range(3))
-            dq = dq_i if dq is None else em.call(aten.add.Tensor, dq, dq_i)
-            ak = dk_i if rk is None else em.call(aten.add.Tensor, self.wait(rk), dk_i)
-            av = dv_i if rv is None else em.call(aten.add.Tensor, self.wait(rv), dv_i)
-            rk = self.shift(ak, kv_shape, dtype, values[0])
-            rv = self.shift(av, kv_shape, dtype, values[1])
-            if i < self.n - 1:
-                k, v = self.wait(sk), self.wait(sv)
-        return dq, self.wait(rk), self.wait(rv)
+    def backward(self, g, q, out, lse, block, collect):
+        """dq of this rank's rows; each block's (dk_i, dv_i) handed to collect(i, dk_i, dv_i)."""
+        dq = None
+        for i in range(self.m):
+            k, v = block(i)
+            mask, causal = self._block_mask(i)
+            kw = dict(self.kw, attn_mask=mask) if mask is not None else self.kw
+            hidden = self._hidden(i)
+            g_i = g if hidden is None else self.call(
+                aten.mul.Tensor, g, self.call(aten.logical_not.default, hidden))     # a hidden block: dout 0
+            res = self.call(_BWD, g_i, q, k, v, out, lse, 0.0, causal, kwargs=kw)
+            dq_i, dk_i, dv_i = (self.call(operator.getitem, res, j) for j in range(3))
+            dq = dq_i if dq is None else self.call(aten.add.Tensor, dq, dq_i)
+            collect(i, dk_i, dv_i)
+        return dq
 
 
+# -- "allgather": the indexed kernels of the attention ops (rules/registry.py LINKS; lower/lower.py _indexed) -------
+def _gathered(em, args, kwargs, off, n, size, q_at):
+    q, k = args[q_at], args[q_at + 1]
+    rb = em.call(aten.div.Tensor_mode, off, n, kwargs={"rounding_mode": "floor"})
+    bw = Blockwise(em, rb, size // n, n, True, kwargs.get("attn_mask"), q, kwargs)
+
+    def block(i):
+        cols = bw.cols(i)
+        return tuple(em.call(aten.index_select.default, x, 2, cols) for x in (k, args[q_at + 2]))
+    return bw, block
+
+
+def sdpa_causal(em, args, kwargs, off, n, size):
+    """_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal=True, ...) of this rank's query
+    rows [off, off + n) against the gathered keys and values."""
+    bw, block = _gathered(em, args, kwargs, off, n, size, 0)
+    out, lse = bw.forward(args[0], block, None)
+    return em.call(_PAIR, out, lse)
+
+
+def sdpa_causal_backward(em, args, kwargs, off, n, size):
+    """Its backward (dout, q, k, v, out, lse, ...): dq of this rank's rows; dk and dv over all the gathered positions
+    (partial sums over the ranks' rows, reduced by lowering)."""
+    g, q, k, v, out, lse = args[:6]
+    bw, block = _gathered(em, args, kwargs, off, n, size, 1)
+    parts, cols = [], []
+
+    def collect(i, dk, dv):
+        parts.append((dk, dv))
+        cols.append(bw.cols(i))
+
+    dq = bw.backward(g, q, out, lse, block, collect)
+    where = em.call(aten.cat.default, cols)                      # ring order -> positions
+    dk = em.call(aten.index_copy.default, em.call(aten.zeros_like.default, k), 2, where,
+                 em.call(aten.cat.default, [p[0] for p in parts], 2))
+    dv = em.call(aten.index_copy.default, em.call(aten.zeros_like.default, v), 2, where,
+                 em.call(aten.cat.default, [p[1] for p in parts], 2))
+    return em.call(_TRIPLE, dq, dk, dv)
+
+
+def _pair(a, b):
+    return a, b
+
+
+def _triple(a, b, c):
+    return a, b, c
+
+
+_PAIR, _TRIPLE = _pair, _triple
+
+
+# -- "ring": the lowering of an attention op whose keys and values stay tiled (Lowerer._op's hook) -------------------
 def ring_axis(lw, i: int):
     """The ring axis tiling op i's query rows (None: lower the op as usual, keys and values gathered)."""
     op = lw.g.ops[i]
@@ -192,7 +174,19 @@ def ring_axis(lw, i: int):
     return None
 
 
-def _tiled_on(have, want, axis):
+def drop_ring_wants(lw) -> None:
+    """The keys and values of ring attention ops are read tiled: their gathered layout is no consumer's want
+    (Lowerer.settle would gather them where they are made)."""
+    for i, op in enumerate(lw.g.ops):
+        if op.node.target in RING_OPS and ring_axis(lw, i) is not None:
+            kj = 1 if op.node.target is _FWD else 2
+            for j in (kj, kj + 1):
+                wants = lw.wants.get(op.node.args[j], {})
+                if wants.get(lw.layouts_of[i][0][j]) is op.node:
+                    del wants[lw.layouts_of[i][0][j]]
+
+
+def _tiled_on(have, want, axis) -> bool:
     """`have` is `want` with `axis` added last on dim 2 (the key positions), nothing else."""
     dims = [tuple(d) for d in want.dims]
     if len(dims) < 3 or have.partial or want.partial:
@@ -201,66 +195,95 @@ def _tiled_on(have, want, axis):
     return tuple(have.dims) == tuple(dims) and not dict(have.strides).get(axis) and not have.blocks
 
 
+class _Ring:
+    """The transfers of one ring attention op: ring_shift steps (lower/ring.py's primitive), recorded as CP's."""
+
+    def __init__(self, lw, axis, shape, dtype, values):
+        self.lw, self.em, self.axis, self.shape, self.dtype, self.values = lw, lw.em, axis, tuple(shape), dtype, values
+
+    def shift(self, x, which: int):
+        """Issue one ring step of x (to the next rank); read it with wait()."""
+        from ..contract import META_COLLECTIVE, META_IN_SHAPE
+        from .records import COLLECTIVE_PERMUTE, CollectiveRecord
+        from .ring import RING_SHIFT
+
+        em, lw = self.em, self.lw
+        s = em.call(RING_SHIFT, x, 1, em.groups[self.axis], meta_shape=self.shape)
+        s.meta[META_IN_SHAPE] = self.shape
+        nbytes = math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        vid = lw.g.vid[self.values[which]]
+        em.cause = lw._cause(self.values[which], self.values[2])
+        why, source, op = em.cause(COLLECTIVE_PERMUTE, self.axis)
+        tactic = lw.d.tactic_of(vid, self.axis) or ""
+        rec = CollectiveRecord(COLLECTIVE_PERMUTE, self.axis, lw.mesh.shape[self.axis], int(nbytes),
+                               str(self.dtype).replace("torch.", ""), tactic, lw.g.name(vid), s.name, "", 2, em.phase,
+                               em.families.get(tactic, ""), why, source, op)
+        s.meta[META_COLLECTIVE] = rec
+        em.records.append(rec)
+        return s
+
+    def wait(self, s):
+        return self.em.call(torch.ops._c10d_functional.wait_tensor.default, s, meta_shape=self.shape)
+
+    def blocks(self, k, v):
+        """block(i) for Blockwise: step 0 the local k, v; each later block received while the step before computes."""
+        held, sent = [k, v], []
+
+        def block(i):
+            if i > 0:
+                held[:] = [self.wait(s) for s in sent]
+            if i < self.lw.mesh.shape[self.axis] - 1:
+                sent[:] = [self.shift(held[0], 0), self.shift(held[1], 1)]
+            return tuple(held)
+        return block
+
+
 def ring_attention(lw, node, i: int, ins, outs, axis: str) -> bool:
     """Lower attention op i as a ring on `axis` (lw: the Lowerer); False when its keys and values do not arrive
-    tiled on their positions on `axis` alone (the op is then lowered with them gathered)."""
+    tiled on their positions on `axis` alone (the op is then lowered with them gathered, and a warning says so)."""
+    from ..errors import PartitionError, warn
     from .lower import _strip
 
     fwd = node.target is _FWD
-    kj = 1 if fwd else 2
+    kj, pj = (1, 3) if fwd else (2, 6)                  # keys' slot; dropout_p's, then is_causal's
     args, kw = list(node.args), dict(node.kwargs)
-    vk, vv = lw.g.vid[args[kj]], lw.g.vid[args[kj + 1]]
-    have_k, have_v = _strip(lw.layout[vk]), _strip(lw.layout[vv])
-    if not (_tiled_on(have_k, ins[kj], axis) and _tiled_on(have_v, ins[kj + 1], axis)):
+    have = [_strip(lw.layout[lw.g.vid[args[j]]]) for j in (kj, kj + 1)]
+    if not all(_tiled_on(h, ins[j], axis) for h, j in zip(have, (kj, kj + 1))):
+        warn(f"context_parallel(attention='ring') on axis '{axis}': the keys and values of {node.name} are not "
+             f"tiled on their positions on '{axis}' alone; this attention gathers them (the 'allgather' form).")
         return False
-    pj = 3 if fwd else 6                   # dropout_p, then is_causal
-    p = args[pj] if len(args) > pj else kw.pop("dropout_p", 0.0)
+    p = args[pj] if len(args) > pj else kw.get("dropout_p", 0.0)
     if p:
-        from ..errors import PartitionError
-
-        raise PartitionError(f"ring attention on axis '{axis}': {node.format_node()} has dropout_p={p}; the ring "
-                             f"computes each key chunk's probabilities apart, so attention dropout cannot match one "
-                             f"device. Use attention dropout 0, or context_parallel(attention='allgather').")
-    causal = bool(args[pj + 1] if len(args) > pj + 1 else kw.pop("is_causal", False))
+        raise PartitionError(f"ring attention on axis '{axis}': {node.name} has dropout_p={p}; attention dropout "
+                             f"per key block cannot match one device. Use attention dropout 0, or "
+                             f"context_parallel(attention='allgather').")
+    causal = bool(args[pj + 1] if len(args) > pj + 1 else kw.get("is_causal", False))
     lw.em.phase = lw.phase
-    slot = 0
     local = []
-    for j, a in enumerate(args[:kj + 2] if fwd else args[:6]):
-        want = (have_k if j == kj else have_v if j == kj + 1 else ins[j])
+    for j, a in enumerate(args[:pj]):
         lw.em.cause = lw._cause(a, node)
-        local.append(lw.fetch(a, want, node))
-        slot += 1
-    mask = None
-    if kw.get("attn_mask") is not None:
-        lw.em.cause = lw._cause(kw["attn_mask"], node)
-        mask = lw.fetch(kw["attn_mask"], ins[slot], node)[0]
-    kw.pop("attn_mask", None)
-    kw.pop("is_causal", None)
-    n = lw.mesh.shape[axis]
-    q_shape = local[0 if fwd else 1][1]
-    kv_shape = local[kj][1]
-    lw.em.cause = lw._cause(args[kj], node)
-    dtype = args[0 if fwd else 1].meta["val"].dtype
-    ring = Ring(lw, node, axis, n, q_shape[2], causal, mask, local[0 if fwd else 1][0])
+        local.append(lw.fetch(a, have[j - kj] if j in (kj, kj + 1) else ins[j], node))
+    mask = kw.get("attn_mask")
+    if mask is not None:
+        lw.em.cause = lw._cause(mask, node)
+        mask = lw.fetch(mask, ins[pj], node)[0]
+    q, q_shape = local[kj - 1]
     xs = [x for x, _ in local]
+    ring = _Ring(lw, axis, local[kj][1], args[kj].meta["val"].dtype, (args[kj], args[kj + 1], node))
+    n = lw.mesh.shape[axis]
+    bw = Blockwise(lw.em, lw.em.coords[axis], n, q_shape[2], causal, mask, q, kw)
     if fwd:
-        res = ring.forward(xs[0], xs[1], xs[2], kv_shape, 0.0, kw, dtype, (args[1], args[2]))
-        produced = list(outs)
-    else:
-        res = ring.backward(*xs, kv_shape, 0.0, kw, dtype, (args[2], args[3]))
-        produced = [outs[0], have_k, have_v]
-    lw.env[node] = tuple(res)
-    lw.produced_of[node] = produced
+        out, lse = bw.forward(q, ring.blocks(xs[1], xs[2]), args[0].meta["val"].dtype)
+        lw.env[node], lw.produced_of[node] = lw.em.call(_PAIR, out, lse), list(outs)
+        return True
+    acc = []                           # each block's dK, dV accumulated by the ranks it visits, then handed on
+
+    def collect(i, dk, dv):
+        if acc:
+            dk, dv = (lw.em.call(aten.add.Tensor, ring.wait(s), d) for s, d in zip(acc, (dk, dv)))
+        acc[:] = [ring.shift(dk, 0), ring.shift(dv, 1)]
+
+    dq = bw.backward(xs[0], q, xs[4], xs[5], ring.blocks(xs[2], xs[3]), collect)
+    lw.env[node] = lw.em.call(_TRIPLE, dq, ring.wait(acc[0]), ring.wait(acc[1]))
+    lw.produced_of[node] = [outs[0], have[0], have[1]]
     return True
-
-
-def drop_ring_wants(lw) -> None:
-    """The keys and values of ring attention ops are read tiled: their gathered layout is no consumer's want
-    (Lowerer.settle would gather them where they are made)."""
-    for i, op in enumerate(lw.g.ops):
-        if op.node.target in RING_OPS and ring_axis(lw, i) is not None:
-            kj = 1 if op.node.target is _FWD else 2
-            for a, want in ((op.node.args[kj], lw.layouts_of[i][0][kj]), (op.node.args[kj + 1], lw.layouts_of[i][0][kj + 1])):
-                wants = lw.wants.get(a, {})
-                if wants.get(want) is op.node:
-                    del wants[want]
