@@ -1,4 +1,4 @@
-"""Context parallelism at long sequence length: measured peak memory per rank and step time, CP=4 against the
+"""Context parallelism at long sequence length: measured peak memory per rank and step time, CP=4 (allgather and ring) against the
 same 4 emulated ranks without CP (every rank computes the whole sequence), side by side in one run; and the
 simulated step of both programs on H100s.
 
@@ -48,7 +48,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     tokens = torch.randint(0, 256, (1, a.seq), generator=torch.Generator().manual_seed(0))
     progs = {}
-    for name, schedule in [("no CP", []), ("CP=4", [T.context_parallel("cp")])]:
+    for name, schedule in [("no CP", []), ("CP=4", [T.context_parallel("cp")]),
+                           ("ring=4", [T.context_parallel("cp", attention="ring")])]:
         model = llama(a.seq, a.layers, a.d)
         state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
         progs[name] = pt.partition(model, pt.Mesh({"cp": 4}), schedule, example_inputs=(tokens,), loss_fn=loss_fn,
@@ -73,11 +74,12 @@ def main(argv=None):
         print(f"  {n:6s} peak {peak / 2**20:8.2f} MiB  activations {act / 2**20:8.2f} MiB ({act / base[0]:.3f}x)  "
               f"step {1e3 * t:8.1f} ms ({t / base[1]:.3f}x)  losses {' '.join(f'{x:.6f}' for x in losses[n])}  "
               f"simulated h100 step {1e3 * sim.step_time_s:.3f} ms")
-    cp = [r for r in progs["CP=4"].collectives() if r.tactic == "CP"]
-    kinds = {}
-    for r in cp:
-        kinds.setdefault(r.kind, []).append(r.nbytes)
-    print("  CP collectives: " + ", ".join(f"{k} x{len(v)} ({sum(v) / 2**20:.2f} MiB)" for k, v in kinds.items()))
+    for n in ("CP=4", "ring=4"):
+        kinds = {}
+        for r in progs[n].collectives():
+            if r.tactic == "CP":
+                kinds.setdefault(r.kind, []).append(r.nbytes)
+        print(f"  {n} collectives: " + ", ".join(f"{k} x{len(v)} ({sum(v) / 2**20:.2f} MiB)" for k, v in kinds.items()))
 
 
 if __name__ == "__main__":

@@ -9,15 +9,18 @@ labels, attention and padding masks, position ids) and propagates, with no rule 
 - positions (`arange`, and the rotary cos/sin tables indexed by them) are an indexed factor: each rank computes its
   own positions [off, off + T/n) (lower/indexed.py);
 - attention tiles the query rows and gathers the keys and values (rules/attention.py: the all_gather of K/V in the
-  forward, the reduce_scatter of dK/dV in the backward, both named CP's by explain and audit); SDPA's is_causal
-  becomes an explicit mask at the rank's offset (lower/cp.py), and the explicit softmax(q k^T / sqrt(d) + mask) v
-  form needs nothing: its mask is built from the rank's positions;
+  forward, the reduce_scatter of dK/dV in the backward, both named CP's by explain and audit); SDPA's is_causal,
+  which would align the rank's first query with the first key, is computed blockwise at the rank's offset
+  (lower/cp.py), and the explicit softmax(q k^T / sqrt(d) + mask) v form needs nothing: its mask is built from the
+  rank's positions;
 - the causal-LM loss's one-token label shift (HF pads the labels and slices [1:]) gathers the labels, B x T
   integers, once per step: exact, and small next to any activation.
 
-attention="allgather" is the only form built (Llama 3's choice: K/V are small with grouped-query heads); "ring"
-(K/V chunks passed around the axis, online softmax) and load_balance=True (chunks i and 2n-1-i per rank) are
-refused with a PartitionError.
+attention="allgather" (Llama 3's choice: K/V are small with grouped-query heads) gathers K/V per layer;
+attention="ring" keeps them tiled and passes them around the axis (lower/cp.py: collective_permute steps, an
+online-softmax merge; the backward rotates K/V and their gradients), for SDPA kernels (the explicit matmul form
+is gathered, with a warning). Both compute a rank's rows blockwise in ring order, so no (T/n, T) causal mask is
+ever built. load_balance=True (chunks i and 2n-1-i per rank) is refused with a PartitionError: not built.
 """
 from __future__ import annotations
 
@@ -83,7 +86,12 @@ class ContextParallel:
                 ctx.prop.seed(self.axis, vid, 2, self.name)
                 vids.append(vid)
         ctx.prop.run(self.axis, self.name, vids)
-        whole = [n for n in _attention_nodes(ctx.captured.gm) if ctx.op_tactic(self.axis, _op_index(ctx, n)) is None]
+        kernels = _attention_nodes(ctx.captured.gm)
+        if self.attention == "ring" and not kernels:
+            warn(f"{self.name}: attention='ring' runs fused attention kernels (SDPA) as a ring; this step has none "
+                 f"(attention written as softmax(q k^T) v with matmuls), so its keys and values are gathered on axis "
+                 f"'{self.axis}' (the 'allgather' form). Use attn_implementation='sdpa' for the ring.")
+        whole = [n for n in kernels if ctx.op_tactic(self.axis, _op_index(ctx, n)) is None]
         if whole:
             lines = sorted({source_location(n) or n.name for n in whole})
             warn(f"{self.name}: {len(whole)} attention op(s) run on the whole sequence on every rank of axis "
