@@ -26,6 +26,8 @@ import operator
 
 import torch
 
+from ..sharding import Sharding
+
 aten = torch.ops.aten
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
 _BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -186,6 +188,11 @@ def drop_ring_wants(lw) -> None:
                     del wants[lw.layouts_of[i][0][j]]
 
 
+def _strip(sh: Sharding) -> Sharding:
+    """The layout part of a sharding (lower.lower._strip: explicitly-replicated markers do not change the data)."""
+    return Sharding(sh.dims, sh.partial, strides=sh.strides, blocks=sh.blocks) if sh.replicated else sh
+
+
 def _tiled_on(have, want, axis) -> bool:
     """`have` is `want` with `axis` added last on dim 2 (the key positions), nothing else."""
     dims = [tuple(d) for d in want.dims]
@@ -242,7 +249,6 @@ def ring_attention(lw, node, i: int, ins, outs, axis: str) -> bool:
     """Lower attention op i as a ring on `axis` (lw: the Lowerer); False when its keys and values do not arrive
     tiled on their positions on `axis` alone (the op is then lowered with them gathered, and a warning says so)."""
     from ..errors import PartitionError, warn
-    from .lower import _strip
 
     fwd = node.target is _FWD
     kj, pj = (1, 3) if fwd else (2, 6)                  # keys' slot; dropout_p's, then is_causal's
