@@ -111,3 +111,41 @@ def test_cp_ring_composes_with_data_parallel():
 def test_cp_load_balancing_is_refused_by_name():
     with pytest.raises(pt.PartitionError, match="causal load balancing"):
         T.context_parallel("cp", load_balance=True)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_cp_padded_batch_matches_one_device(attn):
+    """A padding mask (HF builds a (B, 1, T, T) mask from it: no is_causal) tiled with the sequence; labels -100 on
+    the padding. Equal to one device."""
+    model, tokens = llama(attn), torch.randint(1, 64, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 11:] = 0                                    # right padding in the second row
+    labels = tokens.masked_fill(mask == 0, -100)
+
+    def padded_loss(m, x, am, y):
+        return m(input_ids=x, attention_mask=am, labels=y).loss
+
+    batch = (tokens, mask, labels)
+    prog = pt.partition(model, pt.Mesh({"cp": 2}), [T.context_parallel("cp")], example_inputs=batch,
+                        loss_fn=padded_loss)
+    ref = copy.deepcopy(model)
+    ref_loss = padded_loss(ref, *batch)
+    ref_loss.backward()
+    loss, grads = prog.loss_and_grads(*batch)
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=0)
+    floor = GRAD_RTOL * max(p.grad.abs().max().item() for p in ref.parameters())
+    for k, p in ref.named_parameters():
+        assert (grads[k] - p.grad).abs().max().item() <= GRAD_RTOL * p.grad.abs().max().item() + floor, k
+    assert all(prog.sharding(f"inputs.{i}").dims[1] == ("cp",) for i in range(3))
+
+
+def test_cp_dp_megatron_zero3_on_2x2x2_trains_like_one_device():
+    """CP x DP x TP x ZeRO-3 (issue 38's composition goal): three steps of AdamW equal one device's."""
+    from harness import adamw, train_next_to_eager
+
+    model, tokens = llama("sdpa").train(), torch.randint(0, 64, (4, 16))
+    ref = copy.deepcopy(model)
+    schedule = [T.data_parallel("batch"), T.context_parallel("cp"), T.megatron("model"), T.zero(3, "batch")]
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "cp": 2, "model": 2}), schedule, example_inputs=(tokens,),
+                        loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5))
+    train_next_to_eager(prog, ref, [(tokens,)] * 3, loss_fn, make_opt=adamw(eps=1e-5))
