@@ -64,6 +64,18 @@ def test_cp_llama_matches_one_device(attn, n):
     assert prog.sharding("inputs.0").dims[1] == ("cp",)
 
 
+def test_cp_gpt2_matches_one_device():
+    """Stock GPT-2 (eager attention with heads folded into (B*H), learned position embeddings looked up at each
+    rank's positions): exact. Its backward's dK = dS^T Q meets two sequence tilings and gathers (audit lists them)."""
+    from harness import hf_gpt2
+
+    torch.manual_seed(0)
+    model, tokens = hf_gpt2(), torch.randint(0, 64, (2, 16))
+    prog = pt.partition(model, pt.Mesh({"cp": 2}), [T.context_parallel("cp")], example_inputs=(tokens,),
+                        loss_fn=loss_fn)
+    assert_grads_match(prog, model, (tokens,), "GPT-2 CP=2")
+
+
 @pytest.mark.parametrize("other,mesh", [(T.data_parallel("batch"), {"batch": 2, "cp": 2}),
                                         (T.megatron("model"), {"cp": 2, "model": 2})], ids=["CPxDP", "CPxMP"])
 def test_cp_composes_on_a_2x2_mesh(other, mesh):
