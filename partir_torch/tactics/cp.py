@@ -91,6 +91,11 @@ class ContextParallel:
             warn(f"{self.name}: attention='ring' runs fused attention kernels (SDPA) as a ring; this step has none "
                  f"(attention written as softmax(q k^T) v with matmuls), so its keys and values are gathered on axis "
                  f"'{self.axis}' (the 'allgather' form). Use attn_implementation='sdpa' for the ring.")
+        shifts = _label_shifts(ctx.captured.gm)
+        if shifts:
+            ctx.remark(self.name, f"{self.name}: the one-token label shift of the causal-LM loss (pad + slice [1:] of "
+                                  f"{', '.join(sorted({ctx.graph.name(ctx.graph.vid[n.args[0]]) for n in shifts}))}) crosses the shards of axis "
+                                  f"'{self.axis}': the labels are gathered there (B x T integers, once per step; exact).")
         whole = [n for n in kernels if ctx.op_tactic(self.axis, _op_index(ctx, n)) is None]
         if whole:
             lines = sorted({source_location(n) or n.name for n in whole})
@@ -101,6 +106,12 @@ class ContextParallel:
 
 def _attention_nodes(gm) -> list:
     return [n for n in gm.graph.nodes if n.op == "call_function" and tags.has(n.target, "attention_kernel")]
+
+
+def _label_shifts(gm) -> list:
+    """constant_pad_nd of an integer input (HF's ForCausalLMLoss pads the labels, then slices [1:])."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and tags.has(n.target, "pads")
+            and getattr(n.args[0], "op", "") == "placeholder" and not n.args[0].meta["val"].is_floating_point()]
 
 
 def _key_gradients(gm) -> list:
