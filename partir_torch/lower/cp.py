@@ -68,7 +68,7 @@ class Blockwise:
         """Step i's block is after this rank's rows under the causal mask (a 0-d bool), or None."""
         return self.call(aten.lt.Scalar, self.rb, i) if self.causal and i > 0 else None
 
-    def forward(self, q, block, dtype):
+    def forward(self, q, block):
         """(out, lse) of this rank's rows; block(i) -> (k_i, v_i)."""
         out = lse = None
         for i in range(self.m):
@@ -92,8 +92,8 @@ class Blockwise:
             b = self.call(aten.unsqueeze.default, self.call(aten.exp.default, self.call(aten.sub.Tensor, l_i, new)), -1)
             out = self.call(aten.add.Tensor, self.call(aten.mul.Tensor, out, a), self.call(aten.mul.Tensor, o_i, b))
             lse = new
-        if self.m > 1:
-            out = self.call(aten._to_copy.default, out, kwargs={"dtype": dtype})
+        if self.m > 1:                # the merge computed in lse's precision: back to the query's dtype
+            out = self.call(aten.type_as.default, out, q)
         return out, lse
 
     def backward(self, g, q, out, lse, block, collect):
@@ -116,6 +116,14 @@ class Blockwise:
 # -- "allgather": the indexed kernels of the attention ops (rules/registry.py LINKS; lower/lower.py _indexed) -------
 def _gathered(em, args, kwargs, off, n, size, q_at):
     q, k = args[q_at], args[q_at + 1]
+    pj = 3 if q_at == 0 else 6
+    p = args[pj] if len(args) > pj else kwargs.get("dropout_p", 0.0)
+    if p:
+        from ..errors import PartitionError
+
+        raise PartitionError(f"context parallelism: a causal attention with dropout_p={p} has its query rows tiled; "
+                             f"attention dropout per key block cannot match one device. Use attention dropout 0 "
+                             f"(attention_dropout=0.0 in the model's config) with context_parallel.")
     rb = em.call(aten.div.Tensor_mode, off, n, kwargs={"rounding_mode": "floor"})
     bw = Blockwise(em, rb, size // n, n, True, kwargs.get("attn_mask"), q, kwargs)
 
@@ -129,7 +137,7 @@ def sdpa_causal(em, args, kwargs, off, n, size):
     """_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal=True, ...) of this rank's query
     rows [off, off + n) against the gathered keys and values."""
     bw, block = _gathered(em, args, kwargs, off, n, size, 0)
-    out, lse = bw.forward(args[0], block, None)
+    out, lse = bw.forward(args[0], block)
     return em.call(_PAIR, out, lse)
 
 
@@ -279,7 +287,7 @@ def ring_attention(lw, node, i: int, ins, outs, axis: str) -> bool:
     n = lw.mesh.shape[axis]
     bw = Blockwise(lw.em, lw.em.coords[axis], n, q_shape[2], causal, mask, q, kw)
     if fwd:
-        out, lse = bw.forward(q, ring.blocks(xs[1], xs[2]), args[0].meta["val"].dtype)
+        out, lse = bw.forward(q, ring.blocks(xs[1], xs[2]))
         lw.env[node], lw.produced_of[node] = lw.em.call(_PAIR, out, lse), list(outs)
         return True
     acc = []                           # each block's dK, dV accumulated by the ranks it visits, then handed on
