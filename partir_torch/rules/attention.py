@@ -4,15 +4,15 @@
                                                 attn_mask=(B?,H?,L,S)?, scale=?) -> (out (B,H,L,Ev), lse (B,H,L))
 
 Batch and heads are PASS. A query row attends to every key: L is PASS (each rank computes the rows of its own
-queries), S, E and Ev stay whole (NEED_REP: the softmax needs whole rows); S is `gathered`: keys and values tiled on their
-positions are gathered by lowering without keeping the op from tiling L (rules/factors.py Factor.gathered).
+queries), S, E and Ev stay whole (NEED_REP: the softmax needs whole rows); S is `gathered`: keys and values tiled on
+their positions are gathered by lowering without keeping the op from tiling L (rules/factors.py Factor.gathered).
 In the backward, dk and dv sum over the query rows: L is REDUCE there (dq keeps it), so a tiled L makes dk and dv
 partial(sum), reduced where the keys' layout wants them (the reduce_scatter of context parallelism).
 
 SDPA's `is_causal` aligns the query and key starts (row i sees keys 0..i): a rank holding query rows
 [off, off + n) must see keys 0..off + i instead. With is_causal (and L == S, self-attention) L is an *indexed*
-factor: its local kernel (lower/cp.py) replaces is_causal by an explicit additive mask at the rank's offset.
-Causal attention with L != S (a query block after a cache) keeps L whole.
+factor: its local kernel (lower/cp.py) computes the rank's rows blockwise at the rank's offset. Causal attention
+with L != S (a query block after a cache) keeps L whole.
 """
 from __future__ import annotations
 

@@ -50,8 +50,9 @@ class ContextParallel:
                                  f"and values gathered, the query chunk local) or 'ring'.")
         if self.load_balance:
             raise PartitionError("context_parallel(load_balance=True): causal load balancing (rank i holding "
-                                 "sequence chunks i and 2n-1-i) is not built yet: with a causal mask the last "
-                                 "rank's attention does about 2n-1 times the first rank's work. Use "
+                                 "sequence chunks i and 2n-1-i, so that every rank can skip the same number of "
+                                 "hidden key blocks) is not built yet. Without it every rank computes all its key "
+                                 "blocks (equal work on every rank, about twice the causal minimum). Use "
                                  "load_balance=False.")
 
     def seeds(self, ctx) -> list:
@@ -81,21 +82,25 @@ class ContextParallel:
             vids.append(ctx.graph.name_to_vid[name])
             ctx.prop.seed(self.axis, vids[-1], dim, self.name)
         for node in _key_gradients(ctx.captured.gm):   # dK, dV tiled like K, V: reduced where the kernel makes them
-            vid = ctx.graph.vid[node]
             if ctx.is_unknown(self.axis, node) and node.meta["val"].shape[2] % ctx.mesh.shape[self.axis] == 0:
-                ctx.prop.seed(self.axis, vid, 2, self.name)
-                vids.append(vid)
+                vids.append(ctx.graph.vid[node])
+                ctx.prop.seed(self.axis, vids[-1], 2, self.name)
         ctx.prop.run(self.axis, self.name, vids)
+        self._report(ctx)
+
+    def _report(self, ctx) -> None:
+        """Say what CP could not do as asked: a ring without SDPA kernels, attention left whole; and the labels'
+        gather of the causal-LM shift (summary)."""
         kernels = _attention_nodes(ctx.captured.gm)
         if self.attention == "ring" and not kernels:
             warn(f"{self.name}: attention='ring' runs fused attention kernels (SDPA) as a ring; this step has none "
                  f"(attention written as softmax(q k^T) v with matmuls), so its keys and values are gathered on axis "
                  f"'{self.axis}' (the 'allgather' form). Use attn_implementation='sdpa' for the ring.")
-        shifts = _label_shifts(ctx.captured.gm)
-        if shifts:
-            ctx.remark(self.name, f"{self.name}: the one-token label shift of the causal-LM loss (pad + slice [1:] of "
-                                  f"{', '.join(sorted({ctx.graph.name(ctx.graph.vid[n.args[0]]) for n in shifts}))}) crosses the shards of axis "
-                                  f"'{self.axis}': the labels are gathered there (B x T integers, once per step; exact).")
+        shifted = sorted({ctx.graph.name(ctx.graph.vid[n.args[0]]) for n in _label_shifts(ctx.captured.gm)})
+        if shifted:
+            ctx.remark(self.name, f"{self.name}: the one-token label shift of the causal-LM loss (pad + slice [1:] "
+                                  f"of {', '.join(shifted)}) crosses the shards of axis '{self.axis}': the labels "
+                                  f"are gathered there (B x T integers, once per step; exact).")
         whole = [n for n in kernels if ctx.op_tactic(self.axis, _op_index(ctx, n)) is None]
         if whole:
             lines = sorted({source_location(n) or n.name for n in whole})
@@ -115,8 +120,10 @@ def _label_shifts(gm) -> list:
 
 
 def _key_gradients(gm) -> list:
-    """The dK and dV results (getitems 1 and 2) of the attention kernels' backwards."""
+    """The dK and dV results (getitems 1 and 2) of the self-attention kernels' backwards (queries and keys of one
+    length: the keys come from the tiled sequence)."""
     return [u for n in gm.graph.nodes if n.op == "call_function" and tags.has(n.target, "attention_backward")
+            and n.args[1].meta["val"].shape[2] == n.args[2].meta["val"].shape[2]
             for u in n.users if u.target is operator.getitem and u.args[1] in (1, 2)]
 
 
