@@ -19,5 +19,5 @@ def families() -> dict:
     """op -> the rule module its rule comes from ("pointwise", "matmul", ... "nn")."""
     from . import attention, conv, group_bn, indexing, matmul, moe, nn, pointwise, reduction, stacking, views
 
-    return {op: mod.__name__.rsplit(".", 1)[-1] for mod in (pointwise, matmul, reduction, views, stacking, nn, attention,
-                                                           indexing, conv, moe, group_bn) for op in mod.rules()}
+    mods = (pointwise, matmul, reduction, views, stacking, nn, attention, indexing, conv, moe, group_bn)
+    return {op: mod.__name__.rsplit(".", 1)[-1] for mod in mods for op in mod.rules()}
