@@ -30,6 +30,7 @@ from .propagate.graph import PartGraph, no_gc
 from .rules.registry import default_registry
 from .tactics.base import CaptureRewrite, Tactic, decompositions_of
 from .tactics.context import Planning, TacticContext
+from .tactics.cp import ContextParallel
 from .tactics.pipeline import Pipeline
 from .tactics.schedule import flatten_schedule
 
@@ -115,7 +116,7 @@ class Plan:
         staged = self.pipeline.staged and self.pipeline_at <= k      # the stages exist from the pipeline tactic on
         low = Lowerer(self.graph, self.stage_decisions(k), self.mesh, self.captured, canonical_groups(self.mesh),
                       options, self.families, self.kept_gathered,
-                      pipelined=self.pipeline if staged else None, share=self.share).run()
+                      pipelined=self.pipeline if staged else None, share=self.share, ring=self.ring_axes).run()
         if staged:
             from .lower.pipeline import pipeline_program
 
@@ -179,6 +180,11 @@ class Plan:
         """Names of the tactics whose gathered state lives from the forward to the backward (zero(3,
         reshard_after_forward=False)): lowering gathers such a value once per step instead of once per phase."""
         return frozenset(t.name for t in self.tactics if getattr(t, "reshard_after_forward", True) is False)
+
+    @property
+    def ring_axes(self) -> frozenset:
+        """Axes whose attention lowering runs as a ring (context_parallel(attention="ring"), lower/cp.py)."""
+        return frozenset(t.axis for t in self.tactics if isinstance(t, ContextParallel) and t.attention == "ring")
 
     @property
     def capture_rewrites(self) -> tuple:

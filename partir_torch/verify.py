@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .lower.indexed import IMPLS
+from .lower.indexed import IMPLS, SIZED
 from .rules.localize import localize_args
 from .rules.factors import BLOCKED, NEED_REP, PASS, REDUCE, OpRule
 from .rules import tags
@@ -189,7 +189,8 @@ class _Eager:
 def run_node(node: fx.Node, operands: list, in_local: list | None = None, out_local: list | None = None,
              offset: tuple | None = None) -> list:
     """Run node's op with its tensor operand slots replaced by `operands`, shape args localised for the given local
-    shapes (None: global shapes). offset=(first position, shard size): run the op's indexed kernel for that shard.
+    shapes (None: global shapes). offset=(first position, shard size, dim size): run the op's indexed kernel for that
+    shard.
     Returns the per-result-slot tensors (None for non-tensor results)."""
     flat, spec = tree_flatten((node.args, node.kwargs))
     slots = iter(operands)
@@ -199,7 +200,9 @@ def run_node(node: fx.Node, operands: list, in_local: list | None = None, out_lo
     if in_local is not None:
         args, kwargs = localize_args(node, args, kwargs, in_local, out_local)
     if offset is not None:
-        return _results(IMPLS[node.target](_Eager(), args, kwargs, torch.tensor(offset[0]), offset[1]))
+        impl = IMPLS[node.target]
+        size = {"size": offset[2]} if impl in SIZED else {}
+        return _results(impl(_Eager(), args, kwargs, torch.tensor(offset[0]), offset[1], **size))
     return _results(node.target(*args, **kwargs))
 
 
@@ -265,7 +268,7 @@ def check_factor(node, rule: OpRule, inputs: list, ref: list, f: int, k: int) ->
     for r in range(k):
         local = [x if d is None else _chunk(x, _major_dims(d, f), k, r) for x, d in zip(inputs, rule.operands)]
         try:
-            off = (r * (fac.size // k), fac.size // k) if fac.indexed else None
+            off = (r * (fac.size // k), fac.size // k, fac.size) if fac.indexed else None
             outs.append(run_node(node, local, in_local, out_local, off))
         except Exception as e:  # noqa: BLE001 - a rank that cannot run is a wrong rule (or a missing localisation)
             return [_finding(WRONG, node, check, "", math.inf, f"rank {r} raised {type(e).__name__}: {e}")]

@@ -327,6 +327,29 @@ def _phase_async_tp() -> dict:
     return {**_next_to_eager(prog, ref, opt, [batch] * 3, spec.loss_fn), "kinds": kinds}
 
 
+def _phase_cp_ring() -> dict:
+    """(issue 38) context parallelism's ring attention on real ranks: a tiny stock HF Llama on {cp: 4}, keys and
+    values passed around the ring by gloo isend / irecv (partir::ring_shift), trained next to eager."""
+    import partir_torch as pt
+    from tests.harness import hf_llama
+
+    T = pt.tactics
+    torch.manual_seed(0)
+    model = hf_llama()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    prog = pt.partition(model, pt.Mesh({"cp": WORLD}), [T.context_parallel("cp", attention="ring")],
+                        example_inputs=(tokens,), loss_fn=_hf_loss,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS))
+    kinds = sorted({r.kind for r in prog.collectives() if r.why == "tactic" and r.phase != "optimizer"})
+    return {**_next_to_eager(prog, ref, opt, [(tokens,)] * 3, _hf_loss), "kinds": kinds}
+
+
+def _hf_loss(m, x):
+    return m(input_ids=x, labels=x).loss
+
+
 def _phase_memory(spec, batch, rank) -> dict:
     import partir_torch as pt
 
@@ -616,6 +639,7 @@ def _worker(rank, port, ckpt, queue):
                          ("gates", lambda: _phase_gates(mesh)),
                          ("counts", lambda: _phase_counts(mesh)),
                          ("async_tp", _phase_async_tp),
+                         ("cp_ring", _phase_cp_ring),
                          ("first_call", lambda: _phase_first_call(mesh)),
                          ("memory", lambda: _phase_memory(spec, batch, rank)),
                          ("mismatch", lambda: _phase_mismatch(spec, mesh, rank)),
@@ -754,6 +778,15 @@ def test_real_ranks_moe_loop_selections_run_one_program_equal_to_one_device(rank
 
 def test_real_ranks_async_tp_rings_equal_one_device(ranks):
     for rank, r in _phase(ranks, "async_tp").items():
+        assert "collective_permute" in r["kinds"] and "all_gather" not in r["kinds"], f"rank {rank}: {r['kinds']}"
+        for got, want in r["losses"]:
+            assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r['losses']}"
+        bad = {k: e for k, e in r["param_errs"].items() if e > 0}
+        assert not bad, f"rank {rank}: parameters outside rtol/atol: {bad}"
+
+
+def test_real_ranks_cp_ring_attention_equals_one_device(ranks):
+    for rank, r in _phase(ranks, "cp_ring").items():
         assert "collective_permute" in r["kinds"] and "all_gather" not in r["kinds"], f"rank {rank}: {r['kinds']}"
         for got, want in r["losses"]:
             assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r['losses']}"

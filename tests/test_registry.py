@@ -57,7 +57,8 @@ def test_links_name_the_functions_their_packages_use():
     assert indexed.IMPLS == {op: getattr(indexed, name.rsplit(".", 1)[1]) for op, name in local.items()}
     assert set(local) == {aten.embedding.default, aten.embedding_dense_backward.default, aten.nll_loss_forward.default,
                           aten.nll_loss_backward.default, aten.arange.default, aten.arange.start,
-                          aten.arange.start_step}
+                          aten.arange.start_step, aten._scaled_dot_product_flash_attention_for_cpu.default,
+                          aten._scaled_dot_product_flash_attention_for_cpu_backward.default}   # CP's causal rows
     flops = {r.op._schema.name: getattr(compute, r.flops.rsplit(".", 1)[1]) for r in rows
              if (r.flops or "").startswith("sim.compute.")}
     assert compute.EXTRA_FLOPS == flops and len(flops) == 4      # CPU flash attention, HF grouped-mm experts

@@ -69,8 +69,11 @@ def arange(em, args, kwargs, off, n):
     return pos
 
 
+from .cp import sdpa_causal, sdpa_causal_backward   # noqa: E402 - causal attention at a query offset (lower/cp.py)
+
 # op -> its kernel, for the ops whose registry row links a kernel here (rules/registry.py LINKS)
 IMPLS = linked("local", "lower.indexed", globals())
+SIZED = frozenset({sdpa_causal, sdpa_causal_backward})   # kernels that also take the dim's global size
 
 
 def offset(em, mesh, axes, size):

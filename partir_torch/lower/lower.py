@@ -27,7 +27,7 @@ from ..rules.factors import minor_of, stride_of
 from ..rules import tags
 from ..rules.localize import localize_args
 from ..sharding import Sharding, chunk_size
-from . import indexed
+from . import cp, indexed
 from .bucket import bucket_collectives
 from .overlap import chunk_tp
 from .fakeprop import annotate_graph
@@ -212,8 +212,9 @@ class Lowerer:
 
     def __init__(self, graph, decisions: Decisions, mesh, captured, groups: dict, options: Options | None = None,
                  families: dict | None = None, kept: frozenset = frozenset(), pipelined=None,
-                 share: StageShare | None = None):
+                 share: StageShare | None = None, ring: frozenset = frozenset()):
         self.g, self.d, self.mesh, self.cap = graph, decisions, mesh, captured
+        self.ring = ring                 # axes whose attention runs as a ring (context_parallel(attention="ring"))
         # pipelined: the PipelineSpec of a program cut into stages after lowering (lower/pipeline.py): no bucket or
         # fused update may mix the values of two stages, so buckets are made per stage (gradient reductions and
         # state gathers only, pipeline.bucket_parts) and no fused update
@@ -238,6 +239,8 @@ class Lowerer:
             for vid, want in zip(op.operands, self.layouts_of[i][0]):
                 if want is not None:
                     self.wants.setdefault(graph.values[vid], {}).setdefault(want, op.node)
+        if self.ring:
+            cp.drop_ring_wants(self)
         same = share is not None and share.roles_of is not None and all(
             a is b for a, b in zip(share.roles_of, (graph, captured)))
         known = share.roles if same else None
@@ -341,6 +344,10 @@ class Lowerer:
         if i is None:
             raise RuntimeError("the node is neither an op with a rule slot nor a placeholder")
         ins, outs = self.layouts_of[i]
+        if self.ring and node.target in cp.RING_OPS:      # context parallelism's ring attention (lower/cp.py)
+            axis = cp.ring_axis(self, i)
+            if axis is not None and cp.ring_attention(self, node, i, ins, outs, axis):
+                return
         op = g.ops[i]
         slot = iter(range(len(op.operands)))
         in_local = []
@@ -491,7 +498,8 @@ class Lowerer:
                 if impl is None:
                     raise RuntimeError(f"no indexed kernel for {op.node.target}")
                 n = chunk_size(factor.size, [self.mesh.shape[a] for a in axes])
-                return impl(self.em, args, kwargs, indexed.offset(self.em, self.mesh, axes, factor.size), n)
+                size = {"size": factor.size} if impl in indexed.SIZED else {}
+                return impl(self.em, args, kwargs, indexed.offset(self.em, self.mesh, axes, factor.size), n, **size)
         return None
 
 

@@ -190,6 +190,8 @@ class Propagator:
             if s >= 0:
                 fs = dims[s] if s < len(dims) else ()
                 f, inner = _factor_at(rule, fs, self.rec.strides.get((g.canon[vid], st.axis), 1))
+                if f is not None and rule.factors[f].gathered:
+                    continue          # gathered by lowering, whatever the op decides (rules/factors.py)
                 if f is None or rule.factors[f].kind not in (PASS, REDUCE):
                     blockers.append(vid)
                 else:

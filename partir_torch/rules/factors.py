@@ -35,6 +35,10 @@ class Factor:
     # the op addresses this dim by positions held in another tensor (embedding's vocabulary, nll_loss's classes):
     # tiled, each rank shifts the positions by its offset and masks those outside its shard (lower/indexed.py)
     indexed: bool = False
+    # NEED_REP only: a neighbour tiled on it is gathered by lowering and does not keep propagation from deciding
+    # the op on another factor (attention's keys under context parallelism: the query rows are tiled, the keys
+    # gathered; rules/attention.py)
+    gathered: bool = False
 
     def __str__(self):
         tag = {PASS: "", REDUCE: f"!{self.reduce_op}", NEED_REP: "*", BLOCKED: "#"}[self.kind]
@@ -84,8 +88,9 @@ class RuleBuilder:
     def __init__(self):
         self.factors: list = []
 
-    def new(self, size: int, kind: str = PASS, reduce_op: str = "sum", indexed: bool = False) -> int:
-        self.factors.append(Factor(int(size), kind, reduce_op, indexed))
+    def new(self, size: int, kind: str = PASS, reduce_op: str = "sum", indexed: bool = False,
+            gathered: bool = False) -> int:
+        self.factors.append(Factor(int(size), kind, reduce_op, indexed, gathered))
         return len(self.factors) - 1
 
     def dims(self, shape, kind: str = PASS) -> list:
@@ -99,11 +104,12 @@ class RuleBuilder:
 
 
 def einsum(spec: str, in_shapes, out_shapes, need_rep: str = "", blocked: str = "", reduce: dict | None = None,
-           linear=(), indexed: str = "") -> OpRule:
+           linear=(), indexed: str = "", gathered: str = "") -> OpRule:
     """Build a rule from an einsum-like spec: 'mk,kn->mn'. '_' marks an ignored operand.
 
     Letters missing from some result are REDUCE (sum unless `reduce` says otherwise); letters in `need_rep` /
-    `blocked` are never tiled. A dim of size 1 where its letter is larger (broadcast) gets no factor.
+    `blocked` are never tiled (those in `gathered` too, but a neighbour tiled on them is gathered without
+    blocking the op: Factor.gathered). A dim of size 1 where its letter is larger (broadcast) gets no factor.
     """
     lhs, rhs = spec.split("->")
     ins, outs = lhs.split(","), rhs.split(",")    # 'k,k->': one scalar result
@@ -129,7 +135,7 @@ def einsum(spec: str, in_shapes, out_shapes, need_rep: str = "", blocked: str = 
             kind = REDUCE
         else:
             kind = PASS
-        ids[ch] = b.new(s, kind, reduce.get(ch, "sum"), ch in indexed)
+        ids[ch] = b.new(s, kind, reduce.get(ch, "sum"), ch in indexed, kind == NEED_REP and ch in gathered)
 
     def dims(letters, shape):
         if letters == "_" or shape is None:

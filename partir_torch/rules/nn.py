@@ -1,4 +1,4 @@
-"""Neural-network ops: norms, softmax, losses, embedding, attention, dropout, factories."""
+"""Neural-network ops: norms, softmax, losses, embedding, dropout, factories (attention: rules/attention.py)."""
 from __future__ import annotations
 
 import math
@@ -106,19 +106,6 @@ def embedding_dense_backward(ctx):
     return einsum(f"{idx}d,{idx}->vd", ctx.in_shapes, ctx.out_shapes, indexed="v", linear=linear)
 
 
-def sdpa_cpu(ctx):
-    """flash attention for CPU: (q (B,H,L,E), k (B,H,S,E), v (B,H,S,Ev), [mask (B,H,L,S)]) -> (out, logsumexp).
-    Batch and heads are PASS; L, S, E, Ev stay whole (causal masks and the softmax need the whole rows)."""
-    mask = ",bhls" if len(ctx.in_shapes) == 4 else ""
-    return einsum(f"bhle,bhse,bhsv{mask}->bhlv,bhl", ctx.in_shapes, ctx.out_shapes, need_rep="lsev")
-
-
-def sdpa_cpu_backward(ctx):
-    mask = ",bhls" if len(ctx.in_shapes) == 7 else ""
-    return einsum(f"bhlv,bhle,bhse,bhsv,bhlv,bhl{mask}->bhle,bhse,bhsv", ctx.in_shapes, ctx.out_shapes,
-                  need_rep="lsev")
-
-
 def factory(ctx):
     """Tensor factories (full, zeros, ones, empty, rand): every result dim is PASS; lowering gives local sizes."""
     b = RuleBuilder()
@@ -207,8 +194,6 @@ def rules() -> dict:
         aten.sort.default: along_dim(1), aten.sort.stable: along_dim(1), aten.topk.default: along_dim(2),
         aten.nll_loss_forward.default: nll_loss_forward, aten.nll_loss_backward.default: nll_loss_backward,
         aten.embedding.default: embedding, aten.embedding_dense_backward.default: embedding_dense_backward,
-        aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_cpu,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward.default: sdpa_cpu_backward,
         aten.native_dropout_backward.default: pointwise,
         aten.im2col.default: patches, aten.col2im.default: patches,
         aten.linalg_solve_triangular.default: solve_triangular,   # gated delta-net chunks (Qwen3-Next, Qwen3.5)

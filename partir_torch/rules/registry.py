@@ -240,10 +240,12 @@ LINKS = {
     aten.arange.start: Links(local=_INDEXED + "arange", flops=NONE, xla=AS_IS),
     aten.arange.start_step: Links(local=_INDEXED + "arange", flops=NONE, xla=AS_IS),
     # CPU-only kernels of the captured step, and kernels torch-xla lowers so that the SPMD partitioner gathers them
+    # (local: causal attention on query rows at an offset, context parallelism: lower/cp.py)
     aten._scaled_dot_product_flash_attention_for_cpu.default: Links(
-        local=AS_IS, flops="sim.compute.cpu_flash_fwd", xla="xla.kernels.sdpa_cpu"),
+        local=_INDEXED + "sdpa_causal", flops="sim.compute.cpu_flash_fwd", xla="xla.kernels.sdpa_cpu"),
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: Links(
-        local=AS_IS, flops="sim.compute.cpu_flash_bwd", xla="xla.kernels.sdpa_cpu_backward"),
+        local=_INDEXED + "sdpa_causal_backward", flops="sim.compute.cpu_flash_bwd",
+        xla="xla.kernels.sdpa_cpu_backward"),
     aten.native_layer_norm.default: Links(local=AS_IS, flops=NONE, xla="xla.kernels.layer_norm"),
     aten.native_layer_norm_backward.default: Links(local=AS_IS, flops=NONE, xla="xla.kernels.layer_norm_backward"),
     aten.native_group_norm.default: Links(local=AS_IS, flops=NONE, xla="xla.kernels.group_norm"),

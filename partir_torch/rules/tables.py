@@ -3,10 +3,10 @@ from __future__ import annotations
 
 
 def all_rules() -> dict:
-    from . import conv, group_bn, indexing, matmul, moe, nn, pointwise, reduction, stacking, views
+    from . import attention, conv, group_bn, indexing, matmul, moe, nn, pointwise, reduction, stacking, views
 
     table: dict = {}
-    for mod in (pointwise, matmul, reduction, views, stacking, nn, indexing, conv, moe, group_bn):
+    for mod in (pointwise, matmul, reduction, views, stacking, nn, attention, indexing, conv, moe, group_bn):
         rows = mod.rules()
         twice = sorted(str(op) for op in rows if op in table)
         if twice:
@@ -17,7 +17,7 @@ def all_rules() -> dict:
 
 def families() -> dict:
     """op -> the rule module its rule comes from ("pointwise", "matmul", ... "nn")."""
-    from . import conv, group_bn, indexing, matmul, moe, nn, pointwise, reduction, stacking, views
+    from . import attention, conv, group_bn, indexing, matmul, moe, nn, pointwise, reduction, stacking, views
 
-    return {op: mod.__name__.rsplit(".", 1)[-1] for mod in (pointwise, matmul, reduction, views, stacking, nn, indexing,
-                                                           conv, moe, group_bn) for op in mod.rules()}
+    mods = (pointwise, matmul, reduction, views, stacking, nn, attention, indexing, conv, moe, group_bn)
+    return {op: mod.__name__.rsplit(".", 1)[-1] for mod in mods for op in mod.rules()}

@@ -95,6 +95,11 @@ TAGS: dict = {
     "mixes_positions": frozenset({aten._scaled_dot_product_flash_attention_for_cpu.default, aten.bmm.default,
                                   aten._softmax.default, aten._safe_softmax.default, aten.where.self,
                                   aten.masked_fill.Scalar, aten.tril.default}),
+    # fused attention kernels' forwards: context parallelism checks that it tiled their query rows (tactics/cp.py)
+    "attention_kernel": frozenset({aten._scaled_dot_product_flash_attention_for_cpu.default}),
+    "attention_backward": frozenset({aten._scaled_dot_product_flash_attention_for_cpu_backward.default}),
+    # constant padding (HF's causal-LM loss pads the labels before its one-token shift: tactics/cp.py says so)
+    "pads": frozenset({aten.constant_pad_nd.default}),
     # normalisations, reductions and lookups: a layer's region stops at them (tactics/structure.py)
     "ends_layer": frozenset({aten.native_layer_norm.default, aten.sum.dim_IntList, aten.amax.default,
                              aten.mean.dim, aten.sum.default, aten.native_group_norm.default,

@@ -113,6 +113,12 @@ def cat_rule(ctx):
     shapes = [s for s in ctx.in_shapes]
     out = ctx.out_shapes[0]
     dim = ctx.arg(1, "dim", 0) % max(len(out), 1)
+    legacy = [tuple(s) == (0,) and len(out) != 1 for s in shapes]
+    if sum(legacy) == len(shapes) - 1 and len(shapes) > 1:
+        # one piece and legacy empties (a fresh KV cache joined with the new keys): a copy, every dim PASS
+        b = RuleBuilder()
+        ids = b.dims(out)
+        return b.rule([() if e else ids for e in legacy], [ids], [({i for i, e in enumerate(legacy) if not e}, ALL_OPS)])
     sizes = {s[dim] for s in shapes if len(s) == len(out)}
     if (len(sizes) != 1 or len(shapes) * next(iter(sizes)) != out[dim] or next(iter(sizes)) <= 1
             or any(len(s) != len(out) for s in shapes)):

@@ -8,7 +8,8 @@ from .memory import MixedPrecision, Remat, mixed_precision, remat
 from .schedule import flatten_schedule
 from .auto import AutomaticPartition, automatic
 from .pipeline import Pipeline, pipeline
+from .cp import ContextParallel, context_parallel
 
 __all__ = ["ManualPartition", "Megatron", "Zero", "data_parallel", "megatron", "zero", "find_linear_pairs", "SequenceParallel", "sequence_parallel",
            "flatten_schedule", "DataParallel", "ExpertParallel", "expert_parallel", "MultiQuery", "multi_query", "EmbeddingSharding", "embedding", "MixedPrecision", "mixed_precision", "Remat", "remat",
-           "AutomaticPartition", "automatic", "Pipeline", "pipeline"]
+           "AutomaticPartition", "automatic", "Pipeline", "pipeline", "ContextParallel", "context_parallel"]

@@ -1,0 +1,138 @@
+"""Context parallelism (CP): the sequence dim of every activation tiled on one mesh axis, attention exact.
+
+    schedule = [T.context_parallel("cp"), T.data_parallel("batch")]
+
+The tactic seeds the sequence dim (`seq_dim`) of every input that has the sequence length there (token ids,
+labels, attention and padding masks, position ids) and propagates, with no rule that knows about CP:
+
+- embeddings, norms, the MLP and the loss are per position: they stay local;
+- positions (`arange`, and the rotary cos/sin tables indexed by them) are an indexed factor: each rank computes its
+  own positions [off, off + T/n) (lower/indexed.py);
+- attention tiles the query rows and gathers the keys and values (rules/attention.py: the all_gather of K/V in the
+  forward, the reduce_scatter of dK/dV in the backward, both named CP's by explain and audit); SDPA's is_causal,
+  which would align the rank's first query with the first key, is computed blockwise at the rank's offset
+  (lower/cp.py), and the explicit softmax(q k^T / sqrt(d) + mask) v form needs nothing: its mask is built from the
+  rank's positions;
+- the causal-LM loss's one-token label shift (HF pads the labels and slices [1:]) gathers the labels, B x T
+  integers, once per step: exact, and small next to any activation.
+
+attention="allgather" (Llama 3's choice: K/V are small with grouped-query heads) gathers K/V per layer;
+attention="ring" keeps them tiled and passes them around the axis (lower/cp.py: collective_permute steps, an
+online-softmax merge; the backward rotates K/V and their gradients), for SDPA kernels (the explicit matmul form
+is gathered, with a warning). Both compute a rank's rows blockwise in ring order, so no (T/n, T) causal mask is
+ever built. load_balance=True (chunks i and 2n-1-i per rank) is refused with a PartitionError: not built.
+"""
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from dataclasses import dataclass
+
+from ..errors import PartitionError, source_location, warn
+from ..rules import tags
+from .base import declare
+
+
+@declare("context_parallel")
+@dataclass(frozen=True)
+class ContextParallel:
+    """CP on `axis`: the sequence dim `seq_dim` of the inputs tiled (see the module docstring)."""
+
+    axis: str = "cp"
+    seq_dim: int = 1
+    attention: str = "allgather"
+    load_balance: bool = False
+    name: str = "CP"
+
+    def __post_init__(self):
+        if self.attention not in ("allgather", "ring"):
+            raise PartitionError(f"context_parallel(attention={self.attention!r}): attention is 'allgather' (keys "
+                                 f"and values gathered, the query chunk local) or 'ring'.")
+        if self.load_balance:
+            raise PartitionError("context_parallel(load_balance=True): causal load balancing (rank i holding "
+                                 "sequence chunks i and 2n-1-i, so that every rank can skip the same number of "
+                                 "hidden key blocks) is not built yet. Without it every rank computes all its key "
+                                 "blocks (equal work on every rank, about twice the causal minimum). Use "
+                                 "load_balance=False.")
+
+    def seeds(self, ctx) -> list:
+        k = ctx.mesh.shape[self.axis]
+        inputs = sorted((n for n in ctx.value_names() if n.startswith("inputs.")),
+                        key=lambda n: int(n.split(".")[1]))
+        shapes = {n: ctx.value_meta(n)["shape"] for n in inputs}
+        lengths = Counter(s[self.seq_dim] for s in shapes.values() if len(s) > self.seq_dim)
+        if not lengths:
+            raise PartitionError(f"{self.name}: no input has a dim {self.seq_dim} (seq_dim) to tile on axis "
+                                 f"'{self.axis}' (size {k}); inputs: "
+                                 + ", ".join(f"{n} {tuple(s)}" for n, s in shapes.items()) + ". Pass seq_dim=.")
+        length = lengths.most_common(1)[0][0]
+        seq = [n for n, s in shapes.items() if len(s) > self.seq_dim and s[self.seq_dim] == length]
+        if length % k:
+            fit = -(-length // k) * k
+            raise PartitionError(
+                f"{self.name}: the sequence length {length} (dim {self.seq_dim} of {', '.join(seq)}) cannot be tiled "
+                f"on axis '{self.axis}' (size {k}): {k} does not divide {length}. Use a sequence length divisible "
+                f"by {k} (e.g. {fit}, padding with the model's pad token and ignore_index labels).")
+        return [(n, self.seq_dim) for n in seq]
+
+    def apply(self, ctx) -> None:
+        ctx.mesh.check_axis(self.axis, self.name)
+        vids = []
+        for name, dim in self.seeds(ctx):
+            vids.append(ctx.graph.name_to_vid[name])
+            ctx.prop.seed(self.axis, vids[-1], dim, self.name)
+        for node in _key_gradients(ctx.captured.gm):   # dK, dV tiled like K, V: reduced where the kernel makes them
+            if ctx.is_unknown(self.axis, node) and node.meta["val"].shape[2] % ctx.mesh.shape[self.axis] == 0:
+                vids.append(ctx.graph.vid[node])
+                ctx.prop.seed(self.axis, vids[-1], 2, self.name)
+        ctx.prop.run(self.axis, self.name, vids)
+        self._report(ctx)
+
+    def _report(self, ctx) -> None:
+        """Say what CP could not do as asked: a ring without SDPA kernels, attention left whole; and the labels'
+        gather of the causal-LM shift (summary)."""
+        kernels = _attention_nodes(ctx.captured.gm)
+        if self.attention == "ring" and not kernels:
+            warn(f"{self.name}: attention='ring' runs fused attention kernels (SDPA) as a ring; this step has none "
+                 f"(attention written as softmax(q k^T) v with matmuls), so its keys and values are gathered on axis "
+                 f"'{self.axis}' (the 'allgather' form). Use attn_implementation='sdpa' for the ring.")
+        shifted = sorted({ctx.graph.name(ctx.graph.vid[n.args[0]]) for n in _label_shifts(ctx.captured.gm)})
+        if shifted:
+            ctx.remark(self.name, f"{self.name}: the one-token label shift of the causal-LM loss (pad + slice [1:] "
+                                  f"of {', '.join(shifted)}) crosses the shards of axis '{self.axis}': the labels "
+                                  f"are gathered there (B x T integers, once per step; exact).")
+        whole = [n for n in kernels if ctx.op_tactic(self.axis, _op_index(ctx, n)) is None]
+        if whole:
+            lines = sorted({source_location(n) or n.name for n in whole})
+            warn(f"{self.name}: {len(whole)} attention op(s) run on the whole sequence on every rank of axis "
+                 f"'{self.axis}' (propagation did not reach their query rows): {'; '.join(lines)}. Their keys, "
+                 f"queries and values are gathered there; prog.explain and prog.audit name the values.")
+
+
+def _attention_nodes(gm) -> list:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and tags.has(n.target, "attention_kernel")]
+
+
+def _label_shifts(gm) -> list:
+    """constant_pad_nd of an integer input (HF's ForCausalLMLoss pads the labels, then slices [1:])."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and tags.has(n.target, "pads")
+            and getattr(n.args[0], "op", "") == "placeholder" and not n.args[0].meta["val"].is_floating_point()]
+
+
+def _key_gradients(gm) -> list:
+    """The dK and dV results (getitems 1 and 2) of the self-attention kernels' backwards (queries and keys of one
+    length: the keys come from the tiled sequence)."""
+    return [u for n in gm.graph.nodes if n.op == "call_function" and tags.has(n.target, "attention_backward")
+            and n.args[1].meta["val"].shape[2] == n.args[2].meta["val"].shape[2]
+            for u in n.users if u.target is operator.getitem and u.args[1] in (1, 2)]
+
+
+def _op_index(ctx, node) -> int:
+    return next(i for i, op in enumerate(ctx.graph.ops) if op.node is node)
+
+
+def context_parallel(axis: str = "cp", seq_dim: int = 1, attention: str = "allgather", load_balance: bool = False,
+                     name: str = "CP") -> ContextParallel:
+    """Context parallelism on `axis` (see ContextParallel): the sequence dim of every input tiled, attention's
+    keys and values gathered, the query rows local, causal masks at each rank's offset."""
+    return ContextParallel(axis, seq_dim, attention, load_balance, name)

@@ -1,0 +1,183 @@
+"""Context parallelism (issue 38): T.context_parallel tiles the sequence of a stock HF decoder; loss and every
+gradient equal one device (emulated ranks), alone and with data parallelism or Megatron on another axis."""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+
+import partir_torch as pt
+from partir_torch import tactics as T
+
+from harness import hf_llama
+
+GRAD_RTOL = 1e-5
+
+
+def loss_fn(m, x):
+    """The documented call: the model shifts the labels and computes its own loss."""
+    return m(input_ids=x, labels=x).loss
+
+
+def llama(attn: str):
+    torch.manual_seed(0)
+    model = hf_llama()
+    model.config._attn_implementation = attn        # "sdpa" (is_causal) or "eager" (explicit mask + softmax)
+    return model
+
+
+def assert_grads_match(prog, model, batch, what):
+    """loss and each gradient g vs one device: |g - g_ref| <= 1e-5 * max|g_ref| (+ the same floor from the largest
+    gradient, for tensors whose true gradient is ~0)."""
+    ref = copy.deepcopy(model)
+    ref_loss = loss_fn(ref, *batch)
+    ref_loss.backward()
+    loss, grads = prog.loss_and_grads(*batch)
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=0)
+    want = {k: p.grad for k, p in ref.named_parameters()}
+    assert set(grads) == set(want)
+    floor = GRAD_RTOL * max(g.abs().max().item() for g in want.values())
+    for k, w in want.items():
+        err = (grads[k] - w).abs().max().item()
+        assert err <= GRAD_RTOL * w.abs().max().item() + floor, f"{what}: grad of {k}: max error {err:.3e}"
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_cp_llama_matches_one_device(attn, n):
+    """CP alone: the keys and values are gathered per layer (CP's all_gathers, 2 per layer) and their gradients
+    reduce-scattered back (2 per layer); the query rows, positions, norms, MLP and loss stay local; the only other
+    movement is the labels' gather for the one-token shift (B x T integers)."""
+    model, tokens = llama(attn), torch.randint(0, 64, (2, 16))
+    prog = pt.partition(model, pt.Mesh({"cp": n}), [T.context_parallel("cp")], example_inputs=(tokens,),
+                        loss_fn=loss_fn)
+    assert_grads_match(prog, model, (tokens,), f"{attn} CP={n}")
+    recs = prog.collectives()
+    kv = [r for r in recs if r.why == "tactic" and r.kind in ("all_gather", "reduce_scatter")]
+    layers = model.config.num_hidden_layers
+    assert Counter(r.kind for r in kv) == {"all_gather": 2 * layers, "reduce_scatter": 2 * layers}
+    assert all(r.tactic == "CP" and r.axis == "cp" for r in kv)
+    reshards = [r for r in recs if r.why == "reshard"]
+    assert [(r.kind, r.nbytes) for r in reshards] == [("all_gather", tokens.numel() * 8)]   # the labels, once
+    assert prog.sharding("inputs.0").dims[1] == ("cp",)
+
+
+def test_cp_gpt2_matches_one_device():
+    """Stock GPT-2 (eager attention with heads folded into (B*H), learned position embeddings looked up at each
+    rank's positions): exact. Its backward's dK = dS^T Q meets two sequence tilings and gathers (audit lists them)."""
+    from harness import hf_gpt2
+
+    torch.manual_seed(0)
+    model, tokens = hf_gpt2(), torch.randint(0, 64, (2, 16))
+    prog = pt.partition(model, pt.Mesh({"cp": 2}), [T.context_parallel("cp")], example_inputs=(tokens,),
+                        loss_fn=loss_fn)
+    assert_grads_match(prog, model, (tokens,), "GPT-2 CP=2")
+
+
+@pytest.mark.parametrize("other,mesh", [(T.data_parallel("batch"), {"batch": 2, "cp": 2}),
+                                        (T.megatron("model"), {"cp": 2, "model": 2})], ids=["CPxDP", "CPxMP"])
+def test_cp_composes_on_a_2x2_mesh(other, mesh):
+    """CP on one axis, data parallelism or Megatron on the other: equal to one device."""
+    model, tokens = llama("sdpa"), torch.randint(0, 64, (4, 16))
+    prog = pt.partition(model, pt.Mesh(mesh), [T.context_parallel("cp"), other], example_inputs=(tokens,),
+                        loss_fn=loss_fn)
+    assert_grads_match(prog, model, (tokens,), f"CP x {other.name}")
+    kv = Counter(r.kind for r in prog.collectives() if r.tactic == "CP" and r.why == "tactic")
+    assert kv["all_gather"] >= 4 and kv["reduce_scatter"] == 4
+
+
+def test_cp_refuses_a_length_the_axis_does_not_divide():
+    model, tokens = llama("sdpa"), torch.randint(0, 64, (2, 14))
+    with pytest.raises(pt.PartitionError, match=r"sequence length 14 .* axis 'cp' \(size 4\).*e\.g\. 16"):
+        pt.partition(model, pt.Mesh({"cp": 4}), [T.context_parallel("cp")], example_inputs=(tokens,),
+                     loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_cp_ring_attention_matches_one_device(n):
+    """attention="ring": the keys and values stay tiled and travel around the axis (collective_permute steps, online
+    softmax); the backward rotates them again with their gradients: no all_gather or reduce_scatter of K/V. Per layer
+    2 (n - 1) transfers forward, 2 (n - 1) + 2 n backward."""
+    model, tokens = llama("sdpa"), torch.randint(0, 64, (2, 16))
+    prog = pt.partition(model, pt.Mesh({"cp": n}), [T.context_parallel("cp", attention="ring")],
+                        example_inputs=(tokens,), loss_fn=loss_fn)
+    assert_grads_match(prog, model, (tokens,), f"ring CP={n}")
+    recs = [r for r in prog.collectives() if r.why == "tactic" and r.tactic == "CP"]
+    layers = model.config.num_hidden_layers
+    assert Counter(r.kind for r in recs if r.kind != "all_reduce") == {
+        "collective_permute": layers * (4 * (n - 1) + 2 * n)}
+
+
+def test_cp_ring_composes_with_data_parallel():
+    model, tokens = llama("sdpa"), torch.randint(0, 64, (4, 16))
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "cp": 2}),
+                        [T.data_parallel("batch"), T.context_parallel("cp", attention="ring")],
+                        example_inputs=(tokens,), loss_fn=loss_fn)
+    assert_grads_match(prog, model, (tokens,), "ring CP x DP")
+    assert not [r for r in prog.collectives() if r.tactic == "CP" and r.kind in ("all_gather", "reduce_scatter")
+                and r.why == "tactic"]
+
+
+def test_cp_load_balancing_is_refused_by_name():
+    with pytest.raises(pt.PartitionError, match="causal load balancing"):
+        T.context_parallel("cp", load_balance=True)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_cp_padded_batch_matches_one_device(attn):
+    """A padding mask (HF builds a (B, 1, T, T) mask from it: no is_causal) tiled with the sequence; labels -100 on
+    the padding. Equal to one device."""
+    model, tokens = llama(attn), torch.randint(1, 64, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 11:] = 0                                    # right padding in the second row
+    labels = tokens.masked_fill(mask == 0, -100)
+
+    def padded_loss(m, x, am, y):
+        return m(input_ids=x, attention_mask=am, labels=y).loss
+
+    batch = (tokens, mask, labels)
+    prog = pt.partition(model, pt.Mesh({"cp": 2}), [T.context_parallel("cp")], example_inputs=batch,
+                        loss_fn=padded_loss)
+    ref = copy.deepcopy(model)
+    ref_loss = padded_loss(ref, *batch)
+    ref_loss.backward()
+    loss, grads = prog.loss_and_grads(*batch)
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=0)
+    floor = GRAD_RTOL * max(p.grad.abs().max().item() for p in ref.parameters())
+    for k, p in ref.named_parameters():
+        assert (grads[k] - p.grad).abs().max().item() <= GRAD_RTOL * p.grad.abs().max().item() + floor, k
+    assert all(prog.sharding(f"inputs.{i}").dims[1] == ("cp",) for i in range(3))
+
+
+def test_cp_dp_megatron_zero3_on_2x2x2_trains_like_one_device():
+    """CP x DP x TP x ZeRO-3 (issue 38's composition goal): three steps of AdamW equal one device's."""
+    from harness import adamw, train_next_to_eager
+
+    model, tokens = llama("sdpa").train(), torch.randint(0, 64, (4, 16))
+    ref = copy.deepcopy(model)
+    schedule = [T.data_parallel("batch"), T.context_parallel("cp"), T.megatron("model"), T.zero(3, "batch")]
+    prog = pt.partition(model, pt.Mesh({"batch": 2, "cp": 2, "model": 2}), schedule, example_inputs=(tokens,),
+                        loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5))
+    train_next_to_eager(prog, ref, [(tokens,)] * 3, loss_fn, make_opt=adamw(eps=1e-5))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_rules_and_blockwise_kernels_verify(causal):
+    """The verifier (partir_torch/verify.py) tiles every factor of the CPU flash attention and its backward 2 and 4
+    ways, runs each rank (the causal kernels of lower/cp.py at each rank's offset) and compares with the whole op;
+    grouped-query heads (4 query heads, 2 key/value heads)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from partir_torch.verify import verify_graph
+
+    def step(q, k, v):
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        return torch.autograd.grad(out.square().sum(), (q, k, v))
+
+    gm = make_fx(step, tracing_mode="fake")(torch.randn(2, 4, 8, 4), torch.randn(2, 2, 8, 4), torch.randn(2, 2, 8, 4))
+    targets = {n.target for n in gm.graph.nodes}
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default in targets
+    report = verify_graph(gm)
+    assert report.factor_checks > 10 and not report.wrong and not report.missing and not report.errors, str(report)
