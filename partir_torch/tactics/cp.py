@@ -28,6 +28,8 @@ import operator
 from collections import Counter
 from dataclasses import dataclass
 
+import torch.fx as fx
+
 from ..errors import PartitionError, source_location, warn
 from ..rules import tags
 from .base import declare
@@ -116,7 +118,7 @@ def _attention_nodes(gm) -> list:
 def _label_shifts(gm) -> list:
     """constant_pad_nd of an integer input (HF's ForCausalLMLoss pads the labels, then slices [1:])."""
     return [n for n in gm.graph.nodes if n.op == "call_function" and tags.has(n.target, "pads")
-            and getattr(n.args[0], "op", "") == "placeholder" and not n.args[0].meta["val"].is_floating_point()]
+            and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder" and not n.args[0].meta["val"].is_floating_point()]
 
 
 def _key_gradients(gm) -> list:
