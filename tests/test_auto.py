@@ -182,6 +182,50 @@ def test_same_seed_same_plan():
     assert [c.label() for c in r1.lowered] == [c.label() for c in r2.lowered]
 
 
+def test_candidates_lowered_with_a_share_equal_fresh_lowerings(monkeypatch):
+    """The search lowers its candidates with one lower.StageShare (the layouts of ops whose decisions the previous
+    candidate had too, the meta run's memo): each candidate's program, collective records and simulation are those
+    of a lowering of its own."""
+    import dataclasses
+
+    import partir_torch.lower.lower as lower
+    from partir_torch.tactics.auto import AutomaticPartition
+
+    spec, model, batch = meta_gpt(8, d=256, heads=4, layers=2, seq=64, vocab=512)
+    calls = {"n": 0}
+    op_layouts = lower.op_layouts
+
+    def counted(*args):
+        calls["n"] += 1
+        return op_layouts(*args)
+
+    def search():
+        calls["n"] = 0
+        prog = partition(spec, model, batch, {"batch": 2, "model": 4},
+                         [T.automatic(["batch", "model"], hardware=HW, budget_s=1, progress=False)])
+        return prog.search_reports[-1], calls["n"]
+
+    monkeypatch.setattr(lower, "op_layouts", counted)
+    shared, n_shared = search()
+    simulate = AutomaticPartition._simulate
+    monkeypatch.setattr(AutomaticPartition, "_simulate", lambda self, ctx, actions, share=None:
+                        simulate(self, ctx, actions, None))
+    fresh, n_fresh = search()
+    by_label = {c.label(): c for c in fresh.lowered}
+    both = [(c, by_label[c.label()]) for c in shared.lowered if c.label() in by_label]
+    assert len(both) >= 2          # the best estimate and the pure preset combinations are lowered whatever the load
+    for a, b in both:
+        assert a.low.gm.code == b.low.gm.code
+        assert [dataclasses.astuple(r) for r in a.low.records] == [dataclasses.astuple(r) for r in b.low.records]
+        shapes = lambda low: [(n.name, tuple(n.meta["val"].shape)) for n in low.gm.graph.nodes  # noqa: E731
+                              if isinstance(n.meta.get("val"), torch.Tensor)]
+        assert shapes(a.low) == shapes(b.low)
+        figures = lambda r: (r.step_time_s, r.compute_s, r.comm_s, r.exposed_comm_s, r.peak_memory_bytes,  # noqa: E731
+                             r.memory_breakdown, r.hardware_flops, r.collectives)
+        assert figures(a.sim) == figures(b.sim)
+    if not (shared.cut_by_time or fresh.cut_by_time):
+        assert n_shared < n_fresh  # unchanged ops' layouts were reused, not made again
+
 # -- numerics: the chosen program equals one device ----------------------------------------------------------------
 def test_chosen_program_matches_one_device():
     spec = get("gpt")

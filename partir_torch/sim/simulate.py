@@ -105,14 +105,22 @@ def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue, prefetch, mode
 
 def step_flops(gm, hw: Hardware, exclude=()) -> float:
     """FLOPs of one run of ``gm`` as the cost model counts them (matmuls, convolutions, attention), less the nodes
-    named in ``exclude``. On the captured (unpartitioned) step: the model's FLOPs per step, what MFU counts."""
-    nodes = list(gm.graph.nodes)
-    facts, cm, total = _scan(nodes), _cost_model(hw), 0.0
-    for n in nodes:
-        cls, info = facts.classes.get(n, (None, None))
-        if cls == COMPUTE and info is not None and n.name not in exclude:
-            total += cm.cost(n, n.target, info, facts.sigs, facts.nbytes)[0]
-    return total
+    named in ``exclude``. On the captured (unpartitioned) step: the model's FLOPs per step, what MFU counts.
+    FLOPs do not depend on the hardware (only the seconds do): the total is kept with ``gm`` per ``exclude``, so
+    simulating the program again on other hardware does not walk the captured step again."""
+    key = frozenset(exclude)
+    memo = getattr(gm, "_partir_step_flops", None)
+    if memo is None or memo[0] != len(gm.graph.nodes):
+        memo = gm._partir_step_flops = (len(gm.graph.nodes), {})
+    if key not in memo[1]:
+        nodes = list(gm.graph.nodes)
+        facts, cm, total = _scan(nodes), _cost_model(hw), 0.0
+        for n in nodes:
+            cls, info = facts.classes.get(n, (None, None))
+            if cls == COMPUTE and info is not None and n.name not in key:
+                total += cm.cost(n, n.target, info, facts.sigs, facts.nbytes)[0]
+        memo[1][key] = total
+    return memo[1][key]
 
 
 @dataclass

@@ -158,8 +158,11 @@ class AutomaticPartition:
         from ..sim.comm import check_mesh
         from ..sim.estimate import ProgramFacts
 
+        from ..lower.lower import StageShare
+
         hw = check_mesh(self.hardware, ctx.mesh)
         limit = float(self.memory_limit if self.memory_limit is not None else hw.hbm_bytes)
+        share = StageShare()     # what the candidates' lowerings share: unchanged ops' layouts, the meta run's memo
         t_start = time.perf_counter()
         report = SearchReport(self.name, self.axes, limit, hw.describe())
         bar = _bar(self.progress, f"{self.name} {'+'.join(self.axes)}")
@@ -177,7 +180,7 @@ class AutomaticPartition:
             t_est = time.perf_counter()
             report.seconds["estimate"] = t_est - t_space
             # 3. lower and simulate the best few (always the best pure preset combinations too)
-            lowered = self._lower_best(ctx, scored, limit, n_low, report, bar, t_start)
+            lowered = self._lower_best(ctx, scored, limit, n_low, report, bar, t_start, share)
             report.seconds["lower+simulate"] = time.perf_counter() - t_est
         finally:
             bar.close()
@@ -266,10 +269,10 @@ class AutomaticPartition:
         return order
 
     def _lower_best(self, ctx, scored: list, limit: float, n_low: int, report: SearchReport, bar,
-                    t_start: float) -> list:
+                    t_start: float, share=None) -> list:
         """3. Lower and simulate the best n_low by estimate and, always, the best estimate and the PURE_LOWERED best
         pure preset combinations (presets and completions only, see _rank): the plan chosen is then never slower in
-        the simulator than those."""
+        the simulator than those. share: a lower.StageShare the candidates' lowerings reuse (see _simulate)."""
         ranked = sorted(scored, key=lambda c: _rank(c, limit))
         pure = sorted((c for c in scored if c.preset_only), key=lambda c: _rank(c, limit, completions=True))
         must = list(dict.fromkeys(ranked[:1] + pure[:self.PURE_LOWERED]))
@@ -283,7 +286,7 @@ class AutomaticPartition:
             if len(lowered) >= len(must) and now + last > t_start + self.budget_s:
                 report.cut_by_time = True
                 break
-            c.sim, c.low = self._simulate(ctx, c.actions)
+            c.sim, c.low = self._simulate(ctx, c.actions, share)
             last = time.perf_counter() - now
             lowered.append(c)
             bar.update(1)
@@ -364,14 +367,18 @@ class AutomaticPartition:
                 for c in new.tolist():
                     ctx.mark_action(c, a.axis, self.name, a.label)
 
-    def _simulate(self, ctx, actions):
+    def _simulate(self, ctx, actions, share=None):
+        """(SimReport, lower.Lowered) of one candidate. share (lower.StageShare): candidates of one search differ in
+        a few axes' decisions, so the op layouts of the ops whose decisions the previous candidate had too, and the
+        meta run's memo of local shapes (a function of its keys alone), are reused; the program is the same as a
+        lowering without it (tests/test_auto.py)."""
         from ..lower.fakeprop import annotate_local_vals
         from ..sim import simulate_graph
 
         trial = ctx.trial(self.axes)
         self._replay(trial, actions)
-        low = trial.lower()
-        annotate_local_vals(low, ctx.captured)
+        low = trial.lower(share)
+        annotate_local_vals(low, ctx.captured, share.meta_memo if share is not None else None)
         recompute = {n.name for n in low.gm.graph.nodes if n.meta.get(META_RECOMPUTE)}
         rep = simulate_graph(low.gm, ctx.mesh, self.hardware, exclude_flops=recompute, stage_name=self.name)
         return rep, low
