@@ -182,10 +182,11 @@ def test_same_seed_same_plan():
     assert [c.label() for c in r1.lowered] == [c.label() for c in r2.lowered]
 
 
-def test_candidates_lowered_with_a_share_equal_fresh_lowerings(monkeypatch):
-    """The search lowers its candidates with one lower.StageShare (the layouts of ops whose decisions the previous
-    candidate had too, the meta run's memo): each candidate's program, collective records and simulation are those
-    of a lowering of its own."""
+def test_search_reuse_equals_a_search_without_it(monkeypatch):
+    """What the search reuses gives what it would compute afresh: the second of two equal, unused axes repeats the
+    first's space (search_space.twin_space) instead of running its trials again, and the candidates are lowered with
+    one lower.StageShare (the layouts of ops whose decisions the previous candidate had too, the meta run's memo).
+    The spaces, estimates, programs, collective records and simulations equal a search without either."""
     import dataclasses
 
     import partir_torch.lower.lower as lower
@@ -201,20 +202,25 @@ def test_candidates_lowered_with_a_share_equal_fresh_lowerings(monkeypatch):
 
     def search():
         calls["n"] = 0
-        prog = partition(spec, model, batch, {"batch": 2, "model": 4},
+        prog = partition(spec, model, batch, {"batch": 2, "model": 2},
                          [T.automatic(["batch", "model"], hardware=HW, budget_s=1, progress=False)])
         return prog.search_reports[-1], calls["n"]
 
     monkeypatch.setattr(lower, "op_layouts", counted)
-    shared, n_shared = search()
+    reused, n_reused = search()
     simulate = AutomaticPartition._simulate
     monkeypatch.setattr(AutomaticPartition, "_simulate", lambda self, ctx, actions, share=None:
                         simulate(self, ctx, actions, None))
+    monkeypatch.setattr(AutomaticPartition, "_twins", lambda *args: False)
     fresh, n_fresh = search()
+    assert reused.trials * 2 == fresh.trials      # the "model" axis's trials were not run again
+    assert (reused.classes, reused.actions, reused.choice_points, reused.space) == \
+        (fresh.classes, fresh.actions, fresh.choice_points, fresh.space)
     by_label = {c.label(): c for c in fresh.lowered}
-    both = [(c, by_label[c.label()]) for c in shared.lowered if c.label() in by_label]
+    both = [(c, by_label[c.label()]) for c in reused.lowered if c.label() in by_label]
     assert len(both) >= 2          # the best estimate and the pure preset combinations are lowered whatever the load
     for a, b in both:
+        assert (a.est_step_s, a.est_peak) == (b.est_step_s, b.est_peak)
         assert a.low.gm.code == b.low.gm.code
         assert [dataclasses.astuple(r) for r in a.low.records] == [dataclasses.astuple(r) for r in b.low.records]
         shapes = lambda low: [(n.name, tuple(n.meta["val"].shape)) for n in low.gm.graph.nodes  # noqa: E731
@@ -223,8 +229,10 @@ def test_candidates_lowered_with_a_share_equal_fresh_lowerings(monkeypatch):
         figures = lambda r: (r.step_time_s, r.compute_s, r.comm_s, r.exposed_comm_s, r.peak_memory_bytes,  # noqa: E731
                              r.memory_breakdown, r.hardware_flops, r.collectives)
         assert figures(a.sim) == figures(b.sim)
-    if not (shared.cut_by_time or fresh.cut_by_time):
-        assert n_shared < n_fresh  # unchanged ops' layouts were reused, not made again
+    if not (reused.cut_by_time or fresh.cut_by_time):
+        assert reused.chosen.label() == fresh.chosen.label()
+        assert n_reused < n_fresh  # unchanged ops' layouts were reused, not made again
+
 
 # -- numerics: the chosen program equals one device ----------------------------------------------------------------
 def test_chosen_program_matches_one_device():

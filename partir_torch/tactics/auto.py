@@ -38,7 +38,7 @@ from ..contract import META_RECOMPUTE
 from ..errors import PartitionError
 from ..propagate.arrays import undecided
 from .base import declare
-from .search_space import Action, axis_candidates, build_axis_space, union
+from .search_space import Action, axis_candidates, build_axis_space, twin_space, union
 
 
 @dataclass(eq=False)
@@ -196,11 +196,17 @@ class AutomaticPartition:
 
     # -- the search's phases -------------------------------------------------------------------------------------
     def _spaces(self, ctx, report: SearchReport, bar) -> dict:
-        """1. Per axis: its classes (one trial propagation each), the presets and completions, the choice points."""
+        """1. Per axis: its classes (one trial propagation each), the presets and completions, the choice points. An
+        axis of the same size as one built before, both unused by earlier tactics and offered the same presets,
+        repeats that axis's space (search_space.twin_space): its trials are not run again."""
         spaces = {}
         for axis in self.axes:
-            spaces[axis] = build_axis_space(ctx, axis, self.name, self._presets(ctx, axis),
-                                            on_trial=lambda: bar.update(1))
+            presets = self._presets(ctx, axis)
+            twin = next((a for a in spaces if self._twins(ctx, a, axis, presets)), None)
+            if twin is not None:
+                spaces[axis] = twin_space(spaces[twin], axis, presets)
+            else:
+                spaces[axis] = build_axis_space(ctx, axis, self.name, presets, on_trial=lambda: bar.update(1))
             sp = spaces[axis]
             report.classes[axis] = [(a.label, a.members, a.conflicts) for a in sp.actions if a.kind == "class"]
             report.actions[axis] = len(sp.actions)
@@ -212,7 +218,10 @@ class AutomaticPartition:
         """2. The fast estimate of up to n_est candidates: the all-replicated one, then every combination of presets
         (macro-actions; fewest actions first), then the rest in an order drawn from the seed. Returns the scored
         Candidates."""
-        per_axis = {axis: axis_candidates(spaces[axis]) for axis in self.axes}
+        per_axis: dict = {}
+        for axis in self.axes:       # a twin's candidates are its twin's (the same actions, in the same order)
+            twin = spaces[axis].twin
+            per_axis[axis] = per_axis[twin] if twin in per_axis else axis_candidates(spaces[axis])
         base = {a: ctx.axis_arrays(a) for a in ctx.mesh.axes}
         unions: dict = {}                                  # (axis, candidate) -> its decisions, when first needed
 
@@ -305,6 +314,12 @@ class AutomaticPartition:
         return chosen
 
     # -- pieces --------------------------------------------------------------------------------------------------
+    def _twins(self, ctx, built: str, axis: str, presets: list) -> bool:
+        """Would `axis`'s space repeat `built`'s (twin_space)? Same size, neither used by earlier tactics, the same
+        presets offered."""
+        return (ctx.mesh.shape[built] == ctx.mesh.shape[axis] and not ctx.axis_in_use(built)
+                and not ctx.axis_in_use(axis) and [p[:2] for p in self._presets(ctx, built)] == [p[:2] for p in presets])
+
     def _presets(self, ctx, axis) -> list:
         """The macro-actions the tactic classes declare (base.declare(macro=True)): presets, then completions."""
         from . import experts  # noqa: F401  (declares ExpertParallel)
