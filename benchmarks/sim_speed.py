@@ -181,9 +181,9 @@ def llama70b(stages: bool = False):
     c3 = time.process_time()
     again = []
     for bw in (40e9, 45e9, 50e9):
-        c = time.process_time()
+        t = time.process_time()
         prog.simulate(pt.sim.hardware("h100", nodes=32, nic_bw=bw), stages=stages)
-        again.append(time.process_time() - c)
+        again.append(time.process_time() - t)
     print(f"Llama-3-70B FSDP32 TP8 (+SP, full remat) on 256 H100: partition {c1 - c:.1f} s CPU; "
           f"prog.simulate(hw, stages={stages}) first {c2 - c1:.2f} s CPU (goal <= 2 s), then gc.collect() "
           f"{c3 - c2:.2f} s; again on other hardware {', '.join(f'{t:.2f}' for t in again)} s (goal <= 0.5 s): "
