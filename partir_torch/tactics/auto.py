@@ -155,10 +155,9 @@ class AutomaticPartition:
     def apply(self, ctx) -> None:
         for a in self.axes:
             ctx.mesh.check_axis(a, self.name)
+        from ..lower.lower import StageShare
         from ..sim.comm import check_mesh
         from ..sim.estimate import ProgramFacts
-
-        from ..lower.lower import StageShare
 
         hw = check_mesh(self.hardware, ctx.mesh)
         limit = float(self.memory_limit if self.memory_limit is not None else hw.hbm_bytes)
@@ -317,8 +316,9 @@ class AutomaticPartition:
     def _twins(self, ctx, built: str, axis: str, presets: list) -> bool:
         """Would `axis`'s space repeat `built`'s (twin_space)? Same size, neither used by earlier tactics, the same
         presets offered."""
-        return (ctx.mesh.shape[built] == ctx.mesh.shape[axis] and not ctx.axis_in_use(built)
-                and not ctx.axis_in_use(axis) and [p[:2] for p in self._presets(ctx, built)] == [p[:2] for p in presets])
+        same = [p[:2] for p in self._presets(ctx, built)] == [p[:2] for p in presets]
+        return (same and ctx.mesh.shape[built] == ctx.mesh.shape[axis] and not ctx.axis_in_use(built)
+                and not ctx.axis_in_use(axis))
 
     def _presets(self, ctx, axis) -> list:
         """The macro-actions the tactic classes declare (base.declare(macro=True)): presets, then completions."""
