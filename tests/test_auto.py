@@ -195,6 +195,59 @@ def test_same_seed_same_plan():
     assert [c.label() for c in r1.lowered] == [c.label() for c in r2.lowered]
 
 
+def test_search_reuse_equals_a_search_without_it(monkeypatch):
+    """What the search reuses gives what it would compute afresh: the second of two equal, unused axes repeats the
+    first's space (search_space.twin_space) instead of running its trials again, and the candidates are lowered with
+    one lower.StageShare (the layouts of ops whose decisions the previous candidate had too, the meta run's memo).
+    The spaces, estimates, programs, collective records and simulations equal a search without either."""
+    import dataclasses
+
+    import partir_torch.lower.lower as lower
+    from partir_torch.tactics.auto import AutomaticPartition
+
+    spec, model, batch = meta_gpt(8, d=256, heads=4, layers=2, seq=64, vocab=512)
+    calls = {"n": 0}
+    op_layouts = lower.op_layouts
+
+    def counted(*args):
+        calls["n"] += 1
+        return op_layouts(*args)
+
+    def search():
+        calls["n"] = 0
+        prog = partition(spec, model, batch, {"batch": 2, "model": 2},
+                         [T.automatic(["batch", "model"], hardware=HW, budget_s=600, progress=False)])
+        return prog.search_reports[-1], calls["n"]
+
+    # counts fixed, and a budget the wall-time caps never reach on a loaded machine: both searches see the same
+    # candidates, so every lowered one is compared
+    monkeypatch.setattr(AutomaticPartition, "_counts", lambda self, n_values: (40, 3))
+    monkeypatch.setattr(lower, "op_layouts", counted)
+    reused, n_reused = search()
+    simulate = AutomaticPartition._simulate
+    monkeypatch.setattr(AutomaticPartition, "_simulate", lambda self, ctx, actions, share=None:
+                        simulate(self, ctx, actions, None))
+    monkeypatch.setattr(AutomaticPartition, "_twins", lambda *args: False)
+    fresh, n_fresh = search()
+    assert reused.trials * 2 == fresh.trials      # the "model" axis's trials were not run again
+    assert (reused.classes, reused.actions, reused.choice_points, reused.space) == \
+        (fresh.classes, fresh.actions, fresh.choice_points, fresh.space)
+    assert not (reused.cut_by_time or fresh.cut_by_time)
+    assert [c.label() for c in reused.lowered] == [c.label() for c in fresh.lowered] and len(fresh.lowered) >= 3
+    for a, b in zip(reused.lowered, fresh.lowered):
+        assert (a.est_step_s, a.est_peak) == (b.est_step_s, b.est_peak)
+        assert a.low.gm.code == b.low.gm.code
+        assert [dataclasses.astuple(r) for r in a.low.records] == [dataclasses.astuple(r) for r in b.low.records]
+        shapes = lambda low: [(n.name, tuple(n.meta["val"].shape)) for n in low.gm.graph.nodes  # noqa: E731
+                              if isinstance(n.meta.get("val"), torch.Tensor)]
+        assert shapes(a.low) == shapes(b.low)
+        figures = lambda r: (r.step_time_s, r.compute_s, r.comm_s, r.exposed_comm_s, r.peak_memory_bytes,  # noqa: E731
+                             r.memory_breakdown, r.hardware_flops, r.collectives)
+        assert figures(a.sim) == figures(b.sim)
+    assert reused.chosen.label() == fresh.chosen.label()
+    assert n_reused < n_fresh      # unchanged ops' layouts were reused, not made again
+
+
 # -- numerics: the chosen program equals one device ----------------------------------------------------------------
 def test_chosen_program_matches_one_device():
     spec = get("gpt")

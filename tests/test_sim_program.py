@@ -133,3 +133,35 @@ def test_simulate_without_stages_is_the_final_row():
     full = prog.simulate(hw)
     assert one.stages == [] and one.stage_name == "MP"
     assert one.step_time_s == full.step_time_s and one.mfu == full.mfu and one.model_flops == full.model_flops
+
+
+def _figures(r) -> dict:
+    """Every figure of a SimReport (its stages' too: the last stage is the report itself), the allocator's
+    reservation included."""
+    import dataclasses
+
+    out = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name not in ("stages", "allocator")}
+    out["reserved"] = r.reserved_memory_bytes
+    out["stages"] = [_figures(s) if s is not r else "itself" for s in r.stages]
+    return out
+
+
+def test_simulating_again_equals_a_fresh_program():
+    """prog.simulate keeps what does not change between calls (the lowerings, per-node facts and liveness, the
+    model's FLOPs, per-op costs per hardware): a call after another on other hardware gives, to the float, what a
+    freshly partitioned program gives with cold caches."""
+    from partir_torch.sim.simulate import _cost_model
+
+    sched = [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")]
+    h100 = pt.sim.hardware("h100", gpus_per_node=4)
+    a100 = pt.sim.hardware("a100", gpus_per_node=4, nic_bw=25e9)
+    prog = gpt_program({"batch": 2, "model": 2}, sched, layers=1)
+    first = _figures(prog.simulate(h100))
+    other = _figures(prog.simulate(a100))
+    again = _figures(prog.simulate(h100))
+    assert other["step_time_s"] != first["step_time_s"] and len(first["stages"]) == 4
+    for hw, seen in ((h100, again), (a100, other)):
+        _cost_model.cache_clear()
+        fresh = _figures(gpt_program({"batch": 2, "model": 2}, sched, layers=1).simulate(hw))
+        assert seen == fresh
+    assert again == first

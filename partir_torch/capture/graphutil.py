@@ -42,3 +42,16 @@ def no_gc():
     finally:
         if was:
             gc.enable()
+
+
+def memo_of_step(captured, name: str, make):
+    """``make()`` once per captured step: a structural reading of its graph (the linear regions, the LoRA adapters)
+    that tactics ask for again and again (the automatic search runs every preset once per axis) is kept with the
+    Captured, read again if its graph was replaced or changed size. Callers must not mutate what it returns."""
+    gm = captured.gm
+    key = (id(gm), len(gm.graph.nodes))
+    memo = captured.__dict__.setdefault("_partir_memo", {})
+    hit = memo.get(name)
+    if hit is None or hit[0] != key:
+        hit = memo[name] = (key, make())
+    return hit[1]

@@ -45,13 +45,20 @@ class Adapter:
 def lora_adapters(captured) -> list:
     """Every LoRA adapter of the forward (Adapter), in graph order; a base with several active adapters (peft sums
     them one after another) has one Adapter each."""
-    return [ad for ad, _ in _found(captured.gm)]
+    return [ad for ad, _ in _found_in(captured)]
 
 
 def adapter_ends(captured) -> dict:
     """{node: base weight}: where each adapter branch joins its base's output (the scaled lora_B output the sum
     reads). linear_regions counts it inside its base linear's region, so the sum does not end that region."""
-    return {end: ad.base for ad, end in _found(captured.gm)}
+    return {end: ad.base for ad, end in _found_in(captured)}
+
+
+def _found_in(captured) -> list:
+    """_found of a captured step, read once per step (graphutil.memo_of_step)."""
+    from .graphutil import memo_of_step
+
+    return memo_of_step(captured, "lora._found", lambda: _found(captured.gm))
 
 
 def _found(gm) -> list:

@@ -182,23 +182,25 @@ class CostModel:
                 v = a.meta.get("val")
                 if isinstance(v, torch.Tensor) and v.is_floating_point():
                     dtype = v.dtype
-        out = node.meta.get("val")
         total = in_bytes + nbytes.get(node, 0)
         t_mem = memory_time(hw, total)
-        flops = 0
-        if formula is not None:
-            try:
-                args = torch.fx.node.map_aggregate(node.args, _meta)
-                kwargs = torch.fx.node.map_aggregate(node.kwargs, _meta)
-                flops = int(formula(*args, out_val=out, **kwargs))
-            except Exception:                                    # a formula that cannot read these args
-                flops = 0
+        flops = formula_flops(node, formula) if formula is not None else 0
         if flops <= 0:
             return 0, t_mem, None
         dtype = dtype or torch.float32
         # a step runs at the clock the chip sustains (hw.sustained_clock), kernel benchmarks at their own
         t = kernel_time(hw, flops / hw.sustained_clock, total, dtype, _is_attention(node.target))
         return flops, t, str(dtype).replace("torch.", "")
+
+
+def formula_flops(node, formula) -> int:
+    """FLOPs of one node by its op's formula (op_class) on its meta vals; 0 when the formula cannot read them."""
+    try:
+        args = torch.fx.node.map_aggregate(node.args, _meta)
+        kwargs = torch.fx.node.map_aggregate(node.kwargs, _meta)
+        return int(formula(*args, out_val=node.meta.get("val"), **kwargs))
+    except Exception:                                    # a formula that cannot read these args
+        return 0
 
 
 def _operands(node) -> list:

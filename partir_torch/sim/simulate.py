@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from ..errors import PartitionError
 from .comm import check_mesh
-from .compute import COMPUTE, CostModel, op_class, val_facts
+from .compute import COMPUTE, CostModel, _freeze, formula_flops, op_class, val_facts, val_sig
 from .confidence import closest_family, strategy_of
 from .hardware import Hardware
 from .memory import analyze_memory
@@ -105,13 +105,41 @@ def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue, prefetch, mode
 
 def step_flops(gm, hw: Hardware, exclude=()) -> float:
     """FLOPs of one run of ``gm`` as the cost model counts them (matmuls, convolutions, attention), less the nodes
-    named in ``exclude``. On the captured (unpartitioned) step: the model's FLOPs per step, what MFU counts."""
-    nodes = list(gm.graph.nodes)
-    facts, cm, total = _scan(nodes), _cost_model(hw), 0.0
-    for n in nodes:
-        cls, info = facts.classes.get(n, (None, None))
-        if cls == COMPUTE and info is not None and n.name not in exclude:
-            total += cm.cost(n, n.target, info, facts.sigs, facts.nbytes)[0]
+    named in ``exclude``. On the captured (unpartitioned) step: the model's FLOPs per step, what MFU counts.
+    FLOPs do not depend on the hardware (only the seconds do): the total is kept with ``gm`` per ``exclude``, so
+    simulating the program again on other hardware does not walk the captured step again."""
+    key = frozenset(exclude)
+    memo = getattr(gm, "_partir_step_flops", None)
+    if memo is None or memo[0] != len(gm.graph.nodes):
+        memo = gm._partir_step_flops = (len(gm.graph.nodes), {})
+    if key not in memo[1]:
+        memo[1][key] = _formula_flops(gm, key)
+    return memo[1][key]
+
+
+class _Sigs(dict):
+    """node -> val_sig of its meta val, read on first use (only the operands of FLOP-carrying nodes are read)."""
+
+    def __missing__(self, node):
+        sig = self[node] = val_sig(node.meta.get("val"))
+        return sig
+
+
+def _formula_flops(gm, exclude: frozenset) -> float:
+    """The FLOPs CostModel.cost counts, summed in program order over the nodes with a FLOP formula, less `exclude`:
+    each (op, operand signatures, other arguments) is counted by its formula once (the cost model's cache key)."""
+    sigs, seen, total = _Sigs(), {}, 0.0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.name in exclude:
+            continue
+        cls, formula = op_class(n.target)
+        if cls != COMPUTE or formula is None:
+            continue
+        key = (id(n.target), sigs[n], _freeze(n.args, sigs), _freeze(tuple(n.kwargs.items()), sigs))
+        flops = seen.get(key)
+        if flops is None:
+            flops = seen[key] = max(formula_flops(n, formula), 0)
+        total += flops
     return total
 
 

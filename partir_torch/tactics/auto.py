@@ -38,7 +38,7 @@ from ..contract import META_RECOMPUTE
 from ..errors import PartitionError
 from ..propagate.arrays import undecided
 from .base import declare
-from .search_space import Action, axis_candidates, build_axis_space, union
+from .search_space import Action, axis_candidates, build_axis_space, twin_space, union
 
 
 @dataclass(eq=False)
@@ -155,11 +155,13 @@ class AutomaticPartition:
     def apply(self, ctx) -> None:
         for a in self.axes:
             ctx.mesh.check_axis(a, self.name)
+        from ..lower.lower import StageShare
         from ..sim.comm import check_mesh
         from ..sim.estimate import ProgramFacts
 
         hw = check_mesh(self.hardware, ctx.mesh)
         limit = float(self.memory_limit if self.memory_limit is not None else hw.hbm_bytes)
+        share = StageShare()     # what the candidates' lowerings share: unchanged ops' layouts, the meta run's memo
         t_start = time.perf_counter()
         report = SearchReport(self.name, self.axes, limit, hw.describe())
         bar = _bar(self.progress, f"{self.name} {'+'.join(self.axes)}")
@@ -177,7 +179,7 @@ class AutomaticPartition:
             t_est = time.perf_counter()
             report.seconds["estimate"] = t_est - t_space
             # 3. lower and simulate the best few (always the best pure preset combinations too)
-            lowered = self._lower_best(ctx, scored, limit, n_low, report, bar, t_start)
+            lowered = self._lower_best(ctx, scored, limit, n_low, report, bar, t_start, share)
             report.seconds["lower+simulate"] = time.perf_counter() - t_est
         finally:
             bar.close()
@@ -193,11 +195,17 @@ class AutomaticPartition:
 
     # -- the search's phases -------------------------------------------------------------------------------------
     def _spaces(self, ctx, report: SearchReport, bar) -> dict:
-        """1. Per axis: its classes (one trial propagation each), the presets and completions, the choice points."""
+        """1. Per axis: its classes (one trial propagation each), the presets and completions, the choice points. An
+        axis of the same size as one built before, both unused by earlier tactics and offered the same presets,
+        repeats that axis's space (search_space.twin_space): its trials are not run again."""
         spaces = {}
         for axis in self.axes:
-            spaces[axis] = build_axis_space(ctx, axis, self.name, self._presets(ctx, axis),
-                                            on_trial=lambda: bar.update(1))
+            presets = self._presets(ctx, axis)
+            twin = next((a for a in spaces if self._twins(ctx, a, axis, presets)), None)
+            if twin is not None:
+                spaces[axis] = twin_space(spaces[twin], axis, presets)
+            else:
+                spaces[axis] = build_axis_space(ctx, axis, self.name, presets, on_trial=lambda: bar.update(1))
             sp = spaces[axis]
             report.classes[axis] = [(a.label, a.members, a.conflicts) for a in sp.actions if a.kind == "class"]
             report.actions[axis] = len(sp.actions)
@@ -209,7 +217,10 @@ class AutomaticPartition:
         """2. The fast estimate of up to n_est candidates: the all-replicated one, then every combination of presets
         (macro-actions; fewest actions first), then the rest in an order drawn from the seed. Returns the scored
         Candidates."""
-        per_axis = {axis: axis_candidates(spaces[axis]) for axis in self.axes}
+        per_axis: dict = {}
+        for axis in self.axes:       # a twin's candidates are its twin's (the same actions, in the same order)
+            twin = spaces[axis].twin
+            per_axis[axis] = per_axis[twin] if twin in per_axis else axis_candidates(spaces[axis])
         base = {a: ctx.axis_arrays(a) for a in ctx.mesh.axes}
         unions: dict = {}                                  # (axis, candidate) -> its decisions, when first needed
 
@@ -266,10 +277,10 @@ class AutomaticPartition:
         return order
 
     def _lower_best(self, ctx, scored: list, limit: float, n_low: int, report: SearchReport, bar,
-                    t_start: float) -> list:
+                    t_start: float, share=None) -> list:
         """3. Lower and simulate the best n_low by estimate and, always, the best estimate and the PURE_LOWERED best
         pure preset combinations (presets and completions only, see _rank): the plan chosen is then never slower in
-        the simulator than those."""
+        the simulator than those. share: a lower.StageShare the candidates' lowerings reuse (see _simulate)."""
         ranked = sorted(scored, key=lambda c: _rank(c, limit))
         pure = sorted((c for c in scored if c.preset_only), key=lambda c: _rank(c, limit, completions=True))
         must = list(dict.fromkeys(ranked[:1] + pure[:self.PURE_LOWERED]))
@@ -283,7 +294,7 @@ class AutomaticPartition:
             if len(lowered) >= len(must) and now + last > t_start + self.budget_s:
                 report.cut_by_time = True
                 break
-            c.sim, c.low = self._simulate(ctx, c.actions)
+            c.sim, c.low = self._simulate(ctx, c.actions, share)
             last = time.perf_counter() - now
             lowered.append(c)
             bar.update(1)
@@ -302,6 +313,13 @@ class AutomaticPartition:
         return chosen
 
     # -- pieces --------------------------------------------------------------------------------------------------
+    def _twins(self, ctx, built: str, axis: str, presets: list) -> bool:
+        """Would `axis`'s space repeat `built`'s (twin_space)? Same size, neither used by earlier tactics, the same
+        presets offered."""
+        same = [p[:2] for p in self._presets(ctx, built)] == [p[:2] for p in presets]
+        return (same and ctx.mesh.shape[built] == ctx.mesh.shape[axis] and not ctx.axis_in_use(built)
+                and not ctx.axis_in_use(axis))
+
     def _presets(self, ctx, axis) -> list:
         """The macro-actions the tactic classes declare (base.declare(macro=True)): presets, then completions."""
         from . import experts  # noqa: F401  (declares ExpertParallel)
@@ -326,15 +344,15 @@ class AutomaticPartition:
         return n_est, max(2, min(self.max_lowered, n_low))
 
     def _divisible(self, facts, mesh, vals_list) -> bool:
-        """Two searched axes tiling one dim of a value: its size must divide by both."""
+        """Two searched axes tiling one dim of a value: its size must divide by both (the first 4096 such values)."""
         if len(vals_list) < 2:
             return True
+        sizes_of = _dim_sizes(facts)
         for (a, va), (b, vb) in itertools.combinations(zip(self.axes, vals_list), 2):
-            both = np.nonzero((va >= 0) & (va == vb))[0]
+            both = np.nonzero((va >= 0) & (va == vb))[0][:4096]
             if len(both):
                 k = mesh.shape[a] * mesh.shape[b]
-                sizes = np.array([facts.shapes[v][va[v]] for v in both[:4096]])
-                if np.any(sizes % k):
+                if np.any(sizes_of[both, va[both]] % k):
                     return False
         return True
 
@@ -364,14 +382,18 @@ class AutomaticPartition:
                 for c in new.tolist():
                     ctx.mark_action(c, a.axis, self.name, a.label)
 
-    def _simulate(self, ctx, actions):
+    def _simulate(self, ctx, actions, share=None):
+        """(SimReport, lower.Lowered) of one candidate. share (lower.StageShare): candidates of one search differ in
+        a few axes' decisions, so the op layouts of the ops whose decisions the previous candidate had too, and the
+        meta run's memo of local shapes (a function of its keys alone), are reused; the program is the same as a
+        lowering without it (tests/test_auto.py)."""
         from ..lower.fakeprop import annotate_local_vals
         from ..sim import simulate_graph
 
         trial = ctx.trial(self.axes)
         self._replay(trial, actions)
-        low = trial.lower()
-        annotate_local_vals(low, ctx.captured)
+        low = trial.lower(share)
+        annotate_local_vals(low, ctx.captured, share.meta_memo if share is not None else None)
         recompute = {n.name for n in low.gm.graph.nodes if n.meta.get(META_RECOMPUTE)}
         rep = simulate_graph(low.gm, ctx.mesh, self.hardware, exclude_flops=recompute, stage_name=self.name)
         return rep, low
@@ -382,6 +404,19 @@ def automatic(axes, hardware=None, memory_limit: float | None = None, budget_s: 
     """A tactic that decides `axes` (a mesh axis or a list of them) by search, given everything earlier tactics
     decided (see AutomaticPartition)."""
     return AutomaticPartition(axes, hardware, memory_limit, budget_s, seed, name, progress)
+
+
+def _dim_sizes(facts) -> np.ndarray:
+    """[value, dim] -> the dim's size (0 past a value's rank), built once per search's ProgramFacts: the estimate
+    phase checks every candidate's divisibility against it without a Python loop over values."""
+    got = getattr(facts, "_dim_sizes", None)
+    if got is None:
+        rank = max((len(s) for s in facts.shapes), default=0)
+        got = np.zeros((len(facts.shapes), max(rank, 1)), dtype=np.int64)
+        for v, shape in enumerate(facts.shapes):
+            got[v, :len(shape)] = shape
+        facts._dim_sizes = got
+    return got
 
 
 def _score(c: Candidate, step_s: float) -> float:

@@ -172,12 +172,14 @@ class TacticContext:
         shared and copied on write: a trial costs what it reaches); None: a full copy."""
         return TrialContext(self, self.prop.snapshot() if axes is None else self.prop.trial(axes))
 
-    def lower(self):
-        """The per-device program (lower.Lowered) of the decisions so far, with the plan's options."""
+    def lower(self, share=None):
+        """The per-device program (lower.Lowered) of the decisions so far, with the plan's options. share: a
+        lower.StageShare kept across the lowerings of one graph and mesh (the automatic search's candidates): the
+        layouts of ops whose decisions equal the previous lowering's are reused."""
         from ..lower.lower import Lowerer, canonical_groups
 
         return Lowerer(self.graph, Decisions(self.prop.rec), self.mesh, self.captured, canonical_groups(self.mesh),
-                       self.options, self.planning.families).run()
+                       self.options, self.planning.families, share=share).run()
 
 
 class TrialContext(TacticContext):

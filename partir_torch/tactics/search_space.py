@@ -79,6 +79,20 @@ class AxisSpace:
     compatible: np.ndarray             # [n, n] bool
     trials: int
     seconds: float
+    twin: str | None = None            # the axis whose space this one repeats (twin_space)
+
+
+def twin_space(space: AxisSpace, axis: str, presets: list) -> AxisSpace:
+    """The space of `axis` from the space built for another axis of the same size, both unused by earlier tactics:
+    propagation reads an axis's size and the other axes' decisions, never its name, so every trial on `axis` would
+    decide what the twin's did. The same classes, deltas and choice points, with `axis`'s own preset tactics
+    (`presets`: the same labels and kinds as the twin's, in the same order; build_axis_space's form)."""
+    import dataclasses
+
+    tactics = {label: tacts for label, _, tacts in presets}
+    actions = [dataclasses.replace(a, axis=axis, tactics=tactics[a.label] if a.kind != "class" else (),
+                                   members=list(a.members)) for a in space.actions]
+    return AxisSpace(axis, actions, space.compatible, 0, 0.0, twin=space.axis)
 
 
 def build_axis_space(ctx, axis: str, name: str, presets: list, on_trial=None) -> AxisSpace:

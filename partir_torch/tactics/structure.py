@@ -135,7 +135,14 @@ def linear_regions(captured) -> list:
     """[(column-parallel weights, row-parallel weights)] per region: the linears whose outputs meet (q, k, v in
     attention; gate and up in SwiGLU) and the linears that region feeds (see find_linear_pairs). A LoRA wrapper is
     its base linear: the adapters' matmuls are no linears of their own, and the adapter branch's output is in its
-    base's region, so the wrapper's sum continues it (tactics/lora.py)."""
+    base's region, so the wrapper's sum continues it (tactics/lora.py). Read once per captured step
+    (graphutil.memo_of_step): a copy of the lists is returned."""
+    from ..capture.graphutil import memo_of_step
+
+    return [(list(c), list(r)) for c, r in memo_of_step(captured, "linear_regions", lambda: _regions(captured))]
+
+
+def _regions(captured) -> list:
     gm = captured.gm
     nodes = list(gm.graph.nodes)
     fwd = forward_nodes(gm)
