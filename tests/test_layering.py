@@ -422,6 +422,8 @@ THIRD_PARTY_PROBES = {
     "partir_torch/sim/memory.py: getattr(target, '_schema', None)": "an FX target: a torch op or a function",
     "partir_torch/sim/simulate.py: getattr(gm, '_partir_sim_facts', None)":
         "a torch GraphModule, the simulator's facts cached on it",
+    "partir_torch/sim/simulate.py: getattr(gm, '_partir_step_flops', None)":
+        "a torch GraphModule, its FLOPs per step cached on it",
     "partir_torch/sim/timeline.py: getattr(n.target, '_schema', None)": "an FX target: a torch op or a function",
     "partir_torch/tactics/manual.py: getattr(sel, 'pattern', repr(sel))": "a selector: a str or an re.Pattern",
     "partir_torch/xla/kernels.py: getattr(aten, target._schema.name.split('::')[1] + '_copy', None)":

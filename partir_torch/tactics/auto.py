@@ -347,7 +347,7 @@ class AutomaticPartition:
         """Two searched axes tiling one dim of a value: its size must divide by both (the first 4096 such values)."""
         if len(vals_list) < 2:
             return True
-        sizes_of = _dim_sizes(facts)
+        sizes_of = facts.dim_sizes
         for (a, va), (b, vb) in itertools.combinations(zip(self.axes, vals_list), 2):
             both = np.nonzero((va >= 0) & (va == vb))[0][:4096]
             if len(both):
@@ -406,17 +406,6 @@ def automatic(axes, hardware=None, memory_limit: float | None = None, budget_s: 
     return AutomaticPartition(axes, hardware, memory_limit, budget_s, seed, name, progress)
 
 
-def _dim_sizes(facts) -> np.ndarray:
-    """[value, dim] -> the dim's size (0 past a value's rank), built once per search's ProgramFacts: the estimate
-    phase checks every candidate's divisibility against it without a Python loop over values."""
-    got = getattr(facts, "_dim_sizes", None)
-    if got is None:
-        rank = max((len(s) for s in facts.shapes), default=0)
-        got = np.zeros((len(facts.shapes), max(rank, 1)), dtype=np.int64)
-        for v, shape in enumerate(facts.shapes):
-            got[v, :len(shape)] = shape
-        facts._dim_sizes = got
-    return got
 
 
 def _score(c: Candidate, step_s: float) -> float:
