@@ -31,8 +31,6 @@ the last gradient reduction).
 """
 from __future__ import annotations
 
-from functools import cached_property
-
 import math
 import operator
 from dataclasses import dataclass
@@ -90,16 +88,6 @@ class ProgramFacts:
                                                                                                      in_place)
         self._comm_tables()
 
-
-    @cached_property
-    def dim_sizes(self) -> np.ndarray:
-        """[value, dim] -> the dim's size (0 past a value's rank): the automatic search checks every candidate's
-        divisibility against it without a Python loop over values."""
-        rank = max((len(s) for s in self.shapes), default=0)
-        got = np.zeros((len(self.shapes), max(rank, 1)), dtype=np.int64)
-        for v, shape in enumerate(self.shapes):
-            got[v, :len(shape)] = shape
-        return got
     def _values(self, captured) -> None:
         """Per value: canonical id, bytes, shape, whether it is state / a placeholder; per op and value: its phase
         (0 forward, 1 backward, 2 optimizer update)."""

@@ -233,13 +233,13 @@ class AutomaticPartition:
         order = self._candidate_order(per_axis, spaces, n_est)
         bar.reset(total=len(order))
         bar.set_description(f"{self.name} {'+'.join(self.axes)}: estimating")
-        scored = []
+        scored, sizes = [], _dim_sizes(facts.shapes)
         cap = t_start + 0.5 * self.budget_s + 3.0   # a safety net for an overloaded machine (see _counts)
         for combo in order:
             if time.perf_counter() > cap and scored:
                 report.cut_by_time = True
                 break
-            if not self._divisible(facts, ctx.mesh, [decisions(a, i)[0] for a, i in zip(self.axes, combo)]):
+            if not self._divisible(sizes, ctx.mesh, [decisions(a, i)[0] for a, i in zip(self.axes, combo)]):
                 bar.update(1)
                 continue
             dec = dict(base)
@@ -343,11 +343,11 @@ class AutomaticPartition:
         n_low = int(0.6 * self.budget_s / (self.LOWER_S_PER_VALUE * n_values))
         return n_est, max(2, min(self.max_lowered, n_low))
 
-    def _divisible(self, facts, mesh, vals_list) -> bool:
-        """Two searched axes tiling one dim of a value: its size must divide by both (the first 4096 such values)."""
+    def _divisible(self, sizes_of, mesh, vals_list) -> bool:
+        """Two searched axes tiling one dim of a value: its size must divide by both (the first 4096 such values;
+        sizes_of: _dim_sizes)."""
         if len(vals_list) < 2:
             return True
-        sizes_of = facts.dim_sizes
         for (a, va), (b, vb) in itertools.combinations(zip(self.axes, vals_list), 2):
             both = np.nonzero((va >= 0) & (va == vb))[0][:4096]
             if len(both):
@@ -458,3 +458,13 @@ def _bar(enabled: bool, desc: str):
     except ImportError:            # tqdm comes with transformers; without it the search runs silently
         return _NoBar()
     return tqdm(total=0, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def _dim_sizes(shapes) -> np.ndarray:
+    """[value, dim] -> the dim's size (0 past a value's rank), built once per search: the estimate phase checks every
+    candidate's divisibility against it without a Python loop over values."""
+    rank = max((len(s) for s in shapes), default=0)
+    got = np.zeros((len(shapes), max(rank, 1)), dtype=np.int64)
+    for v, shape in enumerate(shapes):
+        got[v, :len(shape)] = shape
+    return got
