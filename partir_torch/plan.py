@@ -218,8 +218,7 @@ def capture_for(model, schedule, example_inputs, loss_fn=None, optimizer=None, c
     cap = capture(model, example_inputs, loss_fn, optimizer, rewrites, _decompositions(entries),
                   clip_grad_norm=clip_grad_norm,
                   accumulate=accumulate, accumulate_dims=accumulate_dims, eval_loss=eval_loss, values=values,
-                  record_modules=record_modules)
-    cap.bn_groups = _bn_groups(entries)
+                  record_modules=record_modules, bn_groups=_bn_groups(entries))
     if cap.bn_groups:
         from .capture.bn_local import sink_running_statistics
 

@@ -52,9 +52,9 @@ FORWARD, LOSS_AND_GRADS, TRAIN, EVAL = "forward", "loss_and_grads", "train", "ev
 REPLICATE_UPDATE = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class Captured:
-    """The traced step and what its placeholders and outputs mean."""
+    """The traced step and what its placeholders and outputs mean: built once, by capture(), and frozen."""
 
     gm: fx.GraphModule
     mode: str                        # FORWARD | LOSS_AND_GRADS | TRAIN | EVAL (the loss only)
@@ -676,14 +676,15 @@ def _unpadded(e: BaseException):
 
 def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None, options=(),
             decompositions=None, clip_grad_norm=None, accumulate=1, accumulate_dims=None,
-            eval_loss=False, values=None, record_modules=False) -> Captured:
+            eval_loss=False, values=None, record_modules=False, bn_groups: int = 0) -> Captured:
     """options: capture-time tactics (MixedPrecision, Remat) that shape the traced step; decompositions: extra
     ones a tactic needs (see decompositions.py). clip_grad_norm, accumulate, accumulate_dims: see partition().
     eval_loss: the loss only, no gradients (mode EVAL). values: name -> real full tensor of a placeholder, for a
     step that branches on tensor values (branches.py; default: the module's and the example inputs' own). Such a
     step is traced twice: the plain trace stops at the first branch, and the step is traced again with a
     branches.Recorder (no cost for a step without branches). record_modules: every op records its module
-    and micro-batch (stages.py; what a pipeline tactic cuts the step by)."""
+    and micro-batch (stages.py; what a pipeline tactic cuts the step by). bn_groups: see Captured. The Captured is
+    built here, once, and frozen: passes after it (the rewrites' rewrite(cap)) edit its graph, never its fields."""
     example_inputs = as_batch(example_inputs)
     mode = FORWARD if loss_fn is None else EVAL if eval_loss else (LOSS_AND_GRADS if optimizer is None else TRAIN)
     (gm, step, lay, recorder, padding, unpadded), first_call = _settled(model, lambda: _trace_step(
@@ -708,25 +709,22 @@ def capture(model: torch.nn.Module, example_inputs, loss_fn=None, optimizer=None
     _state_mutations(gm, names, roles, out_names, model)
     if accumulate > 1:
         _accumulate_early(gm)
-    cap = _annotate(gm, mode, names, roles, out_names, step.out_spec, lay.fopt,
-                    [k for k, _ in model.named_parameters()], lay.trainable, lay.buffers, device)
-    cap.consts = consts
-    cap.in_spec = lay.in_spec
-    cap.settings = dict(clip_grad_norm=clip_grad_norm, accumulate=accumulate, accumulate_dims=accumulate_dims,
-                        eval_loss=eval_loss, record_modules=record_modules)
+    fields = _annotate(gm, mode, names, roles, out_names, step.out_spec, lay.fopt,
+                       [k for k, _ in model.named_parameters()], lay.trainable, lay.buffers, device)
     if accumulate > 1:      # one device's dropout masks, each micro-batch reading its samples of them
         whole_batch_draws(gm, accumulate, micro_size(example_inputs, accumulate, accumulate_dims))
-    cap.modes = tuple(m.training for m in model.modules())
     if recorder is not None:
-        cap.guards, cap.checks = tuple(recorder.guards), tuple(checks)
-        cap.updated = tuple(step.updated or ())
-        cap.padded = tuple(padding.selections) if padding is not None else ()
-        cap.unpadded = tuple((u.where, u.why) for u in unpadded)
+        fields.update(guards=tuple(recorder.guards), checks=tuple(checks), updated=tuple(step.updated or ()),
+                      padded=tuple(padding.selections) if padding is not None else (),
+                      unpadded=tuple((u.where, u.why) for u in unpadded))
     if step.gates is not None:
-        cap.gates, cap.updated = step.gates, tuple(step.updated or ())
-    cap.first_call = first_call
-    cap.rewrites = tuple(opt.name for opt in options)
-    cap.decompositions = frozenset((decompositions or {}).keys())
+        fields.update(gates=step.gates, updated=tuple(step.updated or ()))
+    cap = Captured(**fields, consts=consts, in_spec=lay.in_spec,
+                   settings=dict(clip_grad_norm=clip_grad_norm, accumulate=accumulate, accumulate_dims=accumulate_dims,
+                                 eval_loss=eval_loss, record_modules=record_modules),
+                   modes=tuple(m.training for m in model.modules()), first_call=first_call,
+                   rewrites=tuple(opt.name for opt in options),
+                   decompositions=frozenset((decompositions or {}).keys()), bn_groups=bn_groups)
     # the passes above edit gm.graph only; gm is a lazy GraphModule: its code is generated when first called or
     # read (gm.code), not after each pass (about 0.5 s for a 20k-node step); partitioning reads only the graph
     gm.recompile()
@@ -877,5 +875,6 @@ def _annotate(gm, mode, names, roles, out_names, out_spec, fopt, param_fqns, tra
     for name, node in zip(out_names, outs):
         if name.startswith("grads.") or name == "loss" or name.startswith("outputs."):
             named.setdefault(name, node)
-    return Captured(gm, mode, names, roles, out_names, named, ties, out_spec, fopt, param_fqns, trainable,
-                    buffer_fqns, device)
+    return dict(gm=gm, mode=mode, input_names=names, input_roles=roles, output_names=out_names, names=named,
+                ties=ties, out_spec=out_spec, fopt=fopt, param_fqns=param_fqns, trainable=trainable,
+                buffer_fqns=buffer_fqns, device=device)
