@@ -307,7 +307,7 @@ def _bn_groups(entries) -> int:
 def tactic_families(entries) -> dict:
     """Tactic name -> declared family, for the tactics of a schedule that declare one (a user's own tactic class
     may not: its collectives then carry no family and the simulator falls back to the name)."""
-    return {t.name: family_of(t) for t in entries if family_of(t)}
+    return {t.name: f for t in entries if (f := family_of(t))}
 
 
 def _warn_reshards(lowered) -> None:
