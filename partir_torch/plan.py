@@ -28,10 +28,11 @@ from .propagate.engine import Propagator
 from .propagate.record import DecisionRecord
 from .propagate.graph import PartGraph, no_gc
 from .rules.registry import default_registry
-from .tactics.base import CaptureRewrite, Tactic, decompositions_of
+from .tactics.base import CaptureRewrite, Tactic, decompositions_of, family_of
 from .tactics.context import Planning, TacticContext
 from .tactics.cp import ContextParallel
 from .tactics.pipeline import Pipeline
+from .tactics.presets import DataParallel, Zero
 from .tactics.schedule import flatten_schedule
 
 
@@ -179,7 +180,7 @@ class Plan:
     def kept_gathered(self) -> frozenset:
         """Names of the tactics whose gathered state lives from the forward to the backward (zero(3,
         reshard_after_forward=False)): lowering gathers such a value once per step instead of once per phase."""
-        return frozenset(t.name for t in self.tactics if getattr(t, "reshard_after_forward", True) is False)
+        return frozenset(t.name for t in self.tactics if isinstance(t, Zero) and t.reshard_after_forward is False)
 
     @property
     def ring_axes(self) -> frozenset:
@@ -276,7 +277,7 @@ def _check_captured_for(captured, entries) -> None:
                              f"the step was captured without. Capture it for this schedule: "
                              f"plan.capture_for(model, schedule, example_inputs, ...).")
     want, have = _bn_groups(entries), captured.bn_groups
-    global_dp = any(getattr(t, "batchnorm", None) == "global" for t in entries)
+    global_dp = any(isinstance(t, DataParallel) and t.batchnorm == "global" for t in entries)
     if (want and want != have) or (have and not want and global_dp):
         say = lambda g: f"{g} per-rank batches" if g else "the whole batch"   # noqa: E731
         raise PartitionError(f"plan: the schedule takes batch norm statistics over {say(want)}, and the step was "
@@ -288,13 +289,13 @@ def _check_captured_for(captured, entries) -> None:
 def bound_to(entries, mesh) -> list:
     """The schedule's entries with what they need of the mesh at capture (DataParallel.bound); as given when
     mesh is None."""
-    return list(entries) if mesh is None else [t.bound(mesh) if hasattr(t, "bound") else t for t in entries]
+    return list(entries) if mesh is None else [t.bound(mesh) if isinstance(t, DataParallel) else t for t in entries]
 
 
 def _bn_groups(entries) -> int:
     """The per-rank batches batch norm takes its statistics over (data_parallel(batchnorm="local")), 0 for the
     whole batch. One axis at most."""
-    local = [t for t in entries if getattr(t, "batchnorm", "global") == "local"]
+    local = [t for t in entries if isinstance(t, DataParallel) and t.batchnorm == "local"]
     if len(local) > 1:
         raise PartitionError(f"partition: batchnorm='local' on axes {[t.axis for t in local]}: per-rank statistics on "
                              f"more than one axis are not supported yet. Keep batchnorm='local' on one "
@@ -305,7 +306,7 @@ def _bn_groups(entries) -> int:
 def tactic_families(entries) -> dict:
     """Tactic name -> declared family, for the tactics of a schedule that declare one (a user's own tactic class
     may not: its collectives then carry no family and the simulator falls back to the name)."""
-    return {t.name: t.family for t in entries if isinstance(t, Tactic) and isinstance(getattr(t, "family", None), str)}
+    return {t.name: f for t in entries if (f := family_of(t))}
 
 
 def _warn_reshards(lowered) -> None:

@@ -13,6 +13,7 @@ from .contract import META_ACTION, META_COLLECTIVE, META_NAME, META_RECOMPUTE, M
 from .errors import PartitionError, closest
 from .lower.pipeline import pp_transfer
 from .lower.records import RESHARD, WHYS
+from .tactics.base import Tactic
 
 
 class Reports:
@@ -119,7 +120,7 @@ class Reports:
     def annotated(self, max_nodes: int | None = None) -> str:
         """The captured graph, one line per value, with its sharding."""
         g = self.graph
-        lines = [f"# mesh {self.mesh}; schedule: " + ", ".join(f"{t.name}[{getattr(t, 'axis', '?')}]" for t in self.tactics)]
+        lines = [f"# mesh {self.mesh}; schedule: " + ", ".join(f"{t.name}[{t.axis if isinstance(t, Tactic) else '?'}]" for t in self.tactics)]
         for i, node in enumerate(g.gm.graph.nodes):
             if max_nodes is not None and i >= max_nodes:
                 lines.append("...")
@@ -148,7 +149,7 @@ class Reports:
         g = self.graph
         src = {n.name: n for n in g.gm.graph.nodes}
         lines = [f"# per-device program on mesh {self.mesh}; schedule: "
-                 + ", ".join(f"{t.name}[{getattr(t, 'axis', '?')}]" for t in self.tactics)]
+                 + ", ".join(f"{t.name}[{t.axis if isinstance(t, Tactic) else '?'}]" for t in self.tactics)]
         for node in low.gm.graph.nodes:
             if node.op == "output":
                 lines.append(f"return {node.args[0]}")

@@ -430,30 +430,6 @@ THIRD_PARTY_PROBES = {
         "a torch op's _copy variant, where torch has one",
     "partir_torch/xla/kernels.py: getattr(packet, target._overloadname, None)": "a torch op's overload, if any",
 }
-# probes of project objects not removed yet, outside the runtime (issue 41 item 1 cleared runtime/, program.py,
-# api.py): listed so that no new one joins them; each goes when its type declares the member
-LEFT_PROBES = {
-    "partir_torch/plan.py: getattr(t, 'batchnorm', 'global')": "schedule entries: optional members of the tactic "
-                                                               "protocol (tactics/base.py)",
-    "partir_torch/plan.py: getattr(t, 'batchnorm', None)": "as above",
-    "partir_torch/plan.py: getattr(t, 'family', None)": "as above (the pipeline's: issue 41 item 3)",
-    "partir_torch/plan.py: getattr(t, 'reshard_after_forward', True)": "as above",
-    "partir_torch/plan.py: hasattr(t, 'bound')": "as above",
-    "partir_torch/reporting.py: getattr(t, 'axis', '?')": "as above (a CaptureRewrite has no axis)",
-    "partir_torch/tactics/base.py: getattr(cls, 'macro_actions', None)": "a tactic class being declared",
-    "partir_torch/tactics/base.py: getattr(cls, 'name', None)": "a tactic class being declared",
-    "partir_torch/tactics/base.py: getattr(type(t), 'decompositions', None)": "as plan.py's",
-    "partir_torch/sim/compute.py: getattr(target, 'partir_kernel', False)": "per-op facts: issue 41 item 2 (tags)",
-    "partir_torch/sim/memory.py: getattr(node.target, 'partir_kernel', False)": "as above",
-    "partir_torch/sim/memory.py: getattr(target, 'partir_donates', None)": "as above",
-    "partir_torch/sim/estimate.py: getattr(captured, 'fopt', None)": "Captured declares fopt (the sim's files)",
-    "partir_torch/sim/estimate.py: getattr(captured, 'ties', ())": "Captured declares ties (the sim's files)",
-    "partir_torch/sim/timeline.py: getattr(rec, 'dtype', '')": "a CollectiveRecord or None (the sim's files)",
-    "partir_torch/sim/timeline.py: getattr(rec, 'family', '')": "as above",
-    "partir_torch/sim/timeline.py: getattr(rec, 'group_size', 0)": "as above",
-    "partir_torch/sim/timeline.py: getattr(rec, 'tactic', '')": "as above",
-    "partir_torch/sim/timeline.py: getattr(rec, 'value', '')": "as above",
-}
 BACKEND_KINDS = {"emulated", "distributed", "xla", "interpreted"}
 
 
@@ -508,12 +484,12 @@ def test_backends_are_told_apart_by_capabilities_not_kind_strings():
 
 def test_no_getattr_probes_of_project_objects():
     now = set(probes())      # walked once (a walk per listed probe took 100 s)
-    found = [p for p in sorted(now) if p not in THIRD_PARTY_PROBES and p not in LEFT_PROBES]
+    found = [p for p in sorted(now) if p not in THIRD_PARTY_PROBES]
     assert found == [], ("declare the member on the object's type (a backend: a capability of runtime/backend.py's "
                          "protocol); a probe of a third-party object goes in THIRD_PARTY_PROBES with its reason:\n"
                          + "\n".join(found))
-    gone = [p for p in (*THIRD_PARTY_PROBES, *LEFT_PROBES) if p not in now]
-    assert gone == [], "listed probes no longer in the code: drop them from the lists\n" + "\n".join(gone)
+    gone = [p for p in THIRD_PARTY_PROBES if p not in now]
+    assert gone == [], "listed probes no longer in the code: drop them from THIRD_PARTY_PROBES\n" + "\n".join(gone)
 
 
 def test_the_probe_and_kind_walks_find_planted_ones(tmp_path):

@@ -148,3 +148,19 @@ def test_tags_name_real_ops_and_agree_with_torch():
         aten.view.default).tags
     with pytest.raises(KeyError, match="no tag 'veiw'"):
         tags.has(aten.view.default, "veiw")
+
+
+def test_partir_kernels_are_declared_in_tags():
+    """lower/fuse.py's adam_update is declared a kernel in rules/tags.py (not marked by function attributes): the
+    simulator prices it as compute and lets its results take the storage of the arguments it donates."""
+    import inspect
+
+    from partir_torch.lower.fuse import FUSED_UPDATE
+    from partir_torch.rules import tags
+
+    assert tags.is_kernel(FUSED_UPDATE) and not tags.is_kernel(aten.mm.default) and not tags.is_kernel([])
+    names = list(inspect.signature(FUSED_UPDATE).parameters)
+    assert [names[k] for k in tags.donated_args(FUSED_UPDATE)] == ["params", "exp_avgs", "exp_avg_sqs",
+                                                                    "max_exp_avg_sqs"]
+    assert names[-1] == "donate" and tags.donated_args(aten.mm.default) == ()
+    assert compute.op_class(FUSED_UPDATE)[0] == compute.COMPUTE

@@ -88,13 +88,15 @@ def test_strategy_comes_from_the_families_tactic_classes_declare(monkeypatch):
 
     @base.declare("megatron")
     @dataclass(frozen=True)
-    class TensorParallel:
+    class TensorParallel(base.TacticBase):
         axis: str = "model"
         name: str = "TP"
 
         def apply(self, ctx) -> None: ...
 
     assert TensorParallel.family == "megatron" and not TensorParallel.macro
+    with pytest.raises(TypeError, match="deriving from tactics.base.TacticBase"):    # else its family goes unread
+        base.declare("megatron")(dataclass(frozen=True)(type("Loose", (), {"__annotations__": {"axis": str}})))
     assert C.strategy_of(["BP", "TP"]) == "tp" and C.strategy_of(["TP-inner", "Z3"]) == "fsdp+tp"
     assert base.MACRO_TACTICS == [t for t in base.MACRO_TACTICS if t.macro]
 

@@ -41,6 +41,9 @@ aten = torch.ops.aten
 _ADAM_OPS = tags.ops("adam_math")
 
 
+# a kernel for the simulator (rules/tags.py's KERNELS): its results alias params, exp_avgs, exp_avg_sqs and
+# max_exp_avg_sqs when its last argument (donate) is True (its own temporaries: sim/memory.py's _transient)
+@tags.kernel(donates=(0, 2, 3, 4))
 def adam_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
                 max_exp_avg_sqs: list[Tensor], step: Tensor, lr: Tensor, beta1: Tensor, beta2: Tensor,
                 weight_decay: Optional[Tensor], eps: float, amsgrad: bool, maximize: bool, decoupled: bool,
@@ -103,11 +106,6 @@ def adam_update(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
     torch._foreach_addcdiv_(params, exp_avgs, denom, f(-(lr64 / bc1)))
     return params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else []
 
-
-# for the simulator (sim/compute.py, sim/memory.py): a kernel, whose results alias these arguments (lists) when
-# its last argument (donate) is True (its own temporaries: sim/memory.py's _transient)
-adam_update.partir_kernel = True
-adam_update.partir_donates = (0, 2, 3, 4)
 
 
 def _fused(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, lr, b1, b2, weight_decay, eps, amsgrad,
@@ -176,7 +174,7 @@ def _donate(graph) -> None:
     for node in graph.nodes:
         if node.target is not FUSED_UPDATE:
             continue
-        readers, stack = [], [s for k in FUSED_UPDATE.partir_donates for s in node.args[k]]
+        readers, stack = [], [s for k in tags.donated_args(FUSED_UPDATE) for s in node.args[k]]
         while stack:                      # the states and every view of them (a view would see the update)
             for u in stack.pop().users:
                 if u is not node:

@@ -159,6 +159,36 @@ def schema_names(tag: str) -> frozenset:
     return frozenset(op._schema.name for op in ops(tag))
 
 
+# ---- partir_torch's own kernels ------------------------------------------------------------------------------------
+# Python functions a lowered program calls as one op, declared with @kernel by the module that defines them
+# (lower/fuse.py's adam_update): fn -> the argument positions (lists of tensors) whose storage its results take when
+# its last argument (donate) is True. The simulator prices them as memory-bound compute (sim/compute.py) and lets
+# their results alias the donated arguments (sim/memory.py).
+KERNELS: dict = {}
+
+
+def kernel(donates: tuple = ()):
+    """Decorator: declare `fn` one of partir_torch's kernels (see KERNELS). Example: `@kernel(donates=(0, 2))`."""
+    def wrap(fn):
+        KERNELS[fn] = tuple(donates)
+        return fn
+    return wrap
+
+
+def is_kernel(target) -> bool:
+    """Whether an fx target is one of partir_torch's kernels (KERNELS)."""
+    try:
+        return target in KERNELS
+    except TypeError:            # an unhashable target
+        return False
+
+
+def donated_args(target) -> tuple:
+    """The argument positions whose storage a kernel's results take when it donates (KERNELS); () for any other
+    target."""
+    return KERNELS[target] if is_kernel(target) else ()
+
+
 # ---- per-op tables -------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ def op_class(target) -> tuple:
 def _classify(target) -> tuple:
     if target is operator.getitem:
         return FREE, "getitem"
-    if getattr(target, "partir_kernel", False):
+    if tags.is_kernel(target):
         return COMPUTE, None                                    # lower/fuse.py's adam_update: memory bound
     if not isinstance(target, torch._ops.OpOverload):
         return FREE, None                                       # Python / SymInt arithmetic

@@ -80,7 +80,7 @@ class ProgramFacts:
         _schedule_facts(self, index, captured)
         # the eager program's fused Adam update writes parameters and moments in place (lower/fuse.py): the updated
         # values share their state's storage; compiled or other optimizers' updates are out of place
-        fopt = getattr(captured, "fopt", None)
+        fopt = None if captured is None else captured.fopt
         fused = fopt is not None and fopt.kind in ("adam", "adamw") and not compile
         in_place = {new: old for old, new in captured.ties} if fused else {}
         self.fused = bool(in_place)
@@ -392,7 +392,8 @@ def _schedule_facts(facts: ProgramFacts, index: dict, captured) -> None:
     facts.state_like = state_like
     upd = facts.op_node_index[facts.op_phase == 2]
     facts.update_node = int(upd.min()) if len(upd) else facts.n_nodes
-    ties = [(g.vid[old], g.vid[new]) for old, new in getattr(captured, "ties", ()) if old in g.vid and new in g.vid]
+    pairs = () if captured is None else captured.ties
+    ties = [(g.vid[old], g.vid[new]) for old, new in pairs if old in g.vid and new in g.vid]
     facts.tie_old, facts.tie_new = np.asarray(ties, dtype=np.int64).reshape(-1, 2).T
     result_slot = {v: k for k, v in enumerate(facts.s_val) if facts.s_res[k]}
     keep = np.array([v in result_slot for v in facts.tie_new], dtype=bool)

@@ -32,6 +32,7 @@ import torch
 
 from ..contract import META_NAME, META_ROLE, Role
 from ..errors import PartitionError
+from ..rules import tags
 from .compute import FREE, WAIT, elem_bytes, op_class
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "buffers", "inputs")
@@ -173,9 +174,9 @@ def _storages(node, cls, info, sid_of, donated, elems, new) -> list:
         if src in donated:                                         # a list of in-place results
             return donated[src][idx]
         return [srcs[idx]] if isinstance(idx, int) and idx < len(srcs) else []
-    if getattr(target, "partir_donates", None) and node.args[-1] is True:
+    if tags.donated_args(target) and node.args[-1] is True:
         # an in-place kernel (lower/fuse.py's adam_update, donate=True): its results are its state arguments
-        donated[node] = [[sid_of[x][0] for x in node.args[k] if sid_of.get(x)] for k in target.partir_donates]
+        donated[node] = [[sid_of[x][0] for x in node.args[k] if sid_of.get(x)] for k in tags.donated_args(target)]
         return [s for col in donated[node] for s in col]
     if info == "view" or cls == WAIT or (cls != FREE and _writes_self(target)):
         base = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
@@ -208,7 +209,7 @@ def _transient(node, elems) -> int:
     beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled, fused, skip, donate)): the foreach path holds, at its
     last kernel, sqrt(v) (one exp_avg_sq each) and the modified gradients (maximize, or L2 weight decay; decoupled
     weight decay scales the parameters in place); the fused path a 0-dim float32 step per parameter."""
-    if not getattr(node.target, "partir_kernel", False):
+    if not tags.is_kernel(node.target):
         return 0
     a = node.args
     size = lambda ts: sum(sum(elems.get(t) or [0]) for t in ts)  # noqa: E731

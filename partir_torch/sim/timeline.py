@@ -237,10 +237,11 @@ class Timeline:
         self.comm_s += t
         self.trace.append((1, f"{kind}[{axis}] {node.name}", start, t))
         self.coll_end[node] = (end, len(self.timings))
-        self.timings.append(CollectiveTiming(
-            kind, axis or "?", getattr(rec, "group_size", 0), int(size), getattr(rec, "dtype", ""),
-            getattr(rec, "tactic", ""), getattr(rec, "value", ""), node.name, t,
-            est.tactic if est else "unknown", start, end, 0.0, getattr(rec, "family", "")))
+        # a collective lowering did not record (a hand-built graph) has no group, dtype, tactic, value nor family
+        group, dtype, tactic, value, family = (0, "", "", "", "") if rec is None else \
+            (rec.group_size, rec.dtype, rec.tactic, rec.value, rec.family)
+        self.timings.append(CollectiveTiming(kind, axis or "?", group, int(size), dtype, tactic, value, node.name, t,
+                                             est.tactic if est else "unknown", start, end, 0.0, family))
         self.done[node] = end
 
 

@@ -37,7 +37,7 @@ import numpy as np
 from ..contract import META_RECOMPUTE
 from ..errors import PartitionError
 from ..propagate.arrays import undecided
-from .base import declare
+from .base import TacticBase, declare
 from .search_space import Action, axis_candidates, build_axis_space, twin_space, union
 
 
@@ -120,7 +120,7 @@ class SearchReport:
 
 @declare("automatic")
 @dataclass(frozen=True)
-class AutomaticPartition:
+class AutomaticPartition(TacticBase):
     """Decide `axes` by search (see the module docstring). hardware: a pt.sim.hardware(...); memory_limit: bytes
     per device (default: the chip's HBM); budget_s: wall seconds for the search (the estimates get about a sixth,
     lowering the best candidates most of the rest; the best estimate and the two best pure preset combinations are

@@ -32,12 +32,12 @@ import torch.fx as fx
 
 from ..errors import PartitionError, source_location, warn
 from ..rules import tags
-from .base import declare
+from .base import TacticBase, declare
 
 
 @declare("context_parallel")
 @dataclass(frozen=True)
-class ContextParallel:
+class ContextParallel(TacticBase):
     """CP on `axis`: the sequence dim `seq_dim` of the inputs tiled (see the module docstring)."""
 
     axis: str = "cp"

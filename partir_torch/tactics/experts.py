@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..capture.graphutil import descendants
 from ..errors import PartitionError
-from .base import declare
+from .base import TacticBase, declare
 from .presets import DataParallel
 from .structure import expert_weights, forward_uses
 from ..contract import META_ROLE, forward_nodes
@@ -16,7 +16,7 @@ from ..rules.moe import EXPERTS_OP
 
 @declare("expert", macro=True)
 @dataclass(frozen=True)
-class ExpertParallel:
+class ExpertParallel(TacticBase):
     """EP: stacked expert weights (parameters (E, ., .) used by a batched matmul over E, e.g. w1 (E, d, h) in
     einsum("becd,edh->bech"), or selected per token; see structure.expert_weights) tiled on dim 0 of `axis`. A
     dense model raises a PartitionError.

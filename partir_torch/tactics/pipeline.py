@@ -34,13 +34,13 @@ from ..lower.ppschedules import DEFAULT_SCHEDULE, Schedule, schedule_of
 from ..lower.ppspec import PipelineSpec
 from ..options import Options
 from ..rules.tags import draws_random
-from .base import declare
+from .base import TacticBase, declare
 from .cut import balanced_cut
 from .structure import param_source
 
 @declare("pipeline")
 @dataclass(frozen=True)
-class Pipeline:
+class Pipeline(TacticBase):
     """PP: the stages of the step on the ranks of `axis` (see the module docstring). stages: an int (that many
     stages, cut between the model's repeated blocks so that their forward FLOPs are balanced) or one list of module
     FQN globs per stage. schedule: a name of lower/ppschedules.SCHEDULES (GPipe, 1F1B, Interleaved1F1B: several

@@ -21,7 +21,7 @@ from ..contract import Role, forward_nodes
 from ..errors import PartitionError, closest, warn
 from ..sharding import REPLICATED
 from .manual import ManualPartition
-from .base import SeedTactic, declare
+from .base import SeedTactic, TacticBase, declare
 from .structure import (Linear, embedding_tables, find_linear_pairs, is_param_cast, linear_layout,
                         linear_regions, linear_weight, output_heads, source)
 
@@ -323,7 +323,7 @@ def megatron(axis: str = "model", plan: dict | None = None, name: str = "MP", vo
 
 @declare("embedding")
 @dataclass(frozen=True)
-class EmbeddingSharding:
+class EmbeddingSharding(TacticBase):
     """EMB: every embedding table tiled on `axis`, on the vocabulary (dim="vocab": masked local lookups, partial
     sums) or the feature dim (dim="feature": each rank looks up its slice of every row)."""
 
@@ -356,7 +356,7 @@ def embedding(axis: str = "model", dim: str = "vocab", name: str = "EMB") -> Emb
 # -- sequence parallelism ----------------------------------------------------------------------------------------
 @declare("sequence")
 @dataclass(frozen=True)
-class SequenceParallel:
+class SequenceParallel(TacticBase):
     """Sequence parallelism (Korthikanti et al. 2022) on the tensor-parallel axis: the activations entering each
     column-parallel region are tiled on their sequence dim. Propagation carries the tiling through the norms,
     dropout and residual adds; the row-parallel all_reduce becomes a reduce_scatter (partial -> seq-tiled) and
@@ -397,7 +397,7 @@ def sequence_parallel(axis: str = "model", seq_dim: int = 1, name: str = "SP") -
 # -- multi-query attention (expert parallelism is in experts.py) ------------------------------------------------------------------
 @declare("multi_query")
 @dataclass(frozen=True)
-class MultiQuery:
+class MultiQuery(TacticBase):
     """MQ (PartIR's inference sharding for multi-query / grouped-query attention): heads="q" tiles the query
     heads (wq column-parallel, wo row-parallel) while the shared K/V projections stay explicitly replicated (each
     rank slices the K/V heads it needs locally, no communication); heads="batch" tiles the batch of every input
@@ -435,7 +435,7 @@ def multi_query(axis: str = "model", mode: str = "q", name: str = "MQ") -> Multi
 # -- ZeRO ----------------------------------------------------------------------------------------------------------
 @declare("zero", macro=True, names={"Z1": "zero1", "Z2": "zero2", "Z3": "zero3"})
 @dataclass(frozen=True)
-class Zero:
+class Zero(TacticBase):
     """ZeRO stage 1/2/3 on `axis`. Each parameter's tiled dim: 0 if its (local) size divides by the axis size,
     else its largest divisible dim; tensors with no divisible dim stay replicated (explain() says so).
     Z1 and Z2 lower to the same program here: the gradient reduction feeding a tiled update is one reduce_scatter
