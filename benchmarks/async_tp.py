@@ -8,7 +8,8 @@ Llama-style decoder d=256, 4 layers, 4 heads (4 kv heads), vocab 4096, batch 16 
 programs' steps interleaved (A, B, A, B, ...), median step time per program on rank 0, and the largest difference
 of their losses. Both programs move the same bytes; on 2 shared CPU cores there is no idle core for the transfers
 to overlap with, so this measures the rings' overhead (more, smaller transfers and the index_selects), not the
-overlap a GPU gets; the simulator's figures for GPUs are in benchmarks/README.md (sim_validation.py --breakdown).
+overlap a GPU gets; the simulator's figures for GPUs are in benchmarks/notes/async_tp.md
+(sim_validation.py --breakdown).
 """
 from __future__ import annotations
 

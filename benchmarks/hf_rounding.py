@@ -1,4 +1,4 @@
-"""Is a sweep row's mismatch rounding or a bug? (issue 26; benchmarks/README.md "hf_coverage.py, session 9").
+"""Is a sweep row's mismatch rounding or a bug? (issue 26; benchmarks/notes/hf_coverage.md "hf_coverage.py, session 9").
 
     # partir fp32 / fp64 against eager fp32 / fp64 per step (BP+Z3 as the sweep), where the fp64 differences sit
     PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hf_rounding.py image mobilenet_v2

@@ -4,7 +4,7 @@
 - prog.peak_memory() (partition(..., measure_memory=True)) is each rank's measured peak of live tensor bytes in the
   last step; the simulator's peak_memory_bytes for the same lowered program is within 5% of it (measured on the zoo
   and stock HF models: equal to the byte but for a few float64 scalars of the optimizer update; figures in
-  benchmarks/README.md).
+  benchmarks/notes/memory.md).
 - zero(3) shards frozen parameters (a LoRA base): stored tiled, gathered at use, no gradient and no optimizer
   state; training equals eager SGD, and the measured peak drops by about the frozen bytes x (1 - 1/N) against the
   same schedule with the frozen base kept replicated. zero(1) leaves them replicated and explain() says why.

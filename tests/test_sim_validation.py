@@ -161,7 +161,8 @@ def test_the_flash_attention_forward_backward_rows_are_predicted_never_fitted(mo
     t = (flops / (hw.attn_efficiency * hw.peak_bf16) + 2.5 * flops / (hw.attn_efficiency * hw.peak_bf16)
          + 2 * hw.mm_half_time_s)
     assert V.predict(row, legs) == pytest.approx(3.5 * flops / t / 1e12, rel=1e-9)
-    # the simulator charges a causal kernel the full square (README, "FlashAttention-2 forward + backward rows"):
+    # the simulator charges a causal kernel the full square (benchmarks/notes/sim_validation.md, "FlashAttention-2
+    # forward + backward rows"):
     # its causal twin, counted at half the FLOPs, is predicted at half the rate; the row's error says so
     causal = next(r for r in R.ROWS if r.name == row.name + " causal")
     assert V.predict(causal, legs) == pytest.approx(V.predict(row, legs) / 2, rel=1e-9)

@@ -133,7 +133,8 @@ KERNELS += [Ref(f"{chip} flash-attention-2 fwd hd{hd}", "attention", chip, "atte
 # (= heads x head_dim), batch 16k / seqlen, fp16/bf16, TFLOP/s counted by benchmarks/benchmark_flash_attention.py's
 # `flops(..., mode="fwd_bwd")`: 3.5 x 4 b s^2 h d, halved when causal. Only the training rows' sequences (2k-8k).
 # Their own families, predicted but never fitted (sim_validation.HELD_OUT_ONLY): the simulator's attention cost is
-# under study (benchmarks/README.md, "FlashAttention-2 forward + backward rows"). (seq, head_dim, causal, TFLOP/s)
+# under study (benchmarks/notes/sim_validation.md, "FlashAttention-2 forward + backward rows").
+# (seq, head_dim, causal, TFLOP/s)
 FA_README = "Dao-AILab/flash-attention README.md, Performance, {} (assets/flash2_{}_fwd_bwd_benchmark.png)"
 _FA2_FWD_BWD = {
     ("a100", "a100-80g"): [(2048, 64, False, 162), (4096, 64, False, 171), (8192, 64, False, 175),

@@ -11,7 +11,7 @@ the program owns the weights, and the module tells the truth about them in one o
   that reads them then sees the program's current state: model.state_dict(), copy.deepcopy(model),
   torch.save(model), save_pretrained, generate, eager calls, model.fc.weight, optimizer.state_dict(), and a new
   partition() of the module or of a copy. It costs one copy of the state per step, no collective
-  (benchmarks/README.md, "ownership").
+  (benchmarks/notes/ownership.md).
 - **Stale, and said** (real ranks whose state is tiled: writing it back needs a gather, a collective every rank
   must join): the module keeps the older weights, and every read of it we can see raises a PartitionError naming
   prog.export_to (collective) or prog.full_state_dict(): model(...) and any submodule's call, state_dict() of it or
