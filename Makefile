@@ -57,7 +57,7 @@ install-xla: $(XLA_VENV)/.installed
 
 # the timm sample (4 tests) runs in one process: two workers' start-up costs more than they save
 test: install install-timm install-xla
-	$(PY) -m pytest tests -x -q $(XDIST)
+	$(PY) -m pytest tests -x -q $(XDIST) --durations=25
 	$(TPY) -m pytest tests/test_coverage.py -x -q -k timm
 	PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 $(XPY) -m pytest tests/xla -x -q $(XDIST)
 
