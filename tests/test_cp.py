@@ -181,3 +181,48 @@ def test_attention_rules_and_blockwise_kernels_verify(causal):
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default in targets
     report = verify_graph(gm)
     assert report.factor_checks > 10 and not report.wrong and not report.missing and not report.errors, str(report)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("form", ["gathered", "ring"])
+def test_zigzag_blockwise_attention_matches_causal_attention(form, n):
+    """lower/zigzag.py on each rank of a zigzag layout (rank r holds chunks r and 2n-1-r): the rank's rows of the
+    causal attention and their dq equal the whole kernel's; dk, dv summed over the ranks equal the whole kernel's;
+    grouped-query heads. Each rank computes 2 diagonal and 2n-1 whole c x c blocks, every one of them visible."""
+    from partir_torch.lower.zigzag import Zigzag, zigzag_order
+    from partir_torch.verify import _Eager
+
+    fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    torch.manual_seed(0)
+    S, c = 16, 16 // (2 * n)
+    q, k, v, g = torch.randn(2, 4, S, 8), torch.randn(2, 2, S, 8), torch.randn(2, 2, S, 8), torch.randn(2, 4, S, 8)
+    out, lse = fwd(q, k, v, 0.0, True)[:2]
+    want = [x.index_select(2, zigzag_order(S, n)) for x in (out, lse, *bwd(g, q, k, v, out, lse, 0.0, True))]
+    qz, kz, vz, gz = (x.index_select(2, zigzag_order(S, n)) for x in (q, k, v, g))
+    rank = lambda x, r: x[:, :, 2 * c * r:2 * c * (r + 1)]    # noqa: E731 - rank r's contiguous tile of the layout
+    dk, dv, calls = torch.zeros_like(kz), torch.zeros_like(vz), []
+    for r in range(n):
+        zz, qr = Zigzag(_Eager(), torch.tensor(r), n, c, {}), rank(qz, r)
+        if form == "gathered":
+            steps = zz.gathered(qr, kz, vz)
+            o, l = zz.forward(qr, steps)
+            dq, dk_r, dv_r = zz.gathered_backward(rank(gz, r), qr, kz, vz, o, l)
+            dk, dv = dk + dk_r, dv + dv_r
+            calls.append([(s if isinstance(s, int) else int(s), causal) for s, _, _, causal in steps])
+        else:
+            block = lambda s, r=r: (rank(kz, (r - s) % n), rank(vz, (r - s) % n))     # noqa: E731
+
+            def collect(s, a, b, r=r):
+                rank(dk, (r - s) % n).add_(a)
+                rank(dv, (r - s) % n).add_(b)
+            o, l = zz.ring_forward(qr, block)
+            dq = zz.ring_backward(rank(gz, r), qr, o, l, block, collect)
+        for got, w in zip((o, l, dq), (want[0], want[1], want[2])):
+            torch.testing.assert_close(got, rank(w, r), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dk, want[3], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dv, want[4], rtol=1e-5, atol=1e-5)
+    if form == "gathered":            # slot 0 (chunk r): r whole blocks; slot 1 (chunk 2n-1-r): 2n-1-r whole blocks
+        for r, steps in enumerate(calls):
+            assert steps[:2] == [(0, True), (1, True)] and len(steps) == 2 * n + 1
+            assert Counter(steps[2:]) == {k: m for k, m in {(0, False): r, (1, False): 2 * n - 1 - r}.items() if m}

@@ -1,0 +1,186 @@
+"""Causal load balancing for context parallelism (issue 38): the zigzag layout and its blockwise attention.
+
+A sequence of S = 2 n c positions is cut into 2n chunks of c; rank r of the CP axis (size n) holds chunks r and
+2n-1-r, its 2c local rows being slot 0 (chunk r) then slot 1 (chunk 2n-1-r). Storage order is therefore
+
+    zigzag_order(8, 2) = [0 1 | 6 7 | 2 3 | 4 5]      (c = 2: rank 0 holds chunks 0, 3; rank 1 chunks 1, 2)
+
+Under a causal mask chunk i sees chunks 0..i, so rank r's rows see
+
+    slot 0: chunks 0 .. r-1 whole, chunk r diagonal;   slot 1: chunks 0 .. 2n-2-r whole, chunk 2n-1-r diagonal
+
+2n-1 whole c x c blocks and 2 diagonal ones on every rank: equal work, and half of what a contiguous tiling costs
+when each rank computes every key block of its 2c rows (n (2c)^2 = 4 n c^2 against (2n - 1 + 2/2) c^2 = 2 n c^2).
+One program runs on every rank (SPMD): the steps are the same on every rank, only their indices depend on the
+rank r (a 0-d tensor of the program):
+
+    gathered keys (allgather):   step t = 0 .. 2n-2 is (slot [t >= r], chunk t - r [t >= r])
+    ring (keys from rank src = (r - s) mod n at step s = 1 .. n-1, holding chunks src and 2n-1-src):
+        (slot 1, the first chunk) and (slot b, chunk b of the pair) with b = [src > r];
+        step 0 adds (slot 1, the rank's own first chunk) to the diagonals
+
+(the ring form is the schedule of Zhu et al.'s ring-flash-attention `zigzag_ring_flash_attn`). Partial results
+merge by online softmax as in lower/cp.py; a block's result is merged into the slot it belongs to (its lse set to
+-inf for the other slot), and the backward adds each block's dq into its slot's rows (index_add).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+aten = torch.ops.aten
+_FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
+_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def zigzag_order(length: int, n: int) -> torch.Tensor:
+    """The original positions in zigzag storage order: rank r's 2c rows are chunks r and 2n-1-r (c = length / 2n).
+    x.index_select(d, zigzag_order(S, n)) lays a sequence dim out so that tiling it contiguously on n ranks is the
+    zigzag layout; index_select with zigzag_inverse undoes it."""
+    c = length // (2 * n)
+    chunks = [j for r in range(n) for j in (r, 2 * n - 1 - r)]
+    return (torch.tensor(chunks).unsqueeze(1) * c + torch.arange(c)).reshape(-1)
+
+
+def zigzag_inverse(length: int, n: int) -> torch.Tensor:
+    return torch.argsort(zigzag_order(length, n))
+
+
+class Zigzag:
+    """Emits the zigzag blockwise attention of one op on one rank. em: the emitter (em.call(target, *args,
+    kwargs=)); r: this rank's index on the CP axis (a 0-d node); n: the axis size; c: rows per chunk; kw: the
+    kernel's other keyword arguments (scale)."""
+
+    def __init__(self, em, r, n: int, c: int, kw: dict):
+        self.em, self.r, self.n, self.c = em, r, n, c
+        self.kw = {k: v for k, v in kw.items() if k not in ("attn_mask", "is_causal", "dropout_p")}
+
+    def call(self, target, *args, **kwargs):
+        return self.em.call(target, *args, **kwargs)
+
+    def rows(self, slot, c: int | None = None):
+        """Positions slot c + [0, c) of a 2c-row dim (slot: an int or a 0-d node)."""
+        c = c or self.c
+        ar = self.call(aten.arange.default, c)
+        return self.call(aten.add.Tensor, ar, slot * c) if isinstance(slot, int) else \
+            self.call(aten.add.Tensor, ar, self.call(aten.mul.Scalar, slot, c))
+
+    def pick(self, x, slot):
+        """Slot `slot`'s c rows of x (dim 2: q, out and dout are (B, H, 2c, E), lse is (B, H, 2c))."""
+        return self.call(aten.index_select.default, x, 2, self.rows(slot))
+
+    # -- the steps -------------------------------------------------------------------------------------------------
+    def gathered_steps(self):
+        """[(slot, original key chunk)] of the allgather form: the 2 diagonals, then 2n-1 whole blocks."""
+        r, n = self.r, self.n
+        other = self.call(aten.rsub.Scalar, r, 2 * n - 1)
+        steps = [(0, r, True), (1, other, True)]
+        for t in range(2 * n - 1):
+            slot = self.call(aten._to_copy.default, self.call(aten.le.Scalar, r, t), kwargs={"dtype": torch.long})
+            steps.append((slot, self.call(aten.rsub.Scalar, self.call(aten.mul.Tensor, r, slot), t), False))
+        return steps
+
+    def gathered_cols(self, chunk):
+        """Storage positions (in zigzag order, as CP's all_gather of a zigzag dim concatenates them) of original
+        chunk `chunk` (0-d): owner j or 2n-1-j, at slot [j >= n] of its 2c rows."""
+        n = self.n
+        hi = self.call(aten._to_copy.default, self.call(aten.ge.Scalar, chunk, n), kwargs={"dtype": torch.long})
+        flip = self.call(aten.rsub.Scalar, self.call(aten.mul.Scalar, chunk, 2), 2 * n - 1)      # 2n-1-2j
+        owner = self.call(aten.add.Tensor, chunk, self.call(aten.mul.Tensor, hi, flip))
+        return self.rows(self.call(aten.add.Tensor, self.call(aten.mul.Scalar, owner, 2), hi))
+
+    # -- forward and backward over a list of steps (slot, k, v, causal) --------------------------------------------
+    def forward(self, q, steps):
+        """(out, lse) of this rank's 2c rows. steps: [(slot, k, v, causal)], the two diagonals (slots 0, 1) first."""
+        acc = []
+        for slot, k, v, causal in steps:
+            res = self.call(_FWD, self.pick(q, slot), k, v, 0.0, causal, kwargs=self.kw)
+            o, lse = self.call(operator.getitem, res, 0), self.call(operator.getitem, res, 1)
+            if len(acc) < 2:
+                acc.append((o, lse))
+                continue
+            if isinstance(slot, int):     # a slot known when lowering
+                acc[slot] = self._merge(acc[slot], o, lse)
+                continue
+            ninf = self.call(aten.full_like.default, lse, float("-inf"))
+            for s in (0, 1):             # the block belongs to one slot, known per rank: -inf for the other
+                mine = self.call(aten.eq.Scalar, slot, s)
+                acc[s] = self._merge(acc[s], o, self.call(aten.where.self, mine, lse, ninf))
+        out = self.call(aten.cat.default, [acc[0][0], acc[1][0]], 2)
+        lse = self.call(aten.cat.default, [acc[0][1], acc[1][1]], 2)
+        return self.call(aten.type_as.default, out, q), lse
+
+    def _merge(self, acc, o, lse):
+        out0, lse0 = acc
+        new = self.call(aten.logaddexp.default, lse0, lse)
+        a = self.call(aten.unsqueeze.default, self.call(aten.exp.default, self.call(aten.sub.Tensor, lse0, new)), -1)
+        b = self.call(aten.unsqueeze.default, self.call(aten.exp.default, self.call(aten.sub.Tensor, lse, new)), -1)
+        return self.call(aten.add.Tensor, self.call(aten.mul.Tensor, out0, a), self.call(aten.mul.Tensor, o, b)), new
+
+    def backward(self, g, q, out, lse, steps, collect):
+        """dq of this rank's 2c rows; each step's (dk, dv) handed to collect(t, dk, dv)."""
+        dq = self.call(aten.zeros_like.default, q)
+        for t, (slot, k, v, causal) in enumerate(steps):
+            dq, dk, dv = self._block_backward(dq, g, q, out, lse, slot, k, v, causal)
+            collect(t, dk, dv)
+        return dq
+
+    def _block_backward(self, dq, g, q, out, lse, slot, k, v, causal):
+        """One block's backward: (dq with the block's dq added at its slot, the block's dk, dv)."""
+        pick = [self.pick(x, slot) for x in (g, q, out, lse)]
+        res = self.call(_BWD, pick[0], pick[1], k, v, pick[2], pick[3], 0.0, causal, kwargs=self.kw)
+        dq_t, dk, dv = (self.call(operator.getitem, res, j) for j in range(3))
+        return self.call(aten.index_add.default, dq, 2, self.rows(slot), dq_t), dk, dv
+
+    # -- the two forms -----------------------------------------------------------------------------------------------
+    def gathered(self, q, k, v):
+        """Steps of the allgather form: k, v gathered in zigzag storage order (B, Hk, S, E)."""
+        steps = []
+        for slot, chunk, causal in self.gathered_steps():
+            cols = self.gathered_cols(chunk)
+            steps.append((slot, *(self.call(aten.index_select.default, x, 2, cols) for x in (k, v)), causal))
+        return steps
+
+    def gathered_backward(self, g, q, k, v, out, lse):
+        """(dq, dk, dv) of the allgather form; dk and dv over every gathered position (this rank's partial sums)."""
+        dk, dv = self.call(aten.zeros_like.default, k), self.call(aten.zeros_like.default, v)
+        cols = [self.gathered_cols(chunk) for _, chunk, _ in self.gathered_steps()]
+        grads = []
+        dq = self.backward(g, q, out, lse, self.gathered(q, k, v), lambda t, a, b: grads.append((t, a, b)))
+        for t, a, b in grads:
+            dk = self.call(aten.index_add.default, dk, 2, cols[t], a)
+            dv = self.call(aten.index_add.default, dv, 2, cols[t], b)
+        return dq, dk, dv
+
+    def ring_group(self, s: int):
+        """[(slot, half of the received pair, causal)] of ring step s (the pair of rank src = (r - s) mod n)."""
+        if s == 0:
+            return [(0, 0, True), (1, 1, True), (1, 0, False)]
+        src = self.call(aten.remainder.Scalar, self.call(aten.add.Scalar, self.r, self.n - s), self.n)
+        b = self.call(aten._to_copy.default, self.call(aten.gt.Tensor, src, self.r), kwargs={"dtype": torch.long})
+        return [(1, 0, False), (b, b, False)]       # src < r: both slots see chunk src; src > r: slot 1 sees both
+
+    def ring_forward(self, q, block):
+        """(out, lse) of the ring form. block(s) -> the (k, v) pair (2c rows) of rank (r - s) mod n, step 0 the
+        rank's own (called in step order: the ring's next transfer is in flight while a step computes)."""
+        steps = []
+        for s in range(self.n):
+            k, v = block(s)
+            steps += [(slot, self.pick(k, h), self.pick(v, h), c) for slot, h, c in self.ring_group(s)]
+        return self.forward(q, steps)
+
+    def ring_backward(self, g, q, out, lse, block, collect):
+        """dq of the ring form; each step's pair gradients (dk, dv of its 2c rows) handed to collect(s, dk, dv) once
+        the step has computed them (for the ring to pass them on with the pair)."""
+        dq = self.call(aten.zeros_like.default, q)
+        for s in range(self.n):
+            k, v = block(s)
+            dk, dv = self.call(aten.zeros_like.default, k), self.call(aten.zeros_like.default, v)
+            for slot, h, causal in self.ring_group(s):
+                dq, dk_t, dv_t = self._block_backward(dq, g, q, out, lse, slot, self.pick(k, h), self.pick(v, h),
+                                                      causal)
+                dk = self.call(aten.index_add.default, dk, 2, self.rows(h), dk_t)
+                dv = self.call(aten.index_add.default, dv, 2, self.rows(h), dv_t)
+            collect(s, dk, dv)
+        return dq
