@@ -29,9 +29,16 @@ import operator
 
 import torch
 
+from ..contract import META_ZIGZAG
+
 aten = torch.ops.aten
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
 _BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def zigzag_axis(cap):
+    """The axis of a captured step's zigzag layout (tactics/cpbalance.py), None without load balancing."""
+    return (cap.gm.meta.get(META_ZIGZAG) or {}).get("axis")
 
 
 def zigzag_order(length: int, n: int) -> torch.Tensor:
