@@ -120,9 +120,59 @@ def test_cp_ring_composes_with_data_parallel():
                 and r.why == "tactic"]
 
 
-def test_cp_load_balancing_is_refused_by_name():
-    with pytest.raises(pt.PartitionError, match="causal load balancing"):
-        T.context_parallel("cp", load_balance=True)
+@pytest.mark.parametrize("attn,n,attention", [("sdpa", 2, "allgather"), ("sdpa", 4, "allgather"), ("eager", 2, "allgather"),
+                                              ("eager", 4, "allgather"), ("sdpa", 2, "ring"), ("sdpa", 4, "ring")])
+def test_cp_load_balanced_matches_one_device(attn, n, attention):
+    """load_balance=True: rank r holds chunks r and 2n-1-r (the inputs laid out in zigzag order by the runtime, the
+    positions and the label shift rewritten to the original order at capture): loss and every gradient equal one
+    device. The user's call is unchanged (global tokens in their order)."""
+    model, tokens = llama(attn), torch.randint(0, 64, (2, 16))
+    prog = pt.partition(model, pt.Mesh({"cp": n}), [T.context_parallel("cp", attention=attention, load_balance=True)],
+                        example_inputs=(tokens,), loss_fn=loss_fn)
+    assert_grads_match(prog, model, (tokens,), f"{attn} {attention} CP={n} balanced")
+    assert prog.sharding("inputs.0").dims[1] == ("cp",)
+
+
+def attention_flops(prog) -> float:
+    """Causal attention FLOPs of one rank's lowered program (forward kernels): 4 B H Lq Lk E per call, half of it
+    for a call with is_causal (the kernel skips the masked half of its diagonal block)."""
+    from partir_torch.lower.fakeprop import annotate_local_vals
+
+    annotate_local_vals(prog.lowered, prog.captured)      # each node's local shape (meta tensors)
+    fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    total = 0.0
+    for node in prog.lowered.gm.graph.nodes:
+        if node.target is fwd:
+            (b, h, lq, e), lk = node.args[0].meta["val"].shape, node.args[1].meta["val"].shape[2]
+            total += 4 * b * h * lq * lk * e * (0.5 if node.args[4] else 1.0)
+    return total
+
+
+@pytest.mark.parametrize("attention", ["allgather", "ring"])
+def test_cp_load_balancing_halves_causal_attention_work(attention):
+    """CP=4 at sequence 32: without balancing a rank computes its 8 rows against all 4 key blocks of 8 (the hidden
+    ones discarded: 3.5 blocks of 64 pairs); with it, 2 diagonal and 7 whole blocks of 4 x 4 (8 blocks of 16 pairs),
+    every one visible to the rank: 128 / 224 = 4/7 of the work, each rank's causal minimum. One SPMD program: every
+    rank runs the same kernel calls."""
+    tokens = torch.randint(0, 64, (1, 32))
+    flops = {}
+    for lb in (False, True):
+        prog = pt.partition(llama("sdpa"), pt.Mesh({"cp": 4}), [T.context_parallel("cp", attention=attention,
+                                                                                 load_balance=lb)],
+                            example_inputs=(tokens,), loss_fn=loss_fn)
+        flops[lb] = attention_flops(prog)
+    assert flops[True] / flops[False] == pytest.approx(4 / 7)
+
+
+def test_cp_load_balancing_refuses_a_length_of_odd_chunks():
+    from partir_torch.tactics.cp import ContextParallel
+
+    with pytest.raises(pt.PartitionError, match=r"T\.context_parallel\(axis, load_balance=True\)"):
+        ContextParallel("cp", load_balance=True)          # the rewrite comes with T.context_parallel's object
+    model, tokens = llama("sdpa"), torch.randint(0, 64, (2, 12))
+    with pytest.raises(pt.PartitionError, match=r"sequence length 12 into 2 x 4 chunks .*e\.g\. 16"):
+        pt.partition(model, pt.Mesh({"cp": 4}), [T.context_parallel("cp", load_balance=True)],
+                     example_inputs=(tokens,), loss_fn=loss_fn)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
