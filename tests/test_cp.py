@@ -164,6 +164,18 @@ def test_cp_load_balancing_halves_causal_attention_work(attention):
     assert flops[True] / flops[False] == pytest.approx(4 / 7)
 
 
+def test_cp_load_balancing_refuses_a_shift_it_cannot_rewrite():
+    """A loss that shifts by slicing the logits and the tokens itself depends on the order of positions: refused by
+    name (the zigzag program would pair each logit with the wrong token)."""
+    def manual_shift(m, x):
+        logits = m(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+
+    with pytest.raises(pt.PartitionError, match=r"depends on the order of dim 1 \(size 16, the sequence\)"):
+        pt.partition(llama("sdpa"), pt.Mesh({"cp": 2}), [T.context_parallel("cp", load_balance=True)],
+                     example_inputs=(torch.randint(0, 64, (2, 16)),), loss_fn=manual_shift)
+
+
 def test_cp_load_balancing_refuses_a_length_of_odd_chunks():
     from partir_torch.tactics.cp import ContextParallel
 
@@ -175,10 +187,11 @@ def test_cp_load_balancing_refuses_a_length_of_odd_chunks():
                      example_inputs=(tokens,), loss_fn=loss_fn)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_cp_padded_batch_matches_one_device(attn):
+@pytest.mark.parametrize("attn,lb", [("sdpa", False), ("eager", False), ("sdpa", True), ("eager", True)])
+def test_cp_padded_batch_matches_one_device(attn, lb):
     """A padding mask (HF builds a (B, 1, T, T) mask from it: no is_causal) tiled with the sequence; labels -100 on
-    the padding. Equal to one device."""
+    the padding. Equal to one device. Load-balanced, HF looks attention_mask up at the key positions: the rewrite
+    maps those original positions to where they are stored."""
     model, tokens = llama(attn), torch.randint(1, 64, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[1, 11:] = 0                                    # right padding in the second row
@@ -188,7 +201,7 @@ def test_cp_padded_batch_matches_one_device(attn):
         return m(input_ids=x, attention_mask=am, labels=y).loss
 
     batch = (tokens, mask, labels)
-    prog = pt.partition(model, pt.Mesh({"cp": 2}), [T.context_parallel("cp")], example_inputs=batch,
+    prog = pt.partition(model, pt.Mesh({"cp": 2}), [T.context_parallel("cp", load_balance=lb)], example_inputs=batch,
                         loss_fn=padded_loss)
     ref = copy.deepcopy(model)
     ref_loss = padded_loss(ref, *batch)

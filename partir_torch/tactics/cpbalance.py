@@ -91,6 +91,78 @@ def _label_slices(gm, seq_dim: int) -> list:
     return out
 
 
+def _index_by_storage(g, positions: list, n: int, c: int, length: int) -> list:
+    """An original position (a value computed from the rewritten aranges) that indexes a dim of the sequence
+    length (HF's padding mask looks attention_mask up at the key indices) is mapped to where that position is
+    stored."""
+    derived, work, done = set(), list(positions), []
+    while work:
+        x = work.pop()
+        if x not in derived:
+            derived.add(x)
+            work += list(x.users)
+    for node in [x for x in g.nodes if x in derived and x.op == "call_function"]:
+        src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if node.target is aten.index.Tensor:
+            slots = [(d, ix) for d, ix in enumerate(node.args[1]) if ix in derived]
+        elif node.target is aten.index_select.default:
+            slots = [(node.args[1], node.args[2])] if node.args[2] in derived else []
+        else:
+            continue
+        for d, ix in slots:
+            if src.meta["val"].shape[d] != length:
+                continue
+            with g.inserting_before(node):
+                at = _storage(g, ix, n, c, length)
+            node.replace_input_with(ix, at)
+            done.append(f"{node.name}: indexes dim {d} of {src.name} at the storage of the original positions")
+    return done
+
+
+_ORDERED = {aten.cumsum.default: 1, aten.cumprod.default: 1, aten.roll.default: 2, aten.flip.default: 1,
+            aten.narrow.default: 1}          # ops whose result depends on the order of a dim: the dim's argument
+
+
+def _order_dependent(node: fx.Node, length: int) -> int | None:
+    """The dim of the sequence length on which `node` depends on the order of positions (a partial slice, a pad, a
+    cumsum, a roll, a flip, a cat), else None."""
+    t, args = node.target, node.args
+    shape = tuple(args[0].meta["val"].shape) if args and isinstance(args[0], fx.Node) and hasattr(
+        args[0].meta.get("val"), "shape") else ()
+    dims = []
+    if t is aten.slice.Tensor:
+        d = args[1] if len(args) > 1 else 0
+        start, end = (args[2] if len(args) > 2 else 0) or 0, args[3] if len(args) > 3 else None
+        dims = [d] if start != 0 or (end is not None and end < shape[d]) else []
+    elif t is aten.constant_pad_nd.default:
+        dims = [len(shape) - 1 - i // 2 for i, p in enumerate(args[1]) if p]
+    elif t in _ORDERED:
+        d = args[_ORDERED[t]]
+        dims = list(d) if isinstance(d, (list, tuple)) else [d]
+    elif t is aten.cat.default:
+        d = args[1] if len(args) > 1 else 0
+        shape = tuple(node.meta["val"].shape)
+        parts = [x for x in args[0] if x.meta["val"].dim() == len(shape) and x.meta["val"].shape[d] > 0]
+        dims = [d] if len(parts) > 1 else []
+    return next((d % len(shape) for d in dims if shape and shape[d % len(shape)] == length), None)
+
+
+def _refuse_order_dependent(g, name: str, axis: str, n: int, length: int, label_pads: set) -> None:
+    from ..errors import source_location
+
+    for node in g.nodes:
+        if node.op != "call_function" or node in label_pads:
+            continue
+        d = _order_dependent(node, length)
+        if d is not None:
+            raise PartitionError(
+                f"{name}: load_balance=True computes on the sequence in zigzag order (axis '{axis}', size {n}), and "
+                f"{node.format_node()} at {source_location(node) or 'the step'} depends on the order of dim {d} "
+                f"(size {length}, the sequence): only positions (arange), HF's label shift (pad + slice [1:] of the "
+                f"labels) and lookups at positions are rewritten for it. Use load_balance=False, or shift the labels "
+                f"the way the model's own loss does (labels=).")
+
+
 def rewrite(cap, name: str, axis: str, seq_dim: int, n: int) -> list:
     """Rewrite the captured step for the zigzag layout on an axis of size n (see the module docstring). Returns
     what it did, one line each (the tactic says it)."""
@@ -112,14 +184,18 @@ def rewrite(cap, name: str, axis: str, seq_dim: int, n: int) -> list:
     for p, s in shapes.items():
         if len(s) > seq_dim and s[seq_dim] == length:
             p.meta[META_ZIGZAG] = (seq_dim, n)
+    positions = []
     for node in [x for x in g.nodes if _is_positions(x, length)]:
         users = list(node.users)
         with g.inserting_before(node.next):
-            pos = _original(g, node, n, c)
+            positions.append(_original(g, node, n, c))
         for u in users:
-            u.replace_input_with(node, pos)
+            u.replace_input_with(node, positions[-1])
         done.append(f"arange({length}) {node.name}: original positions")
-    for sl in _label_slices(gm, seq_dim):
+    done += _index_by_storage(g, positions, n, c, length)
+    label_slices = _label_slices(gm, seq_dim)
+    _refuse_order_dependent(g, name, axis, n, length, {x for sl in label_slices for x in (sl, sl.args[0])})
+    for sl in label_slices:
         with g.inserting_before(sl.next):
             p = g.call_function(aten.arange.default, (length,), {"dtype": torch.long, "device": sl.meta["val"].device})
             with sl.meta["val"].fake_mode:
