@@ -133,6 +133,20 @@ def test_cp_load_balanced_matches_one_device(attn, n, attention):
     assert prog.sharding("inputs.0").dims[1] == ("cp",)
 
 
+def test_cp_load_balanced_eval_step_and_forward():
+    """eval_step is balanced too (its capture takes the rewrite) and equals the model's loss; prog.forward runs plain
+    CP (its logits come back in order), said by a warning."""
+    model, tokens = llama("sdpa"), torch.randint(0, 64, (2, 16))
+    prog = pt.partition(model, pt.Mesh({"cp": 2}), [T.context_parallel("cp", load_balance=True)],
+                        example_inputs=(tokens,), loss_fn=loss_fn)
+    with torch.no_grad():
+        ref = model(input_ids=tokens, labels=tokens)
+    torch.testing.assert_close(prog.eval_step(tokens).detach(), ref.loss, rtol=1e-5, atol=0)
+    with pytest.warns(UserWarning, match="without load balancing"):
+        out = prog.forward(tokens)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-6)
+
+
 def attention_flops(prog) -> float:
     """Causal attention FLOPs of one rank's lowered program (forward kernels): 4 B H Lq Lk E per call, half of it
     for a call with is_causal (the kernel skips the masked half of its diagonal block)."""

@@ -138,6 +138,14 @@ class BalancedContextParallel(ContextParallel):
                                  f"mesh=mesh)), or partition with pt.partition.")
         rewrite(cap, self.name, self.axis, self.seq_dim, self.n)
 
+    def without_rewrite(self) -> ContextParallel:
+        """The tactic of a program captured without the rewrite (prog.forward, whose sequence outputs would come out
+        in zigzag order): plain CP on the same axis, said once."""
+        warn(f"{self.name}: the forward-only program (prog.forward) runs context parallelism on axis '{self.axis}' "
+             f"without load balancing (its outputs along the sequence stay in the caller's order); train_step and "
+             f"eval_step are balanced.")
+        return ContextParallel(self.axis, self.seq_dim, self.attention, False, self.name)
+
     def _report(self, ctx) -> None:
         super()._report(ctx)
         done = (ctx.captured.gm.meta.get(META_ZIGZAG) or {}).get("done", ())
