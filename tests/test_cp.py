@@ -165,9 +165,9 @@ def attention_flops(prog) -> float:
 @pytest.mark.parametrize("attention", ["allgather", "ring"])
 def test_cp_load_balancing_halves_causal_attention_work(attention):
     """CP=4 at sequence 32: without balancing a rank computes its 8 rows against all 4 key blocks of 8 (the hidden
-    ones discarded: 3.5 blocks of 64 pairs); with it, 2 diagonal and 7 whole blocks of 4 x 4 (8 blocks of 16 pairs),
-    every one visible to the rank: 128 / 224 = 4/7 of the work, each rank's causal minimum. One SPMD program: every
-    rank runs the same kernel calls."""
+    ones discarded: 3.5 blocks of 64 pairs); with it, 2 diagonal and 7 whole blocks of 4 x 4 (8 blocks of 16 pairs;
+    allgather runs 4 of them as one call), every one visible to the rank: 128 / 224 = 4/7 of the work, each rank's
+    causal minimum. One SPMD program: every rank runs the same kernel calls."""
     tokens = torch.randint(0, 64, (1, 32))
     flops = {}
     for lb in (False, True):
@@ -265,7 +265,8 @@ def test_attention_rules_and_blockwise_kernels_verify(causal):
 def test_zigzag_blockwise_attention_matches_causal_attention(form, n):
     """lower/zigzag.py on each rank of a zigzag layout (rank r holds chunks r and 2n-1-r): the rank's rows of the
     causal attention and their dq equal the whole kernel's; dk, dv summed over the ranks equal the whole kernel's;
-    grouped-query heads. Each rank computes 2 diagonal and 2n-1 whole c x c blocks, every one of them visible."""
+    grouped-query heads. Each rank computes 2 diagonal and 2n-1 whole c x c blocks, every one of them visible
+    (gathered: slot 1 against the first half, chunks 0..n-1, in one call)."""
     from partir_torch.lower.zigzag import Zigzag, zigzag_order
     from partir_torch.verify import _Eager
 
@@ -286,7 +287,7 @@ def test_zigzag_blockwise_attention_matches_causal_attention(form, n):
             o, l = zz.forward(qr, steps)
             dq, dk_r, dv_r = zz.gathered_backward(rank(gz, r), qr, kz, vz, o, l)
             dk, dv = dk + dk_r, dv + dv_r
-            calls.append([(s if isinstance(s, int) else int(s), causal) for s, _, _, causal in steps])
+            calls.append([(s if isinstance(s, int) else int(s), k.shape[2] // c, causal) for s, k, _, causal in steps])
         else:
             block = lambda s, r=r: (rank(kz, (r - s) % n), rank(vz, (r - s) % n))     # noqa: E731
 
@@ -301,8 +302,8 @@ def test_zigzag_blockwise_attention_matches_causal_attention(form, n):
     torch.testing.assert_close(dv, want[4], rtol=1e-5, atol=1e-5)
     if form == "gathered":            # slot 0 (chunk r): r whole blocks; slot 1 (chunk 2n-1-r): 2n-1-r whole blocks
         for r, steps in enumerate(calls):
-            assert steps[:2] == [(0, True), (1, True)] and len(steps) == 2 * n + 1
-            assert Counter(steps[2:]) == {k: m for k, m in {(0, False): r, (1, False): 2 * n - 1 - r}.items() if m}
+            assert steps[:3] == [(0, 1, True), (1, 1, True), (1, n, False)] and len(steps) == n + 2
+            assert Counter(steps[3:]) == {k: m for k, m in {(0, 1, False): r, (1, 1, False): n - 1 - r}.items() if m}
 
 
 def _balanced_ring_worker(rank, port, ckpt, queue):

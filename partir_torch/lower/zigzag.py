@@ -60,42 +60,63 @@ class Zigzag:
     kernel's other keyword arguments (scale)."""
 
     def __init__(self, em, r, n: int, c: int, kw: dict):
-        self.em, self.r, self.n, self.c = em, r, n, c
+        self.em, self.r, self.n, self.c, self._ar = em, r, n, c, None
         self.kw = {k: v for k, v in kw.items() if k not in ("attn_mask", "is_causal", "dropout_p")}
 
     def call(self, target, *args, **kwargs):
         return self.em.call(target, *args, **kwargs)
 
-    def rows(self, slot, c: int | None = None):
+    def arange(self):
+        """[0, c), made once per kernel."""
+        if self._ar is None:
+            self._ar = self.call(aten.arange.default, self.c)
+        return self._ar
+
+    def rows(self, slot):
         """Positions slot c + [0, c) of a 2c-row dim (slot: an int or a 0-d node)."""
-        c = c or self.c
-        ar = self.call(aten.arange.default, c)
-        return self.call(aten.add.Tensor, ar, slot * c) if isinstance(slot, int) else \
-            self.call(aten.add.Tensor, ar, self.call(aten.mul.Scalar, slot, c))
+        at = slot * self.c if isinstance(slot, int) else self.call(aten.mul.Scalar, slot, self.c)
+        return self.call(aten.add.Tensor, self.arange(), at)
 
     def pick(self, x, slot):
-        """Slot `slot`'s c rows of x (dim 2: q, out and dout are (B, H, 2c, E), lse is (B, H, 2c))."""
+        """Slot `slot`'s c rows of x (dim 2: q, out and dout are (B, H, 2c, E), lse is (B, H, 2c)); a view when the
+        slot is known when lowering."""
+        if isinstance(slot, int):
+            return self.call(aten.slice.Tensor, x, 2, slot * self.c, (slot + 1) * self.c)
         return self.call(aten.index_select.default, x, 2, self.rows(slot))
 
     # -- the steps -------------------------------------------------------------------------------------------------
     def gathered_steps(self):
-        """[(slot, original key chunk)] of the allgather form: the 2 diagonals, then 2n-1 whole blocks."""
-        r, n = self.r, self.n
-        other = self.call(aten.rsub.Scalar, r, 2 * n - 1)
-        steps = [(0, r, True), (1, other, True)]
-        for t in range(2 * n - 1):
-            slot = self.call(aten._to_copy.default, self.call(aten.le.Scalar, r, t), kwargs={"dtype": torch.long})
-            steps.append((slot, self.call(aten.rsub.Scalar, self.call(aten.mul.Tensor, r, slot), t), False))
+        """[(slot, storage positions of its keys, causal)] of the allgather form: the two diagonals; slot 1 (chunk
+        2n-1-r >= n) against the whole first half, chunks 0..n-1, in one call; then n-1 blocks of c whose slot
+        depends on the rank: step t is slot 0 against chunk t when t < r, else slot 1 against chunk n + t - r."""
+        r, n, c = self.r, self.n, self.c
+        own = self.call(aten.mul.Scalar, r, 2 * c)                       # rank r's rows start at 2 r c
+        steps = [(0, self.call(aten.add.Tensor, self.arange(), own), True),
+                 (1, self.call(aten.add.Tensor, self.arange(), self.call(aten.add.Scalar, own, c)), True)]
+        starts = self.call(aten.mul.Scalar, self.call(aten.arange.default, n), 2 * c)      # chunk j < n: rank j
+        first = self.call(aten.add.Tensor, self.call(aten.unsqueeze.default, starts, 1),
+                          self.call(aten.unsqueeze.default, self.arange(), 0))
+        steps.append((1, self.call(aten.view.default, first, [n * c]), False))
+        if n == 1:
+            return steps
+        t = self.call(aten.arange.default, n - 1)
+        slot = self.call(aten._to_copy.default, self.call(aten.ge.Tensor, t, r), kwargs={"dtype": torch.long})
+        chunk = self.call(aten.add.Tensor, t, self.call(aten.mul.Tensor, slot, self.call(aten.rsub.Scalar, r, n)))
+        cols = self.call(aten.add.Tensor, self.call(aten.unsqueeze.default, self._storage_start(chunk), 1),
+                         self.call(aten.unsqueeze.default, self.arange(), 0))                    # (n - 1, c)
+        for i in range(n - 1):
+            steps.append((self.call(aten.select.int, slot, 0, i), self.call(aten.select.int, cols, 0, i), False))
         return steps
 
-    def gathered_cols(self, chunk):
-        """Storage positions (in zigzag order, as CP's all_gather of a zigzag dim concatenates them) of original
-        chunk `chunk` (0-d): owner j or 2n-1-j, at slot [j >= n] of its 2c rows."""
+    def _storage_start(self, chunk):
+        """Where original chunk j starts in zigzag storage order (as CP's all_gather concatenates the ranks' tiles):
+        rank j (slot 0) for j < n, rank 2n-1-j (slot 1) after, elementwise."""
         n = self.n
         hi = self.call(aten._to_copy.default, self.call(aten.ge.Scalar, chunk, n), kwargs={"dtype": torch.long})
         flip = self.call(aten.rsub.Scalar, self.call(aten.mul.Scalar, chunk, 2), 2 * n - 1)      # 2n-1-2j
         owner = self.call(aten.add.Tensor, chunk, self.call(aten.mul.Tensor, hi, flip))
-        return self.rows(self.call(aten.add.Tensor, self.call(aten.mul.Scalar, owner, 2), hi))
+        return self.call(aten.mul.Scalar, self.call(aten.add.Tensor, self.call(aten.mul.Scalar, owner, 2), hi),
+                         self.c)
 
     # -- forward and backward over a list of steps (slot, k, v, causal) --------------------------------------------
     def forward(self, q, steps):
@@ -127,38 +148,47 @@ class Zigzag:
 
     def backward(self, g, q, out, lse, steps, collect):
         """dq of this rank's 2c rows; each step's (dk, dv) handed to collect(t, dk, dv)."""
-        dq = self.call(aten.zeros_like.default, q)
+        dq = [None, None]
         for t, (slot, k, v, causal) in enumerate(steps):
-            dq, dk, dv = self._block_backward(dq, g, q, out, lse, slot, k, v, causal)
+            dk, dv = self._block_backward(dq, g, q, out, lse, slot, k, v, causal)
             collect(t, dk, dv)
-        return dq
+        return self._cat(dq)
 
     def _block_backward(self, dq, g, q, out, lse, slot, k, v, causal):
-        """One block's backward: (dq with the block's dq added at its slot, the block's dk, dv)."""
+        """One block's backward: its dq added to the slot's accumulator in dq (a pair); returns its dk, dv."""
         pick = [self.pick(x, slot) for x in (g, q, out, lse)]
         res = self.call(_BWD, pick[0], pick[1], k, v, pick[2], pick[3], 0.0, causal, kwargs=self.kw)
         dq_t, dk, dv = (self.call(operator.getitem, res, j) for j in range(3))
-        return self.call(aten.index_add.default, dq, 2, self.rows(slot), dq_t), dk, dv
+        self._add_at(dq, slot, dq_t)
+        return dk, dv
+
+    def _add_at(self, acc: list, slot, x) -> None:
+        """acc[slot] += x for a pair of per-slot accumulators (None: empty); a slot known per rank adds x masked
+        to both."""
+        for s in ((slot,) if isinstance(slot, int) else (0, 1)):
+            y = x if isinstance(slot, int) else self.call(aten.mul.Tensor, x, self.call(
+                aten.type_as.default, self.call(aten.eq.Scalar, slot, s), x))
+            acc[s] = y if acc[s] is None else self.call(aten.add.Tensor, acc[s], y)
+
+    def _cat(self, acc: list):
+        return self.call(aten.cat.default, acc, 2)
 
     # -- the two forms -----------------------------------------------------------------------------------------------
     def gathered(self, q, k, v):
         """Steps of the allgather form: k, v gathered in zigzag storage order (B, Hk, S, E)."""
-        steps = []
-        for slot, chunk, causal in self.gathered_steps():
-            cols = self.gathered_cols(chunk)
-            steps.append((slot, *(self.call(aten.index_select.default, x, 2, cols) for x in (k, v)), causal))
-        return steps
+        return [(slot, *(self.call(aten.index_select.default, x, 2, cols) for x in (k, v)), causal)
+                for slot, cols, causal in self.gathered_steps()]
 
     def gathered_backward(self, g, q, k, v, out, lse):
         """(dq, dk, dv) of the allgather form; dk and dv over every gathered position (this rank's partial sums)."""
         dk, dv = self.call(aten.zeros_like.default, k), self.call(aten.zeros_like.default, v)
-        cols = [self.gathered_cols(chunk) for _, chunk, _ in self.gathered_steps()]
-        grads = []
-        dq = self.backward(g, q, out, lse, self.gathered(q, k, v), lambda t, a, b: grads.append((t, a, b)))
-        for t, a, b in grads:
-            dk = self.call(aten.index_add.default, dk, 2, cols[t], a)
-            dv = self.call(aten.index_add.default, dv, 2, cols[t], b)
-        return dq, dk, dv
+        dq = [None, None]
+        for slot, cols, causal in self.gathered_steps():
+            kv = [self.call(aten.index_select.default, x, 2, cols) for x in (k, v)]
+            dk_t, dv_t = self._block_backward(dq, g, q, out, lse, slot, *kv, causal)
+            dk = self.call(aten.index_add.default, dk, 2, cols, dk_t)
+            dv = self.call(aten.index_add.default, dv, 2, cols, dv_t)
+        return self._cat(dq), dk, dv
 
     def ring_group(self, s: int):
         """[(slot, half of the received pair, causal)] of ring step s (the pair of rank src = (r - s) mod n)."""
@@ -180,14 +210,14 @@ class Zigzag:
     def ring_backward(self, g, q, out, lse, block, collect):
         """dq of the ring form; each step's pair gradients (dk, dv of its 2c rows) handed to collect(s, dk, dv) once
         the step has computed them (for the ring to pass them on with the pair)."""
-        dq = self.call(aten.zeros_like.default, q)
+        dq = [None, None]
         for s in range(self.n):
             k, v = block(s)
-            dk, dv = self.call(aten.zeros_like.default, k), self.call(aten.zeros_like.default, v)
+            dk, dv = [None, None], [None, None]
             for slot, h, causal in self.ring_group(s):
-                dq, dk_t, dv_t = self._block_backward(dq, g, q, out, lse, slot, self.pick(k, h), self.pick(v, h),
-                                                      causal)
-                dk = self.call(aten.index_add.default, dk, 2, self.rows(h), dk_t)
-                dv = self.call(aten.index_add.default, dv, 2, self.rows(h), dv_t)
-            collect(s, dk, dv)
-        return dq
+                dk_t, dv_t = self._block_backward(dq, g, q, out, lse, slot, self.pick(k, h), self.pick(v, h), causal)
+                self._add_at(dk, h, dk_t)
+                self._add_at(dv, h, dv_t)
+            collect(s, *(self._cat([x if x is not None else self.call(aten.zeros_like.default, y)
+                                    for x, y in zip(acc, (acc[1], acc[0]))]) for acc in (dk, dv)))
+        return self._cat(dq)
