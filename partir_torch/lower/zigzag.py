@@ -9,19 +9,21 @@ Under a causal mask chunk i sees chunks 0..i, so rank r's rows see
 
     slot 0: chunks 0 .. r-1 whole, chunk r diagonal;   slot 1: chunks 0 .. 2n-2-r whole, chunk 2n-1-r diagonal
 
-2n-1 whole c x c blocks and 2 diagonal ones on every rank: equal work, and half of what a contiguous tiling costs
-when each rank computes every key block of its 2c rows (n (2c)^2 = 4 n c^2 against (2n - 1 + 2/2) c^2 = 2 n c^2).
-One program runs on every rank (SPMD): the steps are the same on every rank, only their indices depend on the
-rank r (a 0-d tensor of the program):
+2n-1 whole c x c blocks and 2 diagonal ones on every rank: equal work, 2n c^2 pairs, against (4n - 2) c^2 when a
+contiguous tiling computes every key block of its 2c rows (lower/cp.py: n blocks of (2c)^2, the diagonal half
+skipped): n / (2n - 1) of it, 4/7 at n = 4, 1/2 as n grows. One program runs on every rank (SPMD): the steps are
+the same on every rank, only their indices depend on the rank r (a 0-d tensor of the program):
 
-    gathered keys (allgather):   step t = 0 .. 2n-2 is (slot [t >= r], chunk t - r [t >= r])
+    gathered keys (allgather): the diagonals; slot 1 against chunks 0 .. n-1 in one call (2n-1-r >= n sees them
+        all); then n-1 blocks, step t = (slot 0, chunk t) when t < r, else (slot 1, chunk n + t - r)
     ring (keys from rank src = (r - s) mod n at step s = 1 .. n-1, holding chunks src and 2n-1-src):
         (slot 1, the first chunk) and (slot b, chunk b of the pair) with b = [src > r];
         step 0 adds (slot 1, the rank's own first chunk) to the diagonals
 
 (the ring form is the schedule of Zhu et al.'s ring-flash-attention `zigzag_ring_flash_attn`). Partial results
 merge by online softmax as in lower/cp.py; a block's result is merged into the slot it belongs to (its lse set to
--inf for the other slot), and the backward adds each block's dq into its slot's rows (index_add).
+-inf for the other slot when the slot depends on the rank), and the backward adds each block's dq into its slot's
+accumulator (masked by the slot when it depends on the rank).
 """
 from __future__ import annotations
 

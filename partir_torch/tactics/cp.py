@@ -20,7 +20,8 @@ attention="allgather" (Llama 3's choice: K/V are small with grouped-query heads)
 attention="ring" keeps them tiled and passes them around the axis (lower/cp.py: collective_permute steps, an
 online-softmax merge; the backward rotates K/V and their gradients), for SDPA kernels (the explicit matmul form
 is gathered, with a warning). Both compute a rank's rows blockwise in ring order, so no (T/n, T) causal mask is
-ever built. load_balance=True (chunks i and 2n-1-i per rank) is refused with a PartitionError: not built.
+ever built. load_balance=True (rank r holding chunks r and 2n-1-r, so causal work is equal on every rank and each
+computes only the blocks it sees) is the zigzag layout as a permutation: tactics/cpbalance.py, lower/zigzag.py.
 """
 from __future__ import annotations
 
