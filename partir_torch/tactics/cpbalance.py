@@ -91,16 +91,22 @@ def _label_slices(gm, seq_dim: int) -> list:
     return out
 
 
-def _index_by_storage(g, positions: list, n: int, c: int, length: int) -> list:
-    """An original position (a value computed from the rewritten aranges) that indexes a dim of the sequence
-    length (HF's padding mask looks attention_mask up at the key indices) is mapped to where that position is
-    stored."""
-    derived, work, done = set(), list(positions), []
+def _descendants(nodes) -> set:
+    seen, work = set(), list(nodes)
     while work:
         x = work.pop()
-        if x not in derived:
-            derived.add(x)
+        if x not in seen:
+            seen.add(x)
             work += list(x.users)
+    return seen
+
+
+def _index_by_storage(g, positions: list, laid: set, n: int, c: int, length: int) -> list:
+    """An original position (a value computed from the rewritten aranges) that indexes a dim of the sequence
+    length of a value computed from the laid-out inputs (HF's padding mask looks attention_mask up at the key
+    indices) is mapped to where that position is stored. A table that is not (a rotary cache indexed by position)
+    keeps the original positions."""
+    derived, done = _descendants(positions), []
     for node in [x for x in g.nodes if x in derived and x.op == "call_function"]:
         src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         if node.target is aten.index.Tensor:
@@ -110,7 +116,7 @@ def _index_by_storage(g, positions: list, n: int, c: int, length: int) -> list:
         else:
             continue
         for d, ix in slots:
-            if src.meta["val"].shape[d] != length:
+            if src not in laid or src.meta["val"].shape[d] != length:
                 continue
             with g.inserting_before(node):
                 at = _storage(g, ix, n, c, length)
@@ -192,7 +198,8 @@ def rewrite(cap, name: str, axis: str, seq_dim: int, n: int) -> list:
         for u in users:
             u.replace_input_with(node, positions[-1])
         done.append(f"arange({length}) {node.name}: original positions")
-    done += _index_by_storage(g, positions, n, c, length)
+    laid = _descendants([p for p, s in shapes.items() if len(s) > seq_dim and s[seq_dim] == length])
+    done += _index_by_storage(g, positions, laid, n, c, length)
     label_slices = _label_slices(gm, seq_dim)
     _refuse_order_dependent(g, name, axis, n, length, {x for sl in label_slices for x in (sl, sl.args[0])})
     for sl in label_slices:
