@@ -228,13 +228,15 @@ def test_cp_padded_batch_matches_one_device(attn, lb):
     assert all(prog.sharding(f"inputs.{i}").dims[1] == ("cp",) for i in range(3))
 
 
-def test_cp_dp_megatron_zero3_on_2x2x2_trains_like_one_device():
+@pytest.mark.parametrize("lb", [False, True], ids=["contiguous", "balanced"])
+def test_cp_dp_megatron_zero3_on_2x2x2_trains_like_one_device(lb):
     """CP x DP x TP x ZeRO-3 (issue 38's composition goal): three steps of AdamW equal one device's."""
     from harness import adamw, train_next_to_eager
 
     model, tokens = llama("sdpa").train(), torch.randint(0, 64, (4, 16))
     ref = copy.deepcopy(model)
-    schedule = [T.data_parallel("batch"), T.context_parallel("cp"), T.megatron("model"), T.zero(3, "batch")]
+    schedule = [T.data_parallel("batch"), T.context_parallel("cp", load_balance=lb), T.megatron("model"),
+                T.zero(3, "batch")]
     prog = pt.partition(model, pt.Mesh({"batch": 2, "cp": 2, "model": 2}), schedule, example_inputs=(tokens,),
                         loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5))
     train_next_to_eager(prog, ref, [(tokens,)] * 3, loss_fn, make_opt=adamw(eps=1e-5))
