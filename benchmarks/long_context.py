@@ -1,6 +1,7 @@
 """Context parallelism at long sequence length: measured peak memory per rank and step time, CP=4 (allgather and ring) against the
-same 4 emulated ranks without CP (every rank computes the whole sequence), side by side in one run; and the
-simulated step of both programs on H100s.
+same 4 emulated ranks without CP (every rank computes the whole sequence), and both CP forms with causal load
+balancing (load_balance=True: rank r holds chunks r and 7-r), side by side in one run; and the simulated step of
+each program on H100s.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/long_context.py [--seq 8192 --layers 2 --d 64 --steps 3]
 
@@ -49,7 +50,9 @@ def main(argv=None):
     tokens = torch.randint(0, 256, (1, a.seq), generator=torch.Generator().manual_seed(0))
     progs = {}
     for name, schedule in [("no CP", []), ("CP=4", [T.context_parallel("cp")]),
-                           ("ring=4", [T.context_parallel("cp", attention="ring")])]:
+                           ("ring=4", [T.context_parallel("cp", attention="ring")]),
+                           ("CP=4 lb", [T.context_parallel("cp", load_balance=True)]),
+                           ("ring=4 lb", [T.context_parallel("cp", attention="ring", load_balance=True)])]:
         model = llama(a.seq, a.layers, a.d)
         state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
         progs[name] = pt.partition(model, pt.Mesh({"cp": 4}), schedule, example_inputs=(tokens,), loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), options=pt.Options(measure_memory=True))
@@ -70,10 +73,10 @@ def main(argv=None):
         t = statistics.median(times[n][1:])
         base = base or (act, t)
         sim = p.simulate(hw)
-        print(f"  {n:6s} peak {peak / 2**20:8.2f} MiB  activations {act / 2**20:8.2f} MiB ({act / base[0]:.3f}x)  "
+        print(f"  {n:9s} peak {peak / 2**20:8.2f} MiB  activations {act / 2**20:8.2f} MiB ({act / base[0]:.3f}x)  "
               f"step {1e3 * t:8.1f} ms ({t / base[1]:.3f}x)  losses {' '.join(f'{x:.6f}' for x in losses[n])}  "
               f"simulated h100 step {1e3 * sim.step_time_s:.3f} ms")
-    for n in ("CP=4", "ring=4"):
+    for n in ("CP=4", "ring=4", "CP=4 lb", "ring=4 lb"):
         kinds = {}
         for r in progs[n].collectives():
             if r.tactic == "CP":

@@ -154,3 +154,6 @@ def traced_forward(gm) -> tuple:
     while loss.target in (aten.detach.default, aten.alias.default):
         loss = loss.args[0]
     return nodes, set(nodes[:nodes.index(loss) + 1])
+# context_parallel(load_balance=True) (tactics/cpbalance.py): on a sequence input's placeholder, (seq_dim, n): the
+# runtime lays it out in zigzag order; on the captured GraphModule, {"axis", "n", "done"}: the axis of the layout
+META_ZIGZAG = "partir_zigzag"

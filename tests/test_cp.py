@@ -120,15 +120,92 @@ def test_cp_ring_composes_with_data_parallel():
                 and r.why == "tactic"]
 
 
-def test_cp_load_balancing_is_refused_by_name():
-    with pytest.raises(pt.PartitionError, match="causal load balancing"):
-        T.context_parallel("cp", load_balance=True)
+@pytest.mark.parametrize("attn,n,attention", [("sdpa", 2, "allgather"), ("sdpa", 4, "allgather"), ("eager", 2, "allgather"),
+                                              ("eager", 4, "allgather"), ("sdpa", 2, "ring"), ("sdpa", 4, "ring")])
+def test_cp_load_balanced_matches_one_device(attn, n, attention):
+    """load_balance=True: rank r holds chunks r and 2n-1-r (the inputs laid out in zigzag order by the runtime, the
+    positions and the label shift rewritten to the original order at capture): loss and every gradient equal one
+    device. The user's call is unchanged (global tokens in their order)."""
+    model, tokens = llama(attn), torch.randint(0, 64, (2, 16))
+    prog = pt.partition(model, pt.Mesh({"cp": n}), [T.context_parallel("cp", attention=attention, load_balance=True)],
+                        example_inputs=(tokens,), loss_fn=loss_fn)
+    assert_grads_match(prog, model, (tokens,), f"{attn} {attention} CP={n} balanced")
+    assert prog.sharding("inputs.0").dims[1] == ("cp",)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_cp_padded_batch_matches_one_device(attn):
+def test_cp_load_balanced_eval_step_and_forward():
+    """eval_step is balanced too (its capture takes the rewrite) and equals the model's loss; prog.forward runs plain
+    CP (its logits come back in order), said by a warning."""
+    model, tokens = llama("sdpa"), torch.randint(0, 64, (2, 16))
+    prog = pt.partition(model, pt.Mesh({"cp": 2}), [T.context_parallel("cp", load_balance=True)],
+                        example_inputs=(tokens,), loss_fn=loss_fn)
+    with torch.no_grad():
+        ref = model(input_ids=tokens, labels=tokens)
+    torch.testing.assert_close(prog.eval_step(tokens).detach(), ref.loss, rtol=1e-5, atol=0)
+    with pytest.warns(UserWarning, match="without load balancing"):
+        out = prog.forward(tokens)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-6)
+
+
+def attention_flops(prog) -> float:
+    """Causal attention FLOPs of one rank's lowered program (forward kernels): 4 B H Lq Lk E per call, half of it
+    for a call with is_causal (the kernel skips the masked half of its diagonal block)."""
+    from partir_torch.lower.fakeprop import annotate_local_vals
+
+    annotate_local_vals(prog.lowered, prog.captured)      # each node's local shape (meta tensors)
+    fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    total = 0.0
+    for node in prog.lowered.gm.graph.nodes:
+        if node.target is fwd:
+            (b, h, lq, e), lk = node.args[0].meta["val"].shape, node.args[1].meta["val"].shape[2]
+            total += 4 * b * h * lq * lk * e * (0.5 if node.args[4] else 1.0)
+    return total
+
+
+@pytest.mark.parametrize("attention", ["allgather", "ring"])
+def test_cp_load_balancing_halves_causal_attention_work(attention):
+    """CP=4 at sequence 32: without balancing a rank computes its 8 rows against all 4 key blocks of 8 (the hidden
+    ones discarded: 3.5 blocks of 64 pairs); with it, 2 diagonal and 7 whole blocks of 4 x 4 (8 blocks of 16 pairs;
+    allgather runs 4 of them as one call), every one visible to the rank: 128 / 224 = 4/7 of the work, each rank's
+    causal minimum. One SPMD program: every rank runs the same kernel calls."""
+    tokens = torch.randint(0, 64, (1, 32))
+    flops = {}
+    for lb in (False, True):
+        prog = pt.partition(llama("sdpa"), pt.Mesh({"cp": 4}), [T.context_parallel("cp", attention=attention,
+                                                                                 load_balance=lb)],
+                            example_inputs=(tokens,), loss_fn=loss_fn)
+        flops[lb] = attention_flops(prog)
+    assert flops[True] / flops[False] == pytest.approx(4 / 7)
+
+
+def test_cp_load_balancing_refuses_a_shift_it_cannot_rewrite():
+    """A loss that shifts by slicing the logits and the tokens itself depends on the order of positions: refused by
+    name (the zigzag program would pair each logit with the wrong token)."""
+    def manual_shift(m, x):
+        logits = m(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+
+    with pytest.raises(pt.PartitionError, match=r"depends on the order of dim 1 \(size 16, the sequence\)"):
+        pt.partition(llama("sdpa"), pt.Mesh({"cp": 2}), [T.context_parallel("cp", load_balance=True)],
+                     example_inputs=(torch.randint(0, 64, (2, 16)),), loss_fn=manual_shift)
+
+
+def test_cp_load_balancing_refuses_a_length_of_odd_chunks():
+    from partir_torch.tactics.cp import ContextParallel
+
+    with pytest.raises(pt.PartitionError, match=r"T\.context_parallel\(axis, load_balance=True\)"):
+        ContextParallel("cp", load_balance=True)          # the rewrite comes with T.context_parallel's object
+    model, tokens = llama("sdpa"), torch.randint(0, 64, (2, 12))
+    with pytest.raises(pt.PartitionError, match=r"sequence length 12 into 2 x 4 chunks .*e\.g\. 16"):
+        pt.partition(model, pt.Mesh({"cp": 4}), [T.context_parallel("cp", load_balance=True)],
+                     example_inputs=(tokens,), loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize("attn,lb", [("sdpa", False), ("eager", False), ("sdpa", True), ("eager", True)])
+def test_cp_padded_batch_matches_one_device(attn, lb):
     """A padding mask (HF builds a (B, 1, T, T) mask from it: no is_causal) tiled with the sequence; labels -100 on
-    the padding. Equal to one device."""
+    the padding. Equal to one device. Load-balanced, HF looks attention_mask up at the key positions: the rewrite
+    maps those original positions to where they are stored."""
     model, tokens = llama(attn), torch.randint(1, 64, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[1, 11:] = 0                                    # right padding in the second row
@@ -138,7 +215,7 @@ def test_cp_padded_batch_matches_one_device(attn):
         return m(input_ids=x, attention_mask=am, labels=y).loss
 
     batch = (tokens, mask, labels)
-    prog = pt.partition(model, pt.Mesh({"cp": 2}), [T.context_parallel("cp")], example_inputs=batch,
+    prog = pt.partition(model, pt.Mesh({"cp": 2}), [T.context_parallel("cp", load_balance=lb)], example_inputs=batch,
                         loss_fn=padded_loss)
     ref = copy.deepcopy(model)
     ref_loss = padded_loss(ref, *batch)
@@ -151,13 +228,15 @@ def test_cp_padded_batch_matches_one_device(attn):
     assert all(prog.sharding(f"inputs.{i}").dims[1] == ("cp",) for i in range(3))
 
 
-def test_cp_dp_megatron_zero3_on_2x2x2_trains_like_one_device():
+@pytest.mark.parametrize("lb", [False, True], ids=["contiguous", "balanced"])
+def test_cp_dp_megatron_zero3_on_2x2x2_trains_like_one_device(lb):
     """CP x DP x TP x ZeRO-3 (issue 38's composition goal): three steps of AdamW equal one device's."""
     from harness import adamw, train_next_to_eager
 
     model, tokens = llama("sdpa").train(), torch.randint(0, 64, (4, 16))
     ref = copy.deepcopy(model)
-    schedule = [T.data_parallel("batch"), T.context_parallel("cp"), T.megatron("model"), T.zero(3, "batch")]
+    schedule = [T.data_parallel("batch"), T.context_parallel("cp", load_balance=lb), T.megatron("model"),
+                T.zero(3, "batch")]
     prog = pt.partition(model, pt.Mesh({"batch": 2, "cp": 2, "model": 2}), schedule, example_inputs=(tokens,),
                         loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5))
     train_next_to_eager(prog, ref, [(tokens,)] * 3, loss_fn, make_opt=adamw(eps=1e-5))
@@ -181,3 +260,92 @@ def test_attention_rules_and_blockwise_kernels_verify(causal):
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default in targets
     report = verify_graph(gm)
     assert report.factor_checks > 10 and not report.wrong and not report.missing and not report.errors, str(report)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("form", ["gathered", "ring"])
+def test_zigzag_blockwise_attention_matches_causal_attention(form, n):
+    """lower/zigzag.py on each rank of a zigzag layout (rank r holds chunks r and 2n-1-r): the rank's rows of the
+    causal attention and their dq equal the whole kernel's; dk, dv summed over the ranks equal the whole kernel's;
+    grouped-query heads. Each rank computes 2 diagonal and 2n-1 whole c x c blocks, every one of them visible
+    (gathered: slot 1 against the first half, chunks 0..n-1, in one call)."""
+    from partir_torch.lower.zigzag import Zigzag, zigzag_order
+    from partir_torch.verify import _Eager
+
+    fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    torch.manual_seed(0)
+    S, c = 16, 16 // (2 * n)
+    q, k, v, g = torch.randn(2, 4, S, 8), torch.randn(2, 2, S, 8), torch.randn(2, 2, S, 8), torch.randn(2, 4, S, 8)
+    out, lse = fwd(q, k, v, 0.0, True)[:2]
+    want = [x.index_select(2, zigzag_order(S, n)) for x in (out, lse, *bwd(g, q, k, v, out, lse, 0.0, True))]
+    qz, kz, vz, gz = (x.index_select(2, zigzag_order(S, n)) for x in (q, k, v, g))
+    rank = lambda x, r: x[:, :, 2 * c * r:2 * c * (r + 1)]    # noqa: E731 - rank r's contiguous tile of the layout
+    dk, dv, calls = torch.zeros_like(kz), torch.zeros_like(vz), []
+    for r in range(n):
+        zz, qr = Zigzag(_Eager(), torch.tensor(r), n, c, {}), rank(qz, r)
+        if form == "gathered":
+            steps = zz.gathered(qr, kz, vz)
+            o, l = zz.forward(qr, steps)
+            dq, dk_r, dv_r = zz.gathered_backward(rank(gz, r), qr, kz, vz, o, l)
+            dk, dv = dk + dk_r, dv + dv_r
+            calls.append([(s if isinstance(s, int) else int(s), k.shape[2] // c, causal) for s, k, _, causal in steps])
+        else:
+            block = lambda s, r=r: (rank(kz, (r - s) % n), rank(vz, (r - s) % n))     # noqa: E731
+
+            def collect(s, a, b, r=r):
+                rank(dk, (r - s) % n).add_(a)
+                rank(dv, (r - s) % n).add_(b)
+            o, l = zz.ring_forward(qr, block)
+            dq = zz.ring_backward(rank(gz, r), qr, o, l, block, collect)
+        for got, w in zip((o, l, dq), (want[0], want[1], want[2])):
+            torch.testing.assert_close(got, rank(w, r), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dk, want[3], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dv, want[4], rtol=1e-5, atol=1e-5)
+    if form == "gathered":            # slot 0 (chunk r): r whole blocks; slot 1 (chunk 2n-1-r): 2n-1-r whole blocks
+        for r, steps in enumerate(calls):
+            assert steps[:3] == [(0, 1, True), (1, 1, True), (1, n, False)] and len(steps) == n + 2
+            assert Counter(steps[3:]) == {k: m for k, m in {(0, 1, False): r, (1, 1, False): n - 1 - r}.items() if m}
+
+
+def _balanced_ring_worker(rank, port, ckpt, queue):
+    """One of 4 gloo ranks: load-balanced ring CP on the whole axis; the loss and the largest gradient error
+    against one device (computed on every rank) as plain floats."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    out = {"rank": rank}
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=4, timeout=timedelta(seconds=60))
+        model, tokens = llama("sdpa"), torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+        ref = copy.deepcopy(model)
+        ref_loss = loss_fn(ref, tokens)
+        ref_loss.backward()
+        prog = pt.partition(model, pt.Mesh({"cp": 4}), [T.context_parallel("cp", attention="ring", load_balance=True)],
+                            example_inputs=(tokens,), loss_fn=loss_fn)
+        loss, grads = prog.loss_and_grads(tokens)
+        out["loss"], out["ref_loss"] = float(loss), float(ref_loss)
+        floor = max(p.grad.abs().max().item() for p in ref.parameters())
+        out["grad_err"] = max((grads[k] - p.grad).abs().max().item() / (p.grad.abs().max().item() + floor)
+                              for k, p in ref.named_parameters())
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the parent
+        import traceback
+        out["fatal"] = traceback.format_exc()
+    queue.put(out)
+
+
+def test_cp_load_balanced_ring_on_real_ranks():
+    """4 gloo ranks (the ring's transfers are real point-to-point sends): each rank's input tile is its two zigzag
+    chunks of the global batch; loss and gradients equal one device."""
+    from spawn import spawn_ranks
+
+    res = spawn_ranks(_balanced_ring_worker, 4, 300, prefix="partir_cp_lb_")
+    for rank, r in sorted(res.items()):
+        assert "fatal" not in r, f"rank {rank}:\n{r['fatal']}"
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
+        assert r["grad_err"] <= 1e-5, f"rank {rank}: gradient error {r['grad_err']:.3e}"

@@ -27,6 +27,7 @@ import operator
 import torch
 
 from ..sharding import Sharding
+from .zigzag import Zigzag, zigzag_axis
 
 aten = torch.ops.aten
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -116,14 +117,7 @@ class Blockwise:
 # -- "allgather": the indexed kernels of the attention ops (rules/registry.py LINKS; lower/lower.py _indexed) -------
 def _gathered(em, args, kwargs, off, n, size, q_at):
     q, k = args[q_at], args[q_at + 1]
-    pj = 3 if q_at == 0 else 6
-    p = args[pj] if len(args) > pj else kwargs.get("dropout_p", 0.0)
-    if p:
-        from ..errors import PartitionError
-
-        raise PartitionError(f"context parallelism: a causal attention with dropout_p={p} has its query rows tiled; "
-                             f"attention dropout per key block cannot match one device. Use attention dropout 0 "
-                             f"(attention_dropout=0.0 in the model's config) with context_parallel.")
+    _check_dropout(args, kwargs, q_at)
     rb = em.call(aten.div.Tensor_mode, off, n, kwargs={"rounding_mode": "floor"})
     bw = Blockwise(em, rb, size // n, n, True, kwargs.get("attn_mask"), q, kwargs)
 
@@ -133,18 +127,35 @@ def _gathered(em, args, kwargs, off, n, size, q_at):
     return bw, block
 
 
-def sdpa_causal(em, args, kwargs, off, n, size):
+def _check_dropout(args, kwargs, q_at):
+    pj = 3 if q_at == 0 else 6
+    p = args[pj] if len(args) > pj else kwargs.get("dropout_p", 0.0)
+    if p:
+        from ..errors import PartitionError
+
+        raise PartitionError(f"context parallelism: a causal attention with dropout_p={p} has its query rows tiled; "
+                             f"attention dropout per key block cannot match one device. Use attention dropout 0 "
+                             f"(attention_dropout=0.0 in the model's config) with context_parallel.")
+
+
+def sdpa_causal(em, args, kwargs, off, n, size, zigzag=False):
     """_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal=True, ...) of this rank's query
-    rows [off, off + n) against the gathered keys and values."""
+    rows [off, off + n) against the gathered keys and values (zigzag: the rank's two chunks, lower/zigzag.py)."""
+    if zigzag:
+        zz = _zigzag(em, args, kwargs, off, n, size, 0)
+        return em.call(_PAIR, *zz.forward(args[0], zz.gathered(*args[:3])))
     bw, block = _gathered(em, args, kwargs, off, n, size, 0)
     out, lse = bw.forward(args[0], block)
     return em.call(_PAIR, out, lse)
 
 
-def sdpa_causal_backward(em, args, kwargs, off, n, size):
+def sdpa_causal_backward(em, args, kwargs, off, n, size, zigzag=False):
     """Its backward (dout, q, k, v, out, lse, ...): dq of this rank's rows; dk and dv over all the gathered positions
     (partial sums over the ranks' rows, reduced by lowering)."""
     g, q, k, v, out, lse = args[:6]
+    if zigzag:
+        zz = _zigzag(em, args, kwargs, off, n, size, 1)
+        return em.call(_TRIPLE, *zz.gathered_backward(g, q, k, v, out, lse))
     bw, block = _gathered(em, args, kwargs, off, n, size, 1)
     parts, cols = [], []
 
@@ -159,6 +170,21 @@ def sdpa_causal_backward(em, args, kwargs, off, n, size):
     dv = em.call(aten.index_copy.default, em.call(aten.zeros_like.default, v), 2, where,
                  em.call(aten.cat.default, [p[1] for p in parts], 2))
     return em.call(_TRIPLE, dq, dk, dv)
+
+
+def _zigzag(em, args, kwargs, off, n, size, q_at):
+    """The Zigzag kernel of this rank (rank off / n, its n rows two chunks of n / 2), checked as _gathered checks."""
+    from .zigzag import Zigzag
+
+    _check_dropout(args, kwargs, q_at)
+    if kwargs.get("attn_mask") is not None:
+        from ..errors import PartitionError
+
+        raise PartitionError("context_parallel(load_balance=True): a causal attention with an attn_mask as well "
+                             "is not built for the zigzag layout. Use load_balance=False, or a causal attention "
+                             "without an explicit mask (SDPA's is_causal).")
+    rank = em.call(aten.div.Tensor_mode, off, n, kwargs={"rounding_mode": "floor"})
+    return Zigzag(em, rank, size // n, n // 2, kwargs)
 
 
 def _pair(a, b):
@@ -286,8 +312,16 @@ def ring_attention(lw, node, i: int, ins, outs, axis: str) -> bool:
     ring = _Ring(lw, axis, local[kj][1], args[kj].meta["val"].dtype, (args[kj], args[kj + 1], node))
     n = lw.mesh.shape[axis]
     bw = Blockwise(lw.em, lw.em.coords[axis], n, q_shape[2], causal, mask, q, kw)
+    run_fwd, run_bwd = bw.forward, bw.backward
+    if causal and zigzag_axis(lw.cap) == axis:        # load balancing: the zigzag ring (lower/zigzag.py)
+        if mask is not None:
+            raise PartitionError(f"context_parallel(load_balance=True) on axis '{axis}': {node.name} is causal with an "
+                                 f"attn_mask as well, not built for the zigzag layout. Use load_balance=False, or "
+                                 f"a causal attention without an explicit mask (SDPA's is_causal).")
+        zz = Zigzag(lw.em, lw.em.coords[axis], n, q_shape[2] // 2, kw)
+        run_fwd, run_bwd = zz.ring_forward, zz.ring_backward
     if fwd:
-        out, lse = bw.forward(q, ring.blocks(xs[1], xs[2]))
+        out, lse = run_fwd(q, ring.blocks(xs[1], xs[2]))
         lw.env[node], lw.produced_of[node] = lw.em.call(_PAIR, out, lse), list(outs)
         return True
     acc = []                           # each block's dK, dV accumulated by the ranks it visits, then handed on
@@ -297,7 +331,7 @@ def ring_attention(lw, node, i: int, ins, outs, axis: str) -> bool:
             dk, dv = (lw.em.call(aten.add.Tensor, ring.wait(s), d) for s, d in zip(acc, (dk, dv)))
         acc[:] = [ring.shift(dk, 0), ring.shift(dv, 1)]
 
-    dq = bw.backward(xs[0], q, xs[4], xs[5], ring.blocks(xs[2], xs[3]), collect)
+    dq = run_bwd(xs[0], q, xs[4], xs[5], ring.blocks(xs[2], xs[3]), collect)
     lw.env[node] = lw.em.call(_TRIPLE, dq, ring.wait(acc[0]), ring.wait(acc[1]))
     lw.produced_of[node] = [outs[0], have[0], have[1]]
     return True

@@ -37,6 +37,7 @@ from .ring import async_tp
 from .schedule import Scheduled, schedule
 from .fuse import fuse_optimizer
 from .reshard import Emitter, call_function, reshard
+from .zigzag import zigzag_axis
 from .uneven import FILL_FROM_ARG, fill_padding, identity
 from .why import SAME_VALUE, Causes
 
@@ -499,6 +500,8 @@ class Lowerer:
                     raise RuntimeError(f"no indexed kernel for {op.node.target}")
                 n = chunk_size(factor.size, [self.mesh.shape[a] for a in axes])
                 size = {"size": factor.size} if impl in indexed.SIZED else {}
+                if size and zigzag_axis(self.cap) is not None:      # load balancing (tactics/cpbalance.py)
+                    size["zigzag"] = tuple(axes) == (zigzag_axis(self.cap),)
                 return impl(self.em, args, kwargs, indexed.offset(self.em, self.mesh, axes, factor.size), n, **size)
         return None
 

@@ -18,7 +18,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..capture.inputs import conform
-from ..contract import STATE_ROLES, Role
+from ..contract import META_ZIGZAG, STATE_ROLES, Role
 from ..errors import PartitionError
 from . import paths
 from .layout import same_layout
@@ -153,8 +153,20 @@ def arguments(ex, entry, flat, draws: dict, local: bool, what: str) -> list:
                                          f"have shape {tuple(shp)} (global {full}, {sh}).")
                 args.append(rt.local(x))
             else:
-                args.append(rt.shard(x, sh))
+                args.append(rt.shard(_laid_out(x, cap.names[name]), sh))
     return args + rt.coords()
+
+
+def _laid_out(x, node):
+    """x in the program's order of positions: a sequence input of context_parallel(load_balance=True) in zigzag
+    order (tactics/cpbalance.py), so that its contiguous tiles are each rank's two chunks."""
+    zz = node.meta.get(META_ZIGZAG)
+    if zz is None:
+        return x
+    from ..lower.zigzag import zigzag_order
+
+    dim, n = zz
+    return x.index_select(dim, zigzag_order(x.shape[dim], n).to(x.device))
 
 
 def _held_as(held, name: str, sh):

@@ -89,6 +89,8 @@ class Evaluator:
         compute dtype (mixed_precision's casts); remat has no backward here."""
         train = self.ex.plan
         tactics = [t for t in train.tactics if t not in train.capture_rewrites]
+        if kind != "loss":      # a tactic that is also a capture rewrite (load-balanced CP) runs as its plain form
+            tactics += [t.without_rewrite() for t in train.capture_rewrites if hasattr(t, "without_rewrite")]
         return ([t for t in train.capture_rewrites if t.in_eval] if kind == "loss" else []), tactics
 
     def _build(self, kind, batch, key, real=None):

@@ -20,16 +20,18 @@ attention="allgather" (Llama 3's choice: K/V are small with grouped-query heads)
 attention="ring" keeps them tiled and passes them around the axis (lower/cp.py: collective_permute steps, an
 online-softmax merge; the backward rotates K/V and their gradients), for SDPA kernels (the explicit matmul form
 is gathered, with a warning). Both compute a rank's rows blockwise in ring order, so no (T/n, T) causal mask is
-ever built. load_balance=True (chunks i and 2n-1-i per rank) is refused with a PartitionError: not built.
+ever built. load_balance=True (rank r holding chunks r and 2n-1-r, so causal work is equal on every rank and each
+computes only the blocks it sees) is the zigzag layout as a permutation: tactics/cpbalance.py, lower/zigzag.py.
 """
 from __future__ import annotations
 
 import operator
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
+from ..contract import META_ZIGZAG
 from ..errors import PartitionError, source_location, warn
 from ..rules import tags
 from .base import TacticBase, declare
@@ -50,12 +52,10 @@ class ContextParallel(TacticBase):
         if self.attention not in ("allgather", "ring"):
             raise PartitionError(f"context_parallel(attention={self.attention!r}): attention is 'allgather' (keys "
                                  f"and values gathered, the query chunk local) or 'ring'.")
-        if self.load_balance:
-            raise PartitionError("context_parallel(load_balance=True): causal load balancing (rank i holding "
-                                 "sequence chunks i and 2n-1-i, so that every rank can skip the same number of "
-                                 "hidden key blocks) is not built yet. Without it every rank computes all its key "
-                                 "blocks (equal work on every rank, about twice the causal minimum). Use "
-                                 "load_balance=False.")
+        if self.load_balance and not isinstance(self, BalancedContextParallel):
+            raise PartitionError("ContextParallel(load_balance=True): causal load balancing rewrites the captured "
+                                 "step (tactics/cpbalance.py); build it with T.context_parallel(axis, "
+                                 "load_balance=True).")
 
     def seeds(self, ctx) -> list:
         k = ctx.mesh.shape[self.axis]
@@ -111,6 +111,50 @@ class ContextParallel(TacticBase):
                  f"queries and values are gathered there; prog.explain and prog.audit name the values.")
 
 
+@dataclass(frozen=True)
+class BalancedContextParallel(ContextParallel):
+    """context_parallel(load_balance=True): CP on the zigzag layout (rank r holding sequence chunks r and 2n-1-r),
+    both a tactic and a capture rewrite (tactics/cpbalance.py): the step is captured on the permuted sequence, the
+    inputs are laid out in zigzag order by the runtime, and causal attention computes only the visible blocks."""
+
+    load_balance: bool = True
+    n: int = 0                  # the axis size, known at capture (bound(mesh))
+    in_eval = True
+
+    def bound(self, mesh) -> "BalancedContextParallel":
+        return replace(self, n=mesh.shape[self.axis]) if self.axis in mesh.shape else self
+
+    def install(self, model) -> list:
+        return []
+
+    def transform_step(self, state: dict, args: tuple):
+        return state, args
+
+    def rewrite(self, cap) -> None:
+        from .cpbalance import rewrite
+
+        if not self.n:
+            raise PartitionError(f"{self.name}: load_balance=True lays the sequence out for the size of axis "
+                                 f"'{self.axis}', unknown at capture: pass the mesh (plan.capture_for(..., "
+                                 f"mesh=mesh)), or partition with pt.partition.")
+        rewrite(cap, self.name, self.axis, self.seq_dim, self.n)
+
+    def without_rewrite(self) -> ContextParallel:
+        """The tactic of a program captured without the rewrite (prog.forward, whose sequence outputs would come out
+        in zigzag order): plain CP on the same axis, said once."""
+        warn(f"{self.name}: the forward-only program (prog.forward) runs context parallelism on axis '{self.axis}' "
+             f"without load balancing (its outputs along the sequence stay in the caller's order); train_step and "
+             f"eval_step are balanced.")
+        return ContextParallel(self.axis, self.seq_dim, self.attention, False, self.name)
+
+    def _report(self, ctx) -> None:
+        super()._report(ctx)
+        done = (ctx.captured.gm.meta.get(META_ZIGZAG) or {}).get("done", ())
+        ctx.remark(self.name, f"{self.name}: load balancing on axis '{self.axis}': the sequence inputs are laid out "
+                              f"in zigzag order (rank r holds chunks r and 2n-1-r); rewritten for it: "
+                              f"{'; '.join(done) or 'nothing'}.")
+
+
 def _attention_nodes(gm) -> list:
     return [n for n in gm.graph.nodes if n.op == "call_function" and tags.has(n.target, "attention_kernel")]
 
@@ -137,4 +181,6 @@ def context_parallel(axis: str = "cp", seq_dim: int = 1, attention: str = "allga
                      name: str = "CP") -> ContextParallel:
     """Context parallelism on `axis` (see ContextParallel): the sequence dim of every input tiled, attention's
     keys and values gathered, the query rows local, causal masks at each rank's offset."""
+    if load_balance:
+        return BalancedContextParallel(axis, seq_dim, attention, True, name)
     return ContextParallel(axis, seq_dim, attention, load_balance, name)
