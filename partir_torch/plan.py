@@ -28,7 +28,7 @@ from .propagate.engine import Propagator
 from .propagate.record import DecisionRecord
 from .propagate.graph import PartGraph, no_gc
 from .rules.registry import default_registry
-from .tactics.base import CaptureRewrite, Tactic, decompositions_of, family_of
+from .tactics.base import CaptureRewrite, Tactic, TacticBase, decompositions_of, family_of
 from .tactics.context import Planning, TacticContext
 from .tactics.cp import ContextParallel
 from .tactics.pipeline import Pipeline
@@ -287,9 +287,9 @@ def _check_captured_for(captured, entries) -> None:
 
 
 def bound_to(entries, mesh) -> list:
-    """The schedule's entries with what they need of the mesh at capture (DataParallel.bound); as given when
-    mesh is None."""
-    return list(entries) if mesh is None else [t.bound(mesh) if isinstance(t, DataParallel) else t for t in entries]
+    """The schedule's entries with what they need of the mesh at capture (TacticBase.bound); as given when mesh is
+    None."""
+    return list(entries) if mesh is None else [t.bound(mesh) if isinstance(t, TacticBase) else t for t in entries]
 
 
 def _bn_groups(entries) -> int:

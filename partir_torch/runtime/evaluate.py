@@ -18,6 +18,7 @@ from ..capture.inputs import conform
 from ..contract import META_NAME
 from ..errors import PartitionError, user_stacklevel, warn
 from ..lower.lower import bind
+from ..tactics.base import TacticBase
 from .call import Calls, call
 from .layout import same_layout
 from . import paths
@@ -90,7 +91,8 @@ class Evaluator:
         train = self.ex.plan
         tactics = [t for t in train.tactics if t not in train.capture_rewrites]
         if kind != "loss":      # a tactic that is also a capture rewrite (load-balanced CP) runs as its plain form
-            tactics += [t.without_rewrite() for t in train.capture_rewrites if hasattr(t, "without_rewrite")]
+            plain = [t.without_rewrite() for t in train.capture_rewrites if isinstance(t, TacticBase)]
+            tactics += [t for t in plain if t is not None]
         return ([t for t in train.capture_rewrites if t.in_eval] if kind == "loss" else []), tactics
 
     def _build(self, kind, batch, key, real=None):

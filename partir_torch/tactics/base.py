@@ -35,6 +35,16 @@ class TacticBase:
         Vocabulary-parallel cross-entropy, for instance, needs softmax decomposed."""
         return {}
 
+    def bound(self, mesh):
+        """This tactic with what it needs of the mesh at capture (an axis size: data_parallel(batchnorm="local"),
+        load-balanced CP); itself by default."""
+        return self
+
+    def without_rewrite(self):
+        """A tactic that is also a capture rewrite (load-balanced CP): the plain tactic a program captured without
+        the rewrite runs instead (prog.forward); None for every other tactic."""
+        return None
+
     @classmethod
     def macro_actions(cls, ctx, axis: str, name: str) -> list:
         """[(label, kind, tactics)] the automatic search may take on `axis` (kind "preset", or "zero" for a

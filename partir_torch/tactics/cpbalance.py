@@ -133,8 +133,8 @@ def _order_dependent(node: fx.Node, length: int) -> int | None:
     """The dim of the sequence length on which `node` depends on the order of positions (a partial slice, a pad, a
     cumsum, a roll, a flip, a cat), else None."""
     t, args = node.target, node.args
-    shape = tuple(args[0].meta["val"].shape) if args and isinstance(args[0], fx.Node) and hasattr(
-        args[0].meta.get("val"), "shape") else ()
+    val = args[0].meta.get("val") if args and isinstance(args[0], fx.Node) else None
+    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
     dims = []
     if t is aten.slice.Tensor:
         d = args[1] if len(args) > 1 else 0
