@@ -349,3 +349,93 @@ def test_cp_load_balanced_ring_on_real_ranks():
         assert "fatal" not in r, f"rank {rank}:\n{r['fatal']}"
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
         assert r["grad_err"] <= 1e-5, f"rank {rank}: gradient error {r['grad_err']:.3e}"
+
+
+# -- composition with the capture tactics and the pipeline (issue 38 item 2) ---------------------------------------
+def _cp_records(prog) -> list:
+    return [r for r in prog.collectives() if r.axis == "cp" and r.why == "tactic"]
+
+
+@pytest.mark.parametrize("attention,lb", [("allgather", False), ("ring", False), ("ring", True)])
+def test_cp_composes_with_remat(attention, lb):
+    """remat of whole decoder layers: the backward recomputes each layer's attention, so the recomputed kernels run
+    as CP runs them (gathered or ring, balanced) and their transfers are CP's, in the backward; loss and every
+    gradient equal one device. The ring's per-layer count grows by the recomputed forward's 2 (n - 1) permutes."""
+    model, tokens = llama("sdpa"), torch.randint(0, 64, (2, 16))
+    n, layers = 2, model.config.num_hidden_layers
+    sched = [T.context_parallel("cp", attention=attention, load_balance=lb), T.remat("model.layers.*")]
+    prog = pt.partition(model, pt.Mesh({"cp": n}), sched, example_inputs=(tokens,), loss_fn=loss_fn)
+    assert_grads_match(prog, model, (tokens,), f"CP {attention} lb={lb} x remat")
+    fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    recomputed = [x for x in prog.captured.gm.graph.nodes if x.target is fwd and x.meta.get("partir_recompute_of")]
+    assert len(recomputed) == layers
+    recs = _cp_records(prog)
+    assert all(r.tactic == "CP" for r in recs)
+    if attention == "ring":
+        kinds = Counter((r.kind, r.phase) for r in recs if r.kind == "collective_permute")
+        assert kinds == {("collective_permute", "forward"): layers * 2 * (n - 1),
+                         ("collective_permute", "backward"): layers * (4 * (n - 1) + 2 * n)}
+    else:
+        assert Counter((r.kind, r.phase) for r in recs if r.kind != "all_reduce") == {
+            ("all_gather", "forward"): 2 * layers, ("all_gather", "backward"): 2 * layers,
+            ("reduce_scatter", "backward"): 2 * layers}
+
+
+def _bf16_steps(model, batch, steps, lr=0.1):
+    """Mixed precision on one device as DESIGN's MixedPrecision does it (tests/test_compose.py's _eager): an fp32
+    master copy, forward and backward on a bf16 copy, fp32 gradients into SGD."""
+    master, losses = copy.deepcopy(model), []
+    opt = torch.optim.SGD(master.parameters(), lr=lr)
+    for _ in range(steps):
+        work = copy.deepcopy(master).to(torch.bfloat16)
+        loss = loss_fn(work, *batch).float()
+        loss.backward()
+        for p, w in zip(master.parameters(), work.parameters()):
+            p.grad = w.grad.float()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: p.detach() for k, p in master.named_parameters()}
+
+
+@pytest.mark.parametrize("attention,lb", [("allgather", False), ("ring", False), ("allgather", True)])
+def test_cp_composes_with_mixed_precision(attention, lb):
+    """bf16 compute under CP: the keys and values travel in bf16 (half the fp32 bytes), named CP's; two SGD steps
+    equal one device's bf16 steps to bf16 precision (tests/test_compose.py's tolerances: 2% on the loss, each
+    parameter within a quarter of how far the steps moved it; a lost or doubled reduction is 50% or more)."""
+    model, tokens = llama("sdpa"), torch.randint(0, 64, (2, 16))
+    init = {k: p.detach().clone() for k, p in model.named_parameters()}
+    want_losses, want = _bf16_steps(model, (tokens,), 2)
+    sched = [T.mixed_precision(), T.context_parallel("cp", attention=attention, load_balance=lb)]
+    prog = pt.partition(model, pt.Mesh({"cp": 2}), sched, example_inputs=(tokens,), loss_fn=loss_fn,
+                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    got_losses = [float(prog.train_step(tokens)) for _ in range(2)]
+    got = prog.gather_parameters()
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want_losses), rtol=2e-2, atol=0)
+    for k in want:
+        assert got[k].dtype == torch.float32, k
+        moved, err = (want[k] - init[k]).abs().max(), (got[k] - want[k]).abs().max()
+        assert err <= 0.25 * moved + 1e-6, f"{k}: off by {err:.3g}, moved {moved:.3g}"
+    kv = [r for r in _cp_records(prog) if r.kind in ("all_gather", "reduce_scatter", "collective_permute")]
+    assert kv and all(r.tactic == "CP" and r.dtype == "bfloat16" for r in kv)
+
+
+@pytest.mark.parametrize("attention,lb", [("allgather", False), ("ring", False), ("allgather", True)])
+def test_cp_composes_with_pipeline(attention, lb):
+    """CP x PP on {pp: 2, cp: 2} (1F1B, 2 micro-batches): each stage's layers run CP on their micro-batch; two AdamW
+    steps equal one device's. Load balancing finds HF's label shift in each micro-batch (the pipeline's capture
+    views the batch as (micro-batches, B / m, S) and selects one: cpbalance._labels_of looks through it)."""
+    from harness import adamw, train_next_to_eager
+
+    model, tokens = llama("sdpa"), torch.randint(0, 64, (4, 16))
+    ref = copy.deepcopy(model)
+    sched = [T.pipeline("pp", 2, "1F1B", 2), T.context_parallel("cp", attention=attention, load_balance=lb)]
+    prog = pt.partition(model, pt.Mesh({"pp": 2, "cp": 2}), sched, example_inputs=(tokens,), loss_fn=loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    train_next_to_eager(prog, ref, [(tokens,)] * 2, loss_fn, adamw(1e-3), what=f"PP x CP {attention} lb={lb}")
+    kinds = Counter(r.kind for r in _cp_records(prog) if r.tactic == "CP")
+    layers, micro = model.config.num_hidden_layers, 2
+    if attention == "ring":
+        assert kinds["collective_permute"] == layers * micro * (4 * 1 + 2 * 2)
+    else:
+        assert kinds["all_gather"] == kinds["reduce_scatter"] == 2 * layers * micro

@@ -77,14 +77,34 @@ def _is_positions(node: fx.Node, length: int) -> bool:
     return (start, end, step) == (0, length, 1)
 
 
+_BATCH_VIEWS = (aten.clone.default, aten.select.int, aten.view.default, aten._unsafe_view.default)
+
+
+def _labels_of(x: fx.Node) -> fx.Node | None:
+    """The integer placeholder whose last dim x is: itself, or a microbatch of it (the pipeline's capture views the
+    batch as (microbatches, B / m, S), then selects and clones one): views that keep the last dim, selects of another
+    dim. None otherwise."""
+    while x.op != "placeholder":
+        if x.target not in _BATCH_VIEWS or not isinstance(x.args[0], fx.Node):
+            return None
+        src, val = x.args[0].meta["val"], x.meta["val"]
+        if x.target is aten.select.int and x.args[1] % src.dim() == src.dim() - 1:
+            return None
+        if src.dim() == 0 or val.dim() == 0 or src.shape[-1] != val.shape[-1]:
+            return None
+        x = x.args[0]
+    return x
+
+
 def _label_slices(gm, seq_dim: int) -> list:
-    """HF's label shift: slice(constant_pad_nd(labels (B, S) integer placeholder, [0, 1]), seq_dim, 1, end)."""
+    """HF's label shift: slice(constant_pad_nd(labels (B, S) integer placeholder or a microbatch of it, [0, 1]),
+    seq_dim, 1, end)."""
     out = []
     for pad in gm.graph.nodes:
         if pad.target is not aten.constant_pad_nd.default or not isinstance(pad.args[0], fx.Node):
             continue
-        src = pad.args[0]
-        if src.op != "placeholder" or src.meta["val"].is_floating_point() or list(pad.args[1]) != [0, 1]:
+        src = _labels_of(pad.args[0])
+        if src is None or src.meta["val"].is_floating_point() or list(pad.args[1]) != [0, 1]:
             continue
         out += [u for u in pad.users if u.target is aten.slice.Tensor and u.args[1] % src.meta["val"].dim() ==
                 seq_dim % src.meta["val"].dim() and u.args[2] == 1]
