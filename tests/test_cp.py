@@ -439,3 +439,83 @@ def test_cp_composes_with_pipeline(attention, lb):
         assert kinds["collective_permute"] == layers * micro * (4 * 1 + 2 * 2)
     else:
         assert kinds["all_gather"] == kinds["reduce_scatter"] == 2 * layers * micro
+
+
+# -- attention forms beyond causal and padding (issue 38 item 1's "anything else") ---------------------------------
+def _tiny(kind: str, attn: str, window: int | None = 5):
+    """A stock HF decoder from a tiny config: Mistral (sliding_window on every layer), Qwen2 (use_sliding_window),
+    Gemma-2 (sliding and full layers alternating; eager attention, as its docs say: SDPA has no softcap)."""
+    import transformers
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    if kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=window, **common))
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            use_sliding_window=window is not None, sliding_window=window, max_window_layers=0, **common))
+    else:
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            sliding_window=window or 4096, head_dim=8, query_pre_attn_scalar=8, **common))
+    model.config._attn_implementation = attn
+    return model
+
+
+@pytest.mark.parametrize("kind,attn,attention,lb", [("mistral", "sdpa", "ring", False), ("mistral", "sdpa", "ring", True),
+                                                    ("qwen2", "sdpa", "allgather", True),
+                                                    ("gemma2", "eager", "allgather", True)])
+def test_cp_sliding_window_matches_one_device(kind, attn, attention, lb):
+    """Sliding-window attention (HF builds a (B, 1, T, T) mask from the query and key positions, no is_causal): the
+    mask's rows are built at each rank's positions (load-balanced: the original positions in zigzag order), its
+    columns address the gathered or ring-passed key blocks: exact. The window must be live (the model's loss
+    differs from the same weights without it). HF's sliding KV cache keeps the last window of keys (a slice of the
+    sequence no loss reads): load balancing does not refuse it."""
+    tokens = torch.randint(1, 64, (2, 16))
+    model = _tiny(kind, attn)
+    whole = _tiny(kind, attn, window=None)
+    with torch.no_grad():
+        assert abs(loss_fn(model, tokens).item() - loss_fn(whole, tokens).item()) > 1e-3, "the window is not live"
+    prog = pt.partition(model, pt.Mesh({"cp": 2}), [T.context_parallel("cp", attention=attention, load_balance=lb)],
+                        example_inputs=(tokens,), loss_fn=loss_fn)
+    assert_grads_match(prog, model, (tokens,), f"{kind} window CP {attention} lb={lb}")
+
+
+def packed_loss(m, x, pos):
+    """Packed sequences the way HF's masking_utils finds them: position_ids restarting, no attention_mask, no cache
+    (use_cache=False, as in training): a block-diagonal causal mask."""
+    return m(input_ids=x, position_ids=pos, labels=x, use_cache=False).loss
+
+
+@pytest.mark.parametrize("attn,attention", [("sdpa", "allgather"), ("sdpa", "ring"), ("eager", "allgather")])
+def test_cp_packed_sequences_match_one_device(attn, attention):
+    """A document mask (two sequences packed per row, position_ids restarting at 0): HF finds the documents with a
+    diff and a cumsum along the sequence, which CP gathers (B x T integers); the mask's rows are local: exact. The
+    reference is block-diagonal: the second document's logits equal those of the document alone."""
+    model, tokens = llama(attn), torch.randint(1, 64, (2, 16))
+    pos = torch.stack([torch.cat([torch.arange(6), torch.arange(10)]), torch.cat([torch.arange(11), torch.arange(5)])])
+    with torch.no_grad():
+        packed = model(input_ids=tokens, position_ids=pos, use_cache=False).logits
+        alone = model(input_ids=tokens[:1, 6:], use_cache=False).logits
+    torch.testing.assert_close(packed[:1, 6:], alone, rtol=1e-5, atol=1e-5)
+    prog = pt.partition(model, pt.Mesh({"cp": 2}), [T.context_parallel("cp", attention=attention)],
+                        example_inputs=(tokens, pos), loss_fn=packed_loss)
+    ref = copy.deepcopy(model)
+    ref_loss = packed_loss(ref, tokens, pos)
+    ref_loss.backward()
+    loss, grads = prog.loss_and_grads(tokens, pos)
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=0)
+    floor = GRAD_RTOL * max(p.grad.abs().max().item() for p in ref.parameters())
+    for k, p in ref.named_parameters():
+        assert (grads[k] - p.grad).abs().max().item() <= GRAD_RTOL * p.grad.abs().max().item() + floor, k
+
+
+def test_cp_load_balancing_refuses_packed_sequences():
+    """Load balancing lays the sequence out in zigzag order; HF's document search (diff of position_ids) depends on
+    their order: refused by name, with the fix (plain CP is exact, the test above)."""
+    tokens = torch.randint(1, 64, (2, 16))
+    pos = torch.cat([torch.arange(6), torch.arange(10)]).expand(2, 16).clone()
+    with pytest.raises(pt.PartitionError, match=r"depends on the order of dim 1 .*document mask found from "
+                                                r"position_ids.*Use load_balance=False"):
+        pt.partition(llama("sdpa"), pt.Mesh({"cp": 2}), [T.context_parallel("cp", load_balance=True)],
+                     example_inputs=(tokens, pos), loss_fn=packed_loss)

@@ -173,11 +173,24 @@ def _order_dependent(node: fx.Node, length: int) -> int | None:
     return next((d % len(shape) for d in dims if shape and shape[d % len(shape)] == length), None)
 
 
+def _live(g) -> set:
+    """The nodes the step's outputs read (a value nobody reads, such as a KV cache's window kept for decoding that
+    a training step drops, is not refused)."""
+    seen, work = set(), [x for x in g.nodes if x.op == "output"]
+    while work:
+        x = work.pop()
+        if x not in seen:
+            seen.add(x)
+            work += x.all_input_nodes
+    return seen
+
+
 def _refuse_order_dependent(g, name: str, axis: str, n: int, length: int, label_pads: set) -> None:
     from ..errors import source_location
 
+    live = _live(g)
     for node in g.nodes:
-        if node.op != "call_function" or node in label_pads:
+        if node.op != "call_function" or node in label_pads or node not in live:
             continue
         d = _order_dependent(node, length)
         if d is not None:
@@ -185,8 +198,10 @@ def _refuse_order_dependent(g, name: str, axis: str, n: int, length: int, label_
                 f"{name}: load_balance=True computes on the sequence in zigzag order (axis '{axis}', size {n}), and "
                 f"{node.format_node()} at {source_location(node) or 'the step'} depends on the order of dim {d} "
                 f"(size {length}, the sequence): only positions (arange), HF's label shift (pad + slice [1:] of the "
-                f"labels) and lookups at positions are rewritten for it. Use load_balance=False, or shift the labels "
-                f"the way the model's own loss does (labels=).")
+                f"labels) and lookups at positions are rewritten for it (a document mask found from position_ids "
+                f"that restart, packed sequences, is not). Use load_balance=False (plain CP gathers what this op "
+                f"needs: exact), or, for a label shift of your own, shift the labels the way the model's own loss "
+                f"does (labels=).")
 
 
 def rewrite(cap, name: str, axis: str, seq_dim: int, n: int) -> list:
