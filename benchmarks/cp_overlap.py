@@ -22,7 +22,10 @@ one clock for the 4 processes): the k-th ring_shift of rank r receives what rank
 rank r waited, the part before both ends had issued is skew and the rest, wait end - max(wait start, both issued),
 is the transfer's exposed time.
 
-exposed / transfer is the figure (0: every transfer was done when its block was needed; 1: none overlapped).
+exposed / transfer is the figure (0: every transfer was done when its block was needed; 1: none overlapped). Steps
+alternate with a baseline in the same processes (TimedWorks.SYNC: each transfer waited for where it is issued, so
+nothing overlaps it): its exposed time is what the transfers cost under the same CPU contention, and async exposed
+/ sync exposed says how much of that the program's order hides.
 """
 from __future__ import annotations
 
@@ -71,6 +74,7 @@ class TimedWorks:
     """A stand-in for lower/ring.py's _Works recording (issued, wait start, wait end) per transfer into LOG."""
 
     LOG: list = []
+    SYNC = False            # the baseline: each transfer waited for where it is issued (nothing overlaps it)
 
     @staticmethod
     def install():
@@ -83,8 +87,12 @@ class TimedWorks:
                 super().__init__(works)
                 self.stamp = [time.perf_counter(), None, None]
                 TimedWorks.LOG.append(self.stamp)
+                if TimedWorks.SYNC:
+                    self.wait()
 
             def wait(self, timeout=None):
+                if self.stamp[1] is not None:       # waited already (SYNC)
+                    return True
                 self.stamp[1] = time.perf_counter()
                 out = super().wait(timeout)
                 self.stamp[2] = time.perf_counter()
@@ -132,7 +140,8 @@ def worker(rank, port, a, queue):
                         example_inputs=(tokens,), loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters()))
     prog.train_step(tokens)                                     # warm-up: first-call work stays out of the trace
     steps = []
-    for _ in range(a.steps):
+    for i in range(2 * a.steps):
+        TimedWorks.SYNC = bool(i % 2)
         dist.barrier()
         TimedWorks.LOG.clear()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -143,8 +152,9 @@ def worker(rank, port, a, queue):
         logs = [None] * 4
         dist.all_gather_object(logs, [tuple(x) for x in TimedWorks.LOG])
         skew, exposed, each = split_waits(logs, rank)
-        steps.append({"wall": wall, "shifts": shifts, "waits": waits, "loss": loss, "skew": skew, "exposed": exposed,
-                      "each": each})
+        steps.append({"sync": TimedWorks.SYNC, "wall": wall, "shifts": shifts, "waits": waits, "loss": loss,
+                      "skew": skew, "exposed": exposed, "each": each})
+    TimedWorks.SYNC = False
     b, h, hd = 1, model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
     pair = pair_time((b, h, a.seq // 4, hd), a.reps)
     queue.put({"rank": rank, "steps": steps, "pair": pair})
@@ -170,23 +180,29 @@ def main(argv=None):
     res = sorted((queue.get() for _ in range(4)), key=lambda r: r["rank"])
     print(f"ring attention on 4 gloo ranks: llama layers={a.layers} d={a.d} seq={a.seq} batch=1 "
           f"load_balance={a.lb}; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
-    tot = dict(waited=0.0, skew=0.0, exposed=0.0, xfer=0.0)
+    tot = {m: dict(waited=0.0, skew=0.0, exposed=0.0, xfer=0.0, wall=0.0) for m in (False, True)}
     for r in res:
-        for i, s in enumerate(r["steps"]):
-            xfer, waited = s["shifts"] / 2 * r["pair"], sum(s["waits"])
-            for k, v in (("waited", waited), ("skew", s["skew"]), ("exposed", s["exposed"]), ("xfer", xfer)):
-                tot[k] += v
-            print(f"  rank {r['rank']} step {i}: wall {1e3 * s['wall']:8.1f} ms  ring steps {s['shifts'] // 2:3d} x "
-                  f"{1e3 * r['pair']:.2f} ms = transfer {1e3 * xfer:7.1f} ms  waited (trace) {1e3 * waited:7.1f} ms "
-                  f"= peer late {1e3 * s['skew']:7.1f} + exposed {1e3 * s['exposed']:6.1f} ms  "
-                  f"exposed/transfer {s['exposed'] / xfer:.3f}  loss {s['loss']:.6f}")
+        for s in r["steps"]:
+            xfer, waited, t = s["shifts"] / 2 * r["pair"], sum(s["waits"]), tot[s["sync"]]
+            for k, v in (("waited", waited), ("skew", s["skew"]), ("exposed", s["exposed"]), ("xfer", xfer),
+                         ("wall", s["wall"])):
+                t[k] += v
+            print(f"  rank {r['rank']} {'sync ' if s['sync'] else 'async'}: wall {1e3 * s['wall']:7.1f} ms  ring steps "
+                  f"{s['shifts'] // 2:3d} x {1e3 * r['pair']:.2f} ms = transfer {1e3 * xfer:6.1f} ms  waited (trace) "
+                  f"{1e3 * waited:6.1f} ms  peer late {1e3 * s['skew']:6.1f} ms  exposed {1e3 * s['exposed']:6.1f} ms  "
+                  f"loss {s['loss']:.6f}")
     if a.detail:
-        each = [sum(x) for x in zip(*(s["each"] for r in res for s in r["steps"]))]
-        print("  exposed ms per transfer in program order, summed over ranks and steps: "
-              + " ".join(f"{1e3 * x:.1f}" for x in each))
-    print(f"  all ranks and steps: transfer {1e3 * tot['xfer']:.1f} ms; waited (trace) {1e3 * tot['waited']:.1f} ms "
-          f"= peer late {1e3 * tot['skew']:.1f} + exposed {1e3 * tot['exposed']:.1f} ms; exposed / transfer "
-          f"{tot['exposed'] / tot['xfer']:.3f} (goal <= 0.30); waited / transfer {tot['waited'] / tot['xfer']:.3f}")
+        for m in (False, True):
+            each = [sum(x) for x in zip(*(s["each"] for r in res for s in r["steps"] if s["sync"] is m))]
+            print(f"  {'sync ' if m else 'async'} exposed ms per transfer in program order, summed over ranks and "
+                  f"steps: " + " ".join(f"{1e3 * x:.1f}" for x in each))
+    ra, rs = tot[False], tot[True]
+    print(f"  async (the program): transfer {1e3 * ra['xfer']:.1f} ms (standalone), waited (trace) "
+          f"{1e3 * ra['waited']:.1f} ms = peer late {1e3 * ra['skew']:.1f} + exposed {1e3 * ra['exposed']:.1f} ms; "
+          f"exposed / transfer {ra['exposed'] / ra['xfer']:.3f} (goal <= 0.30)")
+    print(f"  sync (each transfer waited where issued): exposed {1e3 * rs['exposed']:.1f} ms = the transfers' time in "
+          f"these conditions; async exposed / sync exposed {ra['exposed'] / rs['exposed']:.3f}; wall async / sync "
+          f"{ra['wall'] / rs['wall']:.3f}")
 
 
 if __name__ == "__main__":

@@ -519,3 +519,40 @@ def test_cp_load_balancing_refuses_packed_sequences():
                                                 r"position_ids.*Use load_balance=False"):
         pt.partition(llama("sdpa"), pt.Mesh({"cp": 2}), [T.context_parallel("cp", load_balance=True)],
                      example_inputs=(tokens, pos), loss_fn=packed_loss)
+
+
+# -- the automatic tactic (issue 38 item 2: "the automatic tactic may choose a CP axis when the sequence is long") --
+def _long_llama(seq: int):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+                                   bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _auto(model, tokens, limit):
+    hw = pt.sim.hardware("h100", nodes=1, gpus_per_node=4)
+    return pt.partition(model, pt.Mesh({"cp": 4}), [T.automatic("cp", hardware=hw, memory_limit=limit, budget_s=3,
+                                                                progress=False)],
+                        example_inputs=(tokens,), loss_fn=loss_fn)
+
+
+def test_automatic_search_offers_and_chooses_context_parallel_for_a_long_sequence():
+    """Sequence 2048, batch 1 (no batch to split): the search offers context_parallel as a preset (lowered and
+    simulated with the pure preset combinations); under a memory limit only CP meets (activations dominate: CP
+    3.5 MB, Megatron + SP 4.8 MB, replicated 11.6 MB per device as simulated), it chooses it, and the program
+    equals one device. A short sequence is not offered CP."""
+    model, tokens = _long_llama(2048), torch.randint(0, 64, (1, 2048))
+    prog = _auto(model, tokens, 4e6)
+    rep = prog.search_reports[-1]
+    assert rep.within_limit and rep.chosen.label() == "cp: context_parallel", prog.search_report()
+    assert any(c.label() == "cp: context_parallel" and c.preset_only for c in rep.lowered)
+    assert prog.sharding("inputs.0").dims[1] == ("cp",)
+    assert "action 'context_parallel'" in prog.explain("inputs.0")
+    assert_grads_match(prog, model, (tokens,), "automatic CP")
+    short = _auto(_long_llama(256), torch.randint(0, 64, (1, 256)), None).search_reports[-1]
+    assert not any("context_parallel" in a.label for a in short.chosen.actions) and "context_parallel" not in \
+        {c.label().split(": ")[-1] for c in short.lowered}

@@ -37,7 +37,10 @@ from ..rules import tags
 from .base import TacticBase, declare
 
 
-@declare("context_parallel")
+LONG_SEQUENCE = 2048      # the automatic search offers CP on an axis when a self-attention is at least this long
+
+
+@declare("context_parallel", macro=True)
 @dataclass(frozen=True)
 class ContextParallel(TacticBase):
     """CP on `axis`: the sequence dim `seq_dim` of the inputs tiled (see the module docstring)."""
@@ -56,6 +59,18 @@ class ContextParallel(TacticBase):
             raise PartitionError("ContextParallel(load_balance=True): causal load balancing rewrites the captured "
                                  "step (tactics/cpbalance.py); build it with T.context_parallel(axis, "
                                  "load_balance=True).")
+
+    @classmethod
+    def macro_actions(cls, ctx, axis: str, name: str) -> list:
+        """The automatic search's CP (the "allgather" form: the ring and load balancing are lowering and capture
+        choices, made in the schedule): offered when a self-attention kernel's sequence is long (LONG_SEQUENCE or
+        more) and the axis divides it."""
+        k = ctx.mesh.shape[axis]
+        lengths = {n.args[0].meta["val"].shape[-2] for n in _attention_nodes(ctx.captured.gm)
+                   if n.args[0].meta["val"].shape[-2] == n.args[1].meta["val"].shape[-2]}
+        if not any(t >= LONG_SEQUENCE and t % k == 0 for t in lengths):
+            return []
+        return [("context_parallel", "preset", (cls(axis, name=name),))]
 
     def seeds(self, ctx) -> list:
         k = ctx.mesh.shape[self.axis]
