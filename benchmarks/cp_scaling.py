@@ -7,7 +7,7 @@ GPU as the CP axis grows. The model is built on the meta device (no weights) and
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cp_scaling.py --memory 131072 --cps 1,2,4,8,16,32
 
 Scaling rows: for each sequence length, the tensor- and context-parallel sizes of NeMo's CP configuration for that
-length (the tables below), as T.megatron("tp", vocab=True) + T.context_parallel("cp", attention="ring", load_balance=True) on
+length (the tables below), as T.megatron("tp", vocab=True) + T.sequence_parallel("tp") + T.context_parallel("cp", attention="ring", load_balance=True) on
 {tp, cp}, against the same TP without CP ({tp}: every GPU of the TP group holds the whole sequence). prog.simulate
 prices each (step time, MFU = model FLOPs / (GPUs x bf16 peak x step time), peak memory per GPU); "fits" compares
 the peak with the GPU's HBM.
@@ -64,11 +64,13 @@ def loss_fn(m, x):
     return m(input_ids=x, labels=x).loss
 
 
-def run(hw_name: str, layers: int, seq: int, tp: int, cp: int, attention: str, lb: bool) -> dict:
-    """Partition and simulate one configuration; cp == 1: no CP."""
+def run(hw_name: str, layers: int, seq: int, tp: int, cp: int, attention: str, lb: bool, remat: bool = False) -> dict:
+    """Partition and simulate one configuration; cp == 1: no CP. TP is Megatron with the vocabulary tiled and sequence
+    parallelism (NeMo's); remat: full recomputation of every decoder layer."""
     mesh = {"tp": tp} | ({"cp": cp} if cp > 1 else {})
-    sched = ([T.megatron("tp", vocab=True)] if tp > 1 else []) + (
-        [T.context_parallel("cp", attention=attention, load_balance=lb)] if cp > 1 else [])
+    sched = ([T.megatron("tp", vocab=True), T.sequence_parallel("tp")] if tp > 1 else []) + (
+        [T.context_parallel("cp", attention=attention, load_balance=lb)] if cp > 1 else []) + (
+        [T.remat("model.layers.*")] if remat else [])
     gpus = tp * cp
     hw = pt.sim.hardware(hw_name, nodes=max(1, gpus // 8), **({"gpus_per_node": gpus} if gpus < 8 else {}))
     t0 = time.perf_counter()
@@ -84,14 +86,14 @@ def run(hw_name: str, layers: int, seq: int, tp: int, cp: int, attention: str, l
 
 def scaling(a) -> None:
     print(f"llama-8B shape, {a.layers} layers, batch 1, bf16, ring attention with load balancing; NeMo's (TP, CP) "
-          f"per length; load average {os.getloadavg()[0]:.1f}")
+          f"per length; remat={a.remat}; load average {os.getloadavg()[0]:.1f}")
     print("  hw    seq      TP  CP  no-CP step   MFU  peak/GPU (fits) | CP step    MFU  peak/GPU (fits)  CP bytes/step  "
           "exposed  speedup")
     for hw_name in a.hw.split(","):
         for seq in (int(s) for s in a.seqs.split(",")):
             tp, cp = NEMO[hw_name][seq]
-            base = run(hw_name, a.layers, seq, tp, 1, a.attention, False)
-            row = base if cp == 1 else run(hw_name, a.layers, seq, tp, cp, a.attention, not a.no_lb)
+            base = run(hw_name, a.layers, seq, tp, 1, a.attention, False, a.remat)
+            row = base if cp == 1 else run(hw_name, a.layers, seq, tp, cp, a.attention, not a.no_lb, a.remat)
             fits = lambda r: "yes" if r["peak"] <= HBM[hw_name] else "no"     # noqa: E731
             print(f"  {hw_name}  {seq // K:5d}K  {tp:2d}  {cp:2d}  {base['step']:9.2f} s {100 * base['mfu']:5.1f}% "
                   f"{base['peak'] / 2**30:8.1f} GiB ({fits(base):3s}) | {row['step']:7.2f} s {100 * row['mfu']:5.1f}% "
@@ -121,6 +123,7 @@ def main(argv=None):
     ap.add_argument("--hw", default="h100,b200")
     ap.add_argument("--attention", default="ring")
     ap.add_argument("--no-lb", action="store_true", help="CP without load balancing")
+    ap.add_argument("--remat", action="store_true", help="full recomputation of the decoder layers in every row")
     ap.add_argument("--memory", type=int, default=0, help="the memory table at this sequence length instead")
     ap.add_argument("--cps", default="1,2,4,8,16,32")
     a = ap.parse_args(argv)

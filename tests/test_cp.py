@@ -88,6 +88,18 @@ def test_cp_composes_on_a_2x2_mesh(other, mesh):
     assert kv["all_gather"] >= 4 and kv["reduce_scatter"] == 4
 
 
+@pytest.mark.parametrize("attention", ["allgather", "ring"])
+def test_cp_balanced_composes_with_megatron_vocab_and_sequence_parallel(attention):
+    """NeMo's long-context layout: load-balanced CP on one axis, Megatron with the vocabulary tiled and sequence
+    parallelism on the other: equal to one device."""
+    model, tokens = llama("sdpa"), torch.randint(0, 64, (2, 16))
+    sched = [T.context_parallel("cp", attention=attention, load_balance=True), T.megatron("tp", vocab=True),
+             T.sequence_parallel("tp")]
+    prog = pt.partition(model, pt.Mesh({"cp": 2, "tp": 2}), sched, example_inputs=(tokens,), loss_fn=loss_fn)
+    assert_grads_match(prog, model, (tokens,), f"CP {attention} lb x MP(vocab) + SP")
+    assert prog.sharding("inputs.0").dims[1] == ("cp", "tp")      # SP tiles each rank's sequence tile further
+
+
 def test_cp_refuses_a_length_the_axis_does_not_divide():
     model, tokens = llama("sdpa"), torch.randint(0, 64, (2, 14))
     with pytest.raises(pt.PartitionError, match=r"sequence length 14 .* axis 'cp' \(size 4\).*e\.g\. 16"):
