@@ -7,7 +7,8 @@ GPU as the CP axis grows. The model is built on the meta device (no weights) and
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cp_scaling.py --memory 131072 --cps 1,2,4,8,16,32
 
 Scaling rows: for each sequence length, the tensor- and context-parallel sizes of NeMo's CP configuration for that
-length (the tables below), as T.megatron("tp", vocab=True) + T.sequence_parallel("tp") + T.context_parallel("cp", attention="ring", load_balance=True) on
+length (the tables below), as T.context_parallel("cp", attention="ring", load_balance=True) + T.megatron("tp",
+vocab=True) + T.sequence_parallel("tp") on
 {tp, cp}, against the same TP without CP ({tp}: every GPU of the TP group holds the whole sequence). prog.simulate
 prices each (step time, MFU = model FLOPs / (GPUs x bf16 peak x step time), peak memory per GPU); "fits" compares
 the peak with the GPU's HBM.
@@ -68,8 +69,10 @@ def run(hw_name: str, layers: int, seq: int, tp: int, cp: int, attention: str, l
     """Partition and simulate one configuration; cp == 1: no CP. TP is Megatron with the vocabulary tiled and sequence
     parallelism (NeMo's); remat: full recomputation of every decoder layer."""
     mesh = {"tp": tp} | ({"cp": cp} if cp > 1 else {})
-    sched = ([T.megatron("tp", vocab=True), T.sequence_parallel("tp")] if tp > 1 else []) + (
-        [T.context_parallel("cp", attention=attention, load_balance=lb)] if cp > 1 else []) + (
+    # CP before SP: the sequence dim is then tiled cp-major, each CP rank's tile split by SP; in the other order
+    # (tp-major) CP gathers every SP activation on its axis (256 MiB per layer boundary at 32K)
+    sched = ([T.context_parallel("cp", attention=attention, load_balance=lb)] if cp > 1 else []) + (
+        [T.megatron("tp", vocab=True), T.sequence_parallel("tp")] if tp > 1 else []) + (
         [T.remat("model.layers.*")] if remat else [])
     gpus = tp * cp
     hw = pt.sim.hardware(hw_name, nodes=max(1, gpus // 8), **({"gpus_per_node": gpus} if gpus < 8 else {}))
