@@ -100,6 +100,22 @@ def test_cp_balanced_composes_with_megatron_vocab_and_sequence_parallel(attentio
     assert prog.sharding("inputs.0").dims[1] == ("cp", "tp")      # SP tiles each rank's sequence tile further
 
 
+def test_cp_after_sequence_parallel_warns_and_gathers():
+    """CP after sequence parallelism in the schedule tiles the sequence tp-major, inside SP's tiling, and CP then
+    gathers SP's activations on its axis (9x the bytes of CP first, here): said by a warning with the fix."""
+    tokens = torch.randint(0, 64, (1, 16))
+    mp = [T.megatron("tp", vocab=True), T.sequence_parallel("tp")]
+    mesh = pt.Mesh({"cp": 2, "tp": 2})
+    first = pt.partition(llama("sdpa"), mesh, [T.context_parallel("cp")] + mp, example_inputs=(tokens,),
+                         loss_fn=loss_fn)
+    with pytest.warns(UserWarning, match=r"already tiled on 'tp'.*Put context_parallel before sequence_parallel"):
+        after = pt.partition(llama("sdpa"), mesh, mp + [T.context_parallel("cp")], example_inputs=(tokens,),
+                             loss_fn=loss_fn)
+    assert first.sharding("inputs.0").dims[1] == ("cp", "tp") and after.sharding("inputs.0").dims[1] == ("tp", "cp")
+    cp_bytes = lambda p: sum(r.nbytes for r in p.collectives() if r.tactic == "CP" and r.why == "tactic")  # noqa: E731
+    assert cp_bytes(after) > 4 * cp_bytes(first)
+
+
 def test_cp_refuses_a_length_the_axis_does_not_divide():
     model, tokens = llama("sdpa"), torch.randint(0, 64, (2, 14))
     with pytest.raises(pt.PartitionError, match=r"sequence length 14 .* axis 'cp' \(size 4\).*e\.g\. 16"):

@@ -94,8 +94,14 @@ class ContextParallel(TacticBase):
 
     def apply(self, ctx) -> None:
         ctx.mesh.check_axis(self.axis, self.name)
-        vids = []
-        for name, dim in self.seeds(ctx):
+        vids, seeds = [], self.seeds(ctx)
+        inner = sorted({a for name, dim in seeds for a in ctx.dim_axes(name, dim)})
+        if inner:
+            warn(f"{self.name}: the sequence dim of {', '.join(n for n, _ in seeds)} is already tiled on "
+                 f"{', '.join(repr(a) for a in inner)} by an earlier tactic (e.g. sequence_parallel), so axis "
+                 f"'{self.axis}' tiles inside it and every activation that tactic tiles is gathered on "
+                 f"'{self.axis}' around attention. Put context_parallel before sequence_parallel in the schedule.")
+        for name, dim in seeds:
             vids.append(ctx.graph.name_to_vid[name])
             ctx.prop.seed(self.axis, vids[-1], dim, self.name)
         for node in _key_gradients(ctx.captured.gm):   # dK, dV tiled like K, V: reduced where the kernel makes them
