@@ -3,6 +3,7 @@ gradient equal one device (emulated ranks), alone and with data parallelism or M
 from __future__ import annotations
 
 import copy
+import re
 from collections import Counter
 
 import pytest
@@ -381,7 +382,14 @@ def test_cp_load_balanced_ring_on_real_ranks():
 
 # -- composition with the capture tactics and the pipeline (issue 38 item 2) ---------------------------------------
 def _cp_records(prog) -> list:
-    return [r for r in prog.collectives() if r.axis == "cp" and r.why == "tactic"]
+    """CP's collectives; each is CP's by its record and by prog.explain of the value it moves."""
+    recs = [r for r in prog.collectives() if r.axis == "cp" and r.why == "tactic"]
+    for r in recs:
+        if r.kind != "all_reduce":
+            why = prog.explain(r.value)
+            assert r.tactic == "CP" and re.search(r"axis 'cp': tiled\(dim 2\) by (tactic )?CP", why), (r, why)
+    assert "axis 'cp': tiled(dim 1) by tactic CP: seeded" in prog.explain("inputs.0")
+    return recs
 
 
 @pytest.mark.parametrize("attention,lb", [("allgather", False), ("ring", False), ("ring", True)])
