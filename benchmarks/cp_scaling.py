@@ -90,8 +90,8 @@ def run(hw_name: str, layers: int, seq: int, tp: int, cp: int, attention: str, l
 def scaling(a) -> None:
     print(f"llama-8B shape, {a.layers} layers, batch 1, bf16, ring attention with load balancing; NeMo's (TP, CP) "
           f"per length; remat={a.remat}; load average {os.getloadavg()[0]:.1f}")
-    print("  hw    seq      TP  CP  no-CP step   MFU  peak/GPU (fits) | CP step    MFU  peak/GPU (fits)  CP bytes/step  "
-          "exposed  speedup")
+    print("  hw    seq      TP  CP  no-CP step   MFU  peak/GPU (fits) | CP step    MFU  peak/GPU (fits)  "
+          "CP bytes/step  exposed  speedup")
     for hw_name in a.hw.split(","):
         for seq in (int(s) for s in a.seqs.split(",")):
             tp, cp = NEMO[hw_name][seq]

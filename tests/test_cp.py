@@ -498,7 +498,8 @@ def _tiny(kind: str, attn: str, window: int | None = 5):
     return model
 
 
-@pytest.mark.parametrize("kind,attn,attention,lb", [("mistral", "sdpa", "ring", False), ("mistral", "sdpa", "ring", True),
+@pytest.mark.parametrize("kind,attn,attention,lb", [("mistral", "sdpa", "ring", False),
+                                                    ("mistral", "sdpa", "ring", True),
                                                     ("qwen2", "sdpa", "allgather", True),
                                                     ("gemma2", "eager", "allgather", True)])
 def test_cp_sliding_window_matches_one_device(kind, attn, attention, lb):
