@@ -80,3 +80,18 @@ def _(xs, reduce_op, group):
 
 ALL_GATHER_BUCKET = torch.ops.partir.all_gather_bucket.default
 ALL_REDUCE_BUCKET = torch.ops.partir.all_reduce_bucket.default
+
+
+def _functional_gather(xs, group_size, group):
+    c10d = torch.ops._c10d_functional
+    return torch.cat([c10d.wait_tensor(c10d.all_gather_into_tensor(x, group_size, group)).reshape(-1) for x in xs])
+
+
+def _functional_reduce(xs, reduce_op, group):
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor(c10d.all_reduce(torch.cat([x.reshape(-1) for x in xs]), reduce_op, group))
+
+
+# the same results through the functional collectives (a cat of the members): for LocalTensorMode
+# (runtime/emulate.py), which runs an op it does not know on every rank alone
+FUNCTIONAL = {ALL_GATHER_BUCKET: _functional_gather, ALL_REDUCE_BUCKET: _functional_reduce}
