@@ -91,28 +91,25 @@ def one_device_copies(captured) -> list:
 
 
 def _served(node, cap) -> tuple:
-    """(value, source) of the nearest collective or captured op around an inserted node: its operands first
-    (a copy-out reads the collective's result), then its users (a copy-in feeds one)."""
-    for step in (lambda n: n.all_input_nodes, lambda n: list(n.users)):
-        seen, frontier = set(), [node]
-        for _ in range(8):
-            nxt = []
-            for n in frontier:
-                for m in step(n):
-                    if m in seen:
-                        continue
-                    seen.add(m)
-                    rec = m.meta.get(META_COLLECTIVE)
-                    if rec is not None:
-                        return rec.value, rec.source
-                    if m.meta.get(META_SRC) in cap:
-                        c = cap[m.meta[META_SRC]]
-                        return c.name, source_location(c)
-                    nxt.append(m)
-            frontier = nxt
-    return node.name, ""
+    """(value, source) of the nearest collective around an inserted node, up or down the graph (a copy-out reads
+    its result, a copy-in feeds it); else of the nearest captured op."""
+    frontier, seen, near = [node], {node}, None
+    for _ in range(6):
+        nxt = []
+        for n in frontier:
+            for m in n.all_input_nodes + list(n.users):
+                if m in seen:
+                    continue
+                seen.add(m)
+                rec = m.meta.get(META_COLLECTIVE)
+                if rec is not None:
+                    return rec.value, rec.source
+                if near is None and m.meta.get(META_SRC) in cap:
+                    near = cap[m.meta[META_SRC]]
+                nxt.append(m)
+        frontier = nxt
+    return (near.name, source_location(near)) if near is not None else (node.name, "")
 
 
 def _short(target) -> str:
-    name = getattr(target, "__name__", str(target))
-    return name.split(".")[0]
+    return str(target).split(".")[1]          # "aten.clone.default" -> "clone" (copies are aten ops)
