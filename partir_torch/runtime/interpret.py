@@ -29,6 +29,7 @@ import torch.fx as fx
 from ..contract import EXC_NODE, META_STAGE
 from ..rules.tags import draws_random
 from ..lower.pipeline import PIPELINE_AXIS, pp_transfer
+from ..lower.bucketops import ALL_GATHER_BUCKET, ALL_REDUCE_BUCKET
 from ..lower.ring import RING_SHIFT
 from ..mesh import Mesh
 from ..sharding import Sharding
@@ -38,7 +39,7 @@ from .layout import assemble, assemble_into, shard_of
 c10d = torch.ops._c10d_functional
 WAIT = c10d.wait_tensor.default
 COLLECTIVES = {c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
-               c10d.all_to_all_single.default, RING_SHIFT}
+               c10d.all_to_all_single.default, RING_SHIFT, ALL_GATHER_BUCKET, ALL_REDUCE_BUCKET}
 
 
 class PerRank:
@@ -293,7 +294,7 @@ class InterpretedRuntime(InProcess):
         self._pp = plan.pipeline_axis
         for (kind, s), dying in zip(plan.steps, plan.dying):
             if kind == "collective":
-                env[s] = self._collective(s, env[plan._resolve(s.args[0])].ts, tr)
+                env[s] = self._collective(s, _operand(env, plan, s.args[0], self.n), tr)
             elif kind == "transfer":
                 env[s] = self._transfer(s, env[plan._resolve(s.args[0])].ts)
             else:
@@ -404,6 +405,14 @@ class InterpretedRuntime(InProcess):
                 red = _reduce(vals, node.args[1])
                 for r in grp:
                     out[r] = red
+            elif t is ALL_GATHER_BUCKET:       # each member gathered, member after member (lower/bucketops.py)
+                flat = torch.cat([torch.cat([v[i] for v in vals], 0).reshape(-1) for i in range(len(vals[0]))])
+                for r in grp:
+                    out[r] = flat
+            elif t is ALL_REDUCE_BUCKET:
+                red = _reduce([torch.cat([m.reshape(-1) for m in v]) for v in vals], node.args[1])
+                for r in grp:
+                    out[r] = red
             elif t is c10d.all_gather_into_tensor.default:
                 cat = torch.cat(vals, 0)
                 for r in grp:
@@ -421,6 +430,14 @@ class InterpretedRuntime(InProcess):
                 for i, r in enumerate(grp):
                     out[r] = torch.cat([s[i] for s in splits], 0)
         return out
+
+
+def _operand(env, plan, arg, n: int) -> list:
+    """Per rank, a collective's operand: a tensor, or a list of tensors (a bucket's members, lower/bucketops.py)."""
+    if isinstance(arg, (list, tuple)):
+        per = [env[plan._resolve(a)].ts for a in arg]
+        return [[p[r] for p in per] for r in range(n)]
+    return env[plan._resolve(arg)].ts
 
 
 def _reduce(vals: list, op: str) -> torch.Tensor:
