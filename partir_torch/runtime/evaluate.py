@@ -34,7 +34,8 @@ class Evaluator:
     def __init__(self, executor):
         self.ex = executor
         # (kind, structure, signature, backend) -> ShapeProgram (plan, lowering bound to the backend)
-        cache = ShapeCache(executor.plan.options.max_shapes, "eval_step / forward", lambda key: key[0][2])
+        cache = ShapeCache(executor.plan.options.max_shapes, "eval_step / forward", lambda key: key[0][2],
+                           executor.plan.options.shape_cache_bytes)
         self.cache = cache
         self.paths = paths.StepPaths(None, {})   # per key, for a step that branches on tensor values (paths.py)
         self.dims: dict = {}           # (kind, structure, backend) -> SymbolicDims (dims.py)
@@ -80,7 +81,7 @@ class Evaluator:
             try:
                 rewrites, tactics = self._schedule(kind)
                 return capture_for(model, rewrites + tactics, batch, self.ex.loss_fn if kind == "loss" else None,
-                                   eval_loss=kind == "loss", dynamic=where)
+                                   eval_loss=kind == "loss", dynamic=where.positions)
             finally:
                 model.train(was)
         self.dims[family].built(entry, trace)
