@@ -144,7 +144,7 @@ class SymbolicDims:
         seen = self._sizes(fam, self.sig_of(entry)) if entry is not None else first
         grid, check = _grid(first, seen, guards, self.step)
         if grid is None:
-            return f"no sizes near {first} satisfy the model's guards ({guards}) to fit at"
+            return f"the model's trace fixes the sizes: no sizes near {first} satisfy its guards ({guards})"
         for s in grid.corner_points() + [check]:
             if s not in fam.points:
                 try:

@@ -1,0 +1,103 @@
+"""Shapes declared dynamic up front, and the program cache bounded by memory (issue 40 item 3; runtime/symbols.py,
+runtime/dims.py, runtime/shapes.py)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import partir_torch as pt
+import partir_torch.plan as plan_module
+from examples.models import get
+from tests.harness import LOSS_RTOL, assert_parameters_equal
+from tests.test_shapes import Eager, _sgd
+
+T = pt.tactics
+SEQ = {"inputs.0": {1: "seq"}, "inputs.1": {1: "seq"}}
+
+
+def _gpt_prog(model, spec, options):
+    return pt.partition(model, pt.Mesh({"batch": 2, "model": 2}), [T.data_parallel("batch"), T.megatron("model")],
+                        example_inputs=spec.batch(8, seq=32), loss_fn=spec.loss_fn, optimizer=_sgd(model),
+                        options=options)
+
+
+def test_declared_dims_train_like_eager_with_no_capture_after_partition(monkeypatch):
+    """dynamic= declares the length (the batch is a symbol by default): partition() builds the one program in
+    (batch, seq), so every later length and a smaller last batch is an instance: capture_for is never called again,
+    and losses and parameters after the SGD steps equal eager's."""
+    spec = get("gpt")
+    model = spec.build(seq=64)
+    ref = Eager(model, spec.loss_fn)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        prog = _gpt_prog(model, spec, pt.Options(dynamic=SEQ))
+    on = [str(w.message) for w in record if "are symbolic from now on" in str(w.message)]
+    assert len(on) == 1 and "batch: inputs.0 dim 0, inputs.1 dim 0; seq: inputs.0 dim 1" in on[0], on
+    captures = []
+    real = plan_module.capture_for
+    monkeypatch.setattr(plan_module, "capture_for", lambda *a, **k: captures.append(1) or real(*a, **k))
+    batches = [(8, 40), (8, 24), (8, 56), (8, 36), (8, 40), (4, 28)]      # the last batch smaller
+    for i, (b, n) in enumerate(batches):
+        got = prog.train_step(*spec.batch(b, seq=n, seed=i))
+        torch.testing.assert_close(got, ref.step(spec.batch(b, seq=n, seed=i)), rtol=LOSS_RTOL, atol=0,
+                                   msg=lambda m: f"step {i} ({b} x {n}): {m}")
+    assert captures == []
+    rows = {r.signature[0][0]: r for r in prog.shapes()}
+    # (8, 36) is a corner of the fit's grid (partitioned at partition(): 32 + the mesh's size), the rest instances
+    assert {rows[s].instance_of for s in set(batches) - {(8, 36)}} == set(batches) - {(8, 36)}
+    assert rows[(8, 36)].capture_s > 0 and rows[(8, 36)].calls == 1
+    assert_parameters_equal(prog, ref.m, what="after 6 steps, all instances")
+
+
+def test_a_dynamic_declaration_that_names_what_is_not_there_is_refused():
+    spec = get("gpt")
+    model = spec.build(seq=64)
+    with pytest.raises(pt.PartitionError, match=r"names 'inputs.5'.*inputs.0 \(8, 32\)"):
+        _gpt_prog(model, spec, pt.Options(dynamic={"inputs.5": {1: "seq"}}))
+    with pytest.raises(pt.PartitionError, match=r"marks dim 2 of inputs.0, which has shape \(8, 32\)"):
+        _gpt_prog(model, spec, pt.Options(dynamic={"inputs.0": {2: "seq"}}))
+    with pytest.raises(pt.PartitionError, match="dynamic must map inputs to"):
+        pt.Options(dynamic={"inputs.0": {1: 3}})
+
+
+class _FixedLength(torch.nn.Module):
+    """Reads its input through a (T, T) weight: the length is fixed by the model's parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x):
+        return (x @ self.w).pow(2).mean()
+
+
+def test_a_declared_dim_the_model_needs_static_is_refused_by_name():
+    model = _FixedLength()
+    with pytest.raises(pt.PartitionError, match=r"dims declared dynamic \(batch: inputs.0 dim 0; n: inputs.0 dim 1"
+                                                r"\) cannot be one program: .*Eq\(n, 6\).*declare it static"):
+        pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=(torch.randn(4, 6),),
+                     loss_fn=lambda m, x: m(x), optimizer=_sgd(model),
+                     options=pt.Options(dynamic={"inputs.0": {1: "n"}}))
+
+
+def test_evictions_are_counted_in_the_summary_under_a_memory_bound():
+    """shape_cache_bytes smaller than two programs: each new program drops the least recently used one (never the
+    example inputs'), said once, counted in summary(); the numerics stay eager's."""
+    spec = get("mlp")
+    model = spec.build()
+    ref = Eager(model, spec.loss_fn)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=spec.batch(4),
+                        loss_fn=spec.loss_fn, optimizer=_sgd(model), options=pt.Options(shape_cache_bytes=1))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for i, b in enumerate([6, 8, 10, 6]):
+            torch.testing.assert_close(prog.train_step(*spec.batch(b, seed=i)), ref.step(spec.batch(b, seed=i)),
+                                       rtol=LOSS_RTOL, atol=0)
+    said = [str(w.message) for w in record if "MiB of programs" in str(w.message)]
+    assert len(said) == 1 and "shape_cache_bytes" in said[0], said
+    cache = prog.executor.shapes
+    assert len(cache) == 2 and cache.evicted >= 3       # 6, the fit's 8, the instances: all but the last
+    assert f"; {cache.evicted} evicted" in prog.summary()
+    assert_parameters_equal(prog, ref.m, what="after 4 steps with evictions")
