@@ -2,6 +2,7 @@
 runtime/dims.py, runtime/shapes.py)."""
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -49,6 +50,34 @@ def test_declared_dims_train_like_eager_with_no_capture_after_partition(monkeypa
     assert {rows[s].instance_of for s in set(batches) - {(8, 36)}} == set(batches) - {(8, 36)}
     assert rows[(8, 36)].capture_s > 0 and rows[(8, 36)].calls == 1
     assert_parameters_equal(prog, ref.m, what="after 6 steps, all instances")
+
+
+def test_eval_step_and_forward_make_a_dim_symbolic_at_its_second_size_as_train_step_does():
+    """eval_step and forward follow train_step's rule (runtime/dims.py): the second length makes the length a
+    symbol, with the batch dim; the fit's grid programs are built then (on the call's batch resized), and every
+    later length and a smaller batch is an instance, equal to eager in eval mode. Each kind is a family of its own."""
+    spec = get("gpt")
+    model = spec.build(seq=64)
+    prog = _gpt_prog(model, spec, pt.Options())
+    ref = copy.deepcopy(model).eval()
+    calls = [(8, 32), (8, 48), (8, 40), (4, 56), (8, 28)]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for i, (b, n) in enumerate(calls):
+            x, y = spec.batch(b, seq=n, seed=i)
+            with torch.no_grad():
+                want_loss, want_out = spec.loss_fn(ref, x, y), ref(x)
+            torch.testing.assert_close(prog.eval_step(x, y), want_loss, rtol=LOSS_RTOL, atol=0,
+                                       msg=lambda m: f"eval_step {b} x {n}: {m}")
+            torch.testing.assert_close(prog.forward(x), want_out, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"forward {b} x {n}: {m}")
+    on = [str(w.message) for w in record if "are symbolic from now on" in str(w.message)]
+    assert len(on) == 2 and all("(batch=12, s=48)" in w for w in on), on      # eval_step's and forward's
+    for kind in ("eval", "eval forward"):
+        rows = {r.signature[0][0]: r for r in prog.shapes() if r.kind == kind}
+        assert {s for s, r in rows.items() if r.instance_of is not None} == {(8, 40), (4, 56), (8, 28)}, kind
+        assert rows[(8, 48)].symbolic_s > 0 and rows[(8, 48)].calls == 1
+        assert all(r.capture_s is None for s, r in rows.items() if r.instance_of is not None)
 
 
 def test_a_dynamic_declaration_that_names_what_is_not_there_is_refused():

@@ -22,9 +22,9 @@ distinct size of a dim (train_step), with the batch dim a symbol too by default:
   that decided otherwise) or whose symbolic trace fails keeps a program per shape; said once, with where. Declared
   symbols raise that as a PartitionError at partition instead (the declaration cannot hold).
 
-The Executor's train program builds programs at the grid's sizes itself (a batch of the call resized). The
-Evaluator's eval_step and forward programs (each kind its own families) fit one symbol from three lengths seen, as
-before. Not covered: steps that branch on tensor values (one program per path: paths.py) and pipelined programs.
+The programs at the grid's sizes are built on the call's batch resized (symbols.resized_batch): by the Executor for
+train_step (loss_and_grads, prog(...)), by the Evaluator for eval_step and forward (each kind its own families,
+the same rule). Not covered: steps that branch on tensor values (one program per path: paths.py) and pipelined programs.
 """
 from __future__ import annotations
 
@@ -37,8 +37,6 @@ from ..errors import PartitionError, user_stacklevel, warn
 from ..lower.template import DimTemplate, Grid
 from .symbols import Symbols, candidates, learned
 
-_MAX_TRIES = 3     # fits tried on a family of seen lengths (each new full program retries) before it gives up
-
 
 @dataclass
 class Family:
@@ -49,7 +47,6 @@ class Family:
     template: DimTemplate | None = None
     guards: object = None                      # capture.dims.DimGuards
     failed: str = ""                           # why the family keeps a program per shape
-    tries: int = 0
     built: list = field(default_factory=list)  # the sizes partitioned for the fit (not seen in a call)
     said: set = field(default_factory=set)     # what was said (once each)
 
@@ -57,7 +54,7 @@ class Family:
 class SymbolicDims:
     """The families of one kind of program (see the module docstring). step: the size a fit moves a symbol by
     when it builds a program at a size not seen (the mesh's size times the micro-batches: it keeps divisibility);
-    batch: whether the batch dim joins every learned family (only where programs can be built at new sizes)."""
+    batch: whether the batch dim joins every learned family."""
 
     def __init__(self, first, what: str, sig_of=lambda entry: entry.signature, step: int = 1, batch: bool = False):
         self.first, self.what, self.sig_of, self.step, self.batch = first, what, sig_of, step, batch
@@ -96,29 +93,24 @@ class SymbolicDims:
                                  f"seen), or declare it static ({{dim: None}}).")
         self._say(fam, "on", self._on_text(fam))
 
-    def built(self, entry, trace_guards, make_at=None) -> None:
-        """entry: a program just partitioned in full. Its family learned (symbols.learned) and fitted: at once
-        when make_at (sizes' signature -> ShapeProgram) can build the grid's other programs, else when three
-        lengths of one symbol have been seen. trace_guards(Symbols) -> DimGuards."""
+    def built(self, entry, trace_guards, make_at) -> None:
+        """entry: a program just partitioned in full. Its family learned (symbols.learned) and fitted at once:
+        make_at (sizes' signature -> ShapeProgram) builds the grid's other programs; trace_guards(Symbols) ->
+        DimGuards."""
         sig = self.sig_of(entry)
         for fam in self.families.values():
             s = self._sizes(fam, sig)
             if s is not None and (fam.template is not None or fam.failed):
                 return             # a size the family refused: a program of its own
-        symbols = learned(self.sig_of(self.first), sig, self.current, self.batch and make_at is not None)
+        symbols = learned(self.sig_of(self.first), sig, self.current, self.batch)
         if symbols is None:
             return
         fam = self.families.get(symbols) or self._new_family(symbols)
         fam.points[self._sizes(fam, sig)] = entry
         t0 = time.perf_counter()
-        why = self._fit_now(fam, entry, trace_guards, make_at) if make_at is not None else self._fit_seen(fam,
-                                                                                                       trace_guards)
-        if why is None:
-            return                 # waits for more lengths
+        why = self._fit_now(fam, entry, trace_guards, make_at)
         if why:
-            fam.tries += 1
-            if make_at is not None or fam.tries >= _MAX_TRIES:
-                self._fail(fam, why)
+            self._fail(fam, why)
             return
         entry.symbolic_s = time.perf_counter() - t0
         self._say(fam, "on", self._on_text(fam))
@@ -153,18 +145,6 @@ class SymbolicDims:
                     return f"partitioning at sizes {_show_sizes(fam, s)} failed: {str(e).splitlines()[0]}"
                 fam.built.append(s)
         return self._fit(fam, grid, [check], guards)
-
-    def _fit_seen(self, fam: Family, trace_guards) -> str | None:
-        """One symbol from three lengths seen (no program built for the fit): None while fewer."""
-        if len(fam.symbols.names) != 1 or len(fam.points) < 3:
-            return None
-        last = list(fam.points)[-3:]
-        grid = Grid(*sorted(last)[:2])
-        try:
-            guards = trace_guards(fam.symbols)
-        except Exception as e:  # noqa: BLE001 - said once; the family keeps a program per shape
-            return f"the step could not be traced with the length as a symbol: {str(e).strip().splitlines()[0][:300]}"
-        return self._fit(fam, grid, [s for s in last if s not in grid.corner_points()], guards)
 
     def _fit(self, fam: Family, grid: Grid, checks: list, guards) -> str:
         pts = grid.corner_points() + checks

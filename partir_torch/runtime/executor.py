@@ -7,7 +7,7 @@ import time
 import warnings
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
 from ..capture.inputs import as_batch, conform
@@ -21,7 +21,7 @@ from .call import Calls, call
 from .interpret import InterpretedRuntime
 from . import paths
 from .dims import SymbolicDims
-from .symbols import declared
+from .symbols import declared, resized_batch
 from .shapes import (ShapeCache, ShapeProgram, build, check_divisible, global_signature, plan_signature, say_new,
                      signature, trace_guards)
 from .state import HeldState
@@ -292,11 +292,10 @@ class TrainCalls(Calls):
             return trace_guards(ex.plan, ex.model, ex.optimizer, ex.loss_fn, tuple(batch), symbols.positions)
 
         def make_at(sig):
-            flat, spec = tree_flatten(conform(tuple(batch), cap.in_spec))
-            flat = [_resized(x, shape) for x, (shape, _) in zip(flat, sig)]
             with warnings.catch_warnings():     # the schedule's remarks, said at partition; the fit says its own
                 warnings.simplefilter("ignore")
-                entry = build(ex.plan, ex.model, ex.optimizer, ex.loss_fn, tree_unflatten(flat, spec), sig)
+                entry = build(ex.plan, ex.model, ex.optimizer, ex.loss_fn,
+                              resized_batch(conform(tuple(batch), cap.in_spec), sig), sig)
             self.cache.add(entry)
             return entry
         return trace, make_at
@@ -313,14 +312,6 @@ def _check_input(cap, name, x) -> None:
     if x.device.type == "meta" or (x.device.type != dev.type and dev.type != "meta"):
         raise PartitionError(f"{name} is on {x.device}; the program runs on {dev.type}. Move the batch there "
                              f"(x.to('{dev.type}')).")
-
-
-def _resized(x, shape):
-    """x with each dim at `shape`'s size, its values repeated (index i of a dim reads i modulo the old size)."""
-    for d, n in enumerate(shape):
-        if x.shape[d] != n:
-            x = x.index_select(d, torch.arange(n, device=x.device) % x.shape[d])
-    return x
 
 
 def _instance(sig, plan, canonical, seconds: float, s) -> ShapeProgram:

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
 from ..errors import PartitionError
 from .shapes import show
 
@@ -136,10 +139,27 @@ def learned(first_sig: tuple, sig: tuple, known: Symbols | None, batch: bool) ->
 
 
 def candidates(v0: int, v1: int | None, step: int) -> list:
-    """Sizes a fit may build at, best first: with v1 (a second size seen), the progression of v0 and v1 (it keeps
-    what the mesh divides); without, v0 plus or minus multiples of `step` (the mesh's size times the micro-batches).
-    All >= 2 (0 and 1 are never symbols)."""
+    """Sizes a fit may build at, best first: with v1 (a second size seen), the midpoint of v0 and v1 where it is a
+    multiple of `step` from both, then the progression of v0 and v1 (it keeps what the mesh divides); without, v0
+    plus or minus multiples of `step` (the mesh's size times the micro-batches). All >= 2 (0 and 1 are never
+    symbols). The midpoint first: a point between sizes seen is the least likely to sit where the model's graph
+    changes at a guard's edge (a position table sliced to its full length, T = 64 of 64 rows, is no slice at all)."""
     d = (v1 - v0) if v1 is not None else step
+    mid = [(v0 + v1) // 2] if v1 is not None and (v1 - v0) % (2 * step) == 0 else []
     out = [v0 + k * d for k in (1, -1, 2, -2, 3, -3)] if v1 is None else \
-        [v1 + d, v0 - d, v1 + 2 * d, v0 - 2 * d, v1 + 3 * d]
+        mid + [v1 + d, v0 - d, v1 + 2 * d, v0 - 2 * d, v1 + 3 * d]
     return [v for v in dict.fromkeys(out) if v >= 2 and v not in (v0, v1)]
+
+
+def resized_batch(batch, sig: tuple):
+    """batch (a pytree of tensors) with each input at its shape in sig, its values repeated along each resized dim
+    (index i of a dim reads i modulo the old size): real, valid values (token ids stay ids) for a program a fit
+    builds at sizes not seen."""
+    flat, spec = tree_flatten(batch)
+    out = []
+    for x, (shape, _) in zip(flat, sig):
+        for d, n in enumerate(shape):
+            if x.shape[d] != n:
+                x = x.index_select(d, torch.arange(n, device=x.device) % x.shape[d])
+        out.append(x)
+    return tree_unflatten(out, spec)
