@@ -74,6 +74,7 @@ class Multilinear:
     a view that flattens (B, T)). Exact fractions."""
 
     terms: tuple                   # ((symbol indices), Fraction), sorted
+    symbols: int = 1               # how many symbols s has
 
     @staticmethod
     def through(grid: "Grid", corner_values: list) -> "Multilinear":
@@ -91,7 +92,7 @@ class Multilinear:
                 term = nxt
             for m, c in term.items():
                 poly[m] = poly.get(m, 0) + c
-        return Multilinear(tuple(sorted((m, c) for m, c in poly.items() if c != 0)))
+        return Multilinear(tuple(sorted((m, c) for m, c in poly.items() if c != 0)), len(grid.lo))
 
     def at(self, s: tuple) -> Fraction:
         total = Fraction(0)
@@ -102,7 +103,7 @@ class Multilinear:
         return total
 
     def __str__(self):
-        one = all(set(m) <= {0} for m, _ in self.terms)       # one symbol: written s, as a + b*s
+        one = self.symbols == 1           # one symbol: written s, as a + b*s; several: s0, s1, ...
         parts = [f"{c}" + "".join("*s" if one else f"*s{i}" for i in m) for m, c in self.terms]
         return " + ".join(parts) or "0"
 
