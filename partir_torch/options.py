@@ -30,9 +30,10 @@ class Options:
     symbols (a few programs at other sizes, fitted as one, and a symbolic trace for the model's guards) and every
     new size of them is an instance of it: no capture, no plan, no lowering. None (the default): a dim becomes a
     symbol at its second distinct size (with the batch dim). shape_cache_bytes: the memory the programs kept for
-    other input shapes may hold (each program's graphs, measured as their nodes times the bytes a node holds,
-    shapes.program_bytes); beyond it the least recently used ones are dropped (counted: prog.summary()), and built
-    again (an instance in milliseconds) if their shape comes back. max_shapes: a count bound as well (None: none).
+    other input shapes may hold (each program's Python memory, counted as its graphs' nodes times the bytes per node
+    measured with tracemalloc, shapes.program_bytes; tensor storage not counted); beyond it the least recently used
+    ones are dropped with the backend's copy of them (counted: prog.summary()), and built again (an instance in
+    milliseconds) if their shape comes back. A family of symbolic dims keeps its base program's plan besides. max_shapes: a count bound as well (None: none).
 
     Scheduling (lower/schedule.py): prefetch: state gathers (ZeRO-3's parameters) on one axis are issued this many
     gathers ahead of their use (FSDP2's default is 1; 0 gathers each where it is used); reduce_in_flight: at most

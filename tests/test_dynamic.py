@@ -3,7 +3,9 @@ runtime/dims.py, runtime/shapes.py)."""
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -113,7 +115,8 @@ def test_a_declared_dim_the_model_needs_static_is_refused_by_name():
 
 def test_evictions_are_counted_in_the_summary_under_a_memory_bound():
     """shape_cache_bytes smaller than two programs: each new program drops the least recently used one (never the
-    example inputs'), said once, counted in summary(); the numerics stay eager's."""
+    example inputs'), said once, counted in summary(); a dropped program is freed (the runtime's copy of it too, and
+    the fit's programs are not kept by the family); the numerics stay eager's."""
     spec = get("mlp")
     model = spec.build()
     ref = Eager(model, spec.loss_fn)
@@ -121,12 +124,27 @@ def test_evictions_are_counted_in_the_summary_under_a_memory_bound():
                         loss_fn=spec.loss_fn, optimizer=_sgd(model), options=pt.Options(shape_cache_bytes=1))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
+        graphs = []
         for i, b in enumerate([6, 8, 10, 6]):
             torch.testing.assert_close(prog.train_step(*spec.batch(b, seed=i)), ref.step(spec.batch(b, seed=i)),
                                        rtol=LOSS_RTOL, atol=0)
+            graphs += [weakref.ref(e.lowered.gm) for e in prog.executor.shapes.entries.values() if e.lowered]
     said = [str(w.message) for w in record if "MiB of programs" in str(w.message)]
     assert len(said) == 1 and "shape_cache_bytes" in said[0], said
     cache = prog.executor.shapes
     assert len(cache) == 2 and cache.evicted >= 3       # 6, the fit's 8, the instances: all but the last
     assert f"; {cache.evicted} evicted" in prog.summary()
+    gc.collect()
+    kept = [e.lowered.gm for e in cache.entries.values() if e.lowered]
+    assert all(any(g() is k for k in kept) for g in graphs if g() is not None)
     assert_parameters_equal(prog, ref.m, what="after 4 steps with evictions")
+
+
+def test_a_multilinear_size_names_each_symbol_when_there_are_several():
+    """lower/template.py: a size in one symbol of two prints that symbol (s0), not s; one symbol prints s."""
+    from partir_torch.lower.template import Grid, Multilinear
+
+    two = Grid((8, 32), (12, 48))           # corners (lo, lo), (hi, lo), (lo, hi), (hi, hi)
+    assert str(Multilinear.through(two, [8, 12, 8, 12])) == "1*s0"
+    assert str(Multilinear.through(two, [256, 384, 384, 576])) == "1*s0*s1"
+    assert str(Multilinear.through(Grid((32,), (48,)), [64, 96])) == "2*s"

@@ -148,7 +148,8 @@ class SymbolicDims:
 
     def _fit(self, fam: Family, grid: Grid, checks: list, guards) -> str:
         pts = grid.corner_points() + checks
-        fitted = _differing_constant([fam.points[s].plan.captured.consts for s in pts]) or             DimTemplate.fit([(s, fam.points[s].plan.lowered()) for s in pts], grid)
+        fitted = _differing_constant([fam.points[s].plan.captured.consts for s in pts]) or \
+            DimTemplate.fit([(s, fam.points[s].plan.lowered()) for s in pts], grid)
         if isinstance(fitted, str):
             return f"its programs at sizes {', '.join(_show_sizes(fam, s) for s in pts)} are not one program in " \
                    f"the sizes: {fitted}"
@@ -156,6 +157,10 @@ class SymbolicDims:
         if bad:
             return f"the trace specialised the sizes ({guards.check(bad[0])})"
         fam.template, fam.guards = fitted, guards
+        # only the base program's plan is read from now on (instance): the others are held by the cache of
+        # programs alone, within its memory bound (shapes.ShapeCache)
+        base = fitted.points[0]
+        fam.points = {base: fam.points[base]}
         return ""
 
     def _on_text(self, fam: Family) -> str:
@@ -168,6 +173,7 @@ class SymbolicDims:
 
     def _fail(self, fam: Family, why: str) -> None:
         fam.failed = why
+        fam.points = {}            # its programs are held by the cache of programs alone
         self._say(fam, "fail", f"{self.what}: {fam.symbols} stay a program per shape: {why} (said once).")
 
     @staticmethod

@@ -280,6 +280,9 @@ class InterpretedRuntime(InProcess):
             p = self._plans[id(gm)] = (gm, plan)
         return p[1]
 
+    def forget(self, gm) -> None:
+        self._plans.pop(id(gm), None)
+
     def run(self, gm, args) -> list:
         """Each step in order; a value is dropped after its last use (Plan.dying), so every rank holds what its
         own device would. With measure_memory, a MemoryTracker (runtime/memtrack.py) counts each rank's live bytes

@@ -12,9 +12,10 @@ otherwise for this shape), the held value is resharded when the program switches
     prog.train_step(tokens_8x48, targets_8x48)     # warns once: partitioned for (8, 48) in 0.4 s; state carried
     prog.shapes()                                  # [ShapeInfo(train (8, 32) ...), ShapeInfo(train (8, 48) ...)]
 
-Programs are kept by signature within Options.shape_cache_bytes of programs (measured as their graphs' nodes: see
-program_bytes) and, if set, Options.max_shapes; beyond it the least recently used one is dropped (the example inputs'
-program stays; counted in summary()) and built again if its shape comes back (said once). From the second size of a
+Programs are kept by signature within Options.shape_cache_bytes of programs (their graphs' nodes times the bytes
+measured per node: see program_bytes) and, if set, Options.max_shapes; beyond it the least recently used one is
+dropped with the backend's copy of it (the example inputs' program stays; counted in summary()) and built again if
+its shape comes back (said once). From the second size of a
 dim (or at partition, for dims declared dynamic), a new size is not partitioned but instantiated from the programs
 fitted as one program in that dim (dims.py). A dim the mesh axes that tile it do not divide (a ragged last batch) is
 tiled unevenly, as torch.chunk splits it; under Options.strict it is refused with the fix (drop_last=True).
@@ -117,20 +118,23 @@ class ShapeInfo:
                 + (f"; made the dim symbolic in {self.symbolic_s:.2f} s" if self.symbolic_s is not None else ""))
 
 
-# the bytes an FX node of a kept program holds with its meta (fake values, shardings, source), measured with
-# tracemalloc over whole programs (benchmarks/dynamic_loop.py --measure-node-bytes: 2-5 KiB per node on the zoo's
-# GPT and HF GPT-2 steps; the larger figure, so that the bound holds)
-NODE_BYTES = 5 * 1024
+# The Python memory a kept program holds per node of its graphs (graphs, fake values, shardings, the plan, the
+# runtime's generated segments), measured with tracemalloc by benchmarks/program_bytes.py (notes there): a program
+# partitioned in full 4.9-9.2 KB per node of its captured step and lowered program, an instance of symbolic dims
+# 3.1-3.4 KB per node of its lowered program (the zoo's GPT and HF GPT-2 under DP x MP); the larger figures, rounded
+# up, so that the bound holds. Tensor storage (the captured constants) is not counted.
+FULL_NODE_BYTES = 10 * 1024
+INSTANCE_NODE_BYTES = 4 * 1024
 
 
 def program_bytes(entry: "ShapeProgram") -> int:
-    """The memory a kept program holds: its own graphs' nodes times NODE_BYTES. A program partitioned in full owns
-    its captured step and its lowered program; an instance of a symbolic dim shares its plan with the fitted
-    programs and owns only its lowered program (canonical and bound: twice its nodes)."""
+    """The memory a kept program holds: its own graphs' nodes times the bytes measured per node. A program
+    partitioned in full owns its captured step and its lowered program; an instance of symbolic dims shares its plan
+    with the fitted programs and owns only its lowered program."""
     if entry.canonical is not None:
-        return 2 * len(entry.canonical.gm.graph.nodes) * NODE_BYTES
+        return len(entry.canonical.gm.graph.nodes) * INSTANCE_NODE_BYTES
     low = entry.plan.lowered()
-    return (len(entry.plan.captured.gm.graph.nodes) + len(low.gm.graph.nodes)) * NODE_BYTES
+    return (len(entry.plan.captured.gm.graph.nodes) + len(low.gm.graph.nodes)) * FULL_NODE_BYTES
 
 
 class ShapeCache:
@@ -172,7 +176,7 @@ class ShapeCache:
             if old_key is None:
                 break
             old = self.signature_of(old_key)
-            del self.entries[old_key]
+            self._forget(self.entries.pop(old_key))
             self.bytes.pop(old_key, None)
             self.evicted += 1
             if not self._said_evict:
@@ -185,6 +189,14 @@ class ShapeCache:
                      f"prog.summary() counts the evictions). Raise the bound: partition(..., options=pt.Options("
                      f"shape_cache_bytes=...)).", stacklevel=user_stacklevel())
         return entry
+
+    def _forget(self, gone: ShapeProgram) -> None:
+        """The backend's own copy of a dropped program (its segments, its compiled code) dropped too, unless a kept
+        program runs the same graph."""
+        gm = gone.lowered.gm if gone.lowered is not None else None
+        if gone.rt is not None and gm is not None and \
+                all(e.lowered is None or e.lowered.gm is not gm for e in self.entries.values()):
+            gone.rt.forget(gm)
 
     def line(self) -> str:
         """What summary() says of the programs kept."""
