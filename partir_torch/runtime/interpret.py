@@ -25,6 +25,7 @@ import traceback
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ..contract import EXC_NODE, META_STAGE
 from ..rules.tags import draws_random
@@ -74,17 +75,27 @@ class _Segment:
         self.outputs = [n for n in nodes if n in later]
         self.stage = None                # pipelined programs: the coordinate on the pipeline axis that runs it
         g.output(tuple(env[n] for n in self.outputs))
-        self.gm = fx.GraphModule(torch.nn.Module(), g)
-        self.fn = self.gm                # compile_segments replaces it (positional arguments)
-        self._boxed = None
+        self.graph = g                   # run eagerly as `boxed`, compiled as `gm` (runtime/compiled.py)
+        self.fn = None                   # compile_segments sets it: the compiled segment (positional arguments)
+        self._boxed = self._gm = None
         self.random = any(draws_random(n) for n in nodes)
 
+    @property
+    def gm(self) -> fx.GraphModule:
+        """The segment over positional arguments (compiled segments; built once, on a copy of its graph, its code
+        generated when first called)."""
+        if self._gm is None:
+            g = fx.Graph()
+            g.output(g.graph_copy(self.graph, {}))
+            self._gm = _LazyGraphModule(torch.nn.Module(), g)
+        return self._gm
 
     @property
     def boxed(self) -> fx.GraphModule:
-        """The eager form: takes one list and clears it, so that inputs die at their last use (built once)."""
+        """The eager form: takes one list and clears it, so that inputs die at their last use (built once, on the
+        segment's graph itself: a program's first run generates each segment's code once)."""
         if self._boxed is None:
-            self._boxed = _boxed(self.gm.graph)
+            self._boxed = _boxed(self.graph)
         return self._boxed
 
 
@@ -270,6 +281,9 @@ class InterpretedRuntime(InProcess):
             p = self._plans[id(gm)] = (gm, plan)
         return p[1]
 
+    def forget(self, gm) -> None:
+        self._plans.pop(id(gm), None)
+
     def run(self, gm, args) -> list:
         """Each step in order; a value is dropped after its last use (Plan.dying), so every rank holds what its
         own device would. With measure_memory, a MemoryTracker (runtime/memtrack.py) counts each rank's live bytes
@@ -348,7 +362,7 @@ class InterpretedRuntime(InProcess):
         ins = [env[n].ts for n in s.inputs]
         drop = [env[n].ts for n in dying if not n.op == "placeholder"]
         rng = torch.get_rng_state() if s.random else None
-        eager = s.fn is s.gm
+        eager = s.fn is None
         outs = []
         ranks = self._ranks_at(s.stage)
         for r in ranks:
@@ -468,11 +482,9 @@ def _failing_name(gm, exc) -> str | None:
 
 
 def _boxed(g: fx.Graph) -> fx.GraphModule:
-    """A copy of segment graph `g` compiled with FX's boxed calling convention (one list argument, cleared once
-    read), so that no caller frame keeps an input alive past its last use in the segment."""
+    """Segment graph `g` compiled with FX's boxed calling convention (one list argument, cleared once read), so
+    that no caller frame keeps an input alive past its last use in the segment. Sets g's codegen."""
     from torch.fx.graph import _BoxedCodeGen
 
-    g2 = fx.Graph()
-    g2.output(g2.graph_copy(g, {}))
-    g2.set_codegen(_BoxedCodeGen())
-    return fx.GraphModule(torch.nn.Module(), g2)
+    g.set_codegen(_BoxedCodeGen())
+    return fx.GraphModule(torch.nn.Module(), g)
