@@ -82,28 +82,6 @@ def test_eval_step_and_forward_make_a_dim_symbolic_at_its_second_size_as_train_s
         assert all(r.capture_s is None for s, r in rows.items() if r.instance_of is not None)
 
 
-def test_a_ragged_batch_does_not_keep_the_batch_dim_from_becoming_a_symbol():
-    """A ragged batch (5 on 2 ranks: tiled 3 / 2) is the second batch size, and its program is not one program with
-    the even ones: the fit fails there (said), and the next new batch size tries again and fits, so a later size is
-    an instance; every step equals eager."""
-    spec = get("gpt")
-    model = spec.build(seq=64)
-    ref = Eager(model, spec.loss_fn)
-    prog = _gpt_prog(model, spec, pt.Options())
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        for i, b in enumerate([8, 5, 6, 12]):
-            torch.testing.assert_close(prog.train_step(*spec.batch(b, seq=32, seed=i)),
-                                       ref.step(spec.batch(b, seq=32, seed=i)), rtol=LOSS_RTOL, atol=0,
-                                       msg=lambda m: f"batch {b}: {m}")
-    said = [str(w.message) for w in record]
-    assert any("are not symbolic yet" in m and "tries again" in m for m in said), said
-    assert any("are symbolic from now on" in m for m in said), said
-    rows = {r.signature[0][0]: r for r in prog.shapes()}
-    assert rows[(12, 32)].instance_of is not None and rows[(5, 32)].instance_of is None
-    assert_parameters_equal(prog, ref.m, what="after a ragged batch and an instance")
-
-
 def test_a_dynamic_declaration_that_names_what_is_not_there_is_refused():
     spec = get("gpt")
     model = spec.build(seq=64)

@@ -19,9 +19,7 @@ distinct size of a dim (train_step), with the batch dim a symbol too by default:
   guard, or at which a size of the program is fractional (a sequence-parallel axis that does not divide it), is
   partitioned in full, as any new shape; that is said once per family with the reason.
 - A family whose programs are not one graph (the plan changed with the size: an uneven split, an automatic tactic
-  that decided otherwise) or whose symbolic trace fails keeps a program per shape; said once, with where. A
-  learned family whose fit fails at the size seen (a ragged batch, tiled unevenly: another graph) tries once more
-  at the next new size before it gives up. Declared
+  that decided otherwise) or whose symbolic trace fails keeps a program per shape; said once, with where. Declared
   symbols raise that as a PartitionError at partition instead (the declaration cannot hold).
 
 The programs at the grid's sizes are built on the call's batch resized (symbols.resized_batch): by the Executor for
@@ -39,8 +37,6 @@ from ..errors import PartitionError, user_stacklevel, warn
 from ..lower.template import DimTemplate, Grid
 from .symbols import Symbols, candidates, learned
 
-_MAX_TRIES = 2     # fits of a learned family that fail at the size seen (a ragged batch) before it gives up
-
 
 @dataclass
 class Family:
@@ -50,9 +46,7 @@ class Family:
     points: dict = field(default_factory=dict)  # sizes -> ShapeProgram partitioned in full
     template: DimTemplate | None = None
     guards: object = None                      # capture.dims.DimGuards
-    traced: object = None                      # the DimGuards of the symbolic trace (once per family)
     failed: str = ""                           # why the family keeps a program per shape
-    tries: int = 0                             # fits that failed at a size seen (learned families retry)
     built: list = field(default_factory=list)  # the sizes partitioned for the fit (not seen in a call)
     said: set = field(default_factory=set)     # what was said (once each)
 
@@ -116,13 +110,7 @@ class SymbolicDims:
         t0 = time.perf_counter()
         why = self._fit_now(fam, entry, trace_guards, make_at)
         if why:
-            fam.tries += 1
-            if fam.traced is None or fam.tries >= _MAX_TRIES:      # no trace: no size would do
-                self._fail(fam, why)
-            else:         # a size the mesh tiles unevenly (a ragged last batch) is no point of the family
-                fam.points = {k: e for k, e in fam.points.items() if e is self.first}
-                self._say(fam, "retry", f"{self.what}: {fam.symbols} are not symbolic yet: {why}; the next new size "
-                                        f"tries again (at most {_MAX_TRIES} tries; said once).")
+            self._fail(fam, why)
             return
         entry.symbolic_s = time.perf_counter() - t0
         self._say(fam, "on", self._on_text(fam))
@@ -140,13 +128,10 @@ class SymbolicDims:
 
     def _fit_now(self, fam: Family, entry, trace_guards, make_at) -> str:
         """Trace the guards, build the grid's missing programs, fit: "" when fitted, else why not."""
-        if fam.traced is None:
-            try:
-                fam.traced = trace_guards(fam.symbols)
-            except Exception as e:  # noqa: BLE001 - said once (or raised, declared); a program per shape
-                return f"the step could not be traced with the sizes as symbols: " \
-                       f"{str(e).strip().splitlines()[0][:300]}"
-        guards = fam.traced
+        try:
+            guards = trace_guards(fam.symbols)
+        except Exception as e:  # noqa: BLE001 - said once (or raised, declared); the family keeps a program per shape
+            return f"the step could not be traced with the sizes as symbols: {str(e).strip().splitlines()[0][:300]}"
         first = self._sizes(fam, self.sig_of(self.first))
         seen = self._sizes(fam, self.sig_of(entry)) if entry is not None else first
         grid, check = _grid(first, seen, guards, self.step)
