@@ -10,7 +10,6 @@ training step is never partitioned again.
 from __future__ import annotations
 
 import time
-import warnings
 
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
@@ -25,7 +24,6 @@ from .layout import same_layout
 from . import paths
 from .live import LiveLayout
 from .dims import SymbolicDims
-from .symbols import resized_batch
 from .shapes import ShapeCache, ShapeInfo, ShapeProgram, signature
 
 class Evaluator:
@@ -36,8 +34,7 @@ class Evaluator:
     def __init__(self, executor):
         self.ex = executor
         # (kind, structure, signature, backend) -> ShapeProgram (plan, lowering bound to the backend)
-        cache = ShapeCache(executor.plan.options.max_shapes, "eval_step / forward", lambda key: key[0][2],
-                           executor.plan.options.shape_cache_bytes)
+        cache = ShapeCache(executor.plan.options.max_shapes, "eval_step / forward", lambda key: key[0][2])
         self.cache = cache
         self.paths = paths.StepPaths(None, {})   # per key, for a step that branches on tensor values (paths.py)
         self.dims: dict = {}           # (kind, structure, backend) -> SymbolicDims (dims.py)
@@ -70,14 +67,12 @@ class Evaluator:
             entry.lowered
 
     def _built(self, family, kind, entry, batch, what) -> None:
-        """A program partitioned in full: the first of its family, or a point of it (dims.py: from the second size
-        of a dim, the dim and the batch dim are symbols, fitted on programs built here at the grid's sizes)."""
+        """A program partitioned in full: the first of its family, or a point of it (dims.py)."""
         if family not in self.dims:
-            self.dims[family] = SymbolicDims(entry, what, sig_of=lambda e: e.signature[2],
-                                             step=self.ex.plan.mesh.size, batch=True)
+            self.dims[family] = SymbolicDims(entry, what, sig_of=lambda e: e.signature[2])
             return
 
-        def trace(symbols):
+        def trace(where):
             from ..plan import capture_for
 
             model, was = self.ex.model, self.ex.model.training
@@ -85,18 +80,10 @@ class Evaluator:
             try:
                 rewrites, tactics = self._schedule(kind)
                 return capture_for(model, rewrites + tactics, batch, self.ex.loss_fn if kind == "loss" else None,
-                                   eval_loss=kind == "loss", dynamic=symbols.positions)
+                                   eval_loss=kind == "loss", dynamic=where)
             finally:
                 model.train(was)
-
-        def make_at(sig):
-            key = entry.signature[:2] + (sig,) + entry.signature[3:]
-            with warnings.catch_warnings():     # a moved layout is said for the programs called, not the fit's
-                warnings.simplefilter("ignore")
-                made = self._build(kind, resized_batch(batch, sig), key)
-            self.cache.add(made)
-            return made
-        self.dims[family].built(entry, trace, make_at)
+        self.dims[family].built(entry, trace)
 
     def _schedule(self, kind):
         """(capture rewrites, tactics) an eval program is captured with: the loss runs in the training step's
