@@ -87,6 +87,10 @@ TAGS: dict = {
     "aliases": frozenset({aten._unsafe_view.default, aten.alias.default, aten.lift_fresh.default,
                           aten._reshape_alias.default, aten.reshape.default}),
     "arange": frozenset({aten.arange.default, aten.arange.start, aten.arange.start_step}),
+    # views through which the pipeline's capture takes one microbatch of an input (view as (m, B / m, S), select,
+    # clone): context parallelism's balancing follows labels back through them (tactics/cpbalance.py)
+    "microbatch_view": frozenset({aten.clone.default, aten.select.int, aten.view.default,
+                                  aten._unsafe_view.default}),
     # contractions; "matmul_bias": the first operand is a bias added to the product (addmm(bias, m1, m2))
     "matmul": _MATMUL,
     "matmul_bias": frozenset({aten.addmm.default, aten.baddbmm.default}),
@@ -234,6 +238,11 @@ EMITTED_AS = {aten.view.default: aten.reshape.default, aten._unsafe_view.default
 # padding of an uneven tile: op -> {tensor slot: argument index holding the filler} (nll_loss's padded targets
 # are its ignore_index, so neither the loss sum nor total_weight counts them)
 FILL_FROM_ARG = {aten.nll_loss_forward.default: {1: 4}}
+
+# ops whose result depends on the order of positions along a dim -> the argument holding that dim (context
+# parallelism's load balancing permutes the sequence and refuses them: tactics/cpbalance.py)
+ORDER_DIM_ARG = {aten.cumsum.default: 1, aten.cumprod.default: 1, aten.roll.default: 2, aten.flip.default: 1,
+                 aten.narrow.default: 1}
 
 # the natural einsum of the matmul family for xla/strided.py (capital letters; the bias of addmm is left aside)
 MATMUL_DIMS = {aten.mm.default: ("IK", "KJ", "IJ"), aten.bmm.default: ("BIK", "BKJ", "BIJ"),

@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from ..contract import META_ZIGZAG
 from ..errors import PartitionError
+from ..rules import tags
 
 aten = torch.ops.aten
 
@@ -69,15 +70,11 @@ def _storage(g, o, n: int, c: int, length: int):
 
 def _is_positions(node: fx.Node, length: int) -> bool:
     """arange(length) or arange(0, length) (step 1)."""
-    if node.op != "call_function" or node.target not in (aten.arange.default, aten.arange.start,
-                                                         aten.arange.start_step):
+    if node.op != "call_function" or not tags.has(node.target, "arange"):
         return False
     start, end, step = ((0, node.args[0], 1) if node.target is aten.arange.default
                         else (node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else 1))
     return (start, end, step) == (0, length, 1)
-
-
-_BATCH_VIEWS = (aten.clone.default, aten.select.int, aten.view.default, aten._unsafe_view.default)
 
 
 def _labels_of(x: fx.Node) -> fx.Node | None:
@@ -85,7 +82,7 @@ def _labels_of(x: fx.Node) -> fx.Node | None:
     batch as (microbatches, B / m, S), then selects and clones one): views that keep the last dim, selects of another
     dim. None otherwise."""
     while x.op != "placeholder":
-        if x.target not in _BATCH_VIEWS or not isinstance(x.args[0], fx.Node):
+        if not tags.has(x.target, "microbatch_view") or not isinstance(x.args[0], fx.Node):
             return None
         src, val = x.args[0].meta["val"], x.meta["val"]
         if x.target is aten.select.int and x.args[1] % src.dim() == src.dim() - 1:
@@ -145,10 +142,6 @@ def _index_by_storage(g, positions: list, laid: set, n: int, c: int, length: int
     return done
 
 
-_ORDERED = {aten.cumsum.default: 1, aten.cumprod.default: 1, aten.roll.default: 2, aten.flip.default: 1,
-            aten.narrow.default: 1}          # ops whose result depends on the order of a dim: the dim's argument
-
-
 def _order_dependent(node: fx.Node, length: int) -> int | None:
     """The dim of the sequence length on which `node` depends on the order of positions (a partial slice, a pad, a
     cumsum, a roll, a flip, a cat), else None."""
@@ -162,8 +155,8 @@ def _order_dependent(node: fx.Node, length: int) -> int | None:
         dims = [d] if start != 0 or (end is not None and end < shape[d]) else []
     elif t is aten.constant_pad_nd.default:
         dims = [len(shape) - 1 - i // 2 for i, p in enumerate(args[1]) if p]
-    elif t in _ORDERED:
-        d = args[_ORDERED[t]]
+    elif t in tags.ORDER_DIM_ARG:
+        d = args[tags.ORDER_DIM_ARG[t]]
         dims = list(d) if isinstance(d, (list, tuple)) else [d]
     elif t is aten.cat.default:
         d = args[1] if len(args) > 1 else 0
