@@ -1,6 +1,7 @@
-"""What a new input shape costs (issue 22): train_step at a new sequence length captures, plans and lowers the step
-again (runtime/shapes.py) until three lengths have programs; then the length is one symbol (runtime/dims.py: the
-programs fitted as one, plus one symbolic trace for the guards) and every later length is an instance of it.
+"""What a new input shape costs (issue 22): train_step at a second sequence length captures, plans and lowers the
+step again (runtime/shapes.py), and makes the length and the batch dim symbols (runtime/dims.py: one symbolic trace
+for the guards, programs partitioned at the other corners of a grid of two sizes per symbol and one point off it,
+fitted as one program); every later length is an instance of it.
 Prints, from prog.shapes(), each program's capture / plan / lowering (instances: instantiation) seconds, the
 symbolic dim's one-off cost, and each total relative to the first partition's and to the first capture's (the
 example inputs' program), measured in one run.

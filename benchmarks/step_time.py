@@ -32,7 +32,7 @@ so the wall time is at least half of it. --profile adds one profiled step (torch
 implementation on every rank, its self CPU time by category.
 
 Bytes are counted by one TorchDispatchMode that sees every collective op the step issues (c10d functional ops from
-partir_torch and DTensor, c10d ops from FSDP2), in the nccl-tests convention (the full array an all_reduce reduces,
+partir_torch and DTensor, partir_torch's bucket all_gathers and all_reduces, c10d ops from FSDP2), in the nccl-tests convention (the full array an all_reduce reduces,
 an all_gather produces or a reduce_scatter consumes), per rank and step.
 """
 from __future__ import annotations
@@ -55,6 +55,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from partir_torch.lower.bucketops import ALL_GATHER_BUCKET, ALL_REDUCE_BUCKET  # noqa: E402
 
 WORLD, DP, TP = 4, 2, 2
 F32 = 4
@@ -90,6 +92,10 @@ _COUNTED = {
     c10d.reduce_scatter_tensor_coalesced_.default: ("reduce_scatter", lambda a, r: _nbytes(a[1])),
     c10d.allgather_.default: ("all_gather", lambda a, r: _nbytes(a[0])),
     c10d.reduce_scatter_.default: ("reduce_scatter", lambda a, r: _nbytes(a[1])),
+    # partir's bucket collectives (lower/bucketops.py): one all_gather / all_reduce of a bucket's members, into one
+    # buffer. The mode does not see the process-group calls inside them, so they are counted here, once per bucket
+    ALL_GATHER_BUCKET: ("all_gather", lambda a, r: _nbytes(r)),
+    ALL_REDUCE_BUCKET: ("all_reduce", lambda a, r: _nbytes(a[0])),
 }
 
 

@@ -58,6 +58,8 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     # an automatic search that found no plan within its memory limit: the step again with recomputation
     planned = recompute_to_fit(replan(tactics), tactics, model, replan, can_rewrite=loss_fn is not None)
     prog = Program(planned, model, optimizer, loss_fn, costs=tuple(costs))
+    if options.dynamic is not None:     # dims declared dynamic: one program in them, built now (runtime/dims.py)
+        prog.executor.declare(example_inputs)
     if simulate is not None:
         print(prog.simulate(simulate).table())
     return prog

@@ -21,9 +21,19 @@ class Options:
     RankFailureError (runtime/faults.py). compile: the per-device program runs compiled by TorchInductor
     (runtime/compiled.py; eager otherwise, with the optimizer update as fused kernels, lower/fuse.py). measure_memory:
     every step measures each rank's peak of live tensor bytes (runtime/memtrack.py; prog.peak_memory() reads the last
-    step's); it costs a Python callback per op, so it is off by default. max_shapes: how many input signatures
-    (shapes and dtypes) keep a partitioned program (runtime/shapes.py); beyond it the least recently used one is
-    dropped (and partitioned again if its shape comes back).
+    step's); it costs a Python callback per op, so it is off by default.
+
+    Shapes (runtime/shapes.py, dims.py, symbols.py): dynamic: input dims that are symbols from the start, as
+    torch.compile's mark_dynamic: {"inputs.0": {1: "seq"}, "inputs.1": {1: "seq"}} (input, as in example_inputs
+    flattened -> {dim: name}; one name is one size in every batch); the batch dim (dim 0 of the inputs of inputs.0's
+    batch size) is the symbol "batch" too unless declared {0: None}. partition() then builds one program in those
+    symbols (a few programs at other sizes, fitted as one, and a symbolic trace for the model's guards) and every
+    new size of them is an instance of it: no capture, no plan, no lowering. None (the default): a dim becomes a
+    symbol at its second distinct size (with the batch dim). shape_cache_bytes: the memory the programs kept for
+    other input shapes may hold (each program's Python memory, counted as its graphs' nodes times the bytes per node
+    measured with tracemalloc, shapes.program_bytes; tensor storage not counted); beyond it the least recently used
+    ones are dropped with the backend's copy of them (counted: prog.summary()), and built again (an instance in
+    milliseconds) if their shape comes back. A family of symbolic dims keeps its base program's plan besides. max_shapes: a count bound as well (None: none).
 
     Scheduling (lower/schedule.py): prefetch: state gathers (ZeRO-3's parameters) on one axis are issued this many
     gathers ahead of their use (FSDP2's default is 1; 0 gathers each where it is used); reduce_in_flight: at most
@@ -50,7 +60,9 @@ class Options:
     tp_chunks: int = 0
     async_tp: bool = False
     measure_memory: bool = False
-    max_shapes: int = 8
+    max_shapes: int | None = None
+    shape_cache_bytes: int = 2 * 2 ** 30
+    dynamic: dict | None = None
     memory_budget: float | None = None
     strict: bool = False
 
@@ -70,9 +82,13 @@ class Options:
             raise PartitionError(f"partition: strict must be True or False, got {self.strict!r}.")
         if not isinstance(self.measure_memory, bool):
             raise PartitionError(f"partition: measure_memory must be True or False, got {self.measure_memory!r}.")
-        if not isinstance(self.max_shapes, int) or self.max_shapes < 1:
-            raise PartitionError(f"partition: max_shapes must be an int >= 1 (input shapes that keep a program), "
-                                 f"got {self.max_shapes!r}.")
+        if self.max_shapes is not None and (not isinstance(self.max_shapes, int) or self.max_shapes < 1):
+            raise PartitionError(f"partition: max_shapes must be an int >= 1 (input shapes that keep a program) or "
+                                 f"None, got {self.max_shapes!r}.")
+        if not isinstance(self.shape_cache_bytes, int) or self.shape_cache_bytes < 1:
+            raise PartitionError(f"partition: shape_cache_bytes must be an int >= 1 (bytes the programs of other "
+                                 f"input shapes may hold), got {self.shape_cache_bytes!r}.")
+        _check_dynamic(self.dynamic)
         if self.memory_budget is not None and (isinstance(self.memory_budget, bool) or
                                                not isinstance(self.memory_budget, (int, float)) or
                                                not self.memory_budget > 0):
@@ -80,6 +96,20 @@ class Options:
                                  f"got {self.memory_budget!r}.")
         if not self.timeout_s > 0:
             raise PartitionError(f"partition: timeout_s must be a positive number of seconds, got {self.timeout_s!r}.")
+
+
+def _check_dynamic(dynamic) -> None:
+    """Options.dynamic's spelling (what it names is checked against the example inputs: runtime/symbols.py)."""
+    if dynamic is None:
+        return
+    ok = isinstance(dynamic, dict) and all(
+        isinstance(k, str) and isinstance(v, dict) and all(
+            isinstance(d, int) and not isinstance(d, bool) and (n is None or isinstance(n, str) and n.isidentifier())
+            for d, n in v.items()) for k, v in dynamic.items())
+    if not ok:
+        raise PartitionError(f"partition: dynamic must map inputs to {{dim: symbol name}}, e.g. "
+                             f"{{'inputs.0': {{1: 'seq'}}, 'inputs.1': {{1: 'seq'}}}} (a name is an identifier; "
+                             f"None marks a dim static), got {dynamic!r}.")
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,9 @@ class Program:
             lines.append(f"Layerdrop in {', '.join(g.lists)}: {len(g.gates)} layers gated in one program (each "
                          f"layer's draw decides, at every step, whether its output and update are kept); every "
                          f"layer is computed at every step, so skipped layers save no time, unlike eager.")
+        ex = self._executor
+        if ex is not None and (len(ex.shapes) > 1 or ex.shapes.evicted):   # other input shapes (runtime/shapes.py)
+            lines.append(ex.shapes.line())
         if not cap.guards and not cap.checks:
             return "\n".join([text] + lines)
         if cap.guards:
@@ -191,11 +194,12 @@ class Program:
     def shapes(self) -> list:
         """The programs kept, one per input signature (runtime/shapes.py): train_step (or loss_and_grads, prog(...))
         captures and partitions the step again for inputs of a new shape or dtype, with the same schedule, on the
-        same state; eval_step and forward keep their own. After three lengths of one dim, a new length is an
-        instance of the programs fitted as one program in that dim (runtime/dims.py: instance_of is its size; no
-        capture or plan). Each a ShapeInfo: kind, signature ((shape, dtype) per input), capture_s, plan_s, lower_s,
-        calls, instance_of, symbolic_s; least recently used first. The reports (print(prog), collectives(),
-        simulate()) describe the example inputs' program."""
+        same state; eval_step and forward keep their own. From the second size of a dim (or from partition, for
+        dims declared in Options.dynamic), that dim and the batch dim are symbols: the programs at a grid of their
+        sizes, built then, are fitted as one program, and a new size is an instance of it (runtime/dims.py:
+        instance_of is its size, or its sizes per symbol; no capture or plan). Each a ShapeInfo: kind, signature
+        ((shape, dtype) per input), capture_s, plan_s, lower_s, calls, instance_of, symbolic_s; least recently used
+        first. The reports (print(prog), collectives(), simulate()) describe the example inputs' program."""
         ex = self.executor
         kind = {"train": "train", "loss_and_grads": "loss_and_grads"}.get(self.plan.captured.mode, "forward")
         rows = [e.info(kind) for e in ex.shapes.entries.values()]

@@ -11,6 +11,7 @@ from tabulate import tabulate
 from .capture.counts import describe as describe_counts
 from .contract import META_ACTION, META_COLLECTIVE, META_NAME, META_RECOMPUTE, META_SRC, META_TAG, Role
 from .errors import PartitionError, closest
+from .lower.copies import layout_copies, one_device_copies
 from .lower.pipeline import pp_transfer
 from .lower.records import RESHARD, WHYS
 from .tactics.base import Tactic
@@ -232,10 +233,13 @@ class Reports:
     def audit(self) -> str:
         """The "reshard" collectives of the program (records.py: a layout change no tactic asked for), grouped by
         the op they serve and its source line, with their bytes per step; the fix for each. Then what batch norm's
-        global statistics cost, if any (batchnorm_text)."""
+        global statistics cost, if any (batchnorm_text), and the program's layout copies against the one-device
+        step's (copies_text)."""
         records = self.plan.lowered().records
         bn = batchnorm_text(records, self.plan.captured.gm.graph)
-        return audit_text(records) + (f"\n{bn}" if bn else "")
+        cap = self.plan.captured
+        copies = copies_text(layout_copies(self.plan.annotated_lowered(), cap), one_device_copies(cap))
+        return audit_text(records) + (f"\n{bn}" if bn else "") + f"\n{copies}"
 
     def _stage_stats(self, k: int) -> dict:
         low = self.plan.lowered(k)
@@ -334,6 +338,32 @@ def audit_text(records) -> str:
             values = sorted({r.value for r in recs if (r.source or NO_SOURCE) == src})
             lines.append(f"    {src}: {_fmt_bytes(b)}  ({', '.join(values[:4])}{' ...' if len(values) > 4 else ''})")
     return "\n".join(lines)
+
+
+def copies_text(copies, one_device) -> str:
+    """What prog.audit() prints about layout copies (lower/copies.py): the program's per step, the one-device step's
+    own, and the extra ones (copies the one-device step does not make) by op and source line."""
+    extra = [c for c in copies if c.extra]
+    head = (f"layout copies per step: {len(copies)} ({_fmt_bytes(sum(c.nbytes for c in copies))} on this device); "
+            f"the one-device step makes {len(one_device)} ({_fmt_bytes(sum(c.nbytes for c in one_device))}); ")
+    if not extra:
+        return head + "extra: none"
+    lines = [head + f"extra: {len(extra)}, {_fmt_bytes(sum(c.nbytes for c in extra))} per step (lowering's copies "
+                    f"next to the collectives, or views that copy on the local shards):"]
+    for op, recs in _counts_by(extra, lambda c: c.op).items():
+        lines.append(f"  {op}: {_fmt_bytes(sum(c.nbytes for c in recs))} per step (x{len(recs)})")
+        for src, rs in _counts_by(recs, lambda c: c.source or NO_SOURCE).items():
+            values = list(dict.fromkeys(c.value.split(", ")[0] for c in rs))
+            lines.append(f"    {src}: {_fmt_bytes(sum(c.nbytes for c in rs))}  ({', '.join(values[:4])}"
+                         f"{' ...' if len(values) > 4 else ''})")
+    return "\n".join(lines)
+
+
+def _counts_by(items, key) -> dict:
+    out: dict = {}
+    for x in items:
+        out.setdefault(key(x), []).append(x)
+    return dict(sorted(out.items(), key=lambda kv: -sum(c.nbytes for c in kv[1])))
 
 
 def _bn_moments(node) -> bool:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import partir_torch as pt
 from partir_torch.errors import warn
+from partir_torch.lower.copies import layout_copies, one_device_copies
 from partir_torch.lower.records import WHYS
 from partir_torch.plan import capture_for, plan
 from examples.models import get
@@ -30,6 +31,7 @@ SCHEDULES = {
     "BP+MP+Z3": ({"batch": 2, "fsdp": 2, "model": 2},
                  lambda s: [T.data_parallel("batch", dims=bp_dims(s)), T.megatron("model"),
                             T.data_parallel("fsdp", dims=bp_dims(s), name="BP_fsdp"), T.zero(3, "fsdp")]),
+    "MP": ({"model": 2}, lambda s: [T.megatron("model")]),
     "SP": ({"model": 2}, lambda s: [T.megatron("model"), T.sequence_parallel("model")]),
     "EP": ({"batch": 2, "expert": 2}, lambda s: [T.data_parallel("batch"), T.expert_parallel("expert")]),
 }
@@ -38,6 +40,11 @@ _CAPTURES: dict = {}
 
 def records(name, sched):
     """The collective records of zoo model `name` under schedule `sched` (one capture per model, batch 4)."""
+    return planned(name, sched).lowered().records
+
+
+def planned(name, sched):
+    """The plan of zoo model `name` under schedule `sched` (one capture per model, batch 4)."""
     spec = get(name)
     mesh, tactics = SCHEDULES[sched]
     if name not in _CAPTURES:
@@ -45,8 +52,7 @@ def records(name, sched):
         _CAPTURES[name] = capture_for(model, [], spec.batch(4), spec.loss_fn, torch.optim.AdamW(model.parameters()))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")       # megatron's note on the weights it leaves replicated
-        p = plan(_CAPTURES[name], pt.Mesh(mesh), tactics(spec))
-    return p.lowered().records
+        return plan(_CAPTURES[name], pt.Mesh(mesh), tactics(spec))
 
 
 def members(recs) -> list:
@@ -241,3 +247,64 @@ def test_reshard_warning_is_silent_on_other_ranks(monkeypatch):
     prog, warned = _partition_rolled()
     assert not warned
     assert [m.why for m in members(prog.collectives())].count("reshard") == 2
+
+
+# -- layout copies (issue 39 item 1): the per-device program copies no more than the one-device step --------------
+def extra_copies(p) -> list:
+    return [c for c in layout_copies(p.annotated_lowered(), p.captured) if c.extra]
+
+
+@AUDIT
+@pytest.mark.parametrize("sched", ["BP", "MP", "BP+MP+Z3"])
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_zoo_programs_make_no_layout_copy_the_one_device_step_does_not(name, sched):
+    """Buckets gather and all_reduce into one buffer, member after member (lower/bucketops.py), so unpacking them
+    is views; a cat to pack a bucket or a clone to unpack it would be counted here. The program's copies are the
+    model's own (the same ops as the one-device step's, on local shapes), and audit() says so."""
+    p = planned(name, sched)
+    assert extra_copies(p) == []
+    copies = layout_copies(p.annotated_lowered(), p.captured)
+    one = one_device_copies(p.captured)
+    assert Counter(c.op for c in copies) == Counter(c.op for c in one)
+    from partir_torch.reporting import copies_text
+    assert copies_text(copies, one).endswith("extra: none")
+
+
+@AUDIT
+def test_audit_names_the_extra_copies_sequence_parallel_makes():
+    """The detector itself: sequence parallelism gathers the (B, T, d) activations on T (dim 1), which lowering
+    moves to the front and back with a clone each (reshard.py), copies no one-device step makes: counted, with
+    their bytes, and printed by audit() next to the collectives."""
+    p = planned("gpt", "SP")
+    extra = extra_copies(p)
+    assert extra and {c.op for c in extra} >= {"clone"} and all(c.nbytes > 0 for c in extra)
+    moved = {m.value for r in p.lowered().records for m in r.parts() if m.kind in ("all_gather", "reduce_scatter")}
+    assert {c.value for c in extra if c.op == "clone"} <= moved      # each next to the collective it serves
+    from partir_torch.reporting import copies_text
+    text = copies_text(layout_copies(p.annotated_lowered(), p.captured), one_device_copies(p.captured))
+    assert f"extra: {len(extra)}," in text and "clone:" in text
+
+
+@pytest.mark.parametrize("build", ["gpt2", "llama"])
+def test_stock_hf_decoders_make_no_extra_layout_copy(build):
+    """Stock HF GPT-2 and Llama (tiny configs) under BP, MP and BP+MP+Z3 on a 2x2x2 mesh: no extra copy, except, on
+    GPT-2 under ZeRO-3, the one local slice of the position embedding's gradient (whole on 'fsdp': the positions
+    are not batched) at the rank's coordinate (index_select: the program is the same for every rank)."""
+    from tests.harness import hf_gpt2, hf_llama
+
+    torch.manual_seed(0)
+    model = {"gpt2": hf_gpt2, "llama": hf_llama}[build]().train()
+    tokens = torch.randint(0, 64, (8, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cap = capture_for(model, [], (tokens,), lambda m, x: m(input_ids=x, labels=x).loss,
+                          torch.optim.AdamW(model.parameters()))
+        for mesh, tactics in [({"batch": 2}, [T.data_parallel("batch")]), ({"model": 2}, [T.megatron("model")]),
+                              ({"batch": 2, "fsdp": 2, "model": 2},
+                               [T.data_parallel("batch"), T.data_parallel("fsdp", name="BP-fsdp"),
+                                T.megatron("model"), T.zero(3, "fsdp")])]:
+            extra = extra_copies(plan(cap, pt.Mesh(mesh), tactics))
+            if build == "gpt2" and "fsdp" in mesh:
+                assert [(c.op, c.nbytes) for c in extra] == [("index_select", 16 * 32 * 4 // 2)], extra
+            else:
+                assert extra == [], (mesh, extra)

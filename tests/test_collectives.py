@@ -206,6 +206,32 @@ def test_bucketing_keeps_bytes_and_merges_collectives(stage):
         torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7)
 
 
+def test_bucket_collectives_are_recorded_and_simulated_as_the_collectives_they_are():
+    """A bucket's gather and all_reduce run as partir's own ops (lower/bucketops.py: every member written into one
+    buffer). prog.collectives() records each as one all_gather / all_reduce of its members' bytes (its whole
+    output buffer), and the simulator prices it as that collective on its axis: the same kind, axis and bytes,
+    the time comm.estimate gives them."""
+    from partir_torch.lower.bucketops import ALL_GATHER_BUCKET, ALL_REDUCE_BUCKET
+    from partir_torch.sim import estimate
+
+    kinds = {ALL_GATHER_BUCKET: "all_gather", ALL_REDUCE_BUCKET: "all_reduce"}
+    _, prog = partition({"batch": 2, "fsdp": 2, "model": 2},
+                        [T.data_parallel("batch"), T.data_parallel("fsdp", name="BP-fsdp"), T.megatron("model"),
+                         T.zero(3, "fsdp")], bucket_bytes=64 * 2 ** 20)
+    buckets = [n for n in prog.lowered.gm.graph.nodes if n.target in kinds]
+    assert {kinds[n.target] for n in buckets} == {"all_gather", "all_reduce"}
+    recs = {r.node: r for r in prog.collectives()}
+    hw = pt.sim.hardware("h100", calibrated=False)
+    timings = {c.node: c for c in prog.simulate(hw).collectives}
+    for n in buckets:
+        r, t = recs[n.name], timings[n.name]
+        assert r.kind == kinds[n.target] and len(r.members) == len(n.args[0]) > 1
+        assert r.nbytes == sum(m.nbytes for m in r.members)
+        assert r.nbytes == n.meta["val"].numel() * F32     # nccl-tests convention: the whole buffer (fp32)
+        assert (t.kind, t.axis, t.nbytes) == (r.kind, r.axis, r.nbytes)
+        assert t.time_s == pytest.approx(estimate(hw, r.kind, r.nbytes, prog.mesh, r.axis).time_s)
+
+
 def test_zero3_does_not_gather_a_weight_the_backward_reads_only_the_shape_of():
     """The ViT's patch embedding convolves the input images, which need no gradient: its convolution_backward
     (output_mask [False, True, True]) computes grad_weight from dy and x, reading only the weight's shape. ZeRO-3

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import partir_torch as pt
 from examples.models import get
+from partir_torch.lower.bucketops import ALL_GATHER_BUCKET, ALL_REDUCE_BUCKET
 from partir_torch.lower.fuse import FUSED_UPDATE
 from partir_torch.lower.reshard import Emitter, reshard
 from partir_torch.runtime import executor
@@ -22,6 +23,7 @@ from partir_torch.runtime.layout import shard_of
 from partir_torch.sharding import Sharding as S
 
 T = pt.tactics
+BUCKET_OPS = (ALL_GATHER_BUCKET, ALL_REDUCE_BUCKET)
 SCHEDULE = lambda: [T.data_parallel("batch"), T.megatron("model"), T.zero(3, "batch")]  # noqa: E731
 
 
@@ -254,14 +256,17 @@ def test_unfused_and_fused_programs_agree_and_the_simulator_costs_one_kernel():
     assert secs == pytest.approx(memory_time(hw, 7 * param_bytes + scalars))
 
 
-def _eager_and_compiled():
-    """The same MLP partitioned twice (BP + Z3 on 2 ranks), compile=False and compile=True, and its batch."""
+def _eager_and_compiled(zero: bool = True):
+    """The same MLP partitioned twice (BP + Z3 on 2 ranks, or BP alone), compile=False and compile=True, and its
+    batch. Its buckets (lower/bucketops.py): Z3 gathers the parameters in a partir::all_gather_bucket, BP alone
+    all-reduces the gradients in a partir::all_reduce_bucket."""
     torch.manual_seed(0)
     model, x, y = MLP(), torch.randn(8, 16), torch.randn(8, 8)
     progs = {}
     for c in (False, True):
         m = copy.deepcopy(model)
-        progs[c] = pt.partition(m, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
+        tactics = [T.data_parallel("batch")] + ([T.zero(3, "batch")] if zero else [])
+        progs[c] = pt.partition(m, pt.Mesh({"batch": 2}), tactics,
                                 example_inputs=(x, y), loss_fn=_loss,
                                 optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2), options=pt.Options(compile=c))
     return progs, x, y
@@ -291,11 +296,16 @@ def _compiled_rank(rank, port, queue):
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
-        progs, x, y = _eager_and_compiled()
-        losses = {c: [p.train_step(x, y).item() for _ in range(3)] for c, p in progs.items()}
-        params = {c: p.gather_parameters() for c, p in progs.items()}
-        err = max((params[True][k] - params[False][k]).abs().max().item() for k in params[False])
-        queue.put((rank, {"losses": losses, "err": err, "compiled": progs[True].executor.rt.compile}))
+        out = {}
+        for zero in (True, False):
+            progs, x, y = _eager_and_compiled(zero)
+            losses = {c: [p.train_step(x, y).item() for _ in range(3)] for c, p in progs.items()}
+            params = {c: p.gather_parameters() for c, p in progs.items()}
+            err = max((params[True][k] - params[False][k]).abs().max().item() for k in params[False])
+            buckets = sorted(str(n.target) for n in progs[True].lowered.gm.graph.nodes if n.target in BUCKET_OPS)
+            out[zero] = {"losses": losses, "err": err, "compiled": progs[True].executor.rt.compile,
+                         "buckets": buckets}
+        queue.put((rank, out))
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - reported to the parent
         import traceback
@@ -305,8 +315,9 @@ def _compiled_rank(rank, port, queue):
 
 @pytest.mark.xdist_group("real_ranks")    # under xdist, with test_real_ranks' spawn: one set of gloo ranks at a time
 def test_compile_on_real_ranks_equals_eager():
-    """compile=True on 2 gloo ranks: the whole per-device step (its functional collectives included) compiled by
-    Inductor; losses and parameters equal the eager program's within fp32 reassociation."""
+    """compile=True on 2 gloo ranks: the whole per-device step (its functional collectives and partir's bucket
+    gather and all_reduce included) compiled by Inductor; losses and parameters equal the eager program's within
+    fp32 reassociation, under BP + Z3 and under BP alone."""
     import socket
 
     import torch.multiprocessing as mp
@@ -318,10 +329,13 @@ def test_compile_on_real_ranks_equals_eager():
     ctx = mp.start_processes(_compiled_rank, args=(port, queue), nprocs=2, join=False, start_method="spawn")
     out = dict(queue.get(timeout=600) for _ in range(2))
     ctx.join(timeout=60)
-    for rank, r in out.items():
-        assert "error" not in r, r["error"]
-        assert r["compiled"]
-        for a, b in zip(r["losses"][True], r["losses"][False]):
-            assert a == pytest.approx(b, rel=1e-5)
-        assert r["losses"][True][0] != r["losses"][True][-1]
-        assert r["err"] < 1e-5
+    for rank, got in out.items():
+        assert "error" not in got, got["error"]
+        assert [got[z]["buckets"] for z in (True, False)] == [["partir.all_gather_bucket.default"],
+                                                              ["partir.all_reduce_bucket.default"]]
+        for r in got.values():
+            assert r["compiled"]
+            for a, b in zip(r["losses"][True], r["losses"][False]):
+                assert a == pytest.approx(b, rel=1e-5)
+            assert r["losses"][True][0] != r["losses"][True][-1]
+            assert r["err"] < 1e-5

@@ -370,7 +370,6 @@ THIRD_PARTY_PROBES = {
     "partir_torch/capture/counts.py: getattr(func, '__self__', None)": "a torch function under TorchFunctionMode",
     "partir_torch/capture/counts.py: getattr(getattr(func, '__self__', None), '__name__', '')":
         "a torch function under TorchFunctionMode",
-    "partir_torch/capture/dims.py: getattr(env, 'backed_var_to_val', None)": "torch's ShapeEnv across versions",
     "partir_torch/capture/lora.py: getattr(x.args[0], 'target', None)": "an FX argument: a Node or a constant",
     "partir_torch/capture/moe.py: getattr(module, '_is_expert_parallel', False)": "a Hugging Face experts module",
     "partir_torch/capture/moe.py: getattr(module, 'has_bias', False)": "a Hugging Face experts module",

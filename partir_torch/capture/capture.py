@@ -821,16 +821,20 @@ def _trace_step(model, example_inputs, loss_fn, optimizer, options, decompositio
 def dim_guards(model, example_inputs, loss_fn=None, optimizer=None, options=(), decompositions=None,
                clip_grad_norm=None, accumulate=1, accumulate_dims=None, eval_loss=False, record_modules=False,
                positions=()) -> DimGuards:
-    """The step traced as capture() traces it, with the input sizes at `positions` ((input index, dim) pairs,
-    all of one size) one symbol: the guards on it (dims.py). Raises what the trace raises."""
+    """The step traced as capture() traces it, with the input sizes at `positions` symbolic: (input index, dim)
+    pairs, all one symbol s, or {(input index, dim): symbol name}. The guards on them (dims.py). Raises what the
+    trace raises. A training step is traced without its optimizer's update: the update reads the parameters, their
+    gradients and the optimizer's state, all of the parameters' static shapes, so no decision on an input size is
+    made there (a tenth of the symbolic trace, which costs about three concrete captures)."""
     example_inputs = as_batch(example_inputs)
-    mode = FORWARD if loss_fn is None else EVAL if eval_loss else (LOSS_AND_GRADS if optimizer is None else TRAIN)
+    mode = FORWARD if loss_fn is None else EVAL if eval_loss else LOSS_AND_GRADS
     fake_mode = fake_mode_for(positions)
-    _, _, lay, _, _, _ = _trace_step(model, example_inputs, loss_fn, optimizer, options, decompositions, mode,
+    _, _, lay, _, _, _ = _trace_step(model, example_inputs, loss_fn, None, options, decompositions, mode,
                                      clip_grad_norm, accumulate, accumulate_dims, None, record_modules, fake_mode,
                                      dynamic=frozenset(positions))
     flat = {int(n.split(".")[1]): x for n, x in zip(lay.names, lay.flat) if n.startswith("inputs.")}
-    return DimGuards.collect(fake_mode, {(i, d): flat[i].shape[d] for i, d in positions})
+    names = dict(positions) if isinstance(positions, dict) else None
+    return DimGuards.collect(fake_mode, {(i, d): flat[i].shape[d] for i, d in positions}, names)
 
 _VIEWS = tags.ops("view") | tags.ops("cast")   # a parameter seen through views and casts
 

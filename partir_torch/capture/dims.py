@@ -7,7 +7,10 @@ Those decisions are not integers in the program; a trace in which the dim is a s
 guard on that symbol (torch's ShapeEnv: `s0 <= 64`, `Ne(s0, 4)`). `capture(..., dynamic=positions)` traces the
 step once so, with the positions' sizes one shared symbol s and every other size static, and keeps the guards as
 `DimGuards`; `check(s)` says which guard a new length breaks (then that length is partitioned as any new shape
-is). The graph of that trace is not used.
+is). The graph of that trace is not used. Several symbols (the batch and the sequence length, issue 40): positions
+maps each (input, dim) to its symbol's name, every position gets a symbol of its own in the trace (no duck sizing:
+a batch of 8 and a length of 8 stay apart), and each is read back as its name's symbol; a trace that unifies two
+names, or fixes one to a value, records that as a guard that fails elsewhere.
 
 Sizes 0 and 1 are special to a symbolic trace (they are never symbols), so s >= 2 is a guard too.
 """
@@ -26,7 +29,7 @@ def fake_mode_for(dynamic) -> "torch._subclasses.fake_tensor.FakeTensorMode":
 
     if not dynamic:
         return FakeTensorMode(allow_non_fake_inputs=True)
-    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
+    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(duck_shape=False), static_shapes=True)
 
 
 def symbolic_input(mode, x: torch.Tensor, dims) -> torch.Tensor:
@@ -47,32 +50,39 @@ def symbolic_decompositions() -> dict:
 
 @dataclass(frozen=True)
 class DimGuards:
-    """The conditions on the symbol s under which the trace holds, as sympy expressions in `s`."""
+    """The conditions on the symbols under which the trace holds, as sympy expressions in symbols named by
+    `names` (one symbol: "s")."""
 
     exprs: tuple
-    traced_at: int
+    traced_at: tuple
+    names: tuple = ("s",)
 
     @staticmethod
-    def collect(mode, inputs: dict) -> "DimGuards":
-        """inputs: {(input index, dim): the faked input's size there (a SymInt)}, after the trace."""
+    def collect(mode, inputs: dict, names: dict | None = None) -> "DimGuards":
+        """inputs: {(input index, dim): the faked input's size there (a SymInt)}, after the trace; names: {(input
+        index, dim): the name of its symbol} (default: all one symbol s)."""
         env: ShapeEnv = mode.shape_env
-        s = sympy.Symbol("s", integer=True, positive=True)
-        # every symbol of this ShapeEnv is one of the positions' (the rest is static): all stand for s
-        ours = {sym: s for sym in getattr(env, "backed_var_to_val", None) or env.var_to_val}
-        exprs = [sympy.Ge(s, 2)]
+        names = names or {pos: "s" for pos in inputs}
+        order = tuple(dict.fromkeys(names[p] for p in inputs))
+        sym = {n: sympy.Symbol(n, integer=True, positive=True) for n in order}
+        # each position's own symbol (SymNode._expr: as created, before the trace's replacements) -> its name's
+        ours = {x.node._expr: sym[names[p]] for p, x in inputs.items()}
+        exprs = [sympy.Ge(v, 2) for v in sym.values()]
         for g in env.guards:
             exprs.append(g.expr.xreplace(ours))
-        for sym, val in env.replacements.items():     # a symbol specialised to a value, or unified with another
-            if sym in ours:
-                exprs.append(sympy.Eq(s, val.xreplace(ours)))
-        hint = next(iter(inputs.values())).node.hint
-        return DimGuards(tuple(e for e in exprs if e is not sympy.true), int(hint))
+        for sy, val in env.replacements.items():     # a symbol specialised to a value, or unified with another
+            if sy in ours:
+                exprs.append(sympy.Eq(ours[sy], val.xreplace(ours)))
+        hints = {names[p]: int(x.node.hint) for p, x in inputs.items()}
+        return DimGuards(tuple(e for e in exprs if e is not sympy.true), tuple(hints[n] for n in order), order)
 
-    def check(self, value: int) -> str | None:
-        """None where every guard holds at s = value, else the first that does not (as the trace wrote it)."""
-        s = sympy.Symbol("s", integer=True, positive=True)
+    def check(self, value) -> str | None:
+        """None where every guard holds at s = value (a tuple, one size per name; an int for one symbol), else the
+        first that does not (as the trace wrote it)."""
+        values = (value,) if isinstance(value, int) else tuple(value)
+        sub = {sympy.Symbol(n, integer=True, positive=True): v for n, v in zip(self.names, values)}
         for e in self.exprs:
-            got = e.xreplace({s: value})
+            got = e.xreplace(sub)
             if got is not sympy.true and got != True:  # noqa: E712 - sympy booleans
                 return str(e)
         return None

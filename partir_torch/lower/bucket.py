@@ -7,7 +7,9 @@ collective is paid once per bucket instead of once per parameter. Bytes are unch
   together
   where the last input is ready, when every member's result is first read after that point.
 
-A bucket flattens its members' shards into one buffer, runs one collective and slices each member back out. A
+A bucket runs one collective for its members and slices each member's result out of its output as a view: the
+gather and the all_reduce write each member's result into its own chunk of one buffer (lower/bucketops.py), the
+reduce_scatter reads one buffer of the members' rank-major chunks (a cat: its copy-in; prog.audit() counts it). A
 bucket holds at most `cap` bytes and at most 1/8 of what its kind moves on its axis in its phase (64 KiB at
 least): on a small model one 64 MiB bucket (or a 1 MiB floor, as this once had) would be the whole model, gathered
 at once and its gradients all held until the last one is produced, and ZeRO would raise the measured peak it is
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .bucketops import ALL_GATHER_BUCKET, ALL_REDUCE_BUCKET
 from .records import ALL_GATHER, ALL_REDUCE, GRADIENT, REDUCE_SCATTER, RESHARD, STATE, TACTIC, CollectiveRecord
 from ..contract import META_COLLECTIVE, META_IN_SHAPE, META_LOCAL_SHAPE
 
@@ -124,40 +127,26 @@ def _merge(graph, run, order) -> CollectiveRecord:
         anchor = max((n.args[0] for n, _ in run), key=order.__getitem__)   # original nodes keep their order
         insert = graph.inserting_before(anchor.next)
     with insert:
-        if first.kind == ALL_REDUCE:
-            flats = [graph.call_function(aten.reshape.default, (n.args[0], [-1])) for n, _ in run]
-            buf = graph.call_function(aten.cat.default, (flats,))
-            coll = graph.call_function(c10d.all_reduce.default, (buf, first.reduce_op, group))
+        if first.kind == ALL_REDUCE:       # into one buffer, member after member (lower/bucketops.py): no cat
+            coll = graph.call_function(ALL_REDUCE_BUCKET, ([n.args[0] for n, _ in run], first.reduce_op, group))
         elif first.kind == ALL_GATHER:
-            flats = [graph.call_function(aten.reshape.default, (n.args[0], [-1])) for n, _ in run]
-            buf = graph.call_function(aten.cat.default, (flats,))
-            coll = graph.call_function(c10d.all_gather_into_tensor.default, (buf, k, group))
+            coll = graph.call_function(ALL_GATHER_BUCKET, ([n.args[0] for n, _ in run], k, group))
         else:
             flats = [graph.call_function(aten.reshape.default, (n.args[0], [k, -1])) for n, _ in run]
             buf = graph.call_function(aten.view.default, (graph.call_function(aten.cat.default, (flats, 1)), [-1]))
             coll = graph.call_function(c10d.reduce_scatter_tensor.default, (buf, first.reduce_op, k, group))
         wait = graph.call_function(c10d.wait_tensor.default, (coll,))
-        if first.kind == ALL_GATHER:
-            rows = graph.call_function(aten.view.default, (wait, [k, -1]))
         off = 0
-        for (node, rec), flat in zip(run, flats):
-            if first.kind == ALL_REDUCE:
-                shape = list(node.meta[META_LOCAL_SHAPE])
-                part = graph.call_function(aten.slice.Tensor, (wait, 0, off, off + _numel(shape)))
-                out = graph.call_function(aten.view.default, (part, shape))
-                off += _numel(shape)
-                next(iter(node.users)).replace_all_uses_with(out)
-                continue
-            shape = list(node.meta[META_IN_SHAPE])
-            n = _numel(shape) if first.kind == ALL_GATHER else _numel(shape) // k
+        for node, rec in run:
+            # every member's result is a chunk of the buffer: a slice and a view
+            shape = list(node.meta[META_LOCAL_SHAPE] if first.kind == ALL_REDUCE else node.meta[META_IN_SHAPE])
             if first.kind == ALL_GATHER:
-                part = graph.call_function(aten.slice.Tensor, (rows, 1, off, off + n))
-                part = graph.call_function(aten.clone.default, (part,), {"memory_format": torch.contiguous_format})
-                out = graph.call_function(aten.view.default, (part, [shape[0] * k] + shape[1:]))
-            else:
-                part = graph.call_function(aten.slice.Tensor, (wait, 0, off, off + n))
-                out = graph.call_function(aten.view.default, (part, [shape[0] // k] + shape[1:]))
-            off += n
+                shape[0] *= k
+            elif first.kind == REDUCE_SCATTER:
+                shape[0] //= k
+            part = graph.call_function(aten.slice.Tensor, (wait, 0, off, off + _numel(shape)))
+            out = graph.call_function(aten.view.default, (part, shape))
+            off += _numel(shape)
             narrow = _narrow(next(iter(node.users)))
             next(iter(node.users)).replace_all_uses_with(out)
             if narrow is not None and first.kind == ALL_GATHER:

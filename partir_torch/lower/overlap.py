@@ -48,7 +48,7 @@ def _pattern(ar):
     """(mm node, view node or None, wait node) when `ar` all-reduces a matmul's 2-D result (or one view of it) that
     nothing else reads, with a known local shape; else None."""
     waits = list(ar.users)
-    if len(waits) != 1 or waits[0].target is not c10d.wait_tensor.default:
+    if ar.target is not c10d.all_reduce.default or len(waits) != 1 or waits[0].target is not c10d.wait_tensor.default:
         return None
     x, view = ar.args[0], None
     if x.target in _VIEWS and len(x.users) == 1:

@@ -170,7 +170,11 @@ def reduce_scatter(em, x, shape, d, op, axis, dtype, value, tactic, stride=1, bl
 
 def local_slice(em, x, shape, d, axis, dtype, stride=1, block=1):
     """This rank's chunk of dim d: index_select with arange(chunk) + coord * chunk (the coordinate is a graph
-    input, so the same program serves every rank). stride s > 1: chunk the minor part of (s, n / s)."""
+    input, so the same program serves every rank). stride s > 1: chunk the minor part of (s, n / s).
+
+    A copy (prog.audit() counts it), not a view: narrow at a tensor start reads the coordinate as a Python int
+    (aten.narrow.Tensor calls item()), which fake propagation on meta tensors and Inductor's trace refuse
+    (DataDependentOutputException), and a coordinate baked in per rank would make each rank's program differ."""
     k = em.mesh.shape[axis]
     inner = shape[d] // stride
     if stride == 1 and (inner // block) % k:    # uneven: pad the dim to k chunks (torch.chunk sizes, in blocks)

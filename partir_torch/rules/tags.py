@@ -46,6 +46,10 @@ TAGS: dict = {
     "moves_rows": _RESHAPE | {aten.permute.default, aten.clone.default},       # expand: a view lowering does not hoist (its result is larger than its source)
     # the same values in new or aliased storage
     "copy": _COPY,
+    # ops that always write their operands' elements into new storage, computing nothing (lower/copies.py counts
+    # them, with the reshapes that cannot be views, as the program's layout copies)
+    "layout_copy": frozenset({aten.clone.default, aten.contiguous.default, aten.cat.default, aten.stack.default,
+                              aten.index_select.default, aten.constant_pad_nd.default, aten.copy.default}),
     # dtype conversions (mixed precision casts every parameter before its use)
     "cast": _CAST,
     # a contiguous part of the operand (x[a:b], x[i])

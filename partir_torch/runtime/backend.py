@@ -104,6 +104,10 @@ class Backend(Protocol):
     def run(self, gm, args) -> list:
         """Run the per-device program."""
 
+    def forget(self, gm) -> None:
+        """Drop what run() keeps for gm (its segments, its compiled code): a program the cache of programs per
+        input shape dropped (runtime/shapes.py), whose memory would otherwise stay held."""
+
     def full(self, t, sh: Sharding, shape) -> torch.Tensor:
         """The whole value from its local shards (collective on real ranks)."""
 
@@ -139,6 +143,9 @@ class InProcess:
     reports = None
     device = torch.device("cpu")
     device_mesh = None
+
+    def forget(self, gm) -> None:
+        """Nothing kept per program."""
 
 
 def backend_for(mesh: Mesh, options, emulator) -> Backend:

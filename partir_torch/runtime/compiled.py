@@ -49,7 +49,7 @@ def compile_segments(plan) -> None:
     """Emulated ranks: each segment of plan (interpret.Plan) compiled lazily, on its first call with rank 0's
     operands as the example."""
     for seg in plan.segments():
-        if not any(n.op == "call_function" for n in seg.gm.graph.nodes):
+        if not any(n.op == "call_function" for n in seg.graph.nodes):
             continue
         seg.fn = _Lazy(seg.gm)
 

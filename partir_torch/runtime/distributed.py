@@ -193,6 +193,9 @@ class DistributedRuntime:
             return out
         return self._run(gm, args)
 
+    def forget(self, gm) -> None:
+        self._compiled.pop(id(gm), None)
+
     def _run(self, gm, args):
         if not self.compile:
             return gm(*args)

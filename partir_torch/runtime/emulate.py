@@ -4,6 +4,8 @@ tensors per rank, far less overhead per op); this one stays as a cross-check in 
 Dynamo/Inductor do not trace LocalTensor subclasses (compile=True is refused here)."""
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 
@@ -67,7 +69,7 @@ class EmulatedRuntime(InProcess):
 
     def run(self, gm, args):
         with self.mode:
-            return gm(*args)
+            return _functional(gm)(*args)
 
     def full(self, t, sh: Sharding, shape) -> torch.Tensor:
         return assemble(dict(t._local_tensors), sh, self.mesh, shape)
@@ -89,3 +91,21 @@ class EmulatedRuntime(InProcess):
 
     def rank0(self, t) -> torch.Tensor:
         return t._local_tensors[0].clone()
+
+
+def _functional(gm):
+    """gm with lower/bucketops.py's bucket collectives replaced by the functional collectives they equal (once per
+    program): LocalTensorMode knows those, and would run an op of ours on each rank alone."""
+    from ..lower.bucketops import FUNCTIONAL
+
+    if not any(n.target in FUNCTIONAL for n in gm.graph.nodes):
+        return gm
+    done = gm.meta.get("partir_functional")
+    if done is None:
+        done = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        for n in done.graph.nodes:
+            if n.target in FUNCTIONAL:
+                n.target = FUNCTIONAL[n.target]
+        done.recompile()
+        gm.meta["partir_functional"] = done
+    return done

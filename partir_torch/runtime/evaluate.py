@@ -10,6 +10,7 @@ training step is never partitioned again.
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
@@ -24,6 +25,7 @@ from .layout import same_layout
 from . import paths
 from .live import LiveLayout
 from .dims import SymbolicDims
+from .symbols import resized_batch
 from .shapes import ShapeCache, ShapeInfo, ShapeProgram, signature
 
 class Evaluator:
@@ -34,7 +36,8 @@ class Evaluator:
     def __init__(self, executor):
         self.ex = executor
         # (kind, structure, signature, backend) -> ShapeProgram (plan, lowering bound to the backend)
-        cache = ShapeCache(executor.plan.options.max_shapes, "eval_step / forward", lambda key: key[0][2])
+        cache = ShapeCache(executor.plan.options.max_shapes, "eval_step / forward", lambda key: key[0][2],
+                           executor.plan.options.shape_cache_bytes)
         self.cache = cache
         self.paths = paths.StepPaths(None, {})   # per key, for a step that branches on tensor values (paths.py)
         self.dims: dict = {}           # (kind, structure, backend) -> SymbolicDims (dims.py)
@@ -67,12 +70,14 @@ class Evaluator:
             entry.lowered
 
     def _built(self, family, kind, entry, batch, what) -> None:
-        """A program partitioned in full: the first of its family, or a point of it (dims.py)."""
+        """A program partitioned in full: the first of its family, or a point of it (dims.py: from the second size
+        of a dim, the dim and the batch dim are symbols, fitted on programs built here at the grid's sizes)."""
         if family not in self.dims:
-            self.dims[family] = SymbolicDims(entry, what, sig_of=lambda e: e.signature[2])
+            self.dims[family] = SymbolicDims(entry, what, sig_of=lambda e: e.signature[2],
+                                             step=self.ex.plan.mesh.size, batch=True)
             return
 
-        def trace(where):
+        def trace(symbols):
             from ..plan import capture_for
 
             model, was = self.ex.model, self.ex.model.training
@@ -80,10 +85,18 @@ class Evaluator:
             try:
                 rewrites, tactics = self._schedule(kind)
                 return capture_for(model, rewrites + tactics, batch, self.ex.loss_fn if kind == "loss" else None,
-                                   eval_loss=kind == "loss", dynamic=where)
+                                   eval_loss=kind == "loss", dynamic=symbols.positions)
             finally:
                 model.train(was)
-        self.dims[family].built(entry, trace)
+
+        def make_at(sig):
+            key = entry.signature[:2] + (sig,) + entry.signature[3:]
+            with warnings.catch_warnings():     # a moved layout is said for the programs called, not the fit's
+                warnings.simplefilter("ignore")
+                made = self._build(kind, resized_batch(batch, sig), key)
+            self.cache.add(made)
+            return made
+        self.dims[family].built(entry, trace, make_at)
 
     def _schedule(self, kind):
         """(capture rewrites, tactics) an eval program is captured with: the loss runs in the training step's

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import time
+import warnings
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 from ..capture import FORWARD, LOSS_AND_GRADS, TRAIN
-from ..capture.inputs import conform
+from ..capture.inputs import as_batch, conform
 from ..contract import EXC_NODE, META_SRC, Role
 from ..rules.tags import draws_random
 from ..errors import PartitionError, internal_error
@@ -20,6 +21,7 @@ from .call import Calls, call
 from .interpret import InterpretedRuntime
 from . import paths
 from .dims import SymbolicDims
+from .symbols import declared, resized_batch
 from .shapes import (ShapeCache, ShapeProgram, build, check_divisible, global_signature, plan_signature, say_new,
                      signature, trace_guards)
 from .state import HeldState
@@ -48,12 +50,15 @@ class Executor:
         self.failure = None                  # real ranks: the error of a step that failed (its groups released)
         self._digest = ""                    # real ranks: the plan's digest, part of every call's agreement
         # one program per input signature (shapes.py), sharing the state held; costs: (capture_s, plan_s) of plan
-        self.shapes = ShapeCache(plan.options.max_shapes, _KIND.get(plan.captured.mode, "run"))
+        self.shapes = ShapeCache(plan.options.max_shapes, _KIND.get(plan.captured.mode, "run"),
+                                 limit_bytes=plan.options.shape_cache_bytes)
         first = ShapeProgram(plan_signature(plan), plan, *costs)
         self.paths, self._last = paths.StepPaths(first, self._held.param_steps), None   # branches; last program run
         self._first = self.shapes.add(first, pinned=True)
         self._first_call = plan.captured.first_call is not None     # capture/settle.py: drawn before the first call
-        self.dims = SymbolicDims(first, self.shapes.what)    # sizes that become one symbol (dims.py)
+        # sizes that become symbols (dims.py); a fit builds programs at sizes a multiple of `step` apart
+        step = plan.mesh.size * plan.captured.settings.get("accumulate", 1)
+        self.dims = SymbolicDims(first, self.shapes.what, step=step, batch=True)
         self.calls = TrainCalls(self.shapes, self.paths)
 
     @property
@@ -98,6 +103,19 @@ class Executor:
             self._held.attach(rt)
         self.lowered = self._first.lowered
         return self.lowered
+
+    def declare(self, batch) -> None:
+        """Options.dynamic: the declared symbols checked against the example inputs (symbols.py) and fitted as one
+        program now (dims.py), so that a new size of them is an instance from the first call."""
+        where = "partition: dynamic="
+        if self.plan.pipeline.staged:
+            raise PartitionError(f"{where} is not supported for a pipelined program: it keeps a program per shape "
+                                 f"(runtime/dims.py). Drop dynamic=, or pad batches to one shape.")
+        if self.paths:
+            raise PartitionError(f"{where}: this step branches on tensor values (one program per path, "
+                                 f"runtime/paths.py), and its paths keep a program per shape. Drop dynamic=.")
+        symbols = declared(self.plan.options.dynamic, self._first.signature)
+        self.dims.declare(symbols, *self.calls.fitting(self, as_batch(batch)))
 
     def bind(self, entry, rt=None) -> None:
         """entry's program bound to the process groups of rt (default: the live backend), once per backend; on real
@@ -254,10 +272,9 @@ class TrainCalls(Calls):
         return build(ex.plan, ex.model, ex.optimizer, ex.loss_fn, tuple(batch), sig, values=real, what=what)
 
     def keep(self, ex, entry, batch, symbolic: bool, what: str) -> None:
-        if symbolic:
-            ex.dims.built(entry, lambda where: trace_guards(ex.plan, ex.model, ex.optimizer, ex.loss_fn,
-                                                            tuple(batch), where))
         self.cache.add(entry)
+        if symbolic:
+            ex.dims.built(entry, *self.fitting(ex, batch))
         if entry.path and entry.signature == ex.first.signature:
             paths.say_new(what, entry, len(self.cache.entries), self.cache.limit)
         else:
@@ -265,6 +282,23 @@ class TrainCalls(Calls):
 
     def before_run(self, ex, entry) -> None:
         ex.held().relayout(entry.layouts)
+
+    def fitting(self, ex, batch) -> tuple:
+        """(trace_guards, make_at) for dims.py: the step traced with symbols, and the step partitioned at another
+        signature, on `batch` resized (its values repeated along each resized dim: real, valid values)."""
+        cap = ex.plan.captured
+
+        def trace(symbols):
+            return trace_guards(ex.plan, ex.model, ex.optimizer, ex.loss_fn, tuple(batch), symbols.positions)
+
+        def make_at(sig):
+            with warnings.catch_warnings():     # the schedule's remarks, said at partition; the fit says its own
+                warnings.simplefilter("ignore")
+                entry = build(ex.plan, ex.model, ex.optimizer, ex.loss_fn,
+                              resized_batch(conform(tuple(batch), cap.in_spec), sig), sig)
+            self.cache.add(entry)
+            return entry
+        return trace, make_at
 
 
 def _check_input(cap, name, x) -> None:
@@ -280,7 +314,7 @@ def _check_input(cap, name, x) -> None:
                              f"(x.to('{dev.type}')).")
 
 
-def _instance(sig, plan, canonical, seconds: float, s: int) -> ShapeProgram:
+def _instance(sig, plan, canonical, seconds: float, s) -> ShapeProgram:
     """A program instantiated from a symbolic dim (dims.py): the fitted programs' plan, its own lowering."""
     return ShapeProgram(sig, plan, None, None, seconds, canonical=canonical, dim=s)
 

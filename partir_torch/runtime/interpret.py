@@ -25,10 +25,12 @@ import traceback
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ..contract import EXC_NODE, META_STAGE
 from ..rules.tags import draws_random
 from ..lower.pipeline import PIPELINE_AXIS, pp_transfer
+from ..lower.bucketops import ALL_GATHER_BUCKET, ALL_REDUCE_BUCKET
 from ..lower.ring import RING_SHIFT
 from ..mesh import Mesh
 from ..sharding import Sharding
@@ -38,7 +40,7 @@ from .layout import assemble, assemble_into, shard_of
 c10d = torch.ops._c10d_functional
 WAIT = c10d.wait_tensor.default
 COLLECTIVES = {c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
-               c10d.all_to_all_single.default, RING_SHIFT}
+               c10d.all_to_all_single.default, RING_SHIFT, ALL_GATHER_BUCKET, ALL_REDUCE_BUCKET}
 
 
 class PerRank:
@@ -73,17 +75,27 @@ class _Segment:
         self.outputs = [n for n in nodes if n in later]
         self.stage = None                # pipelined programs: the coordinate on the pipeline axis that runs it
         g.output(tuple(env[n] for n in self.outputs))
-        self.gm = fx.GraphModule(torch.nn.Module(), g)
-        self.fn = self.gm                # compile_segments replaces it (positional arguments)
-        self._boxed = None
+        self.graph = g                   # run eagerly as `boxed`, compiled as `gm` (runtime/compiled.py)
+        self.fn = None                   # compile_segments sets it: the compiled segment (positional arguments)
+        self._boxed = self._gm = None
         self.random = any(draws_random(n) for n in nodes)
 
+    @property
+    def gm(self) -> fx.GraphModule:
+        """The segment over positional arguments (compiled segments; built once, on a copy of its graph, its code
+        generated when first called)."""
+        if self._gm is None:
+            g = fx.Graph()
+            g.output(g.graph_copy(self.graph, {}))
+            self._gm = _LazyGraphModule(torch.nn.Module(), g)
+        return self._gm
 
     @property
     def boxed(self) -> fx.GraphModule:
-        """The eager form: takes one list and clears it, so that inputs die at their last use (built once)."""
+        """The eager form: takes one list and clears it, so that inputs die at their last use (built once, on the
+        segment's graph itself: a program's first run generates each segment's code once)."""
         if self._boxed is None:
-            self._boxed = _boxed(self.gm.graph)
+            self._boxed = _boxed(self.graph)
         return self._boxed
 
 
@@ -269,6 +281,9 @@ class InterpretedRuntime(InProcess):
             p = self._plans[id(gm)] = (gm, plan)
         return p[1]
 
+    def forget(self, gm) -> None:
+        self._plans.pop(id(gm), None)
+
     def run(self, gm, args) -> list:
         """Each step in order; a value is dropped after its last use (Plan.dying), so every rank holds what its
         own device would. With measure_memory, a MemoryTracker (runtime/memtrack.py) counts each rank's live bytes
@@ -293,7 +308,7 @@ class InterpretedRuntime(InProcess):
         self._pp = plan.pipeline_axis
         for (kind, s), dying in zip(plan.steps, plan.dying):
             if kind == "collective":
-                env[s] = self._collective(s, env[plan._resolve(s.args[0])].ts, tr)
+                env[s] = self._collective(s, _operand(env, plan, s.args[0], self.n), tr)
             elif kind == "transfer":
                 env[s] = self._transfer(s, env[plan._resolve(s.args[0])].ts)
             else:
@@ -347,7 +362,7 @@ class InterpretedRuntime(InProcess):
         ins = [env[n].ts for n in s.inputs]
         drop = [env[n].ts for n in dying if not n.op == "placeholder"]
         rng = torch.get_rng_state() if s.random else None
-        eager = s.fn is s.gm
+        eager = s.fn is None
         outs = []
         ranks = self._ranks_at(s.stage)
         for r in ranks:
@@ -404,6 +419,14 @@ class InterpretedRuntime(InProcess):
                 red = _reduce(vals, node.args[1])
                 for r in grp:
                     out[r] = red
+            elif t is ALL_GATHER_BUCKET:       # each member gathered, member after member (lower/bucketops.py)
+                flat = torch.cat([torch.cat([v[i] for v in vals], 0).reshape(-1) for i in range(len(vals[0]))])
+                for r in grp:
+                    out[r] = flat
+            elif t is ALL_REDUCE_BUCKET:
+                red = _reduce([torch.cat([m.reshape(-1) for m in v]) for v in vals], node.args[1])
+                for r in grp:
+                    out[r] = red
             elif t is c10d.all_gather_into_tensor.default:
                 cat = torch.cat(vals, 0)
                 for r in grp:
@@ -421,6 +444,14 @@ class InterpretedRuntime(InProcess):
                 for i, r in enumerate(grp):
                     out[r] = torch.cat([s[i] for s in splits], 0)
         return out
+
+
+def _operand(env, plan, arg, n: int) -> list:
+    """Per rank, a collective's operand: a tensor, or a list of tensors (a bucket's members, lower/bucketops.py)."""
+    if isinstance(arg, (list, tuple)):
+        per = [env[plan._resolve(a)].ts for a in arg]
+        return [[p[r] for p in per] for r in range(n)]
+    return env[plan._resolve(arg)].ts
 
 
 def _reduce(vals: list, op: str) -> torch.Tensor:
@@ -451,11 +482,9 @@ def _failing_name(gm, exc) -> str | None:
 
 
 def _boxed(g: fx.Graph) -> fx.GraphModule:
-    """A copy of segment graph `g` compiled with FX's boxed calling convention (one list argument, cleared once
-    read), so that no caller frame keeps an input alive past its last use in the segment."""
+    """Segment graph `g` compiled with FX's boxed calling convention (one list argument, cleared once read), so
+    that no caller frame keeps an input alive past its last use in the segment. Sets g's codegen."""
     from torch.fx.graph import _BoxedCodeGen
 
-    g2 = fx.Graph()
-    g2.output(g2.graph_copy(g, {}))
-    g2.set_codegen(_BoxedCodeGen())
-    return fx.GraphModule(torch.nn.Module(), g2)
+    g.set_codegen(_BoxedCodeGen())
+    return fx.GraphModule(torch.nn.Module(), g)

@@ -12,9 +12,11 @@ otherwise for this shape), the held value is resharded when the program switches
     prog.train_step(tokens_8x48, targets_8x48)     # warns once: partitioned for (8, 48) in 0.4 s; state carried
     prog.shapes()                                  # [ShapeInfo(train (8, 32) ...), ShapeInfo(train (8, 48) ...)]
 
-Programs are kept by signature, at most Options.max_shapes (default 8; partition(max_shapes=...)); beyond it the
-least recently used one is dropped (the example inputs' program stays) and built again if its shape comes back
-(said once). After three lengths of one dim, a new length is not partitioned but instantiated from the programs
+Programs are kept by signature within Options.shape_cache_bytes of programs (their graphs' nodes times the bytes
+measured per node: see program_bytes) and, if set, Options.max_shapes; beyond it the least recently used one is
+dropped with the backend's copy of it (the example inputs' program stays; counted in summary()) and built again if
+its shape comes back (said once). From the second size of a
+dim (or at partition, for dims declared dynamic), a new size is not partitioned but instantiated from the programs
 fitted as one program in that dim (dims.py). A dim the mesh axes that tile it do not divide (a ragged last batch) is
 tiled unevenly, as torch.chunk splits it; under Options.strict it is refused with the fix (drop_last=True).
 """
@@ -116,18 +118,45 @@ class ShapeInfo:
                 + (f"; made the dim symbolic in {self.symbolic_s:.2f} s" if self.symbolic_s is not None else ""))
 
 
-class ShapeCache:
-    """ShapePrograms by key (signature, path), least recently used first out beyond `limit`; `pinned` (the
-    example inputs' program) is never dropped."""
+# The Python memory a kept program holds per node of its graphs (graphs, fake values, shardings, the plan, the
+# runtime's generated segments), measured with tracemalloc by benchmarks/program_bytes.py (notes there): a program
+# partitioned in full 4.9-9.2 KB per node of its captured step and lowered program, an instance of symbolic dims
+# 3.1-3.4 KB per node of its lowered program (the zoo's GPT and HF GPT-2 under DP x MP); the larger figures, rounded
+# up, so that the bound holds. Tensor storage (the captured constants) is not counted.
+FULL_NODE_BYTES = 10 * 1024
+INSTANCE_NODE_BYTES = 4 * 1024
 
-    def __init__(self, limit: int, what: str, signature_of=lambda key: key[0]):
+
+def program_bytes(entry: "ShapeProgram") -> int:
+    """The memory a kept program holds: its own graphs' nodes times the bytes measured per node. A program
+    partitioned in full owns its captured step and its lowered program; an instance of symbolic dims shares its plan
+    with the fitted programs and owns only its lowered program."""
+    if entry.canonical is not None:
+        return len(entry.canonical.gm.graph.nodes) * INSTANCE_NODE_BYTES
+    low = entry.plan.lowered()
+    return (len(entry.plan.captured.gm.graph.nodes) + len(low.gm.graph.nodes)) * FULL_NODE_BYTES
+
+
+class ShapeCache:
+    """ShapePrograms by key (signature, path), least recently used first out beyond `limit_bytes` of programs
+    (program_bytes) or `limit` programs (None: no count bound); `pinned` (the example inputs' program) is never
+    dropped and not counted. `evicted` counts the programs dropped."""
+
+    def __init__(self, limit: int | None, what: str, signature_of=lambda key: key[0], limit_bytes: int = 2 ** 31):
         self.limit, self.what, self.signature_of = limit, what, signature_of    # signature_of: an entry key's
+        self.limit_bytes = limit_bytes
         self.entries: OrderedDict = OrderedDict()
+        self.bytes: dict = {}                  # key -> program_bytes of its entry
         self.pinned = None
+        self.evicted = 0
         self._said_evict = False
 
     def __len__(self):
         return len(self.entries)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(n for k, n in self.bytes.items() if k != self.pinned)
 
     def get(self, key):
         entry = self.entries.get(key)
@@ -137,20 +166,43 @@ class ShapeCache:
 
     def add(self, entry: ShapeProgram, pinned: bool = False) -> ShapeProgram:
         self.entries[entry.key] = entry
+        self.entries.move_to_end(entry.key)
         if pinned:
             self.pinned = entry.key
-        while len(self.entries) > self.limit:
-            old_key = next(s for s in self.entries if s != self.pinned and s != entry.key)
+        else:
+            self.bytes[entry.key] = program_bytes(entry)
+        while (self.limit is not None and len(self.entries) > self.limit) or self.held_bytes > self.limit_bytes:
+            old_key = next((s for s in self.entries if s != self.pinned and s != entry.key), None)
+            if old_key is None:
+                break
             old = self.signature_of(old_key)
-            del self.entries[old_key]
+            self._forget(self.entries.pop(old_key))
+            self.bytes.pop(old_key, None)
+            self.evicted += 1
             if not self._said_evict:
                 self._said_evict = True
-                warn(f"{self.what}: more than {self.limit} input shapes: the program for [{show(old)}], the least "
-                     f"recently used, is dropped and built again if that shape comes back (an instance of a symbolic "
-                     f"dim in milliseconds, any other shape partitioned in full; said once). Pad batches to a few "
-                     f"lengths (pad_to_multiple_of=... in Hugging Face's data collators), or keep more programs: "
-                     f"partition(..., max_shapes=...).", stacklevel=user_stacklevel())
+                bound = (f"{self.limit} programs or " if self.limit is not None else "") + \
+                    f"{self.limit_bytes / 2 ** 20:.0f} MiB of programs"
+                warn(f"{self.what}: the programs kept for other input shapes pass {bound}: the program for "
+                     f"[{show(old)}], the least recently used, is dropped and built again if that shape comes back "
+                     f"(an instance of a symbolic dim in milliseconds, any other shape partitioned in full; said once; "
+                     f"prog.summary() counts the evictions). Raise the bound: partition(..., options=pt.Options("
+                     f"shape_cache_bytes=...)).", stacklevel=user_stacklevel())
         return entry
+
+    def _forget(self, gone: ShapeProgram) -> None:
+        """The backend's own copy of a dropped program (its segments, its compiled code) dropped too, unless a kept
+        program runs the same graph."""
+        gm = gone.lowered.gm if gone.lowered is not None else None
+        if gone.rt is not None and gm is not None and \
+                all(e.lowered is None or e.lowered.gm is not gm for e in self.entries.values()):
+            gone.rt.forget(gm)
+
+    def line(self) -> str:
+        """What summary() says of the programs kept."""
+        bound = f"bound {self.limit_bytes / 2 ** 20:.0f} MiB" + (f" and {self.limit} programs" if self.limit else "")
+        return (f"{self.what}: {len(self.entries)} program(s) kept for input shapes, {self.held_bytes / 2 ** 20:.1f} "
+                f"MiB besides the example inputs' ({bound}); {self.evicted} evicted")
 
 
 def build(train, model, optimizer, loss_fn, batch, sig, values=None, what="train_step") -> ShapeProgram:
@@ -284,4 +336,4 @@ def say_new(what: str, entry: ShapeProgram, first: ShapeProgram, count: int, lim
     rel = f" ({t / was:.0%} of the first partition's {was:.2f} s)" if was else ""
     warn(f"{what}: new input shape [{show(entry.signature)}] (partitioned for [{show(first.signature)}]): captured, "
          f"planned with the same schedule and lowered in {t:.2f} s{rel}; the state carries over. "
-         f"{count} program(s) kept (at most {limit}); prog.shapes() lists them.", stacklevel=user_stacklevel())
+         f"{count} program(s) kept; prog.shapes() lists them.", stacklevel=user_stacklevel())

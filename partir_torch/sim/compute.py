@@ -38,6 +38,9 @@ COLLECTIVE_NAMES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tens
                     "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced")
 COLLECTIVE_KIND = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
                    "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+# partir's own collectives: lower/ring.py's ring step of async_tp, lower/bucketops.py's bucket collectives
+_PARTIR_COLLECTIVES = {"ring_shift": "collective_permute", "all_gather_bucket": "all_gather",
+                       "all_reduce_bucket": "all_reduce"}
 # Ops whose schema does not say "alias" but that never copy (functionalization's reshape result, ...).
 _ALIAS_OPS = tags.schema_names("aliases")   # lowering emits reshape for views: a view whenever the strides allow
 # Ops that allocate without running a kernel: free in time, but they hold memory.
@@ -87,8 +90,8 @@ def _classify(target) -> tuple:
         return FREE, None                                       # Python / SymInt arithmetic
     ns, name = target.namespace, target._schema.name
     base = name.split("::")[-1]
-    if ns == "partir" and base == "ring_shift":
-        return COLLECTIVE, "collective_permute"                # lower/ring.py: one ring step of async_tp
+    if ns == "partir" and base in _PARTIR_COLLECTIVES:
+        return COLLECTIVE, _PARTIR_COLLECTIVES[base]
     if ns == "_c10d_functional":
         if base == "wait_tensor":
             return WAIT, None
