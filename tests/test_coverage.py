@@ -41,13 +41,18 @@ def test_hf_stock_call_matches_single_device(mapping, arch):
 
 # the sweep's pipeline column (--schedule pp: pipeline("pp", stages=2) + data_parallel("dp") on {pp: 2, dp: 2}):
 # gpt2 (dropout, tied embeddings across the stages), llama (the final norm and head after the layers), bart (its
-# decoder under the causal LM; labels.view(-1) on a micro-batch)
+# decoder under the causal LM; labels.view(-1) on a micro-batch), gemma4_text (per-layer inputs made before the
+# layers and read by each: their gradients, summed over both stages' layers, are summed on the first stage;
+# summed on the second, the 1F1B merge deadlocked)
 HF_PP_SAMPLE = {
     "gpt2": [["transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0"],
              ["transformer.h.1", "transformer.ln_f", "lm_head"]],
     "llama": [["model.embed_tokens", "model.rotary_emb", "model.layers.0"],
               ["model.layers.1", "model.norm", "lm_head"]],
     "bart": None,
+    "gemma4_text": [["model.embed_tokens", "model.embed_tokens_per_layer", "model.per_layer_model_projection",
+                     "model.per_layer_projection_norm", "model.rotary_emb", "model.layers.0"],
+                    ["model.layers.1", "model.norm", "lm_head"]],
 }
 
 

@@ -457,6 +457,53 @@ def test_backward_ops_follow_their_forward_module():
     assert first and all(spec.stage_of[n.name] == 0 for n in first)
 
 
+class _KwBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, hidden, extra):
+        return torch.tanh(self.lin(hidden)) * extra + hidden
+
+
+class _PerLayerInputs(nn.Module):
+    """HF Gemma-4's per-layer inputs in small: the root makes one input per layer before the layers (a projection
+    viewed per layer) and hands layer i its slice by keyword, as HF's layers take hidden_states."""
+
+    def __init__(self, d=8, layers=2):
+        super().__init__()
+        self.emb, self.side = nn.Linear(d, d), nn.Linear(d, layers * d)
+        self.layers = nn.ModuleList(_KwBlock(d) for _ in range(layers))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        h, extra = self.emb(x), self.side(x).view(x.shape[0], len(self.layers), -1)
+        for i, layer in enumerate(self.layers):
+            h = layer(hidden=h, extra=extra[:, i])
+        return self.head(h)
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_an_input_made_before_the_layers_and_read_by_each_stage_trains_like_one_device(schedule):
+    """Inputs given by keyword stop a module's claim on the backward (it differentiates only its own forward), and
+    the root's own backward ops between the stages (the slices' backwards, the sum of both stages' gradients of the
+    per-layer input) run on the earliest stage sending them a gradient: the 1F1B merge used to deadlock here, each
+    stage's first backward waiting for the other's (HF gemma4_text under the sweep's pipeline column)."""
+    torch.manual_seed(0)
+    model = _PerLayerInputs()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    loss_fn = lambda mod, x, y: F.mse_loss(mod(x), y)      # noqa: E731
+    prog = pt.partition(model, pt.Mesh({"pp": 2}),
+                        [T.pipeline("pp", [["emb", "side", "layers.0"], ["layers.1", "head"]], schedule, 4)],
+                        example_inputs=(x, y), loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    cap, spec = prog.plan.captured, prog.plan.pipeline
+    bwd = [n for n in cap.gm.graph.nodes if n.op == "call_function" and phase_of(n) == Phase.BACKWARD]
+    assert not [n.name for n in bwd if n.target is torch.ops.aten.select_backward.default
+                and (n.meta.get(META_MODULE) or "").startswith("layers.")]       # the root's slices, no layer's
+    train_next_to_eager(prog, ref, [(x, y)] * 2, loss_fn, adamw(1e-3), what=schedule)
+
+
 def test_balanced_cut_is_contiguous():
     prog, _, _ = _partition({"pp": 2}, [T.pipeline("pp", 2, "1F1B", 2)])
     assert prog.plan.pipeline.modules == (("tok_embeddings", "layers.0", "layers.1"),

@@ -4,8 +4,10 @@
 - forward ops: the innermost module whose forward was running (a pre-hook / hook pair per module keeps the stack);
 - backward ops: autograd traces them while it executes the backward Node of some forward op
   (torch._C._current_autograd_node()); each module's forward hook claims the autograd Nodes its forward created
-  (walking its outputs' grad_fn graph back to its inputs' grad_fns, innermost module first), so a backward op
-  carries the FQN of the module whose forward it differentiates;
+  (walking its outputs' grad_fn graph back to its inputs' grad_fns, innermost module first; keyword inputs too:
+  HF's layers pass hidden_states by keyword, and a walk that does not stop there claims the ops that made them), so
+  a backward op carries the FQN of the module whose forward it differentiates (an op of the root's own forward,
+  between its children: the root's FQN, as its forward op has);
 - the micro-batch index (accumulate=k unrolls k micro-batches in one step) is set by the capture loop.
 
     with recording_modules(model) as rec:
@@ -28,11 +30,12 @@ class _Recorder:
         self.inputs: dict = {}           # id(module) -> [grad_fns of its inputs] (a stack: modules may recurse)
         self.micro = None
 
-    def pre(self, mod, args, fqn):
+    def pre(self, mod, args, kwargs, fqn):
         self.stack.append(fqn)
-        self.inputs.setdefault(id(mod), []).append({a.grad_fn for a in _tensors(args) if a.grad_fn is not None})
+        self.inputs.setdefault(id(mod), []).append({a.grad_fn for a in _tensors((args, kwargs))
+                                                    if a.grad_fn is not None})
 
-    def post(self, mod, args, out, fqn):
+    def post(self, mod, out, fqn):
         if self.stack and self.stack[-1] == fqn:
             self.stack.pop()
         stop = self.inputs[id(mod)].pop()
@@ -71,8 +74,9 @@ def recording_modules(model: torch.nn.Module):
     handles = []
     for fqn, mod in model.named_modules():
         if fqn:
-            handles.append(mod.register_forward_pre_hook(lambda m, a, fqn=fqn: rec.pre(m, a, fqn)))
-            handles.append(mod.register_forward_hook(lambda m, a, o, fqn=fqn: rec.post(m, a, o, fqn)))
+            handles.append(mod.register_forward_pre_hook(lambda m, a, kw, fqn=fqn: rec.pre(m, a, kw, fqn),
+                                                         with_kwargs=True))
+            handles.append(mod.register_forward_hook(lambda m, a, o, fqn=fqn: rec.post(m, o, fqn)))
     base = fx.proxy.TracerBase.create_node
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):

@@ -12,7 +12,7 @@ captured step to a stage, and the pipeline axis stays whole (no value is tiled o
   whose forward made the op; a glob matches a module or any of its ancestors, fnmatch syntax, as torchtitan's
   module_fqns_per_model_part); a backward op to the stage of the module whose forward it differentiates;
 - an op outside every stage's modules (the loss, the gradient sums, the optimizer update of a parameter) to the
-  latest stage among its operands; an op of none (slicing the batch into micro-batches) to every stage that
+  latest stage among its operands (a backward op: the earliest stage sending it a gradient); an op of none (slicing the batch into micro-batches) to every stage that
   reads it (lowering copies it);
 - parameters, buffers and optimizer state to the stage of their module;
 - with clip_grad_norm, a gradient's scaling to the gradient's stage (lowering computes the norm on every rank from
@@ -221,7 +221,7 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
         if (n.meta.get("custom") or {}).get(META_CLIP) == "scale" and stage.get(n.args[0]) is not None:
             s = stage[n.args[0]]      # clip_grad_norm scales a gradient on its own stage (by the factor every rank has)
         elif s is None:
-            s = max(ins) if ins else None
+            s = _stage_outside_modules(n, ins, stage)
         elif phase_of(n) == Phase.FORWARD and ins and max(ins) > s:
             late = next(a for a in n.all_input_nodes if stage.get(a) == max(ins))
             raise PartitionError(f"{tactic.name}: {n.format_node()} of module '{n.meta.get(META_MODULE)}' (stage {s}) "
@@ -251,6 +251,22 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
                         MappingProxyType({n.name: s for n, s in stage.items() if n.name not in views}),
                         tuple(tuple(g) for g in globs), tuple(tuple(p) for p in params), tactic.name,
                         MappingProxyType(tied), frozenset(views))
+
+
+def _stage_outside_modules(n, ins: list, stage: dict) -> int | None:
+    """The stage of an op no stage's modules made: a forward op (the loss, a slice between blocks) or an update runs
+    on the latest stage among its operands; a backward op (a gradient sum over layers, the backward of a slice the
+    root took between blocks) on the earliest stage that sends it a gradient: gradients flow to earlier stages, so
+    that stage has received every other one before it runs, where the latest would wait for a gradient that the
+    earlier stage computes only after it (HF Gemma-4's per-layer inputs, summed over the layers of both stages)."""
+    if not ins:
+        return None
+    if phase_of(n) == Phase.BACKWARD:
+        grads = [stage[a] for a in n.all_input_nodes if stage.get(a) is not None and phase_of(a) == Phase.BACKWARD
+                 and param_source(a) is None]             # a weight's transpose made for the backward: no gradient
+        if grads:
+            return min(grads)
+    return max(ins)
 
 
 def _fix(tactic: Pipeline, globs, own: str = "Reorder the stages' module globs.") -> str:
