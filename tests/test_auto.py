@@ -134,7 +134,7 @@ def test_fast_estimate_counts_gradients_until_the_update(reduce_in_flight):
     whole one until the bucket after its own is issued; the peak is then in the forward, where every parameter is
     gathered right after its cast (it counted the whole gradients until the update, and each gathered copy from its
     first use only, before: 0.57 GB against the simulator's 0.40)."""
-    from partir_torch.sim.estimate import ProgramFacts
+    from partir_torch.sim.quick import ProgramFacts
 
     spec, model, batch = meta_gpt(64, d=2048, heads=16, layers=2, seq=16, vocab=512)
     prog = pt.partition(model, pt.Mesh({"batch": 8}),

@@ -155,3 +155,16 @@ def test_nvls_small_messages_use_the_low_latency_regime():
     assert busbw[GiB] == pytest.approx(467.6, rel=0.05)
     assert estimate(hw, "all_reduce", 4 * 2 ** 20, m, "dp").protocol == "Simple/few-channels"
     assert estimate(hw, "all_reduce", GiB, m, "dp").protocol == "Simple"
+
+
+def test_the_public_estimate_stays_the_function_once_every_sim_module_is_loaded():
+    """sim.estimate is comm's function: no submodule of sim shares its name (importing one would replace the
+    package's attribute: `from partir_torch.sim import estimate` then returned a module)."""
+    import importlib
+    import pkgutil
+
+    import partir_torch.sim as sim
+
+    for m in pkgutil.iter_modules(sim.__path__):
+        importlib.import_module(f"partir_torch.sim.{m.name}")
+    assert all(callable(getattr(sim, name)) or name == "PRESETS" for name in sim.__all__), sim.__all__

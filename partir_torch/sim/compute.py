@@ -232,7 +232,7 @@ def kernel_time(hw: Hardware, flops: float, nbytes: float, dtype, attention: boo
 
 
 def combine_legs(t_flop, t_mem, p: float):
-    """(t_flop^p + t_mem^p)^(1/p), elementwise on floats or numpy arrays (sim/estimate.py); p >= 64: the max."""
+    """(t_flop^p + t_mem^p)^(1/p), elementwise on floats or numpy arrays (sim/quick.py); p >= 64: the max."""
     hi = np.maximum(t_flop, t_mem)
     if p >= 64:
         return hi

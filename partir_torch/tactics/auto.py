@@ -13,7 +13,7 @@ build on it. The search (PartIR's automatic tactics, TOAST's decision space):
    propagation per class on a copy of the decisions), the presets as macro-actions, zero(1|3) as completions, and
    conflicts between actions as choice points.
 2. Every candidate (a compatible set of actions per axis; several axes: their product) is scored by the fast
-   estimate (sim/estimate.py: local FLOPs from sharded shapes, the reshards lowering would insert, liveness memory),
+   estimate (sim/quick.py: local FLOPs from sharded shapes, the reshards lowering would insert, liveness memory),
    in a seeded order until the estimate budget is spent; candidates over the memory limit rank after all others.
 3. The best few by estimate, and always the two best pure preset combinations (presets and completions, no class
    choice), are replayed on a copy of the decisions, lowered and simulated in full; the fastest within the memory
@@ -157,7 +157,7 @@ class AutomaticPartition(TacticBase):
             ctx.mesh.check_axis(a, self.name)
         from ..lower.lower import StageShare
         from ..sim.comm import check_mesh
-        from ..sim.estimate import ProgramFacts
+        from ..sim.quick import ProgramFacts
 
         hw = check_mesh(self.hardware, ctx.mesh)
         limit = float(self.memory_limit if self.memory_limit is not None else hw.hbm_bytes)

@@ -143,7 +143,7 @@ class TacticContext:
 
     def axis_arrays(self, axis: str) -> tuple:
         """(value_states(axis), per op its decision on `axis`), both in propagate/arrays.py's array form: what the
-        simulator's fast estimate reads (sim/estimate.py)."""
+        simulator's fast estimate reads (sim/quick.py)."""
         return self.prop.rec.axis_arrays(axis)
 
     def op_decisions(self, axis: str) -> dict:
