@@ -592,8 +592,9 @@ def _phase_clip_accumulate_eval() -> dict:
                         optimizer=torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS),
                         step=pt.StepOptions(clip_grad_norm=0.5, accumulate=2))
     out = {"losses": [], "norms": []}
-    # new sequence lengths (issue 22): 12 and 14 partitioned on every rank, then one symbol s (runtime/dims.py), so
-    # 10 is an instance of it on every rank, agreed like any program
+    # new sequence lengths (issues 22, 40): 12, the second length, is partitioned, and the sequence and batch dims
+    # become symbols (runtime/dims.py): the fit's grid programs (16, 16), (16, 12), (24, 8) are built on every rank,
+    # and 14 and 10 are instances of them on every rank, agreed like any program
     for b in (batch, batch, *(spec.batch(8, seed=4 + n, seq=n) for n in (12, 14, 10))):
         want, want_norm = _eager_step(ref, ref_opt, spec, b, 2, 0.5)
         out["losses"].append((prog.train_step(*b).item(), want.item()))
@@ -763,7 +764,8 @@ def test_real_ranks_clipping_accumulation_and_eval_equal_one_device(ranks):
         for got, want in r["losses"] + r["norms"] + [r["eval"]]:
             assert got == pytest.approx(want, rel=LOSS_RTOL), f"rank {rank}: {r}"
         assert r["param_err"] <= 0, f"rank {rank}: parameters outside rtol/atol by {r['param_err']}"
-        assert r["shapes"] == [((8, 16), None), ((8, 12), None), ((8, 14), None), ((8, 10), 10)], \
+        assert r["shapes"] == [((8, 16), None), ((8, 12), None), ((16, 16), None), ((16, 12), None),
+                               ((24, 8), None), ((8, 14), (8, 14)), ((8, 10), (8, 10))], \
             f"rank {rank}: {r['shapes']}"
 
 

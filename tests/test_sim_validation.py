@@ -108,7 +108,9 @@ def test_the_presets_declare_their_families_and_macro_actions():
     assert [T.data_parallel().family, T.megatron().family, T.zero(2).family, T.expert_parallel().family,
             T.sequence_parallel().family, T.ManualPartition({"inputs.*": 0}, axis="batch").family] == \
         ["data_parallel", "megatron", "zero2", "expert", "sequence", "manual"]
-    assert MACRO_TACTICS == [T.DataParallel, T.Megatron, T.Zero, T.ExpertParallel]
+    # context parallelism: the automatic search's preset for a long self-attention (tactics/cp.py)
+    assert MACRO_TACTICS == [T.DataParallel, T.Megatron, T.Zero, T.ExpertParallel, T.ContextParallel]
+    assert T.context_parallel("cp", seq_dim=1).family == "context_parallel"
     assert not T.SequenceParallel.macro and not T.MultiQuery.macro and not T.EmbeddingSharding.macro
 
 

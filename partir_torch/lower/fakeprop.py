@@ -61,11 +61,13 @@ class _Unkeyed(Exception):
 
 def _sig(a):
     """A hashable stand-in for one argument that determines the meta kernel's results: a tensor's shape, strides,
-    dtype, offset and conj/neg bits; any other value with its type (1, 1.0 and True promote differently)."""
+    dtype and conj/neg bits (not its storage offset: only kernels that allocate their results are memoised, and where
+    an operand starts in its storage does not shape them; a bucket's members are views at their offsets in one
+    buffer); any other value with its type (1, 1.0 and True promote differently)."""
     if isinstance(a, torch.Tensor):
         if type(a) is not torch.Tensor or a.layout != torch.strided:
             raise _Unkeyed
-        return a.shape, a.stride(), a.dtype, a.storage_offset(), a.is_conj(), a.is_neg()
+        return a.shape, a.stride(), a.dtype, a.is_conj(), a.is_neg()
     if isinstance(a, (list, tuple)):
         return type(a), tuple(_sig(x) for x in a)
     if type(a) in _PLAIN:
