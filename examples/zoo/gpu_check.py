@@ -1,0 +1,322 @@
+"""benchmarks/gpu_check.py's code (issue 39 item 5), here so that tests/test_gpu_check.py can run it (no test
+imports a benchmark script). On ONE CUDA device, the same training step (forward, loss, backward, AdamW) of an
+8B-shaped Llama block, four ways, each from the same initial weights and batch:
+
+    plain eager        torch: a bf16 copy of the fp32 parameters each step (the cast in the graph, so the gradients
+                       reach the fp32 masters), loss.backward(), AdamW(fused=True).step()
+    plain compiled     the same, the cast + forward + loss through torch.compile (AOTAutograd compiles the
+                       backward); the fused AdamW step eager
+    partir eager       pt.partition(model, Mesh({"batch": 1}), [mixed_precision(bf16)]) on one real rank (a
+                       1-process NCCL group: DistributedRuntime places the program's state on this process's GPU;
+                       no emulation), prog.train_step
+    partir compiled    the same with Options(compile=True): the whole per-device step is one Inductor graph
+                       (runtime/compiled.py)
+
+Measured: the median step time of `steps` steps after `warmup` (CUDA events around each step, synchronised), and
+torch.cuda.max_memory_allocated over the timed steps (reset after the warm-up). Predicted: partir's
+prog.simulate(hw) of the matching program (eager rows: partir eager's; compiled rows: partir compiled's) on the
+preset of the GPU found (torch.cuda.get_device_name(); "no model" where no preset matches). The first step's loss
+of every row is compared with plain eager's; a partir row beyond the tolerance fails the check (main raises
+SystemExit after printing the table).
+
+`--device cpu --tiny` runs the same code on a tiny config on CPU (gloo instead of NCCL) so that the script can be
+tested without a GPU; memory is then "n/a (cpu)" and so is every measured/simulated ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import itertools
+import re
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
+
+import partir_torch as pt
+from partir_torch import tactics as T
+
+from examples.models import llama
+from examples.models._common import lm_loss
+
+# Llama-3 8B's block (d 4096, 32 query heads, 8 KV heads, SwiGLU 14336); a small vocabulary, so that the
+# embedding and head do not hide the blocks. tiny: the same model at test size.
+CONFIGS = {"8b": dict(d=4096, heads=32, kv_heads=8, hidden=14336, layers=2, seq=2048, vocab=128),
+           "tiny": dict(d=64, heads=4, kv_heads=2, hidden=224, layers=1, seq=32, vocab=64)}
+ROWS = ("plain eager", "plain compiled", "partir eager", "partir compiled")
+LR = 1e-4
+MESH = pt.Mesh({"batch": 1})
+NA_CPU = "n/a (cpu)"
+
+# torch.cuda.get_device_name() -> sim/hardware.py preset; first match wins. PCIe and NVL parts run at other
+# clocks and bandwidths than the SXM presets, GH200 / GB200 pair another memory: "no model" for them.
+GPU_PRESETS = ((r"PCIE|\bNVL\b|GH200|GB200", None), (r"\bH200\b", "h200"), (r"\bH100\b", "h100"),
+               (r"\bB200\b", "b200"), (r"\bA100\b.*80\s*GB", "a100-80g"), (r"\bA100\b.*40\s*GB", "a100-40g"))
+
+
+def hardware_preset(device_name: str) -> str | None:
+    """The sim/hardware.py preset for a CUDA device name, or None (no model of that part)."""
+    for pattern, preset in GPU_PRESETS:
+        if re.search(pattern, device_name.upper()):
+            return preset
+    return None
+
+
+@dataclass
+class Row:
+    name: str
+    runs_as: str
+    setup_s: float          # build (and partition) before the first step
+    first_step_s: float     # the first step, compile included
+    step_s: float           # median of the timed steps
+    peak_bytes: int | None  # torch.cuda.max_memory_allocated over the timed steps; None on CPU
+    loss0: float            # the first step's loss (before any update)
+    sim: object = None      # partir's SimReport of the matching program, or None (no hardware model)
+    module_bytes: int = 0   # partir rows: the eager module's own copy of the state (written through, owner.py)
+
+
+@dataclass
+class GpuCheck:
+    """What main() measured: the rows, the table as printed, and the loss check."""
+
+    rows: list
+    table: str
+    loss_rtol: float
+    loss_ok: bool
+    hardware: str
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--tiny", action="store_true", help="the tiny config (with --device cpu: the CI mode)")
+    p.add_argument("--layers", type=int, help="blocks (default: 2; tiny 1)")
+    p.add_argument("--seq", type=int, help="sequence length (default: 2048; tiny 32)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="compute dtype (bfloat16: partir's mixed_precision, fp32 masters and AdamW state)")
+    p.add_argument("--warmup", type=int, default=3, help="steps before timing, the first (compiling) included")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (their median is reported)")
+    p.add_argument("--hw", help="simulate on this sim/hardware.py preset instead of the one the GPU's name maps to")
+    args = p.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        p.error("--warmup and --steps must be at least 1")
+    return args
+
+
+def pick_device(args) -> torch.device:
+    """CUDA device 0; CPU only in the test mode (--device cpu --tiny). Anything else refuses, saying why."""
+    if args.device == "cpu":
+        if not args.tiny:
+            raise SystemExit("gpu_check: --device cpu runs only with --tiny (the CI mode: the 8B-shaped block on "
+                             "CPU would take hours and measure nothing this check is for).")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device (torch.cuda.is_available() is False); this check measures a "
+                         "GPU. Run it where one is, or `--device cpu --tiny` to exercise the script on CPU.")
+    torch.cuda.set_device(0)
+    return torch.device("cuda", 0)
+
+
+def pick_hardware(args, device):
+    """(label, pt.sim Hardware or None) for the simulated columns."""
+    if args.hw is not None:
+        return args.hw, pt.sim.hardware(args.hw)
+    if device.type != "cuda":
+        return "no model (cpu)", None
+    name = torch.cuda.get_device_name(device)
+    preset = hardware_preset(name)
+    return (f"{preset} ({name})", pt.sim.hardware(preset)) if preset else (f"no model ({name})", None)
+
+
+@contextlib.contextmanager
+def one_rank(device):
+    """A 1-process group (NCCL on CUDA, gloo on CPU): partir's programs run on this process as its one real rank
+    (runtime/distributed.py), torn down after."""
+    if dist.is_initialized():
+        raise SystemExit("gpu_check: torch.distributed is already initialised; run the check as one plain "
+                         "process (`python benchmarks/gpu_check.py`), not under torchrun.")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device) -> None:
+    """What the previous row held is gone before the next row measures its peak."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def time_steps(step, device, warmup: int, steps: int):
+    """(first step's seconds, its loss, median seconds of `steps` timed steps, peak bytes or None). The first step
+    compiles where the row compiles; the peak is max_memory_allocated over the timed steps (reset before)."""
+    _sync(device)
+    t0 = time.perf_counter()
+    loss0 = float(step())
+    _sync(device)
+    first = time.perf_counter() - t0
+    for _ in range(warmup - 1):
+        step()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return first, loss0, statistics.median(times), peak
+
+
+def cast_loss(model, tokens, targets, dtype):
+    """lm_loss on a `dtype` copy of the parameters and buffers (what mixed_precision's capture does: the casts in
+    the graph, so the gradients reach the fp32 parameters)."""
+    state = {k: v.to(dtype) if v.is_floating_point() else v
+             for k, v in itertools.chain(model.named_parameters(), model.named_buffers())}
+    return lm_loss(lambda x: torch.func.functional_call(model, state, (x,)), tokens, targets)
+
+
+def plain_row(cfg, batch, device, dtype, compiled: bool, warmup: int, steps: int) -> Row:
+    t0 = time.perf_counter()
+    model = llama.build(device, **cfg)       # seeded: every row starts from the same weights
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    loss_of = torch.compile(cast_loss) if compiled else cast_loss
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(model, *batch, dtype)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    setup = time.perf_counter() - t0
+    first, loss0, med, peak = time_steps(step, device, warmup, steps)
+    name = ROWS[1] if compiled else ROWS[0]
+    return Row(name, "torch, one device", setup, first, med, peak, loss0)
+
+
+def partir_row(cfg, batch, device, dtype, compiled: bool, hw, warmup: int, steps: int) -> Row:
+    t0 = time.perf_counter()
+    model = llama.build(device, **cfg)       # seeded: every row starts from the same weights
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    schedule = [] if dtype == torch.float32 else [T.mixed_precision(dtype)]
+    prog = pt.partition(model, MESH, schedule, example_inputs=batch, loss_fn=lm_loss, optimizer=opt,
+                        options=pt.Options(compile=compiled))
+    setup = time.perf_counter() - t0
+    sim = prog.simulate(hw, stages=False) if hw is not None else None
+    first, loss0, med, peak = time_steps(lambda: prog.train_step(*batch).detach(), device, warmup, steps)
+    held = itertools.chain(model.parameters(), model.buffers(),
+                           (t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)))
+    module_bytes = sum(t.numel() * t.element_size() for t in held if t.device == device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    return Row(ROWS[3] if compiled else ROWS[2], f"1 real rank, {MESH} ({backend}), no emulation", setup, first,
+               med, peak, loss0, sim, module_bytes)
+
+
+
+
+def _ms(s) -> str:
+    return f"{1e3 * s:.2f}"
+
+
+def _gib(b) -> str:
+    return f"{b / 2 ** 30:.2f} GiB"
+
+
+def table(rows: list, device, plain_loss: float) -> str:
+    """One row per way of running the step. A plain row's simulated columns are partir's program of the same kind
+    (eager / compiled): the simulator models partir's program, and the step it computes is the same step."""
+    sims = {"eager": rows[2].sim, "compiled": rows[3].sim}
+    out = []
+    for r in rows:
+        sim = sims["compiled" if "compiled" in r.name else "eager"]
+        mem = NA_CPU if r.peak_bytes is None else _gib(r.peak_bytes)
+        if sim is None:
+            sim_t = sim_m = t_ratio = m_ratio = "no model"
+        else:
+            sim_t, sim_m = _ms(sim.step_time_s), _gib(sim.peak_memory_bytes)
+            t_ratio = NA_CPU if device.type != "cuda" else f"{r.step_s / sim.step_time_s:.2f}"
+            m_ratio = NA_CPU if r.peak_bytes is None else f"{r.peak_bytes / sim.peak_memory_bytes:.2f}"
+        rel = abs(r.loss0 - plain_loss) / abs(plain_loss)
+        out.append([r.name, r.runs_as, f"{r.setup_s:.1f}", f"{r.first_step_s:.1f}", _ms(r.step_s), mem, sim_t,
+                    sim_m, t_ratio, m_ratio, f"{r.loss0:.6g}", f"{rel:.2e}"])
+    headers = ["row", "runs as", "setup s", "first step s", "step ms (median)", "max_memory_allocated",
+               "sim step ms", "sim peak", "step meas/sim", "mem meas/sim", "loss, step 1", "rel. diff vs plain eager"]
+    return tabulate(out, headers=headers, tablefmt="simple")
+
+
+def loss_check(rows: list, rtol: float) -> list:
+    """The partir rows whose first-step loss differs from plain eager's by more than rtol (relative): [(name,
+    relative difference)]; empty when the check passes."""
+    want = rows[0].loss0
+    return [(r.name, abs(r.loss0 - want) / abs(want)) for r in rows if r.name.startswith("partir")
+            and not abs(r.loss0 - want) <= rtol * abs(want)]
+
+
+def main(argv, loss_rtol: dict) -> GpuCheck:
+    """Runs the check and prints its table; loss_rtol: {torch dtype: relative tolerance on the first-step loss}
+    (tests/harness.py's, passed in by the caller). Raises SystemExit (non-zero) without CUDA (unless --device cpu
+    --tiny) and, after printing the table, when a partir row's loss is beyond the tolerance."""
+    args = parse_args(argv)
+    device = pick_device(args)
+    cfg = dict(CONFIGS["tiny" if args.tiny else "8b"])
+    cfg.update({k: v for k, v in (("layers", args.layers), ("seq", args.seq)) if v is not None})
+    dtype = getattr(torch, args.dtype)
+    hw_label, hw = pick_hardware(args, device)
+    batch = llama.batch(1, device, 0, **cfg)              # (tokens, targets), each (1, seq)
+    t0 = time.perf_counter()
+    rows = []
+    with one_rank(device):
+        for compiled in (False, True):
+            rows.append(plain_row(cfg, batch, device, dtype, compiled, args.warmup, args.steps))
+            _free(device)
+        torch._dynamo.reset()                               # plain compiled's graphs (and what they hold) go
+        for compiled in (False, True):
+            rows.append(partir_row(cfg, batch, device, dtype, compiled, hw, args.warmup, args.steps))
+            _free(device)
+    text = _report(args, cfg, device, hw_label, rows, time.perf_counter() - t0)
+    print(text, flush=True)
+    rtol = loss_rtol[dtype]
+    bad = loss_check(rows, rtol)
+    result = GpuCheck(rows, text, rtol, not bad, hw_label)
+    if bad:
+        raise SystemExit("gpu_check: FAILED: first-step loss of " + ", ".join(f"{n} off by {d:.2e}" for n, d in bad)
+                         + f" relative to plain eager's ({rows[0].loss0:.6g}); the tolerance for {args.dtype} is "
+                         f"{rtol:g} (tests/harness.py).")
+    return result
+
+
+def _report(args, cfg, device, hw_label, rows, wall_s) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    shape = ", ".join(f"{k} {v}" for k, v in cfg.items())
+    head = [f"gpu_check on {name}: Llama blocks ({shape}), batch 1, {args.dtype} compute"
+            + (" (fp32 masters and AdamW state)" if args.dtype != "float32" else "") + f", AdamW lr {LR:g}",
+            f"median of {args.steps} steps after {args.warmup} warm-up steps; simulated on: {hw_label}"]
+    notes = [f"plain rows' simulated columns: partir's program of the same kind (eager / compiled); "
+             f"wall time of the four rows {wall_s:.0f} s"]
+    notes += [f"{r.name}: the eager module and optimizer hold their own copy of the state, written through after "
+              f"every step (runtime/owner.py): {_gib(r.module_bytes)} of the measured peak"
+              for r in rows[2:] if r.peak_bytes is not None]
+    return "\n".join(head) + "\n" + table(rows, device, rows[0].loss0) + "\n" + "\n".join(notes)
