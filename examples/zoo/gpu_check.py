@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import itertools
 import re
 import statistics
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +53,7 @@ ROWS = ("plain eager", "plain compiled", "partir eager", "partir compiled")
 LR = 1e-4
 MESH = pt.Mesh({"batch": 1})
 NA_CPU = "n/a (cpu)"
+PLAIN = "torch, one device"
 
 # torch.cuda.get_device_name() -> sim/hardware.py preset; first match wins. PCIe and NVL parts run at other
 # clocks and bandwidths than the SXM presets, GH200 / GB200 pair another memory: "no model" for them.
@@ -70,13 +73,14 @@ def hardware_preset(device_name: str) -> str | None:
 class Row:
     name: str
     runs_as: str
-    setup_s: float          # build (and partition) before the first step
-    first_step_s: float     # the first step, compile included
-    step_s: float           # median of the timed steps
-    peak_bytes: int | None  # torch.cuda.max_memory_allocated over the timed steps; None on CPU
-    loss0: float            # the first step's loss (before any update)
-    sim: object = None      # partir's SimReport of the matching program, or None (no hardware model)
-    module_bytes: int = 0   # partir rows: the eager module's own copy of the state (written through, owner.py)
+    setup_s: float = 0.0              # build (and partition) before the first step
+    first_step_s: float = 0.0         # the first step, compile included
+    step_s: float = 0.0               # median of the timed steps
+    peak_bytes: int | None = None     # torch.cuda.max_memory_allocated over the timed steps; None on CPU
+    loss0: float = float("nan")       # the first step's loss (before any update)
+    sim: object = None                # partir's SimReport of the row's program, or None (no hardware model)
+    module_bytes: int = 0             # partir rows: the eager module's own copy of the state (owner.py)
+    error: str | None = None          # the row failed: the exception, its first line (the traceback on stderr)
 
 
 @dataclass
@@ -86,7 +90,7 @@ class GpuCheck:
     rows: list
     table: str
     loss_rtol: float
-    loss_ok: bool
+    loss_ok: bool          # every partir row ran and its first-step loss is within loss_rtol of plain eager's
     hardware: str
 
 
@@ -213,8 +217,7 @@ def plain_row(cfg, batch, device, dtype, compiled: bool, warmup: int, steps: int
 
     setup = time.perf_counter() - t0
     first, loss0, med, peak = time_steps(step, device, warmup, steps)
-    name = ROWS[1] if compiled else ROWS[0]
-    return Row(name, "torch, one device", setup, first, med, peak, loss0)
+    return Row(ROWS[1] if compiled else ROWS[0], PLAIN, setup, first, med, peak, loss0)
 
 
 def partir_row(cfg, batch, device, dtype, compiled: bool, hw, warmup: int, steps: int) -> Row:
@@ -230,9 +233,12 @@ def partir_row(cfg, batch, device, dtype, compiled: bool, hw, warmup: int, steps
     held = itertools.chain(model.parameters(), model.buffers(),
                            (t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)))
     module_bytes = sum(t.numel() * t.element_size() for t in held if t.device == device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    return Row(ROWS[3] if compiled else ROWS[2], f"1 real rank, {MESH} ({backend}), no emulation", setup, first,
-               med, peak, loss0, sim, module_bytes)
+    return Row(ROWS[3] if compiled else ROWS[2], partir_runs_as(device), setup, first, med, peak, loss0, sim,
+               module_bytes)
+
+
+def partir_runs_as(device) -> str:
+    return f"1 real rank, {MESH} ({'nccl' if device.type == 'cuda' else 'gloo'}), no emulation"
 
 
 
@@ -241,44 +247,73 @@ def _ms(s) -> str:
     return f"{1e3 * s:.2f}"
 
 
-def _gib(b) -> str:
-    return f"{b / 2 ** 30:.2f} GiB"
+def _bytes(b) -> str:
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if b >= size:
+            return f"{b / size:.2f} {unit}"
+    return f"{b} B"
 
 
-def table(rows: list, device, plain_loss: float) -> str:
+def _simulated(r: Row, sim, device) -> list:
+    """[sim step, sim peak, step measured/simulated, memory measured/simulated] of row r against `sim`."""
+    if sim is None:
+        return ["no model"] * 4
+    t_ratio = NA_CPU if device.type != "cuda" or r.error else f"{r.step_s / sim.step_time_s:.2f}"
+    m_ratio = NA_CPU if r.peak_bytes is None else f"{r.peak_bytes / sim.peak_memory_bytes:.2f}"
+    return [_ms(sim.step_time_s), _bytes(sim.peak_memory_bytes), t_ratio, m_ratio]
+
+
+def table(rows: list, device) -> str:
     """One row per way of running the step. A plain row's simulated columns are partir's program of the same kind
     (eager / compiled): the simulator models partir's program, and the step it computes is the same step."""
-    sims = {"eager": rows[2].sim, "compiled": rows[3].sim}
+    want = rows[0].loss0
     out = []
     for r in rows:
-        sim = sims["compiled" if "compiled" in r.name else "eager"]
-        mem = NA_CPU if r.peak_bytes is None else _gib(r.peak_bytes)
-        if sim is None:
-            sim_t = sim_m = t_ratio = m_ratio = "no model"
-        else:
-            sim_t, sim_m = _ms(sim.step_time_s), _gib(sim.peak_memory_bytes)
-            t_ratio = NA_CPU if device.type != "cuda" else f"{r.step_s / sim.step_time_s:.2f}"
-            m_ratio = NA_CPU if r.peak_bytes is None else f"{r.peak_bytes / sim.peak_memory_bytes:.2f}"
-        rel = abs(r.loss0 - plain_loss) / abs(plain_loss)
-        out.append([r.name, r.runs_as, f"{r.setup_s:.1f}", f"{r.first_step_s:.1f}", _ms(r.step_s), mem, sim_t,
-                    sim_m, t_ratio, m_ratio, f"{r.loss0:.6g}", f"{rel:.2e}"])
+        partir = rows[3] if "compiled" in r.name else rows[2]
+        sim = _simulated(r, partir.sim, device) if not partir.error else ["partir failed"] * 4
+        if r.error:
+            out.append([r.name, r.runs_as, "FAILED", "-", "-", "-", *sim, "-", "-"])
+            continue
+        mem = NA_CPU if r.peak_bytes is None else _bytes(r.peak_bytes)
+        rel = abs(r.loss0 - want) / abs(want)
+        out.append([r.name, r.runs_as, f"{r.setup_s:.1f}", f"{r.first_step_s:.1f}", _ms(r.step_s), mem, *sim,
+                    f"{r.loss0:.6g}", f"{rel:.2e}"])
     headers = ["row", "runs as", "setup s", "first step s", "step ms (median)", "max_memory_allocated",
                "sim step ms", "sim peak", "step meas/sim", "mem meas/sim", "loss, step 1", "rel. diff vs plain eager"]
     return tabulate(out, headers=headers, tablefmt="simple")
 
 
 def loss_check(rows: list, rtol: float) -> list:
-    """The partir rows whose first-step loss differs from plain eager's by more than rtol (relative): [(name,
-    relative difference)]; empty when the check passes."""
+    """What fails the check, one string each: a row that failed to run, a partir row whose first-step loss differs
+    from plain eager's by more than rtol (relative). Empty: the check passed."""
+    bad = [f"{r.name} failed ({r.error})" for r in rows if r.error]
     want = rows[0].loss0
-    return [(r.name, abs(r.loss0 - want) / abs(want)) for r in rows if r.name.startswith("partir")
-            and not abs(r.loss0 - want) <= rtol * abs(want)]
+    if rows[0].error:
+        return bad
+    for r in rows:
+        rel = abs(r.loss0 - want) / abs(want)
+        if r.name.startswith("partir") and not r.error and not rel <= rtol:
+            bad.append(f"{r.name}'s first-step loss {r.loss0:.6g} is {rel:.2e} from plain eager's {want:.6g} "
+                       f"(tolerance {rtol:g})")
+    return bad
+
+
+def attempt(name: str, runs_as: str, measure, device) -> Row:
+    """measure() -> Row; an exception (a missing kernel rule, out of memory) is the row's error, its traceback on
+    stderr, so that the other rows are still measured; the check then fails (loss_check)."""
+    try:
+        return measure()
+    except Exception as e:  # noqa: BLE001 - reported in the table, the traceback on stderr, the check failed
+        traceback.print_exc()
+        return Row(name, runs_as, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+    finally:
+        _free(device)
 
 
 def main(argv, loss_rtol: dict) -> GpuCheck:
     """Runs the check and prints its table; loss_rtol: {torch dtype: relative tolerance on the first-step loss}
     (tests/harness.py's, passed in by the caller). Raises SystemExit (non-zero) without CUDA (unless --device cpu
-    --tiny) and, after printing the table, when a partir row's loss is beyond the tolerance."""
+    --tiny) and, after printing the table, when a row failed or a partir row's loss is beyond the tolerance."""
     args = parse_args(argv)
     device = pick_device(args)
     cfg = dict(CONFIGS["tiny" if args.tiny else "8b"])
@@ -286,26 +321,23 @@ def main(argv, loss_rtol: dict) -> GpuCheck:
     dtype = getattr(torch, args.dtype)
     hw_label, hw = pick_hardware(args, device)
     batch = llama.batch(1, device, 0, **cfg)              # (tokens, targets), each (1, seq)
+    run = dict(cfg=cfg, batch=batch, device=device, dtype=dtype, warmup=args.warmup, steps=args.steps)
     t0 = time.perf_counter()
-    rows = []
     with one_rank(device):
-        for compiled in (False, True):
-            rows.append(plain_row(cfg, batch, device, dtype, compiled, args.warmup, args.steps))
-            _free(device)
-        torch._dynamo.reset()                               # plain compiled's graphs (and what they hold) go
-        for compiled in (False, True):
-            rows.append(partir_row(cfg, batch, device, dtype, compiled, hw, args.warmup, args.steps))
-            _free(device)
+        rows = [attempt(ROWS[c], PLAIN, functools.partial(plain_row, compiled=bool(c), **run), device)
+                for c in (0, 1)]
+        torch._dynamo.reset()                             # plain compiled's graphs (and what they hold) go
+        _free(device)
+        rows += [attempt(ROWS[2 + c], partir_runs_as(device), functools.partial(partir_row, compiled=bool(c),
+                                                                                 hw=hw, **run), device)
+                 for c in (0, 1)]
     text = _report(args, cfg, device, hw_label, rows, time.perf_counter() - t0)
     print(text, flush=True)
     rtol = loss_rtol[dtype]
     bad = loss_check(rows, rtol)
-    result = GpuCheck(rows, text, rtol, not bad, hw_label)
     if bad:
-        raise SystemExit("gpu_check: FAILED: first-step loss of " + ", ".join(f"{n} off by {d:.2e}" for n, d in bad)
-                         + f" relative to plain eager's ({rows[0].loss0:.6g}); the tolerance for {args.dtype} is "
-                         f"{rtol:g} (tests/harness.py).")
-    return result
+        raise SystemExit("gpu_check: FAILED: " + "; ".join(bad) + ".")
+    return GpuCheck(rows, text, rtol, True, hw_label)
 
 
 def _report(args, cfg, device, hw_label, rows, wall_s) -> str:
@@ -317,6 +349,7 @@ def _report(args, cfg, device, hw_label, rows, wall_s) -> str:
     notes = [f"plain rows' simulated columns: partir's program of the same kind (eager / compiled); "
              f"wall time of the four rows {wall_s:.0f} s"]
     notes += [f"{r.name}: the eager module and optimizer hold their own copy of the state, written through after "
-              f"every step (runtime/owner.py): {_gib(r.module_bytes)} of the measured peak"
+              f"every step (runtime/owner.py): {_bytes(r.module_bytes)} of the measured peak"
               for r in rows[2:] if r.peak_bytes is not None]
-    return "\n".join(head) + "\n" + table(rows, device, rows[0].loss0) + "\n" + "\n".join(notes)
+    notes += [f"{r.name} FAILED: {r.error}" for r in rows if r.error]
+    return "\n".join(head) + "\n" + table(rows, device) + "\n" + "\n".join(notes)
