@@ -241,8 +241,6 @@ def partir_runs_as(device) -> str:
     return f"1 real rank, {MESH} ({'nccl' if device.type == 'cuda' else 'gloo'}), no emulation"
 
 
-
-
 def _ms(s) -> str:
     return f"{1e3 * s:.2f}"
 
