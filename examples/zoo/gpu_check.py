@@ -95,7 +95,7 @@ class GpuCheck:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="benchmarks/gpu_check.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="the tiny config (with --device cpu: the CI mode)")
@@ -274,7 +274,7 @@ def table(rows: list, device) -> str:
             continue
         mem = NA_CPU if r.peak_bytes is None else _bytes(r.peak_bytes)
         rel = abs(r.loss0 - want) / abs(want)
-        out.append([r.name, r.runs_as, f"{r.setup_s:.1f}", f"{r.first_step_s:.1f}", _ms(r.step_s), mem, *sim,
+        out.append([r.name, r.runs_as, f"{r.setup_s:.2f}", f"{r.first_step_s:.2f}", _ms(r.step_s), mem, *sim,
                     f"{r.loss0:.6g}", f"{rel:.2e}"])
     headers = ["row", "runs as", "setup s", "first step s", "step ms (median)", "max_memory_allocated",
                "sim step ms", "sim peak", "step meas/sim", "mem meas/sim", "loss, step 1", "rel. diff vs plain eager"]
