@@ -31,6 +31,7 @@ def test_cpu_tiny_mode_runs_the_four_rows_and_passes_the_loss_check(capsys):
         assert r.peak_bytes is None and r.step_s > 0 and math.isfinite(r.loss0)
     plain, partir = res.rows[0], res.rows[2]
     assert abs(partir.loss0 - plain.loss0) <= BF16_LOSS_RTOL * abs(plain.loss0)
+    assert abs(partir.loss_last - plain.loss_last) <= BF16_LOSS_RTOL * abs(plain.loss_last)  # after 2 updates
     for r in res.rows[2:]:                       # partir's programs, simulated on the preset asked for
         assert r.sim is not None and r.sim.step_time_s > 0 and r.sim.peak_memory_bytes > 0
         assert f"{1e3 * r.sim.step_time_s:.2f}" in lines[r.name][0]

@@ -8,7 +8,8 @@ imports a benchmark script). On ONE CUDA device, the same training step (forward
                        backward); the fused AdamW step eager
     partir eager       pt.partition(model, Mesh({"batch": 1}), [mixed_precision(bf16)]) on one real rank (a
                        1-process NCCL group: DistributedRuntime places the program's state on this process's GPU;
-                       no emulation), prog.train_step
+                       no emulation), prog.train_step; the same AdamW(fused=True), run as torch's fused kernel
+                       (lower/fuse.py)
     partir compiled    the same with Options(compile=True): the whole per-device step is one Inductor graph
                        (runtime/compiled.py)
 
@@ -78,6 +79,7 @@ class Row:
     step_s: float = 0.0               # median of the timed steps
     peak_bytes: int | None = None     # torch.cuda.max_memory_allocated over the timed steps; None on CPU
     loss0: float = float("nan")       # the first step's loss (before any update)
+    loss_last: float = float("nan")   # the last timed step's (after warmup + steps - 1 updates): printed, not checked
     sim: object = None                # partir's SimReport of the row's program, or None (no hardware model)
     module_bytes: int = 0             # partir rows: the eager module's own copy of the state (owner.py)
     error: str | None = None          # the row failed: the exception, its first line (the traceback on stderr)
@@ -165,8 +167,9 @@ def _free(device) -> None:
 
 
 def time_steps(step, device, warmup: int, steps: int):
-    """(first step's seconds, its loss, median seconds of `steps` timed steps, peak bytes or None). The first step
-    compiles where the row compiles; the peak is max_memory_allocated over the timed steps (reset before)."""
+    """(first step's seconds, median seconds of `steps` timed steps, peak bytes or None, first loss, last loss).
+    The first step compiles where the row compiles; the peak is max_memory_allocated over the timed steps (reset
+    before)."""
     _sync(device)
     t0 = time.perf_counter()
     loss0 = float(step())
@@ -182,16 +185,16 @@ def time_steps(step, device, warmup: int, steps: int):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            step()
+            last = step()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         else:
             t = time.perf_counter()
-            step()
+            last = step()
             times.append(time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return first, loss0, statistics.median(times), peak
+    return first, statistics.median(times), peak, loss0, float(last)
 
 
 def cast_loss(model, tokens, targets, dtype):
@@ -216,25 +219,24 @@ def plain_row(cfg, batch, device, dtype, compiled: bool, warmup: int, steps: int
         return loss.detach()
 
     setup = time.perf_counter() - t0
-    first, loss0, med, peak = time_steps(step, device, warmup, steps)
-    return Row(ROWS[1] if compiled else ROWS[0], PLAIN, setup, first, med, peak, loss0)
+    return Row(ROWS[1] if compiled else ROWS[0], PLAIN, setup, *time_steps(step, device, warmup, steps))
 
 
 def partir_row(cfg, batch, device, dtype, compiled: bool, hw, warmup: int, steps: int) -> Row:
     t0 = time.perf_counter()
     model = llama.build(device, **cfg)       # seeded: every row starts from the same weights
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)     # the plain rows' optimizer (lower/fuse.py)
     schedule = [] if dtype == torch.float32 else [T.mixed_precision(dtype)]
     prog = pt.partition(model, MESH, schedule, example_inputs=batch, loss_fn=lm_loss, optimizer=opt,
                         options=pt.Options(compile=compiled))
     setup = time.perf_counter() - t0
     sim = prog.simulate(hw, stages=False) if hw is not None else None
-    first, loss0, med, peak = time_steps(lambda: prog.train_step(*batch).detach(), device, warmup, steps)
+    measured = time_steps(lambda: prog.train_step(*batch).detach(), device, warmup, steps)
     held = itertools.chain(model.parameters(), model.buffers(),
                            (t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)))
     module_bytes = sum(t.numel() * t.element_size() for t in held if t.device == device)
-    return Row(ROWS[3] if compiled else ROWS[2], partir_runs_as(device), setup, first, med, peak, loss0, sim,
-               module_bytes)
+    return Row(ROWS[3] if compiled else ROWS[2], partir_runs_as(device), setup, *measured, sim=sim,
+               module_bytes=module_bytes)
 
 
 def partir_runs_as(device) -> str:
@@ -270,14 +272,15 @@ def table(rows: list, device) -> str:
         partir = rows[3] if "compiled" in r.name else rows[2]
         sim = _simulated(r, partir.sim, device) if not partir.error else ["partir failed"] * 4
         if r.error:
-            out.append([r.name, r.runs_as, "FAILED", "-", "-", "-", *sim, "-", "-"])
+            out.append([r.name, r.runs_as, "FAILED", "-", "-", "-", *sim, "-", "-", "-"])
             continue
         mem = NA_CPU if r.peak_bytes is None else _bytes(r.peak_bytes)
         rel = abs(r.loss0 - want) / abs(want)
         out.append([r.name, r.runs_as, f"{r.setup_s:.2f}", f"{r.first_step_s:.2f}", _ms(r.step_s), mem, *sim,
-                    f"{r.loss0:.6g}", f"{rel:.2e}"])
+                    f"{r.loss0:.6g}", f"{rel:.2e}", f"{r.loss_last:.6g}"])
     headers = ["row", "runs as", "setup s", "first step s", "step ms (median)", "max_memory_allocated",
-               "sim step ms", "sim peak", "step meas/sim", "mem meas/sim", "loss, step 1", "rel. diff vs plain eager"]
+               "sim step ms", "sim peak", "step meas/sim", "mem meas/sim", "loss, step 1", "rel. diff vs plain eager",
+               "loss, last step"]
     return tabulate(out, headers=headers, tablefmt="simple")
 
 
