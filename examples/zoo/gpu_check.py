@@ -92,7 +92,8 @@ class GpuCheck:
     rows: list
     table: str
     loss_rtol: float
-    loss_ok: bool          # every partir row ran and its first-step loss is within loss_rtol of plain eager's
+    loss_ok: bool          # every row ran and every partir row's first-step loss is within loss_rtol of plain
+    #                        eager's (main raises SystemExit instead of returning when not)
     hardware: str
 
 
@@ -119,7 +120,7 @@ def pick_device(args) -> torch.device:
     if args.device == "cpu":
         if not args.tiny:
             raise SystemExit("gpu_check: --device cpu runs only with --tiny (the CI mode: the 8B-shaped block on "
-                             "CPU would take hours and measure nothing this check is for).")
+                             "CPU takes minutes a step and measures nothing this check is for).")
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device (torch.cuda.is_available() is False); this check measures a "
