@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py (issue 39 item 5) in its CPU mode: the script's code (examples/zoo/gpu_check.py, no test
 imports a benchmark script) on the tiny config, every row run, the table printed, the loss check passed; the
-refusals without CUDA; the loss check and the GPU-name -> hardware preset map on values given here."""
+refusals without CUDA; the loss check and the GPU-name -> hardware preset map on values given here. The CPU mode's
+two Inductor compiles dominate its cost: 14 s with Inductor's cache warm, 58 s cold (load 3.6-4.2, 2 cores)."""
 from __future__ import annotations
 
 import math
