@@ -14,6 +14,9 @@ import torch
 
 LOSS_RTOL = 1e-5
 PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-6
+# bf16 compute: one rounding of 2**-8 per op, summed in another order: 2% on the loss (tests/test_compose.py's
+# reasoning: a missing or doubled reduction of a gradient is 50% or more)
+BF16_LOSS_RTOL = 2e-2
 
 
 def adamw(lr=1e-3, eps=1e-8):
