@@ -42,7 +42,7 @@ def partition(model, mesh: Mesh, schedule, example_inputs, loss_fn=None, optimiz
     _check_args(mesh, tactics, loss_fn, optimizer, step, options)
     for t in tactics:       # a pipeline's schedule says which options it runs with (lower/ppschedules.py)
         if isinstance(t, Pipeline):
-            t.check_runs_with(options, training=loss_fn is not None)
+            t.check_runs_with(options, training=loss_fn is not None, mesh=mesh)
     take_over(model)
     costs = [0.0, 0.0]
 

@@ -593,6 +593,18 @@ def test_refused_with_the_cause(schedule, kw, match):
         _partition({"pp": 2}, schedule, **kw)
 
 
+@pytest.mark.parametrize("stages, schedule, match", [(3, "1F1B", "one stage per rank"),
+                                                     (2, "ZBVZeroBubble", "Use stages=4")])
+def test_a_stage_count_the_mesh_cannot_run_is_refused_before_the_capture(stages, schedule, match, monkeypatch):
+    import partir_torch.api as api
+
+    monkeypatch.setattr(api, "capture_for", lambda *a, **k: pytest.fail("captured before refusing"))
+    with pytest.raises(PartitionError, match=match):
+        _partition({"pp": 2}, [T.pipeline("pp", stages, schedule, 4)])
+    with pytest.raises(PartitionError, match="axis 'stage' is not an axis of the mesh"):
+        _partition({"pp": 2}, [T.pipeline("stage", 2, "1F1B", 4)])
+
+
 @pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
 def test_dropout_masks_are_one_devices_under_pipelining(schedule, recwarn):
     """Each dropout site draws one whole-batch mask, as one device does (capture/microdraws.py), each micro-batch

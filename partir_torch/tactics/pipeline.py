@@ -82,14 +82,23 @@ class Pipeline(TacticBase):
         """The schedule (lower/ppschedules.py) this tactic runs."""
         return schedule_of(self.schedule)
 
-    def check_runs_with(self, options: Options, training: bool) -> None:
-        """Refuse partition's options this tactic's schedule does not run with (Schedule.check_options)."""
+    def check_runs_with(self, options: Options, training: bool, mesh=None) -> None:
+        """Refuse, before anything is captured, what this tactic cannot run: partition's options its schedule does
+        not run with (Schedule.check_options) and, given the mesh, an axis the mesh lacks or a stage count the
+        schedule cannot place on it (Schedule.check_stages). A 70B model's capture takes a minute: a wrong stage
+        count is said before it."""
         self.kind.check_options(options, training, self.name)
+        if mesh is not None:
+            self._check_mesh(mesh)
+
+    def _check_mesh(self, mesh) -> None:
+        if self.axis not in mesh.axes:
+            raise PartitionError(f"{self.name}: axis '{self.axis}' is not an axis of the mesh {dict(mesh.shape)}.")
+        self.kind.check_stages(self.n_stages, mesh.shape[self.axis], self.n_microbatches, self.axis, self.name)
 
     def apply(self, ctx) -> None:
         cap, mesh = ctx.captured, ctx.mesh
-        if self.axis not in mesh.axes:
-            raise PartitionError(f"{self.name}: axis '{self.axis}' is not an axis of the mesh {dict(mesh.shape)}.")
+        self._check_mesh(mesh)
         if ctx.planning.pipeline.staged:
             raise PartitionError(f"{self.name}: the schedule has two pipeline tactics; one pipeline axis per program.")
         if ctx.axis_in_use(self.axis):
@@ -98,7 +107,6 @@ class Pipeline(TacticBase):
                                  f"axis.")
         ranks = mesh.shape[self.axis]
         n = self.n_stages
-        self.kind.check_stages(n, ranks, self.n_microbatches, self.axis, self.name)
         s = cap.settings
         if cap.mode not in ("train", "loss_and_grads", "eval"):      # eval: a pipelined eval_step (evaluate.py)
             raise PartitionError(f"{self.name}: a pipeline runs a training step; pass loss_fn= (and optimizer=).")
