@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import partir_torch as pt
 from examples.models import get
 from partir_torch.lower.bucketops import ALL_GATHER_BUCKET, ALL_REDUCE_BUCKET
-from partir_torch.lower.fuse import FUSED_UPDATE
+from partir_torch.lower.fuse import adam_update
 from partir_torch.lower.reshard import Emitter, reshard
 from partir_torch.runtime import executor
 from partir_torch.runtime.emulate import EmulatedRuntime
@@ -49,8 +49,7 @@ def _train(make_runtime, steps=3, **kw):
 
 def test_interpreter_equals_local_tensor_mode():
     """The same lowered program, run by the interpreter and through LocalTensorMode: bitwise the same step (same
-    kernels per rank, collectives summed in rank order by both). SGD: its update stays op by op (the fused Adam
-    node reads its hyperparameters with .item(), which LocalTensors refuse)."""
+    kernels per rank, collectives summed in rank order by both), SGD's fused update (sgd_update) included."""
     got, p_got, _ = _train(lambda mesh, compile=False: InterpretedRuntime(mesh))
     want, p_want, _ = _train(lambda mesh, compile=False: EmulatedRuntime(mesh))
     assert got[0] != got[-1]
@@ -120,7 +119,7 @@ def test_fused_update_equals_torch_foreach(name):
                         example_inputs=(x, y), loss_fn=_loss, optimizer=OPTS[name](model.parameters()))
     targets = [n.target for n in prog.lowered.gm.graph.nodes]
     if "maximize" not in name:   # (maximize: -grad is linear, so it runs before the reduce-scatter: left op by op)
-        assert targets.count(FUSED_UPDATE) == 1      # one param group, one dtype: one fused node for 4 parameters
+        assert targets.count(adam_update) == 1      # one param group, one dtype: one fused node for 4 parameters
         assert torch.ops.aten.lerp.Tensor not in targets
     opt = OPTS[name](ref.parameters(), foreach=True)
     for _ in range(3):
@@ -156,7 +155,7 @@ def test_adam_update_kernel_is_torch_optims(fused, kind):
         opt.step()
         donate = k % 2 == 1
         before = [t.clone() for t in p]
-        p2, m, v, mx2 = FUSED_UPDATE(p, g, m, v, mx, f64(k + 1.0), f64(3e-3), f64(0.8), f64(0.95), f64(0.1), 1e-6,
+        p2, m, v, mx2 = adam_update(p, g, m, v, mx, f64(k + 1.0), f64(3e-3), f64(0.8), f64(0.95), f64(0.1), 1e-6,
                                      amsgrad, False, not amsgrad, fused, None, donate)
         assert all((a is b) == donate for a, b in zip(p2, p))
         assert donate or all(torch.equal(a, b) for a, b in zip(p, before))      # not donated: inputs untouched
@@ -167,6 +166,78 @@ def test_adam_update_kernel_is_torch_optims(fused, kind):
         assert torch.equal(got, opt.state[want]["exp_avg"])
 
 
+SGDS = {
+    "momentum": dict(lr=0.05, momentum=0.9),
+    "momentum_wd_dampening": dict(lr=0.05, momentum=0.9, weight_decay=0.01, dampening=0.1),
+    "nesterov_maximize": dict(lr=0.05, momentum=0.8, nesterov=True, maximize=True, weight_decay=0.02),
+    "plain": dict(lr=0.05),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+@pytest.mark.parametrize("name", sorted(SGDS))
+def test_sgd_update_kernel_is_torch_optims(name, fused):
+    """sgd_update over a list of tensors equals torch.optim.SGD's single-tensor step (the capture's mirror) bitwise
+    (foreach) or its fused=True step (fused), 3 steps (the first starts the momentum buffers), hyperparameters as
+    the program feeds them (0-dim float64 tensors), donated or not alternately."""
+    from partir_torch.lower.fuse import sgd_update
+
+    torch.manual_seed(0)
+    kw = SGDS[name]
+    params = [torch.randn(37, 5), torch.randn(64)]
+    grads = [[torch.randn_like(p) for p in params] for _ in range(3)]
+    ref = [p.clone().requires_grad_() for p in params]
+    opt = torch.optim.SGD(ref, **kw, **({"fused": True} if fused else {"foreach": False}))
+    f64 = lambda x: torch.tensor(float(x), dtype=torch.float64)  # noqa: E731
+    mom = kw.get("momentum", 0)
+    p, b = params, [torch.zeros_like(t) for t in params] if mom else []
+    for k, g in enumerate(grads):
+        for r, gr in zip(ref, g):
+            r.grad = gr.clone()
+        opt.step()
+        donate = k % 2 == 1
+        before = [t.clone() for t in p]
+        p2, b = sgd_update(p, g, b, f64(k + 1), f64(kw["weight_decay"]) if kw.get("weight_decay") else None,
+                           f64(mom) if mom else None, f64(kw["lr"]), kw.get("nesterov", False),
+                           kw.get("maximize", False), kw.get("dampening", 0.0), fused, None, donate)
+        assert all((x is y) == donate for x, y in zip(p2, p))
+        assert donate or all(torch.equal(x, y) for x, y in zip(p, before))
+        p = p2
+    for got, want in zip(p, ref):
+        assert torch.equal(got, want.detach()), (got - want).abs().max()
+    for got, want in zip(b, ref):
+        assert torch.equal(got, opt.state[want]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("name", sorted(SGDS))
+def test_sgd_program_fuses_its_update_and_trains_like_torch_optim(name):
+    """An eager program with SGD updates every parameter of a group with one sgd_update node (no per-parameter
+    where / addcmul left), in place, and its parameters after 3 steps are torch.optim.SGD's (ZeRO-3: each rank
+    updates its shards)."""
+    from partir_torch.lower.fuse import sgd_update
+
+    torch.manual_seed(0)
+    model, x, y = MLP(), torch.randn(8, 16), torch.randn(8, 8)
+    ref = copy.deepcopy(model)
+    prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
+                        example_inputs=(x, y), loss_fn=_loss, optimizer=torch.optim.SGD(model.parameters(),
+                                                                                         **SGDS[name]))
+    targets = [n.target for n in prog.lowered.gm.graph.nodes]
+    if "maximize" not in name:   # (maximize: -grad is linear, so it runs before the reduce-scatter: left op by op)
+        assert targets.count(sgd_update) == 1 and torch.ops.aten.where.self not in targets
+        node = next(n for n in prog.lowered.gm.graph.nodes if n.target is sgd_update)
+        assert node.args[-1] is True                                      # in place
+    opt = torch.optim.SGD(ref.parameters(), **SGDS[name])
+    for _ in range(3):
+        prog.train_step(x, y)
+        opt.zero_grad()
+        _loss(ref, x, y).backward()
+        opt.step()
+    got = prog.gather_parameters()
+    for k, q in ref.named_parameters():
+        torch.testing.assert_close(got[k], q.detach(), rtol=1e-6, atol=1e-7)   # only the gradients' sum order
+
+
 def test_fused_optimizer_program_runs_the_fused_kernel():
     """An optimizer built with fused=True: the program's update node asks for aten._fused_adamw_ and the
     parameters follow torch.optim's fused run."""
@@ -175,7 +246,7 @@ def test_fused_optimizer_program_runs_the_fused_kernel():
     ref = copy.deepcopy(model)
     prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch")], example_inputs=(x, y),
                         loss_fn=_loss, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
-    node = next(n for n in prog.lowered.gm.graph.nodes if n.target is FUSED_UPDATE)
+    node = next(n for n in prog.lowered.gm.graph.nodes if n.target is adam_update)
     assert node.args[-3] is True and node.args[-1] is True          # fused kernel, parameters donated
     _steps_like_torch_optim(prog, ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True), (x, y), 3,
                             rtol=1e-6, atol=1e-7)
@@ -219,7 +290,7 @@ def test_fusing_rewrites_the_program_output_once(monkeypatch):
     ref = copy.deepcopy(model)
     prog = pt.partition(model, pt.Mesh({"batch": 2}), [T.data_parallel("batch"), T.zero(3, "batch")],
                         example_inputs=(x, y), loss_fn=_loss, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
-    node = next(n for n in prog.lowered.gm.graph.nodes if n.target is FUSED_UPDATE)
+    node = next(n for n in prog.lowered.gm.graph.nodes if n.target is adam_update)
     out = next(n for n in reversed(prog.lowered.gm.graph.nodes) if n.op == "output")
     fused = [a for a in out.all_input_nodes if a.target is operator.getitem and a.args[0].args[0] is node]
     assert rewrites == [] and len(fused) == 3 * len(list(ref.parameters()))     # parameters, exp_avg, exp_avg_sq
@@ -242,10 +313,10 @@ def test_unfused_and_fused_programs_agree_and_the_simulator_costs_one_kernel():
                         options=pt.Options(compile=True))
     groups = {"batch": "g"}
     unfused = Lowerer(prog.graph, prog.decisions, prog.mesh, prog.captured, groups, prog.options).run()
-    assert FUSED_UPDATE not in [n.target for n in unfused.gm.graph.nodes]
+    assert adam_update not in [n.target for n in unfused.gm.graph.nodes]
     low = Lowerer(prog.graph, prog.decisions, prog.mesh, prog.captured, groups, Options()).run()
     annotate_local_vals(low, prog.captured)
-    node = next(n for n in low.gm.graph.nodes if n.target is FUSED_UPDATE)
+    node = next(n for n in low.gm.graph.nodes if n.target is adam_update)
     hw = pt.sim.hardware("h100")
     param_bytes = sum(p.numel() * 4 // 2 for p in model.parameters())     # Z3 on 2 ranks: local shards
     sigs = {n: val_sig(n.meta.get("val")) for n in low.gm.graph.nodes}

@@ -67,7 +67,7 @@ def test_layerdrop_trains_like_eager_in_one_program(mesh, schedule):
     assert any("emb.weight" in ng and "dec_emb.weight" not in ng for ng in prog.nograd), prog.nograd
     # the masked updates are fused (lower/fuse.py): one adam_update takes the flags, no where pass is left
     gm = prog.executor._first.lowered.gm
-    fused = [n for n in gm.graph.nodes if n.target is fuse.FUSED_UPDATE and n.args[15] is not None]
+    fused = [n for n in gm.graph.nodes if n.target is fuse.adam_update and n.args[15] is not None]
     masked = [n for n in gm.graph.nodes if n.target is torch.ops.aten.where.self
               and "nograd" in str(n.args[0])]
     assert fused and not masked, (len(fused), len(masked))
@@ -123,14 +123,17 @@ def test_stock_m2m100_trains_like_eager_in_one_program():
     assert any(prog.nograd), prog.nograd
 
 
-def test_sgd_momentum_masked_op_by_op_like_eager():
-    """SGD with momentum and weight decay (no fused update: the where masks run op by op): a skipped layer keeps its
-    parameters and momentum buffers, and the first step of a layer skipped at step 1 starts its buffer as eager."""
+def test_sgd_momentum_masked_like_eager():
+    """SGD with momentum and weight decay (the fused sgd_update takes the nograd flags, lower/fuse.py): a skipped
+    layer keeps its parameters and momentum buffers, and the first step of a layer skipped at step 1 starts its
+    buffer as eager."""
     torch.manual_seed(0)
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01)   # noqa: E731
     prog, opt, ref, _ = _train(LayerdropEncDec(), pt.Mesh({"batch": 2}), [T.data_parallel("batch")], _batches(6),
                                seed=300, make_opt=sgd)
     assert len(prog.shapes()) == 1 and any(prog.nograd)
+    gm = prog.executor._first.lowered.gm
+    assert [n for n in gm.graph.nodes if n.target is fuse.sgd_update and n.args[-2] is not None]
 
 
 

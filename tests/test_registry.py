@@ -155,12 +155,12 @@ def test_partir_kernels_are_declared_in_tags():
     simulator prices it as compute and lets its results take the storage of the arguments it donates."""
     import inspect
 
-    from partir_torch.lower.fuse import FUSED_UPDATE
+    from partir_torch.lower.fuse import adam_update
     from partir_torch.rules import tags
 
-    assert tags.is_kernel(FUSED_UPDATE) and not tags.is_kernel(aten.mm.default) and not tags.is_kernel([])
-    names = list(inspect.signature(FUSED_UPDATE).parameters)
-    assert [names[k] for k in tags.donated_args(FUSED_UPDATE)] == ["params", "exp_avgs", "exp_avg_sqs",
+    assert tags.is_kernel(adam_update) and not tags.is_kernel(aten.mm.default) and not tags.is_kernel([])
+    names = list(inspect.signature(adam_update).parameters)
+    assert [names[k] for k in tags.donated_args(adam_update)] == ["params", "exp_avgs", "exp_avg_sqs",
                                                                     "max_exp_avg_sqs"]
     assert names[-1] == "donate" and tags.donated_args(aten.mm.default) == ()
-    assert compute.op_class(FUSED_UPDATE)[0] == compute.COMPUTE
+    assert compute.op_class(adam_update)[0] == compute.COMPUTE

@@ -19,7 +19,7 @@ from tests import harness
 import partir_torch as pt
 from examples.models import get
 from tests.harness import train_next_to_eager
-from partir_torch.lower.fuse import FUSED_UPDATE
+from partir_torch.lower.fuse import adam_update
 from partir_torch.lower.ring import RING_SHIFT
 
 T = pt.tactics
@@ -93,7 +93,7 @@ def _backward_peak(prog):
     from partir_torch.sim.memory import analyze_memory
 
     nodes = list(prog.plan.annotated_lowered().gm.graph.nodes)
-    first = next(i for i, n in enumerate(nodes) if n.target is FUSED_UPDATE)
+    first = next(i for i, n in enumerate(nodes) if n.target is adam_update)
     return max(analyze_memory(nodes).curve[:first])
 
 

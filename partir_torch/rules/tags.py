@@ -115,6 +115,10 @@ TAGS: dict = {
     # how a stacked expert weight (E, ., .) is used: a batched matmul over E or a selection of experts
     "selects_experts": frozenset({aten.bmm.default, aten.baddbmm.default, aten.index_select.default,
                                   aten.index.Tensor}),
+    # the ops capture/optim.py's SGD emits (the first step's where, momentum, weight decay, the update's addcmul):
+    # lower/fuse.py fuses them
+    "sgd_math": frozenset({aten.mul.Tensor, aten.add.Tensor, aten.addcmul.default, aten.where.self, aten.le.Scalar,
+                           aten.neg.default, aten._to_copy.default}),
     # the ops capture/optim.py's Adam/AdamW emits (tensor and float64 scalar math): lower/fuse.py fuses them
     "adam_math": frozenset({aten.mul.Tensor, aten.mul.Scalar, aten.lerp.Tensor, aten.lerp.Scalar,
                             aten.addcmul.default, aten.sqrt.default, aten.div.Tensor, aten.add.Tensor,
@@ -169,18 +173,28 @@ def schema_names(tag: str) -> frozenset:
 
 # ---- partir_torch's own kernels ------------------------------------------------------------------------------------
 # Python functions a lowered program calls as one op, declared with @kernel by the module that defines them
-# (lower/fuse.py's adam_update): fn -> the argument positions (lists of tensors) whose storage its results take when
-# its last argument (donate) is True. The simulator prices them as memory-bound compute (sim/compute.py) and lets
-# their results alias the donated arguments (sim/memory.py).
+# (lower/fuse.py's adam_update, sgd_update): fn -> the argument positions (lists of tensors) whose storage its results
+# take when its last argument (donate) is True. The simulator prices them as memory-bound compute (sim/compute.py),
+# lets their results alias the donated arguments and counts the bytes they allocate and free inside themselves
+# (TRANSIENT, sim/memory.py).
 KERNELS: dict = {}
+TRANSIENT: dict = {}        # fn -> transient(args, size) -> bytes; size(list of nodes) -> their bytes
 
 
-def kernel(donates: tuple = ()):
+def kernel(donates: tuple = (), transient=None):
     """Decorator: declare `fn` one of partir_torch's kernels (see KERNELS). Example: `@kernel(donates=(0, 2))`."""
     def wrap(fn):
         KERNELS[fn] = tuple(donates)
+        if transient is not None:
+            TRANSIENT[fn] = transient
         return fn
     return wrap
+
+
+def transient_bytes(target, args, size) -> int:
+    """The bytes a kernel call allocates and frees inside itself (TRANSIENT); 0 for any other target."""
+    fn = TRANSIENT.get(target) if is_kernel(target) else None
+    return 0 if fn is None else fn(args, size)
 
 
 def is_kernel(target) -> bool:

@@ -10,10 +10,10 @@ without a FLOP formula are memory bound. FLOPs come from ``torch.utils.flop_coun
 addmm, bmm, baddbmm, convolution(+backward), the SDPA kernels), plus the CPU flash-attention kernels below.
 Views, getitem and metadata ops cost nothing.
 
-The fused optimizer update of eager programs (lower/fuse.py's `adam_update`, the kernels of torch.optim's
-foreach/fused Adam) is costed as the fused kernel runs: one memory-bound kernel per param group, reading parameter,
-gradient and both moments once and writing parameter and moments once (7 passes over the parameter bytes, against
-about 15 for the op-by-op update), plus one kernel overhead.
+The fused optimizer updates of eager programs (lower/fuse.py's `adam_update` and `sgd_update`, the kernels of
+torch.optim's foreach/fused Adam and SGD) are costed as the fused kernels run: one memory-bound kernel per param
+group, reading parameter, gradient and state once and writing parameter and state once (Adam: 7 passes over the
+parameter bytes, against about 15 for the op-by-op update), plus one kernel overhead.
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def _classify(target) -> tuple:
     if target is operator.getitem:
         return FREE, "getitem"
     if tags.is_kernel(target):
-        return COMPUTE, None                                    # lower/fuse.py's adam_update: memory bound
+        return COMPUTE, None                                    # lower/fuse.py's updates: memory bound
     if not isinstance(target, torch._ops.OpOverload):
         return FREE, None                                       # Python / SymInt arithmetic
     ns, name = target.namespace, target._schema.name

@@ -175,7 +175,7 @@ def _storages(node, cls, info, sid_of, donated, elems, new) -> list:
             return donated[src][idx]
         return [srcs[idx]] if isinstance(idx, int) and idx < len(srcs) else []
     if tags.donated_args(target) and node.args[-1] is True:
-        # an in-place kernel (lower/fuse.py's adam_update, donate=True): its results are its state arguments
+        # an in-place kernel (lower/fuse.py's adam_update, sgd_update, donate=True): its results are its state arguments
         donated[node] = [[sid_of[x][0] for x in node.args[k] if sid_of.get(x)] for k in tags.donated_args(target)]
         return [s for col in donated[node] for s in col]
     if info == "view" or cls == WAIT or (cls != FREE and _writes_self(target)):
@@ -204,19 +204,10 @@ def _sweep(nodes, temps, size, born, last) -> list:
 
 
 def _transient(node, elems) -> int:
-    """Bytes a node allocates and frees inside itself (0 for aten ops: their scratch is not tensors). partir's
-    fused Adam/AdamW (lower/fuse.py: adam_update(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step, lr,
-    beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled, fused, skip, donate)): the foreach path holds, at its
-    last kernel, sqrt(v) (one exp_avg_sq each) and the modified gradients (maximize, or L2 weight decay; decoupled
-    weight decay scales the parameters in place); the fused path a 0-dim float32 step per parameter."""
-    if not tags.is_kernel(node.target):
-        return 0
-    a = node.args
+    """Bytes a node allocates and frees inside itself: 0 for aten ops (their scratch is not tensors); a partir
+    kernel's own count (lower/fuse.py's adam_update and sgd_update declare theirs, rules/tags.py TRANSIENT)."""
     size = lambda ts: sum(sum(elems.get(t) or [0]) for t in ts)  # noqa: E731
-    if a[14]:
-        return 4 * len(a[0])
-    wd, maximize, decoupled = a[9] is not None, a[12], a[13]
-    return size(a[3]) + (size(a[1]) if maximize or (wd and not decoupled) else 0)
+    return tags.transient_bytes(node.target, node.args, size)
 
 
 def _categorize(nodes, inputs, sid_of, born, last, owner) -> list:

@@ -78,10 +78,10 @@ class ProgramFacts:
         self._ops(index)
         self._slots()
         _schedule_facts(self, index, captured)
-        # the eager program's fused Adam update writes parameters and moments in place (lower/fuse.py): the updated
-        # values share their state's storage; compiled or other optimizers' updates are out of place
+        # the eager program's fused Adam and SGD updates write parameters and state in place (lower/fuse.py): the
+        # updated values share their state's storage; compiled programs' updates are out of place
         fopt = None if captured is None else captured.fopt
-        fused = fopt is not None and fopt.kind in ("adam", "adamw") and not compile
+        fused = fopt is not None and fopt.kind in ("adam", "adamw", "sgd") and not compile
         in_place = {new: old for old, new in captured.ties} if fused else {}
         self.fused = bool(in_place)
         self.st_owner, self.st_born, self.st_last, self.st_size, self.al_val, self.al_sid = _storages(graph, nodes,
