@@ -504,6 +504,39 @@ def test_an_input_made_before_the_layers_and_read_by_each_stage_trains_like_one_
     train_next_to_eager(prog, ref, [(x, y)] * 2, loss_fn, adamw(1e-3), what=schedule)
 
 
+class _HeadNamedFirst(nn.Module):
+    """A tied embedding whose parameter is named after the LM head (registered first, as HF's Camembert lists
+    lm_head before roberta): the embedding on the first stage reads a parameter the name puts on the last."""
+
+    def __init__(self, vocab=16, d=8):
+        super().__init__()
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.emb = nn.Embedding(vocab, d)
+        self.emb.weight = self.head.weight
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(2))
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def test_a_tied_weight_named_after_a_later_stage_is_held_by_both():
+    torch.manual_seed(0)
+    model = _HeadNamedFirst()
+    assert next(iter(dict(model.named_parameters()))) == "head.weight"
+    ref = copy.deepcopy(model)
+    ids, y = torch.randint(0, 16, (8, 5)), torch.randint(0, 16, (8, 5))
+    loss_fn = lambda m, ids, y: F.cross_entropy(m(ids).flatten(0, 1), y.flatten())      # noqa: E731
+    prog = pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", [["emb", "blocks.0"], ["blocks.1", "head"]],
+                                                              "1F1B", 4)],
+                        example_inputs=(ids, y), loss_fn=loss_fn,
+                        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert prog.plan.pipeline.tied["params.head.weight"] == (1, 0)
+    train_next_to_eager(prog, ref, [(ids, y)] * 2, loss_fn, adamw(1e-3), what="head named first")
+
+
 def test_balanced_cut_is_contiguous():
     prog, _, _ = _partition({"pp": 2}, [T.pipeline("pp", 2, "1F1B", 2)])
     assert prog.plan.pipeline.modules == (("tok_embeddings", "layers.0", "layers.1"),

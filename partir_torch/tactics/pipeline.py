@@ -230,11 +230,11 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
             s = stage[n.args[0]]      # clip_grad_norm scales a gradient on its own stage (by the factor every rank has)
         elif s is None:
             s = _stage_outside_modules(n, ins, stage)
-        elif phase_of(n) == Phase.FORWARD and ins and max(ins) > s:
-            late = next(a for a in n.all_input_nodes if stage.get(a) == max(ins))
+        elif phase_of(n) == Phase.FORWARD and max((late := _non_param_stages(n, stage)), default=(-1,))[0] > s:
+            at, _, a = max(late)
             raise PartitionError(f"{tactic.name}: {n.format_node()} of module '{n.meta.get(META_MODULE)}' (stage {s}) "
-                                 f"reads {late.name}, computed on the later stage "
-                                 f"{max(ins)}; stages must follow the forward's order. {_fix(tactic, globs)}")
+                                 f"reads {a.name}, computed on the later stage "
+                                 f"{at}; stages must follow the forward's order. {_fix(tactic, globs)}")
         if s is not None:
             stage[n] = s
         for a in n.all_input_nodes:
@@ -259,6 +259,18 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
                         MappingProxyType({n.name: s for n, s in stage.items() if n.name not in views}),
                         tuple(tuple(g) for g in globs), tuple(tuple(p) for p in params), tactic.name,
                         MappingProxyType(tied), frozenset(views))
+
+
+def _non_param_stages(n, stage: dict) -> list:
+    """(stage, position, value) of the values `n` reads, leaving out parameters (and their views): a parameter read by several
+    stages is a tied weight, held by each of them, whichever stage its name puts it on (HF's Camembert names its
+    tied embedding after the LM head, which its module order lists first)."""
+    out = []
+    for i, a in enumerate(n.all_input_nodes):
+        src = a if a.op == "placeholder" else (param_source(a) or (None,))[0]
+        if stage.get(a) is not None and not (src is not None and src.meta.get(META_ROLE) == Role.PARAM):
+            out.append((stage[a], i, a))
+    return out
 
 
 def _stage_outside_modules(n, ins: list, stage: dict) -> int | None:
