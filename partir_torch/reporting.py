@@ -197,7 +197,8 @@ class Reports:
                                                  stage_name=name, exclude_flops=recompute))
                 continue
             reports.append(simulate_graph(low.gm, self.mesh, hw, axis_map=axis_map, stage_name=name, issue=issue,
-                                          exclude_flops=recompute, model_flops=per_device))
+                                          exclude_flops=recompute, model_flops=per_device,
+                                          compiled=self.plan.options.compile))
         final = reports[-1]
         final.notes.extend(describe_counts(self.plan.captured))     # padded selections cost their N rows
         final.stages = reports if stages else []

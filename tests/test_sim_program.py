@@ -165,3 +165,36 @@ def test_simulating_again_equals_a_fresh_program():
         fresh = _figures(gpt_program({"batch": 2, "model": 2}, sched, layers=1).simulate(hw))
         assert seen == fresh
     assert again == first
+
+
+def test_a_compiled_program_prices_its_elementwise_chains_as_fused_kernels():
+    """simulate_graph(..., compiled=True) (prog.simulate of an Options(compile=True) program): the elementwise ops
+    between two matmuls are one kernel reading what it takes from outside and writing what is read outside once
+    (sim/fusion.py); the matmuls stay as they are; eager prices each op. The report says what it modelled."""
+    from partir_torch.mesh import Mesh
+    from partir_torch.sim import hardware, simulate_graph
+    from partir_torch.sim.compute import memory_time
+    from partir_torch.sim.synthetic import GraphBuilder
+
+    aten = torch.ops.aten
+    mesh, hw = Mesh({"dp": 1}), hardware("h100")
+    b = GraphBuilder(mesh)
+    x = b.input("x", (4096, 4096), "input", torch.bfloat16)
+    w = b.input("w", (4096, 4096), "param", torch.bfloat16)
+    h = b.call(aten.mm.default, x, w)
+    a = b.call(aten.mul.Tensor, h, 2.0)                        # mul -> view -> tanh -> add(., x): one kernel
+    v = b.call(aten.view.default, a, [4096, 4096])
+    t = b.call(aten.tanh.default, v)
+    s = b.call(aten.add.Tensor, t, x)
+    out = b.call(aten.mm.default, s, w)
+    b.output([out, t])                                       # t is read outside: written once
+    gm = b.module()
+    eager, compiled = simulate_graph(gm, mesh, hw), simulate_graph(gm, mesh, hw, compiled=True)
+    nbytes = 4096 * 4096 * 2
+    mms = [c for c in eager.trace if c[1].startswith("mm")]
+    fused = memory_time(hw, 2 * nbytes + 2 * nbytes)        # reads h and x, writes t and s
+    assert compiled.compute_s == pytest.approx(sum(c[3] for c in mms) + fused, rel=1e-9)
+    elementwise = sum(c[3] for c in eager.trace if not c[1].startswith("mm"))
+    assert elementwise > fused and eager.compute_s == pytest.approx(sum(c[3] for c in mms) + elementwise)
+    assert any("fused elementwise kernels" in n for n in compiled.notes)
+    assert not any("fused elementwise" in n for n in eager.notes)

@@ -125,6 +125,14 @@ TAGS: dict = {
                             aten.add.Scalar, aten.rsub.Scalar, aten.neg.default, aten.pow.Tensor_Tensor,
                             aten.pow.Tensor_Scalar, aten.pow.Scalar, aten._to_copy.default, aten.maximum.default,
                             aten.sub.Tensor, aten.sub.Scalar}),
+    # besides the ops torch tags pointwise, those TorchInductor generates into one kernel with their elementwise
+    # neighbours (reductions, normalisations, copies, casts): sim/fusion.py prices compiled programs by it
+    "compiled_fuses": frozenset({aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.amax.default,
+                                 aten.amin.default, aten.var.correction, aten._softmax.default,
+                                 aten._log_softmax.default, aten._softmax_backward_data.default,
+                                 aten._log_softmax_backward_data.default, aten.native_layer_norm.default,
+                                 aten.native_layer_norm_backward.default, aten.clone.default, aten._to_copy.default,
+                                 aten.copy.default}),
     # defined on positive floats only: verify draws their operands positive (no NaN hiding a mismatch)
     "positive_domain": frozenset({aten.sqrt.default, aten.rsqrt.default, aten.log.default, aten.log2.default,
                                   aten.reciprocal.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor}),
@@ -169,6 +177,16 @@ def tags_of(op) -> frozenset:
 def schema_names(tag: str) -> frozenset:
     """The aten schema names ("aten::view") of a tag's ops: for the simulator, which classifies every overload."""
     return frozenset(op._schema.name for op in ops(tag))
+
+
+def fuses_when_compiled(op) -> bool:
+    """Whether TorchInductor generates `op` into a fused kernel with its elementwise neighbours (torch's pointwise
+    tag, or the "compiled_fuses" tag: reductions, normalisations, copies and casts) rather than calling an extern
+    kernel for it."""
+    try:
+        return op in _OF and "compiled_fuses" in _OF[op] or torch.Tag.pointwise in op.tags
+    except (TypeError, AttributeError):       # not an OpOverload (a Python function)
+        return False
 
 
 # ---- partir_torch's own kernels ------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from ..errors import PartitionError
 from .comm import check_mesh
 from .compute import COMPUTE, CostModel, _freeze, formula_flops, op_class, val_facts, val_sig
 from .confidence import closest_family, strategy_of
+from .fusion import fused_kernels
 from .hardware import Hardware
 from .memory import analyze_memory
 from .report import SimReport
@@ -28,7 +29,8 @@ def _cost_model(hw: Hardware) -> CostModel:
 
 
 def simulate_graph(gm, mesh, hw: Hardware, axis_map=None, stage_name: str = "", exclude_flops=None,
-                   issue: str = "program", prefetch: int = 1, model_flops: float | None = None) -> SimReport:
+                   issue: str = "program", prefetch: int = 1, model_flops: float | None = None,
+                   compiled: bool = False) -> SimReport:
     """Predict step time, memory and communication of the per-device program ``gm`` on ``mesh`` laid on ``hw``.
 
     ``exclude_flops``: node names whose FLOPs are not model FLOPs (rematerialised recompute); they still take time.
@@ -40,7 +42,8 @@ def simulate_graph(gm, mesh, hw: Hardware, axis_map=None, stage_name: str = "", 
     issued where the program lists it, waited for at its wait_tensor (the order lowering's scheduling pass chose,
     lower/schedule.py). "ready" and "prefetch" are what-ifs for another runtime (see :mod:`.timeline`) and the report
     says so in its notes; ``prefetch``: how many state gathers per axis a "prefetch" runtime keeps in flight ahead
-    of the one in use.
+    of the one in use. ``compiled``: the program runs compiled by TorchInductor (Options(compile=True)): its
+    elementwise ops between extern kernels are priced as the fused kernels Inductor makes of them (sim/fusion.py).
     """
     if issue not in ISSUE:
         raise PartitionError(f"simulate_graph: issue must be one of {', '.join(map(repr, ISSUE))}, got {issue!r}.")
@@ -51,13 +54,14 @@ def simulate_graph(gm, mesh, hw: Hardware, axis_map=None, stage_name: str = "", 
     enabled = gc.isenabled()
     gc.disable()                          # the passes allocate many small objects; collector passes cost ~2x
     try:
-        return _simulate(gm, mesh, hw, axis_map, stage_name, set(exclude_flops or ()), issue, prefetch, model_flops)
+        return _simulate(gm, mesh, hw, axis_map, stage_name, set(exclude_flops or ()), issue, prefetch, model_flops,
+                         compiled)
     finally:
         if enabled:
             gc.enable()
 
 
-def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue, prefetch, model_flops) -> SimReport:
+def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue, prefetch, model_flops, compiled) -> SimReport:
     # what does not depend on the hardware (per-node facts, buffer liveness) is read once per program, so a search
     # over hardware, axis mappings or issue policies re-simulates a program for the cost of its timeline only
     cached = getattr(gm, "_partir_sim_facts", None)
@@ -67,11 +71,19 @@ def _simulate(gm, mesh, hw, axis_map, stage_name, exclude, issue, prefetch, mode
         cached = (len(nodes), nodes, facts, analyze_memory(nodes, facts.elems, facts.inputs, facts.classes))
         gm._partir_sim_facts = cached
     _, nodes, facts, mem = cached
-    line = Timeline(hw, mesh, axis_map, facts, exclude, issue, _cost_model(hw), prefetch)
+    if compiled and facts.fused is None:
+        facts.fused = fused_kernels(nodes, facts)
+    line = Timeline(hw, mesh, axis_map, facts, exclude, issue, _cost_model(hw), prefetch,
+                    facts.fused if compiled else None)
     for node in nodes:
         line.step(node)
     line.finish()
     notes = line.notes
+    if compiled:
+        kernels = sum(1 for b in facts.fused.values() if b)
+        notes.append(f"compiled (TorchInductor): {kernels} fused elementwise kernels of {len(facts.fused)} ops, each "
+                     f"priced as one memory-bound kernel (sim/fusion.py); the peak memory is the eager program's "
+                     f"liveness (Inductor's memory planning is not modelled).")
     if issue != "program":
         notes.append(f"what-if: collectives issued as a {issue!r} runtime would issue them (sim/timeline.py); "
                      f"partir's runtime executes the program's own order (issue='program').")
@@ -153,6 +165,7 @@ class _Facts:
     inputs: dict = field(default_factory=dict)
     classes: dict = field(default_factory=dict)
     prep: tuple | None = None      # timeline.prep_chains, read when a "prefetch" timeline first needs it
+    fused: dict | None = None      # fusion.fused_kernels, read when a compiled program is first simulated
 
 
 def _scan(nodes) -> _Facts:

@@ -28,7 +28,7 @@ import math
 from ..contract import META_COLLECTIVE
 from ..rules import tags
 from .comm import estimate
-from .compute import COLLECTIVE, COMPUTE, FREE, CostModel
+from .compute import COLLECTIVE, COMPUTE, FREE, CostModel, memory_time
 from .report import CollectiveTiming
 
 ISSUE = ("ready", "program", "prefetch")
@@ -100,9 +100,11 @@ def _moves_data(n, classes) -> bool:
 class Timeline:
     """t_c: compute stream clock; t_m: comm stream clock per mesh axis; done: when each value is ready."""
 
-    def __init__(self, hw, mesh, axis_map, facts, exclude, issue, cost_model: CostModel, prefetch: int = 1):
+    def __init__(self, hw, mesh, axis_map, facts, exclude, issue, cost_model: CostModel, prefetch: int = 1,
+                 fused: dict | None = None):
         self.hw, self.mesh, self.axis_map, self.f, self.exclude, self.issue = hw, mesh, axis_map, facts, exclude, issue
         self.cm = cost_model
+        self.fused = fused or {}          # compiled: op -> bytes of the fused kernel it starts (0: a later member)
         self.prefetch = prefetch
         if issue == "prefetch" and facts.prep is None:
             facts.prep = prep_chains(list(facts.classes), facts.classes, facts.inputs)
@@ -147,7 +149,11 @@ class Timeline:
             self.wait(node)
 
     def compute(self, node, formula):
-        flops, dt, dtype = self.cm.cost(node, node.target, formula, self.f.sigs, self.f.nbytes)
+        if node in self.fused:            # a compiled program's fused kernel, charged at its first op
+            nbytes = self.fused[node]
+            flops, dt, dtype = 0, memory_time(self.hw, nbytes) if nbytes else 0.0, None
+        else:
+            flops, dt, dtype = self.cm.cost(node, node.target, formula, self.f.sigs, self.f.nbytes)
         self.trace.append((0, node.name, self.t_c, dt))
         self.t_c += dt
         self.compute_s += dt
