@@ -537,6 +537,41 @@ def test_a_tied_weight_named_after_a_later_stage_is_held_by_both():
     train_next_to_eager(prog, ref, [(ids, y)] * 2, loss_fn, adamw(1e-3), what="head named first")
 
 
+def test_state_the_step_never_reads_needs_no_stage_glob():
+    """A module the call never runs, with a frozen table (an audio tower under a text-only call, HF
+    moss_transcribe_diarize: its sinusoidal positions): its state
+    has no op, and the automatic cut places it without asking for a glob; the step trains like one device."""
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+            self.tower = nn.Sequential(nn.Embedding(16, 8))           # never called; frozen (sinusoidal)
+            self.tower[0].weight.requires_grad_(False)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = Inner()
+
+        def forward(self, x):
+            return self.model(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)      # noqa: E731
+    prog = pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", 2, "1F1B", 4)], example_inputs=(x, y),
+                        loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert "model.tower.0.weight" in prog.plan.pipeline.params[-1]
+    train_next_to_eager(prog, ref, [(x, y)] * 2, loss_fn, adamw(1e-3), what="unused tower")
+
+
 def test_balanced_cut_is_contiguous():
     prog, _, _ = _partition({"pp": 2}, [T.pipeline("pp", 2, "1F1B", 2)])
     assert prog.plan.pipeline.modules == (("tok_embeddings", "layers.0", "layers.1"),

@@ -213,6 +213,8 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
                     # the root module's own state, or (a balanced cut) a module read only through its attributes
                     # (wpe.weight[:T]): the first stage whose modules read it, else the last
                     s = _first_reader(n, stage_of_module, len(globs) - 1)
+                elif s is None and not n.users:
+                    s = len(globs) - 1     # state the step never reads (a tower a text-only call skips): no op
             if fqn is not None:
                 if s is None:
                     raise PartitionError(f"{tactic.name}: {name} belongs to module '{fqn or '<root>'}', which no "
