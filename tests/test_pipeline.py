@@ -572,6 +572,36 @@ def test_state_the_step_never_reads_needs_no_stage_glob():
     train_next_to_eager(prog, ref, [(x, y)] * 2, loss_fn, adamw(1e-3), what="unused tower")
 
 
+class _SharedStateless(nn.Module):
+    """One activation (or dropout) module called by every layer, as HF's openai-gpt shares its act and xlnet its
+    dropout."""
+
+    def __init__(self, shared: nn.Module):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.act = shared
+
+    def forward(self, x):
+        for lin in self.layers:
+            x = self.act(lin(x))
+        return x
+
+
+def test_a_stateless_module_shared_by_the_stages_runs_where_each_call_is():
+    torch.manual_seed(0)
+    model = _SharedStateless(nn.GELU())
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    loss_fn = lambda m, x, y: F.mse_loss(m(x), y)      # noqa: E731
+    stages = [["layers.0", "layers.1", "act"], ["layers.2", "layers.3"]]
+    prog = pt.partition(model, pt.Mesh({"pp": 2}), [T.pipeline("pp", stages, "1F1B", 4)], example_inputs=(x, y),
+                        loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    train_next_to_eager(prog, ref, [(x, y)] * 2, loss_fn, adamw(1e-3), what="shared act")
+    with pytest.raises(PartitionError, match="module 'act' has no state but draws random numbers"):
+        pt.partition(_SharedStateless(nn.Dropout(0.1)), pt.Mesh({"pp": 2}), [T.pipeline("pp", stages, "1F1B", 4)],
+                     example_inputs=(x, y), loss_fn=loss_fn)
+
+
 def test_balanced_cut_is_contiguous():
     prog, _, _ = _partition({"pp": 2}, [T.pipeline("pp", 2, "1F1B", 2)])
     assert prog.plan.pipeline.modules == (("tok_embeddings", "layers.0", "layers.1"),

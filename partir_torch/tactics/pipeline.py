@@ -191,6 +191,8 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
     a parameter no stage holds, a buffer or optimizer state read by two stages, a forward op reading a later stage's
     value. A parameter read by several stages (tied weights) is held by each of them (PipelineSpec.tied)."""
     stage_of_module = _matcher(globs)
+    stateful = {_state_fqn(n.meta.get(META_NAME, "")) for n in cap.gm.graph.nodes if n.op == "placeholder"} - {None}
+    shared: set = set()         # modules without state whose calls run on several stages
     updated = {ph for ph, _ in cap.ties}
     readers: dict = {}          # tied parameter placeholder -> the stages that read it
     placed = dict(tactic.placed)
@@ -227,16 +229,26 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
         if n.op != "call_function":
             continue
         ins = [stage[a] for a in n.all_input_nodes if stage.get(a) is not None]
-        s = stage_of_module(n.meta.get(META_MODULE))
+        mod = n.meta.get(META_MODULE)
+        s = stage_of_module(mod) if mod not in shared else None
         if (n.meta.get("custom") or {}).get(META_CLIP) == "scale" and stage.get(n.args[0]) is not None:
             s = stage[n.args[0]]      # clip_grad_norm scales a gradient on its own stage (by the factor every rank has)
         elif s is None:
             s = _stage_outside_modules(n, ins, stage)
-        elif phase_of(n) == Phase.FORWARD and max((late := _non_param_stages(n, stage)), default=(-1,))[0] > s:
+        elif phase_of(n) == Phase.FORWARD and max((late := _non_param_stages(n, stage)), default=(-1,))[0] > s \
+                and not _owns_state(mod, stateful) and not _draws(mod, cap):
+            # a module without state called on several stages (one activation or dropout module shared by every
+            # layer, HF openai-gpt and xlnet; a weightless norm, nanochat): each call runs where its inputs are
+            shared.add(mod)
+            s = _stage_outside_modules(n, ins, stage)
+        elif phase_of(n) == Phase.FORWARD and late and max(late)[0] > s:
             at, _, a = max(late)
-            raise PartitionError(f"{tactic.name}: {n.format_node()} of module '{n.meta.get(META_MODULE)}' (stage {s}) "
-                                 f"reads {a.name}, computed on the later stage "
-                                 f"{at}; stages must follow the forward's order. {_fix(tactic, globs)}")
+            why = (f"module '{mod}' has no state but draws random numbers (one dropout module called by the layers of "
+                   f"several stages): its draws on the stages would not be one device's. Give each layer its own "
+                   f"dropout module, or set its probability to 0" if not _owns_state(mod, stateful) else
+                   f"stages must follow the forward's order. {_fix(tactic, globs)}")
+            raise PartitionError(f"{tactic.name}: {n.format_node()} of module '{mod}' (stage {s}) reads {a.name}, "
+                                 f"computed on the later stage {at}; {why}")
         if s is not None:
             stage[n] = s
         for a in n.all_input_nodes:
@@ -261,6 +273,18 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
                         MappingProxyType({n.name: s for n, s in stage.items() if n.name not in views}),
                         tuple(tuple(g) for g in globs), tuple(tuple(p) for p in params), tactic.name,
                         MappingProxyType(tied), frozenset(views))
+
+
+def _draws(mod: str, cap) -> bool:
+    """Whether an op of module `mod` draws random numbers (a dropout module): its calls on several stages would draw
+    in another order than one device's (not supported: refused as any order violation)."""
+    return any(n.meta.get(META_MODULE) == mod and draws_random(n) for n in cap.gm.graph.nodes
+               if n.op == "call_function")
+
+
+def _owns_state(mod: str | None, stateful: set) -> bool:
+    """Whether module `mod` (an FQN) or a module inside it holds a parameter or buffer (`stateful`: their FQNs)."""
+    return mod is not None and any(f == mod or f.startswith(mod + ".") for f in stateful)
 
 
 def _non_param_stages(n, stage: dict) -> list:
