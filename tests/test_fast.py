@@ -121,15 +121,8 @@ def test_fused_update_equals_torch_foreach(name):
     if "maximize" not in name:   # (maximize: -grad is linear, so it runs before the reduce-scatter: left op by op)
         assert targets.count(adam_update) == 1      # one param group, one dtype: one fused node for 4 parameters
         assert torch.ops.aten.lerp.Tensor not in targets
-    opt = OPTS[name](ref.parameters(), foreach=True)
-    for _ in range(3):
-        prog.train_step(x, y)
-        opt.zero_grad()
-        _loss(ref, x, y).backward()
-        opt.step()
-    got = prog.gather_parameters()
-    for k, p in ref.named_parameters():
-        torch.testing.assert_close(got[k], p.detach(), rtol=1e-6, atol=1e-7)   # only the gradients' sum order
+    # only the gradients' sum order differs
+    _steps_like_torch_optim(prog, ref, OPTS[name](ref.parameters(), foreach=True), (x, y), 3, 1e-6, 1e-7)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
@@ -227,15 +220,8 @@ def test_sgd_program_fuses_its_update_and_trains_like_torch_optim(name):
         assert targets.count(sgd_update) == 1 and torch.ops.aten.where.self not in targets
         node = next(n for n in prog.lowered.gm.graph.nodes if n.target is sgd_update)
         assert node.args[-1] is True                                      # in place
-    opt = torch.optim.SGD(ref.parameters(), **SGDS[name])
-    for _ in range(3):
-        prog.train_step(x, y)
-        opt.zero_grad()
-        _loss(ref, x, y).backward()
-        opt.step()
-    got = prog.gather_parameters()
-    for k, q in ref.named_parameters():
-        torch.testing.assert_close(got[k], q.detach(), rtol=1e-6, atol=1e-7)   # only the gradients' sum order
+    # only the gradients' sum order differs
+    _steps_like_torch_optim(prog, ref, torch.optim.SGD(ref.parameters(), **SGDS[name]), (x, y), 3, 1e-6, 1e-7)
 
 
 def test_fused_optimizer_program_runs_the_fused_kernel():
