@@ -20,6 +20,9 @@ RTOL = {torch.float32: LOSS_RTOL, torch.bfloat16: BF16_LOSS_RTOL}
 
 def test_cpu_tiny_mode_runs_the_four_rows_and_passes_the_loss_check(capsys):
     pytest.importorskip("torch._inductor")
+    from partir_torch.runtime.emulate import _ensure_world
+
+    _ensure_world(4)      # what an emulated program left behind in this process (a "fake" group): not refused
     res = gpu_check.main(["--device", "cpu", "--tiny", "--hw", "h100", "--warmup", "1", "--steps", "2"], RTOL)
     out = capsys.readouterr().out
     assert res.table in out and res.loss_ok and res.loss_rtol == BF16_LOSS_RTOL

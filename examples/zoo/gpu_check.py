@@ -144,6 +144,8 @@ def pick_hardware(args, device):
 def one_rank(device):
     """A 1-process group (NCCL on CUDA, gloo on CPU): partir's programs run on this process as its one real rank
     (runtime/distributed.py), torn down after."""
+    if dist.is_initialized() and dist.get_backend() == "fake":
+        dist.destroy_process_group()      # partir's emulated ranks' scaffolding (runtime/emulate.py), not a job's
     if dist.is_initialized():
         raise SystemExit("gpu_check: torch.distributed is already initialised; run the check as one plain "
                          "process (`python benchmarks/gpu_check.py`), not under torchrun.")
