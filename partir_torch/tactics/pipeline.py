@@ -201,30 +201,13 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
     params = [[] for _ in globs]
     for n in cap.gm.graph.nodes:
         if n.op == "placeholder":
-            name = n.meta.get(META_NAME, "")
-            fqn = _state_fqn(name)
-            if n.meta.get(META_ROLE) == Role.BUFFER and n not in updated:
-                fqn = None      # a constant buffer (rope tables): every stage reads its own copy, as the batch
-            if name in placed:
-                s = placed[name]
-            elif name.startswith("opt.") and name.split(".", 2)[2] in by_param:
-                s = by_param[name.split(".", 2)[2]]        # a parameter's optimizer state lives with it
-            elif fqn is not None:
-                s = stage_of_module(fqn) if fqn else None
-                if s is None and n.users and (fqn == "" or isinstance(tactic.stages, int)):
-                    # the root module's own state, or (a balanced cut) a module read only through its attributes
-                    # (wpe.weight[:T]): the first stage whose modules read it, else the last
-                    s = _first_reader(n, stage_of_module, len(globs) - 1)
-                elif s is None and not n.users:
-                    s = len(globs) - 1     # state the step never reads (a tower a text-only call skips): no op
-            if fqn is not None:
-                if s is None:
-                    raise PartitionError(f"{tactic.name}: {name} belongs to module '{fqn or '<root>'}', which no "
-                                         f"stage's globs match ({[list(g) for g in globs]}). Add it to a stage.")
+            s = _state_stage(n, tactic, globs, stage_of_module, placed, by_param, n not in updated)
+            if s is not None:
                 stage[n] = s
                 if n.meta.get(META_ROLE) == Role.PARAM:
-                    params[s].append(name[len("params."):])
-                    by_param[name[len("params."):]] = s
+                    fqn = n.meta[META_NAME][len("params."):]
+                    params[s].append(fqn)
+                    by_param[fqn] = s
             continue
         if n.op != "call_function":
             continue
@@ -273,6 +256,34 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
                         MappingProxyType({n.name: s for n, s in stage.items() if n.name not in views}),
                         tuple(tuple(g) for g in globs), tuple(tuple(p) for p in params), tactic.name,
                         MappingProxyType(tied), frozenset(views))
+
+
+def _state_stage(n, tactic, globs, stage_of_module, placed: dict, by_param: dict, constant: bool) -> int | None:
+    """The stage of placeholder `n` when it is state (a parameter, an updated buffer, optimizer state), else None
+    (the batch, a constant buffer: every stage reads its own copy). Refuses state no stage's globs match."""
+    name = n.meta.get(META_NAME, "")
+    fqn = _state_fqn(name)
+    if n.meta.get(META_ROLE) == Role.BUFFER and constant:
+        fqn = None      # a constant buffer (rope tables): every stage reads its own copy, as the batch
+    s = None
+    if name in placed:
+        s = placed[name]
+    elif name.startswith("opt.") and name.split(".", 2)[2] in by_param:
+        s = by_param[name.split(".", 2)[2]]        # a parameter's optimizer state lives with it
+    elif fqn is not None:
+        s = stage_of_module(fqn) if fqn else None
+        if s is None and n.users and (fqn == "" or isinstance(tactic.stages, int)):
+            # the root module's own state, or (a balanced cut) a module read only through its attributes
+            # (wpe.weight[:T]): the first stage whose modules read it, else the last
+            s = _first_reader(n, stage_of_module, len(globs) - 1)
+        elif s is None and not n.users:
+            s = len(globs) - 1     # state the step never reads (a tower a text-only call skips): no op
+    if fqn is None:
+        return None
+    if s is None:
+        raise PartitionError(f"{tactic.name}: {name} belongs to module '{fqn or '<root>'}', which no stage's globs "
+                             f"match ({[list(g) for g in globs]}). Add it to a stage.")
+    return s
 
 
 def _draws(mod: str, cap) -> bool:
