@@ -74,7 +74,7 @@ class SearchReport:
     rank_correlation: float | None = None
     seconds: dict = field(default_factory=dict)      # phase -> seconds
     within_limit: bool = True
-    cut_by_time: bool = False   # a safety cap on wall time cut the estimates or the lowerings (load-dependent)
+    cut_by_time: bool = False   # a safety cap on the search's CPU time cut the estimates or the lowerings
     recompute: str = ""         # what partition() chose when no plan fit without recomputation (recompute.py)
 
     def table(self, top: int = 8) -> str:
@@ -101,8 +101,9 @@ class SearchReport:
                  f"rank correlation of estimate and simulation over the lowered candidates (Spearman): {rho}",
                  f"time: {secs}"]
         if self.cut_by_time:
-            lines.append("the machine was slower than the budget's counts assume: a wall-time cap cut the search "
-                         "short (this plan may differ from an unloaded run with the same seed)")
+            lines.append("the search took more CPU time than the budget's counts assume (a slower machine or a "
+                         "larger step): a safety cap cut it short (this plan may differ from another machine's with "
+                         "the same seed)")
         if not self.within_limit:
             lines.append(f"no candidate within the memory limit: chose the one with the least peak memory")
         if self.recompute:
@@ -122,7 +123,7 @@ class SearchReport:
 @dataclass(frozen=True)
 class AutomaticPartition(TacticBase):
     """Decide `axes` by search (see the module docstring). hardware: a pt.sim.hardware(...); memory_limit: bytes
-    per device (default: the chip's HBM); budget_s: wall seconds for the search (the estimates get about a sixth,
+    per device (default: the chip's HBM); budget_s: seconds for the search on a 2-core machine (the estimates get about a sixth,
     lowering the best candidates most of the rest; the best estimate and the two best pure preset combinations are
     always lowered);
     seed: the order candidates are sampled in when there are more than the budget allows. The budget is turned into
@@ -162,7 +163,7 @@ class AutomaticPartition(TacticBase):
         hw = check_mesh(self.hardware, ctx.mesh)
         limit = float(self.memory_limit if self.memory_limit is not None else hw.hbm_bytes)
         share = StageShare()     # what the candidates' lowerings share: unchanged ops' layouts, the meta run's memo
-        t_start = time.perf_counter()
+        t_start, c_start = time.perf_counter(), time.process_time()   # wall for the report, CPU for the caps
         report = SearchReport(self.name, self.axes, limit, hw.describe())
         bar = _bar(self.progress, f"{self.name} {'+'.join(self.axes)}")
         try:
@@ -175,11 +176,11 @@ class AutomaticPartition(TacticBase):
             report.seconds["space"] = t_space - t_start
             # 2. estimates
             n_est, n_low = self._counts(len(ctx.graph.values))
-            scored = self._estimates(ctx, facts, spaces, n_est, report, bar, t_start)
+            scored = self._estimates(ctx, facts, spaces, n_est, report, bar, c_start)
             t_est = time.perf_counter()
             report.seconds["estimate"] = t_est - t_space
             # 3. lower and simulate the best few (always the best pure preset combinations too)
-            lowered = self._lower_best(ctx, scored, limit, n_low, report, bar, t_start, share)
+            lowered = self._lower_best(ctx, scored, limit, n_low, report, bar, c_start, share)
             report.seconds["lower+simulate"] = time.perf_counter() - t_est
         finally:
             bar.close()
@@ -213,7 +214,7 @@ class AutomaticPartition(TacticBase):
             report.trials += sp.trials
         return spaces
 
-    def _estimates(self, ctx, facts, spaces: dict, n_est: int, report: SearchReport, bar, t_start: float) -> list:
+    def _estimates(self, ctx, facts, spaces: dict, n_est: int, report: SearchReport, bar, c_start: float) -> list:
         """2. The fast estimate of up to n_est candidates: the all-replicated one, then every combination of presets
         (macro-actions; fewest actions first), then the rest in an order drawn from the seed. Returns the scored
         Candidates."""
@@ -234,9 +235,11 @@ class AutomaticPartition(TacticBase):
         bar.reset(total=len(order))
         bar.set_description(f"{self.name} {'+'.join(self.axes)}: estimating")
         scored, sizes = [], _dim_sizes(facts.shapes)
-        cap = t_start + 0.5 * self.budget_s + 3.0   # a safety net for an overloaded machine (see _counts)
+        # a safety net for a machine slower than _counts assumes, on this process's CPU time: the machine's load
+        # (other processes) does not cut the search
+        cap = c_start + 0.5 * self.budget_s + 3.0
         for combo in order:
-            if time.perf_counter() > cap and scored:
+            if time.process_time() > cap and scored:
                 report.cut_by_time = True
                 break
             if not self._divisible(sizes, ctx.mesh, [decisions(a, i)[0] for a, i in zip(self.axes, combo)]):
@@ -277,7 +280,7 @@ class AutomaticPartition(TacticBase):
         return order
 
     def _lower_best(self, ctx, scored: list, limit: float, n_low: int, report: SearchReport, bar,
-                    t_start: float, share=None) -> list:
+                    c_start: float, share=None) -> list:
         """3. Lower and simulate the best n_low by estimate and, always, the best estimate and the PURE_LOWERED best
         pure preset combinations (presets and completions only, see _rank): the plan chosen is then never slower in
         the simulator than those. share: a lower.StageShare the candidates' lowerings reuse (see _simulate)."""
@@ -290,12 +293,12 @@ class AutomaticPartition(TacticBase):
         lowered = []
         last = 0.0
         for c in queue:
-            now = time.perf_counter()
-            if len(lowered) >= len(must) and now + last > t_start + self.budget_s:
+            now = time.process_time()
+            if len(lowered) >= len(must) and now + last > c_start + self.budget_s:
                 report.cut_by_time = True
                 break
             c.sim, c.low = self._simulate(ctx, c.actions, share)
-            last = time.perf_counter() - now
+            last = time.process_time() - now
             lowered.append(c)
             bar.update(1)
         return lowered
