@@ -218,13 +218,14 @@ def assign_stages(cap, globs, tactic: Pipeline, ranks: int) -> PipelineSpec:
             s = stage[n.args[0]]      # clip_grad_norm scales a gradient on its own stage (by the factor every rank has)
         elif s is None:
             s = _stage_outside_modules(n, ins, stage)
-        elif phase_of(n) == Phase.FORWARD and max((late := _non_param_stages(n, stage)), default=(-1,))[0] > s \
+        elif phase_of(n) == Phase.FORWARD and max(ins, default=-1) > s \
+                and max((late := _non_param_stages(n, stage)), default=(-1,))[0] > s \
                 and not _owns_state(mod, stateful) and not _draws(mod, cap):
             # a module without state called on several stages (one activation or dropout module shared by every
             # layer, HF openai-gpt and xlnet; a weightless norm, nanochat): each call runs where its inputs are
             shared.add(mod)
             s = _stage_outside_modules(n, ins, stage)
-        elif phase_of(n) == Phase.FORWARD and late and max(late)[0] > s:
+        elif phase_of(n) == Phase.FORWARD and max(ins, default=-1) > s and late and max(late)[0] > s:
             at, _, a = max(late)
             why = (f"module '{mod}' has no state but draws random numbers (one dropout module called by the layers of "
                    f"several stages): its draws on the stages would not be one device's. Give each layer its own "
